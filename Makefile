@@ -1,0 +1,37 @@
+# The two entry points: `make demo` (the demo pipeline) and `make test` (the test suite).
+# Both create .venv and install everything on first use (torch pinned to the CPU build on
+# disk; deepspeed built against it, without build isolation).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/demo.yaml
+ARGS ?=
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.18"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/posttrain run $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/run_all.py $(ARGS)
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,86 @@
+"""``posttrain`` command line: run the pipeline flow, or validate a config.
+
+``posttrain run [CONFIG] [--set key.path=value ...] [--run-id ID]`` validates the config
+before anything runs (exit 2 on a bad one), runs the flow, and prints the output locations;
+the last line on stdout is always the URI of the run's ``summary.json`` (exit 1 when the
+pipeline failed). ``posttrain validate CONFIG [--set ...]`` prints the resolved config as YAML.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+import yaml
+from rich.console import Console
+
+from trainer_core.config import PipelineConfig, load_config, resolve_local_root
+from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
+
+app = typer.Typer(help="LLM post-training pipeline (Prefect + MLflow).", no_args_is_help=True, add_completion=False)
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+DEFAULT_CONFIG = "configs/demo.yaml"
+
+ConfigArg = Annotated[str, typer.Argument(help="YAML config file (any fsspec URI).")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override one field: key.path=value (YAML value). Repeatable."),
+]
+
+
+def _load_or_exit(config: str, overrides: list[str] | None) -> PipelineConfig:
+    """Load and validate; on a bad config print the message in red to stderr and exit 2."""
+    try:
+        return resolve_local_root(load_config(config, overrides=list(overrides or [])))
+    except ConfigError as e:
+        _err.print(str(e), style="red", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+
+
+@app.command()
+def validate(config: ConfigArg, overrides: SetOpt = None) -> None:
+    """Validate CONFIG with overrides and print the resolved config as YAML (secrets masked)."""
+    cfg = _load_or_exit(config, overrides)
+    typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
+
+
+@app.command()
+def run(
+    config: Annotated[str, typer.Argument(help="YAML config file (any fsspec URI).")] = DEFAULT_CONFIG,
+    overrides: SetOpt = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id; reuse one to resume it.")] = None,
+) -> None:
+    """Run the pipeline; the last stdout line is the summary.json URI."""
+    from flows.pipeline import check_run_id, new_run_id, post_training_pipeline
+    from tasks.summary import summary_uri
+    from trainer_core.spec import run_uri
+
+    cfg = _load_or_exit(config, overrides)
+    try:
+        run_id = check_run_id(run_id or new_run_id(cfg))
+    except ConfigError as e:
+        _err.print(str(e), style="red", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    typer.echo(f"run id: {run_id}")
+    typer.echo(f"outputs: {run_uri(cfg.storage.root, run_id)}")
+    try:
+        summary = post_training_pipeline(config=cfg, run_id=run_id)
+    except Exception as e:  # noqa: BLE001 - reported; the summary says which stage failed
+        _err.print(f"pipeline failed: {type(e).__name__}: {e}", style="red", markup=False)
+        typer.echo(summary_uri(cfg, run_id))
+        raise typer.Exit(1) from None
+    for name, entry in summary["stages"].items():
+        typer.echo(f"{name}: {entry['status']} -> {entry['output_uri']}")
+    mlflow = summary["mlflow"]
+    typer.echo(f"mlflow: {mlflow['tracking_uri']} (run {mlflow['parent_run_id']})")
+    typer.echo(summary["summary_uri"])
+
+
+def main() -> None:
+    """Entry point for ``python -m flows.cli``."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

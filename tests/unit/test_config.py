@@ -1,0 +1,60 @@
+"""Pipeline config: validation errors name the field path; every shipped config loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer_core.config import STAGE_ORDER, load_config, parse_override
+from trainer_core.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_loads(path):
+    config = load_config(str(path))
+    assert config.stages == [s for s in STAGE_ORDER if s in config.stages]
+
+
+def test_shipped_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"demo.yaml", "gsm8k-hh.yaml", "qwen2.5-0.5b-gpu.yaml"} <= names
+
+
+def test_invalid_value_names_field_path():
+    with pytest.raises(ConfigError, match=r"dpo\.beta"):
+        load_config(overrides={"dpo.beta": -1})
+
+
+def test_unknown_stage_is_named():
+    with pytest.raises(ConfigError, match="ppo_typo"):
+        load_config(overrides=["stages=prepare_data,ppo_typo"])
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"sft\.learning_rat"):
+        load_config(overrides={"sft.learning_rat": 0.1})
+
+
+def test_stages_are_put_in_pipeline_order_from_a_comma_string():
+    config = load_config(overrides=["stages=dpo, sft,prepare_data"])
+    assert config.stages == ["prepare_data", "sft", "dpo"]
+
+
+def test_override_values_are_typed():
+    assert parse_override("sft.max_steps=12") == ("sft.max_steps", 12)
+    assert parse_override("model.name_or_path=null") == ("model.name_or_path", None)
+    with pytest.raises(ConfigError, match="key.path=value"):
+        parse_override("sft.max_steps")
+
+
+def test_model_needs_exactly_one_source():
+    with pytest.raises(ConfigError, match="exactly one"):
+        load_config(overrides={"model.name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "model.init.hidden_size": 64})
+
+
+def test_missing_config_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "nope.yaml"))

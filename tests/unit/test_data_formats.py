@@ -1,0 +1,223 @@
+"""Format detection, adapters (hand-made and real rows), answer extraction and matching."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from trainer_core.config import DataSource
+from trainer_core.data.formats import (
+    DialogueParseError,
+    answers_match,
+    detect_format,
+    extract_generated_answer,
+    final_answer,
+    parse_hh_dialogue,
+    to_eval_problem,
+    to_preference_example,
+    to_sft_example,
+)
+from trainer_core.data.sources import read_records
+from trainer_core.errors import DataError
+
+SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
+HH = SHARED_DATA / "hh-rlhf-harmless" / "pairs.jsonl"
+needs_shared_data = pytest.mark.skipif(not GSM8K.exists(), reason=f"shared data not at {SHARED_DATA}")
+
+GSM = {"question": "Tom has 3 apples. He buys 5. How many?", "answer": "3+5=<<3+5=8>>8\n#### 8", "_source": "f.jsonl:7"}
+HH_ROW = {
+    "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke.\n\nAssistant: Why did the chicken...",
+    "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke.\n\nAssistant: No.",
+    "_source": "hh.jsonl:3",
+}
+
+
+@pytest.mark.parametrize(
+    ("record", "fmt"),
+    [
+        ({"question": "q", "answer": "a"}, "gsm8k"),
+        ({"prompt": "p", "completion": "c"}, "prompt_completion"),
+        ({"prompt": "p", "chosen": "a", "rejected": "b"}, "prompt_completion"),
+        ({"chosen": "a", "rejected": "b"}, "hh_rlhf"),
+    ],
+)
+def test_detect_format(record, fmt):
+    assert detect_format(record) == fmt
+
+
+def test_detect_format_unknown_names_source_and_fields():
+    with pytest.raises(DataError, match=r"x.jsonl:2: cannot detect .* \['text'\]"):
+        detect_format({"text": "t", "_source": "x.jsonl:2"})
+
+
+def test_gsm8k_sft_example_keeps_worked_answer():
+    ex = to_sft_example(GSM, "gsm8k")
+    assert ex == {
+        "prompt": GSM["question"],
+        "completion": GSM["answer"],
+        "messages": [{"role": "user", "content": GSM["question"]}],
+        "answer": "8",
+        "_source": "f.jsonl:7",
+    }
+    assert to_sft_example(GSM, "auto") == ex
+
+
+def test_prompt_completion_sft_example_string_and_message_prompts():
+    ex = to_sft_example({"prompt": "p", "completion": "c"}, "prompt_completion")
+    assert ex == {"prompt": "p", "completion": "c", "messages": [{"role": "user", "content": "p"}], "answer": None}
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    ex = to_sft_example({"prompt": msgs, "completion": "c"})
+    assert ex["messages"] == msgs and ex["prompt"] == "System: s\n\nUser: u"
+    assert to_sft_example({"prompt": "p", "completion": "so\n#### 1,500"})["answer"] == "1500"
+
+
+def test_hh_sft_example_uses_chosen_reply():
+    ex = to_sft_example(HH_ROW, "hh_rlhf")
+    assert ex["completion"] == "Why did the chicken..." and ex["messages"][-1] == {"role": "user", "content": "Tell me a joke."}
+
+
+@pytest.mark.parametrize(
+    ("record", "fmt", "pattern"),
+    [
+        ({"question": "q", "_source": "a.jsonl:4"}, "gsm8k", r"a.jsonl:4: missing field 'answer'"),
+        ({"question": 3, "answer": "#### 1", "_source": "a.jsonl:5"}, "gsm8k", r"a.jsonl:5: field 'question' must be str, got int"),
+        ({"prompt": "p", "_source": "b:1"}, "prompt_completion", r"b:1: missing field 'completion'"),
+        ({"prompt": [{"role": "bot", "content": "x"}], "completion": "c", "_source": "b:2"}, "prompt_completion",
+         r"b:2: field 'prompt'\[0\] must be"),
+        ({"prompt": [], "completion": "c", "_source": "b:3"}, "prompt_completion", r"b:3: field 'prompt' is an empty"),
+        ({"question": "q", "answer": "a"}, "csv", r"unknown format 'csv'"),
+    ],
+)
+def test_sft_errors_name_source_and_field(record, fmt, pattern):
+    with pytest.raises(DataError, match=pattern):
+        to_sft_example(record, fmt)
+
+
+def test_hh_preference_example_splits_shared_prefix():
+    ex = to_preference_example(HH_ROW)
+    assert ex == {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Tell me a joke."},
+        ],
+        "chosen": "Why did the chicken...",
+        "rejected": "No.",
+        "_source": "hh.jsonl:3",
+    }
+
+
+def test_prompt_chosen_rejected_preference_example():
+    ex = to_preference_example({"prompt": "2+2?", "chosen": "4", "rejected": "5"})
+    assert ex == {"messages": [{"role": "user", "content": "2+2?"}], "chosen": "4", "rejected": "5"}
+
+
+@pytest.mark.parametrize(
+    ("chosen", "rejected", "pattern"),
+    [
+        ("\n\nHuman: a\n\nAssistant: x", "\n\nHuman: b\n\nAssistant: y", r"do not share"),
+        ("\n\nHuman: a\n\nAssistant: x\n\nHuman: more", "\n\nHuman: a\n\nAssistant: y", r"'chosen': the last turn is not"),
+        ("\n\nAssistant: x", "\n\nAssistant: y", r"must end with a Human turn"),
+        ("preamble\n\nHuman: a\n\nAssistant: x", "\n\nHuman: a\n\nAssistant: y", r"'chosen' has text before"),
+        ("no markers at all", "\n\nHuman: a\n\nAssistant: y", r"'chosen' has no"),
+    ],
+)
+def test_unparsable_hh_dialogues(chosen, rejected, pattern):
+    with pytest.raises(DialogueParseError, match=rf"hh:9: .*{pattern}"):
+        to_preference_example({"chosen": chosen, "rejected": rejected, "_source": "hh:9"}, "hh_rlhf")
+
+
+def test_preference_schema_errors_are_plain_data_errors():
+    with pytest.raises(DataError, match=r"hh:1: field 'rejected' must be str") as info:
+        to_preference_example({"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": None, "_source": "hh:1"}, "hh_rlhf")
+    assert not isinstance(info.value, DialogueParseError)
+    with pytest.raises(DataError, match="has no preference pairs"):
+        to_preference_example(GSM, "gsm8k")
+
+
+def test_consecutive_same_role_turns_are_merged():
+    turns = parse_hh_dialogue("\n\nHuman: a\n\nAssistant: b\n\nAssistant: c", "w", "chosen")
+    assert turns == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\n\nc"}]
+
+
+def test_eval_problem():
+    assert to_eval_problem(GSM) == {"messages": [{"role": "user", "content": GSM["question"]}], "answer": "8",
+                                    "_source": "f.jsonl:7"}
+    assert to_eval_problem({"prompt": "p", "completion": "so #### 12"})["answer"] == "12"
+    with pytest.raises(DataError, match=r"g:1: field 'answer' has no final answer"):
+        to_eval_problem({"question": "q", "answer": "no marker", "_source": "g:1"})
+    with pytest.raises(DataError, match="no verifiable answers"):
+        to_eval_problem(HH_ROW)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("x\n#### 72", "72"),
+        ("#### 1,000", "1000"),
+        ("a #### 3 #### $ 5.", "5"),
+        ("#### -4\nextra line", "-4"),
+        ("#### 0.5", "0.5"),
+        ("no marker 5", None),
+        ("####   ", None),
+    ],
+)
+def test_final_answer(text, expected):
+    assert final_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Tom has 3+5=<<3+5=8>>8 apples.\n#### 8<|end|>", "8"),
+        ("#### 1,234 apples", "1234"),
+        ("so 3 plus 4 is 7.", "7"),
+        ("it is -2.50 dollars", "-2.50"),
+        ("#### none, but 12 before", "12"),
+        ("no digits here", None),
+    ],
+)
+def test_extract_generated_answer(text, expected):
+    assert extract_generated_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold", "match"),
+    [("72", "72", True), ("72.0", "72", True), ("1,000", "1000", True), ("$5.", "5", True), ("7", "8", False),
+     (None, "8", False), ("abc", "abc", True), ("abc", "abd", False), ("0.50", "0.5", True)],
+)
+def test_answers_match(pred, gold, match):
+    assert answers_match(pred, gold) is match
+
+
+@needs_shared_data
+def test_real_gsm8k_rows():
+    records = read_records(DataSource(uri=str(GSM8K), max_rows=5))
+    examples = [to_sft_example(r) for r in records]
+    assert examples[0]["answer"] == "72" and examples[0]["completion"].endswith("#### 72")
+    assert examples[0]["prompt"].startswith("Natalia sold clips")
+    assert [to_eval_problem(r)["answer"] for r in records] == [ex["answer"] for ex in examples]
+    assert all(ex["answer"] is not None and answers_match(ex["answer"], ex["answer"]) for ex in examples)
+
+
+@needs_shared_data
+def test_real_hh_row_prefix_split():
+    (record,) = read_records(DataSource(uri=str(HH), max_rows=1))
+    ex = to_preference_example(record)
+    assert [m["role"] for m in ex["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert ex["messages"][0]["content"] == "what are some pranks with a pen i can do?"
+    assert ex["messages"][-1]["content"] == "okay some of these do not have anything to do with pens"
+    assert ex["chosen"].startswith("No, sorry!  All of these involve a pen")
+    assert ex["rejected"].startswith("There are lots of funny things you can do with pens")
+    assert record["chosen"].endswith(ex["chosen"]) and record["rejected"].endswith(ex["rejected"])
+
+
+@needs_shared_data
+def test_every_real_hh_row_parses():
+    records = read_records(DataSource(uri=str(HH)))
+    examples = [to_preference_example(r, "hh_rlhf") for r in records]
+    assert len(examples) == 2000
+    assert all(ex["messages"][-1]["role"] == "user" for ex in examples)

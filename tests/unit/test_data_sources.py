@@ -1,0 +1,156 @@
+"""read_records: JSONL / Parquet on local, memory:// and S3 (moto), error messages with file:line."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trainer_core.checkpoint import storage
+from trainer_core.config import DataSource
+from trainer_core.data.sources import read_records
+from trainer_core.errors import DataError
+from trainer_core.spec import join_uri
+
+SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
+HH = SHARED_DATA / "hh-rlhf-harmless" / "pairs.jsonl"
+needs_shared_data = pytest.mark.skipif(not GSM8K.exists(), reason=f"shared data not at {SHARED_DATA}")
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def _parquet_bytes(rows: list[dict]) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    return buf.getvalue()
+
+
+def test_jsonl_blank_lines_skipped_and_sources_are_1_based_lines(tmp_path):
+    uri = _write(tmp_path / "d.jsonl", '{"a": 1}\n\n   \n{"a": 2}\n')
+    records = read_records(DataSource(uri=uri))
+    assert [r["a"] for r in records] == [1, 2]
+    assert [r["_source"] for r in records] == [f"{uri}:1", f"{uri}:4"]
+
+
+def test_max_rows(tmp_path):
+    uri = _write(tmp_path / "d.jsonl", "".join(json.dumps({"i": i}) + "\n" for i in range(10)))
+    assert [r["i"] for r in read_records(DataSource(uri=uri, max_rows=3))] == [0, 1, 2]
+
+
+def test_malformed_json_line_names_file_and_line(tmp_path):
+    uri = _write(tmp_path / "bad.jsonl", '{"a": 1}\n{"a": 2,\n{"a": 3}\n')
+    with pytest.raises(DataError, match=rf"^{uri}:2: invalid JSON"):
+        read_records(DataSource(uri=uri))
+
+
+def test_line_that_is_not_an_object(tmp_path):
+    uri = _write(tmp_path / "list.jsonl", '{"a": 1}\n[1, 2]\n')
+    with pytest.raises(DataError, match=rf"{uri}:2: expected a JSON object per line, got list"):
+        read_records(DataSource(uri=uri))
+
+
+def test_non_utf8_line_names_line(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"a": "\xe9"}\n')
+    with pytest.raises(DataError, match=rf"{path}:2: invalid JSON: not UTF-8"):
+        read_records(DataSource(uri=str(path)))
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_file_has_no_records(tmp_path, content):
+    uri = _write(tmp_path / "empty.jsonl", content)
+    with pytest.raises(DataError, match=rf"{uri}: no records"):
+        read_records(DataSource(uri=uri))
+
+
+def test_missing_file_names_uri(tmp_path):
+    uri = str(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match=f"not found: {uri}"):
+        read_records(DataSource(uri=uri))
+
+
+def test_directory_uri(tmp_path):
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(DataError, match="is a directory"):
+        read_records(DataSource(uri=str(tmp_path / "dir.jsonl")))
+
+
+def test_unknown_extension_and_no_uri(tmp_path):
+    with pytest.raises(DataError, match="unknown data file type"):
+        read_records(DataSource(uri=_write(tmp_path / "d.csv", "a,b\n")))
+    with pytest.raises(DataError, match="no uri"):
+        read_records(DataSource(uri=None))
+
+
+def test_gzipped_jsonl(tmp_path):
+    path = tmp_path / "d.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"q": "x"}\n{"q": "y"}\n'))
+    assert [r["q"] for r in read_records(DataSource(uri=str(path)))] == ["x", "y"]
+
+
+def test_parquet_rows_sources_and_max_rows(tmp_path):
+    path = tmp_path / "d.parquet"
+    path.write_bytes(_parquet_bytes([{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(5)]))
+    records = read_records(DataSource(uri=str(path)))
+    assert [r["prompt"] for r in records] == [f"p{i}" for i in range(5)]
+    assert records[2]["_source"] == f"{path}:3"
+    assert len(read_records(DataSource(uri=str(path), max_rows=2))) == 2
+
+
+def test_not_a_parquet_file(tmp_path):
+    uri = _write(tmp_path / "fake.parquet", "this is not parquet")
+    with pytest.raises(DataError, match="not a readable Parquet file"):
+        read_records(DataSource(uri=uri))
+
+
+def test_memory_uri_jsonl_and_parquet():
+    base = f"memory://sources-{uuid.uuid4().hex}"
+    storage.write_bytes(f"{base}/d.jsonl", b'{"question": "q", "answer": "#### 1"}\n')
+    storage.write_bytes(f"{base}/d.parquet", _parquet_bytes([{"chosen": "a", "rejected": "b"}]))
+    (rec,) = read_records(DataSource(uri=f"{base}/d.jsonl"))
+    assert rec == {"question": "q", "answer": "#### 1", "_source": f"{base}/d.jsonl:1"}
+    (rec,) = read_records(DataSource(uri=f"{base}/d.parquet"))
+    assert rec == {"chosen": "a", "rejected": "b", "_source": f"{base}/d.parquet:1"}
+
+
+def test_storage_root_local_and_s3(storage_root):
+    uri = join_uri(storage_root, "data", "d.jsonl")
+    storage.write_bytes(uri, b'{"prompt": "p", "completion": "c"}\n\n{"prompt": "p2", "completion": "c2"}\n')
+    records = read_records(DataSource(uri=uri))
+    assert [r["_source"] for r in records] == [f"{uri}:1", f"{uri}:3"]
+    with pytest.raises(DataError, match="not found"):
+        read_records(DataSource(uri=join_uri(storage_root, "data", "missing.jsonl")))
+
+
+def test_hf_id_of_a_local_dataset_dir(tmp_path, monkeypatch):
+    """``hf://<id>`` goes through ``datasets.load_dataset``; a local data directory is a valid id offline."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    (tmp_path / "ds").mkdir()
+    _write(tmp_path / "ds" / "train.jsonl", '{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": "#### 2"}\n')
+    records = read_records(DataSource(uri=f"hf://{tmp_path / 'ds'}", split="train", max_rows=1))
+    assert records == [{"question": "a", "answer": "#### 1", "_source": f"hf://{tmp_path / 'ds'}:1"}]
+    with pytest.raises(DataError, match="nosuchsplit"):
+        read_records(DataSource(uri=f"hf://{tmp_path / 'ds'}", split="nosuchsplit"))
+    with pytest.raises(DataError, match="not found"):
+        read_records(DataSource(uri=f"hf://{tmp_path / 'missing'}"))
+
+
+@needs_shared_data
+def test_real_files_first_rows():
+    gsm = read_records(DataSource(uri=str(GSM8K), max_rows=3))
+    assert set(gsm[0]) == {"question", "answer", "_source"} and gsm[0]["answer"].endswith("#### 72")
+    hh = read_records(DataSource(uri=str(HH), max_rows=2))
+    assert hh[1]["_source"] == f"{HH}:2" and hh[0]["chosen"].startswith("\n\nHuman:")

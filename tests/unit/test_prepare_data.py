@@ -1,0 +1,203 @@
+"""prepare_data end to end on tiny configs: manifest, Parquet columns and types, splits, drops, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trainer_core.checkpoint import storage
+from trainer_core.checkpoint.manifest import read_manifest, verify
+from trainer_core.config import load_config
+from trainer_core.data.formats import final_answer
+from trainer_core.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
+from trainer_core.errors import DataError
+from trainer_core.spec import StageSpec, final_uri, join_uri
+from trainer_core.stages.prepare_data import (
+    SPLIT_NAMES,
+    load_split,
+    load_tokenizer_from,
+    run,
+    split_train_eval,
+)
+
+SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
+HH = SHARED_DATA / "hh-rlhf-harmless" / "pairs.jsonl"
+needs_shared_data = pytest.mark.skipif(not GSM8K.exists(), reason=f"shared data not at {SHARED_DATA}")
+
+TINY = {
+    "seed": 5,
+    "data.synthetic.num_problems": 40,
+    "data.synthetic.num_pairs": 20,
+    "data.eval_fraction": 0.25,
+    "data.max_eval_rows": 8,
+    "tokenizer.vocab_size": 400,
+}
+
+
+def _spec(root: str, **overrides) -> StageSpec:
+    config = load_config(overrides={**TINY, **overrides})
+    return StageSpec(stage="prepare_data", run_id="run-1", config=config, output_uri=join_uri(root, "prepare_data"))
+
+
+def _jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def test_synthetic_run_writes_committed_splits(storage_root):
+    spec = _spec(storage_root)
+    manifest = run(spec)
+    out = final_uri(spec.output_uri)
+    assert read_manifest(out) == manifest and verify(out, hashes=True) == []
+    assert (manifest.kind, manifest.stage, manifest.run_id) == ("final", "prepare_data", "run-1")
+    paths = {f.path for f in manifest.files}
+    assert {f"{n}.parquet" for n in SPLIT_NAMES} | {"tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= paths
+    m = manifest.metrics
+    # 40 problems, 25% held out but capped at 8; 20 pairs, 5 held out
+    assert (m["num_sft_train"], m["num_sft_eval"], m["num_eval_problems"]) == (32, 8, 8)
+    assert (m["num_preference_train"], m["num_preference_eval"]) == (15, 5)
+    assert m["vocab_size"] == len(load_tokenizer_from(out)) and m["mean_sft_train_tokens"] > 10
+    assert manifest.extra["sources"] == {"sft": "synthetic", "preference": "synthetic", "eval": "held-out sft rows"}
+
+
+def test_parquet_columns_and_types(tmp_path):
+    spec = _spec(str(tmp_path))
+    run(spec)
+    out = final_uri(spec.output_uri)
+    schema = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "sft/train.parquet"))))
+    assert schema.names == ["prompt", "completion", "answer", "messages_json", "input_ids", "loss_mask", "num_tokens"]
+    assert schema.field("input_ids").type == pa.list_(pa.int32()) and schema.field("loss_mask").type == pa.list_(pa.int8())
+    assert schema.field("num_tokens").type == pa.int32()
+    pref = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "preference/eval.parquet"))))
+    assert pref.names == ["messages_json", "chosen", "rejected", "chosen_input_ids", "chosen_loss_mask",
+                          "rejected_input_ids", "rejected_loss_mask"]
+    probs = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "eval_problems.parquet"))))
+    assert probs.names == ["messages_json", "answer", "prompt_input_ids"]
+
+
+def test_rows_decode_to_chat_and_eval_problems_are_held_out_sft(tmp_path):
+    spec = _spec(str(tmp_path))
+    run(spec)
+    out = final_uri(spec.output_uri)
+    tok = load_tokenizer_from(out)
+    sft_train, sft_eval = load_split(out, "sft/train"), load_split(out, "sft/eval")
+    row = sft_train[0]
+    assert row["num_tokens"] == len(row["input_ids"]) == len(row["loss_mask"])
+    start = row["loss_mask"].index(1)
+    assert tok.decode(row["input_ids"][start:]) == row["completion"] + SPECIAL_TOKENS["eos"] + "\n"
+    assert json.loads(row["messages_json"]) == [{"role": "user", "content": row["prompt"]}]
+    assert row["answer"] == final_answer(row["completion"])
+    problems = load_split(out, "eval_problems")
+    assert [(p["messages_json"], p["answer"]) for p in problems] == [(r["messages_json"], r["answer"]) for r in sft_eval]
+    assert tok.decode(problems[0]["prompt_input_ids"]).endswith("<|assistant|>\n")
+    assert not {r["messages_json"] for r in sft_train} & {p["messages_json"] for p in problems}
+    pair = load_split(out, "preference/train")[0]
+    assert pair["chosen_input_ids"] != pair["rejected_input_ids"] and 1 in pair["chosen_loss_mask"]
+
+
+def test_deterministic_for_a_seed(tmp_path):
+    run(_spec(str(tmp_path / "a")))
+    run(_spec(str(tmp_path / "b")))
+    run(_spec(str(tmp_path / "c"), seed=6))
+    read = {k: load_split(final_uri(str(tmp_path / k / "prepare_data")), "sft/eval") for k in "abc"}
+    assert read["a"] == read["b"] != read["c"]
+
+
+def test_rerun_overwrites(tmp_path):
+    spec = _spec(str(tmp_path))
+    run(spec)
+    second = run(spec)
+    assert read_manifest(final_uri(spec.output_uri)) == second
+
+
+def test_real_files_with_pretrained_tokenizer_and_eval_source(tmp_path):
+    """GSM8K + HH-RLHF rows, a tokenizer loaded from a directory, a separate eval file."""
+    tok_dir = tmp_path / "tok"
+    train_tokenizer(["Human: hi\n\nAssistant: hello #### 12"] * 3, 300, 1).save_pretrained(tok_dir)
+    eval_uri = _jsonl(tmp_path / "test.jsonl", [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}] * 3)
+    if GSM8K.exists():
+        sft, pref = str(GSM8K), str(HH)
+    else:  # same formats, hand-made
+        sft = _jsonl(tmp_path / "g.jsonl", [{"question": f"q{i}?", "answer": f"#### {i}"} for i in range(30)])
+        pref = _jsonl(tmp_path / "h.jsonl", [{"chosen": f"\n\nHuman: h{i}\n\nAssistant: yes",
+                                               "rejected": f"\n\nHuman: h{i}\n\nAssistant: no"} for i in range(30)])
+    spec = _spec(str(tmp_path / "out"), **{
+        "model.init": None, "model.name_or_path": str(tok_dir), "data.sft.uri": sft, "data.sft.max_rows": 30,
+        "data.preference.uri": pref, "data.preference.max_rows": 30, "data.eval.uri": eval_uri,
+        "data.max_eval_rows": 2, "data.max_length_tokens": 96, "data.max_prompt_length_tokens": 64})
+    manifest = run(spec)
+    out = final_uri(spec.output_uri)
+    assert manifest.metrics["num_eval_problems"] == 2
+    assert manifest.metrics["vocab_size"] == len(load_tokenizer(str(tok_dir))) == len(load_tokenizer_from(out))
+    assert manifest.extra["tokenizer_trained"] is False
+    assert all(len(r["input_ids"]) <= 96 for r in load_split(out, "sft/train"))
+    assert load_split(out, "eval_problems")[0]["answer"] == "4"
+    assert manifest.metrics["num_preference_train"] + manifest.metrics["num_preference_eval"] <= 30
+
+
+def test_train_rows_with_an_eval_problem_prompt_are_dropped(tmp_path):
+    rows = [{"question": f"How many is {i}?", "answer": f"It is {i}.\n#### {i}"} for i in range(20)]
+    sft = _jsonl(tmp_path / "sft.jsonl", rows)
+    eval_uri = _jsonl(tmp_path / "eval.jsonl", rows[:6])
+    spec = _spec(str(tmp_path / "out"), **{"data.sft.uri": sft, "data.eval.uri": eval_uri, "data.max_eval_rows": 10})
+    m = run(spec).metrics
+    out = final_uri(spec.output_uri)
+    held_out_sft = {r["prompt"] for r in load_split(out, "sft/eval")}
+    expected = len({r["question"] for r in rows[:6]} - held_out_sft)
+    assert expected > 0 and m["num_sft_train_dropped_overlap"] == expected
+    assert m["num_sft_train"] == 20 - len(held_out_sft) - expected and m["num_eval_problems"] == 6
+    assert not {r["prompt"] for r in load_split(out, "sft/train")} & {r["question"] for r in rows[:6]}
+
+
+def test_identical_and_unparsable_pairs_are_dropped_and_counted(tmp_path):
+    good = [{"prompt": f"p{i}", "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(8)]
+    same = [{"prompt": "p", "chosen": "same", "rejected": "same"}]
+    pref = _jsonl(tmp_path / "p.jsonl", good + same)
+    spec = _spec(str(tmp_path / "out"), **{"data.preference.uri": pref, "data.eval_fraction": 0.1})
+    m = run(spec).metrics
+    assert m["num_preference_train_dropped_identical"] + m["num_preference_eval_dropped_identical"] == 1
+    assert m["num_preference_train"] + m["num_preference_eval"] == 8
+
+    pairs = [{"chosen": f"\n\nHuman: h{i}\n\nAssistant: yes", "rejected": f"\n\nHuman: h{i}\n\nAssistant: no"}
+             for i in range(40)]
+    broken = [{"chosen": "\n\nHuman: a\n\nAssistant: x", "rejected": "\n\nHuman: b\n\nAssistant: y"}]
+    spec = _spec(str(tmp_path / "out2"), **{"data.preference.uri": _jsonl(tmp_path / "h.jsonl", pairs + broken)})
+    assert run(spec).metrics["num_preference_invalid"] == 1
+    spec = _spec(str(tmp_path / "out3"), **{"data.preference.uri": _jsonl(tmp_path / "h2.jsonl", pairs[:5] + broken)})
+    with pytest.raises(DataError, match=r"1 of 6 records do not parse .*h2.jsonl:6"):
+        run(spec)
+
+
+def test_bad_data_raises_and_commits_nothing(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "#### 1"}\n{"question": "q2"}\n', encoding="utf-8")
+    spec = _spec(str(tmp_path / "out"), **{"data.sft.uri": str(bad)})
+    with pytest.raises(DataError, match=rf"{bad}:2: missing field 'answer'"):
+        run(spec)
+    assert not storage.exists(join_uri(final_uri(spec.output_uri), "manifest.json"))
+    with pytest.raises(DataError, match="not a committed prepare_data output"):
+        load_split(final_uri(spec.output_uri), "sft/train")
+
+
+def test_load_split_unknown_name(tmp_path):
+    spec = _spec(str(tmp_path))
+    run(spec)
+    with pytest.raises(DataError, match="prepared split not found"):
+        load_split(final_uri(spec.output_uri), "sft/test")
+
+
+def test_split_train_eval():
+    rows = [{"i": i} for i in range(10)]
+    train, held_out = split_train_eval(rows, seed=0, eval_fraction=0.3, max_eval_rows=2)
+    assert len(held_out) == 2 and len(train) == 8
+    assert sorted(r["i"] for r in train + held_out) == list(range(10))
+    assert split_train_eval(rows, 0, 0.3, 2) == (train, held_out)
+    assert len(split_train_eval(rows[:2], 0, 0.01, 5)[1]) == 1
+    with pytest.raises(DataError, match="need at least 2"):
+        split_train_eval(rows[:1], 0, 0.5, 5, name="sft")

@@ -1,0 +1,456 @@
+"""Byte-level storage on any fsspec URI: local paths, ``file://``, ``s3://``, ``memory://``.
+
+Every path here is a URI string (a ``pathlib.Path`` would mangle ``s3://``); join parts with
+:func:`trainer_core.spec.join_uri`. Operations that talk to storage retry transient failures
+(connection refused or reset, timeouts, S3 5xx answers) with exponential backoff: up to
+:data:`RETRY_ATTEMPTS` attempts over about :data:`RETRY_MAX_DELAY_S` seconds. Missing files,
+permission errors and other bad input fail at once.
+
+S3 settings come from :func:`configure` (a :class:`~trainer_core.config.StorageConfig`),
+falling back to the standard AWS environment variables that botocore reads itself
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``) and to
+``AWS_ENDPOINT_URL``. Secrets are never logged.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any, Callable, TypeVar
+
+import fsspec
+import fsspec.config
+from fsspec.implementations.local import LocalFileSystem
+from tenacity import (
+    before_sleep_log,
+    retry,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
+
+from trainer_core.config import StorageConfig
+
+logger = logging.getLogger(__name__)
+
+RETRY_ATTEMPTS = 6
+"""Attempts (first try included) of a storage operation that keeps failing transiently."""
+
+RETRY_MAX_DELAY_S = 30.0
+"""Stop retrying once this many seconds have passed since the first attempt."""
+
+CHUNK_BYTES = 8 * 1024 * 1024
+"""Read size when streaming a file through a hash."""
+
+CACHE_DIRNAME = "posttrain-cache"
+"""Directory under ``tempfile.gettempdir()`` where :func:`materialize` keeps remote copies."""
+
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EIO,
+        getattr(errno, "EREMOTEIO", errno.EIO),
+        errno.ETIMEDOUT,
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ECONNABORTED,
+        errno.EAGAIN,
+        errno.EPIPE,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+    }
+)
+_PERMANENT_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError
+
+        types += [BotoConnectionError, HTTPClientError]
+    except ImportError:  # pragma: no cover - botocore ships with s3fs
+        pass
+    try:
+        from aiohttp import ClientError
+
+        types.append(ClientError)
+    except ImportError:  # pragma: no cover - aiohttp ships with s3fs
+        pass
+    return tuple(types)
+
+
+_TRANSIENT_TYPES = _transient_types()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is worth retrying: a network failure, a timeout or a server-side error.
+
+    ``FileNotFoundError``, ``PermissionError`` and the other "bad input" ``OSError``
+    subclasses are never transient.
+    """
+    if isinstance(exc, _PERMANENT_ERRORS):
+        return False
+    if isinstance(exc, _TRANSIENT_TYPES):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+
+
+def _retrying(func: _F) -> _F:
+    """Decorate a storage operation with the module's retry policy (tenacity)."""
+    return retry(  # type: ignore[return-value]
+        retry=retry_if_exception(is_transient),
+        stop=stop_after_attempt(RETRY_ATTEMPTS) | stop_after_delay(RETRY_MAX_DELAY_S),
+        wait=wait_exponential(multiplier=1.0, min=1.0, max=10.0),
+        before_sleep=before_sleep_log(logger, logging.WARNING),
+        reraise=True,
+    )(func)
+
+
+def configure(storage: StorageConfig) -> None:
+    """Set the process-wide S3 defaults used by every ``s3://`` URI (``fsspec.config.conf``).
+
+    Fields left ``None`` fall back to the environment: ``AWS_ENDPOINT_URL`` for the endpoint;
+    botocore itself reads ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and
+    ``AWS_DEFAULT_REGION``. Cached S3 filesystem instances are dropped so the settings apply
+    to the next call. Secrets are passed to s3fs only, never logged.
+
+    Args:
+        storage: the pipeline's storage settings.
+    """
+    s3_conf: dict[str, Any] = {
+        k: v for k, v in fsspec.config.conf.get("s3", {}).items() if k not in ("endpoint_url", "key", "secret")
+    }
+    client_kwargs = dict(s3_conf.pop("client_kwargs", {}) or {})
+    client_kwargs.pop("endpoint_url", None)
+    client_kwargs.pop("region_name", None)
+    endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        s3_conf["endpoint_url"] = endpoint
+    region = storage.region or os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+    if region:
+        client_kwargs["region_name"] = region
+    if client_kwargs:
+        s3_conf["client_kwargs"] = client_kwargs
+    if storage.access_key_id is not None:
+        s3_conf["key"] = storage.access_key_id.get_secret_value()
+    if storage.secret_access_key is not None:
+        s3_conf["secret"] = storage.secret_access_key.get_secret_value()
+    fsspec.config.conf["s3"] = s3_conf
+    try:
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+    except ImportError:  # pragma: no cover - s3fs is a dependency
+        pass
+    logger.debug("S3 configured: endpoint=%s region=%s", endpoint or "<aws default>", region or "<default>")
+
+
+def url_to_fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem of ``uri`` and the path within it.
+
+    Raises:
+        ValueError: ``uri`` is empty or not a string.
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        raise ValueError(f"storage URI must be a non-empty string, got {uri!r}")
+    return fsspec.core.url_to_fs(uri)
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _invalidate(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Drop cached listings of ``path`` and its parents (s3fs caches directory listings)."""
+    fs.invalidate_cache(path)
+
+
+@_retrying
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write ``data`` to ``uri``, replacing any file there.
+
+    Local files are written to a temporary name and renamed, so a reader never sees half a
+    file; object stores publish a whole object on upload.
+
+    Raises:
+        TypeError: ``data`` is not bytes-like.
+        PermissionError: the target is not writable.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"write_bytes({uri!r}) needs bytes, got {type(data).__name__}")
+    fs, path = url_to_fs(uri)
+    if _is_local(fs):
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return
+    fs.pipe_file(path, bytes(data))
+    _invalidate(fs, path)
+
+
+@_retrying
+def read_bytes(uri: str) -> bytes:
+    """The whole content of the file at ``uri``.
+
+    Raises:
+        FileNotFoundError: no file at ``uri``.
+    """
+    fs, path = url_to_fs(uri)
+    return fs.cat_file(path)
+
+
+def write_json(uri: str, obj: Any) -> None:
+    """Write ``obj`` as JSON (indent 2, sorted keys, UTF-8).
+
+    Raises:
+        TypeError: ``obj`` is not JSON-serialisable.
+    """
+    write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def read_json(uri: str) -> Any:
+    """Parse the JSON file at ``uri``.
+
+    Raises:
+        FileNotFoundError: no file at ``uri``.
+        ValueError: the file is not valid UTF-8 JSON (``json.JSONDecodeError``, ``UnicodeDecodeError``).
+    """
+    return json.loads(read_bytes(uri).decode("utf-8"))
+
+
+@_retrying
+def exists(uri: str) -> bool:
+    """Whether a file or directory exists at ``uri`` (listing caches are bypassed)."""
+    fs, path = url_to_fs(uri)
+    _invalidate(fs, path)
+    return bool(fs.exists(path))
+
+
+@_retrying
+def list_dirs(uri: str) -> list[str]:
+    """Names (not paths) of the immediate child directories of ``uri``, sorted; [] if absent."""
+    fs, path = url_to_fs(uri)
+    _invalidate(fs, path)
+    try:
+        entries = fs.ls(path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    base = path.rstrip("/")
+    names = {
+        e["name"].rstrip("/").rsplit("/", 1)[-1]
+        for e in entries
+        if e.get("type") == "directory" and e["name"].rstrip("/") != base
+    }
+    return sorted(names)
+
+
+@_retrying
+def _remove(uri: str, recursive: bool) -> bool:
+    fs, path = url_to_fs(uri)
+    _invalidate(fs, path)
+    if not fs.exists(path):
+        return False
+    fs.rm(path, recursive=recursive)
+    _invalidate(fs, path)
+    return True
+
+
+def remove(uri: str, recursive: bool = True) -> bool:
+    """Delete the file or directory tree at ``uri``; best effort, never raises.
+
+    Returns:
+        True when something was removed; False when nothing was there, or on failure (then a
+        warning names the URI and the error).
+    """
+    try:
+        return _remove(uri, recursive)
+    except Exception as e:  # noqa: BLE001 - best effort by contract
+        logger.warning("could not remove %s: %s: %s", uri, type(e).__name__, e)
+        return False
+
+
+@_retrying
+def upload_file_hashed(local_path: str, uri: str, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, str]:
+    """Stream the local file ``local_path`` to ``uri``, hashing the bytes as they are read.
+
+    Returns:
+        ``(size_bytes, sha256_hex)`` of the bytes written.
+
+    Raises:
+        FileNotFoundError: ``local_path`` does not exist.
+        IsADirectoryError: ``local_path`` is a directory.
+    """
+    if not os.path.exists(local_path):
+        raise FileNotFoundError(f"upload: no local file {local_path}")
+    if os.path.isdir(local_path):
+        raise IsADirectoryError(f"upload: {local_path} is a directory")
+    fs, path = url_to_fs(uri)
+    if _is_local(fs):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    with open(local_path, "rb") as src, fs.open(path, "wb") as dst:
+        while chunk := src.read(chunk_bytes):
+            digest.update(chunk)
+            size += len(chunk)
+            dst.write(chunk)
+    _invalidate(fs, path)
+    return size, digest.hexdigest()
+
+
+def upload_file(local_path: str, uri: str) -> None:
+    """Copy the local file ``local_path`` to ``uri`` (streamed; parent directories created when local).
+
+    Raises:
+        FileNotFoundError: ``local_path`` does not exist.
+        IsADirectoryError: ``local_path`` is a directory.
+    """
+    upload_file_hashed(local_path, uri)
+
+
+@_retrying
+def sha256_uri(uri: str, chunk_bytes: int = CHUNK_BYTES) -> str:
+    """SHA-256 (hex) of the file at ``uri``, read in chunks (never whole into memory).
+
+    Raises:
+        FileNotFoundError: no file at ``uri``.
+    """
+    fs, path = url_to_fs(uri)
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@_retrying
+def _download_file(fs: fsspec.AbstractFileSystem, path: str, local_path: str) -> None:
+    os.makedirs(os.path.dirname(local_path), exist_ok=True)
+    fs.get_file(path, local_path)
+
+
+@_retrying
+def list_files(uri: str) -> dict[str, int]:
+    """Every file under the directory ``uri`` (recursively), from one listing (caches bypassed).
+
+    Returns:
+        POSIX path relative to ``uri`` -> size in bytes; {} when ``uri`` does not exist.
+    """
+    fs, path = url_to_fs(uri)
+    base = path.rstrip("/")
+    _invalidate(fs, base)
+    try:
+        found = fs.find(base, withdirs=False, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    return {
+        name[len(base) :].lstrip("/"): int(info.get("size") or 0)
+        for name, info in found.items()
+        if name.rstrip("/") != base and info.get("type") != "directory"
+    }
+
+
+def download_dir(uri: str, local_dir: str) -> str:
+    """Copy every file under the directory ``uri`` into ``local_dir``, keeping relative paths.
+
+    Returns:
+        ``local_dir``.
+
+    Raises:
+        FileNotFoundError: ``uri`` holds no files.
+    """
+    files = list_files(uri)
+    if not files:
+        raise FileNotFoundError(f"download_dir: no files under {uri}")
+    fs, path = url_to_fs(uri)
+    base = path.rstrip("/")
+    os.makedirs(local_dir, exist_ok=True)
+    for rel in sorted(files):
+        _download_file(fs, f"{base}/{rel}", os.path.join(local_dir, *rel.split("/")))
+    return local_dir
+
+
+def _read_local(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _install_cache(tmp_dir: str, cache_dir: str, remote_manifest: bytes | None) -> str:
+    """Move a fresh download into place; keep a concurrent writer's identical copy if one won."""
+    if os.path.exists(cache_dir):
+        stale = f"{cache_dir}.stale-{uuid.uuid4().hex}"
+        try:
+            os.replace(cache_dir, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
+    try:
+        os.replace(tmp_dir, cache_dir)
+    except OSError:
+        cached = _read_local(os.path.join(cache_dir, "manifest.json"))
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if remote_manifest is None or cached != remote_manifest:
+            raise
+    return cache_dir
+
+
+def materialize(uri: str) -> str:
+    """A local directory holding the content of the directory ``uri`` (e.g. to load an HF model).
+
+    A local path or ``file://`` URI is returned as a plain path. Anything else is downloaded to
+    ``<tempdir>/posttrain-cache/<sha256(uri)>``; the copy is reused while its ``manifest.json``
+    equals the remote one, and downloaded again otherwise (always, when ``uri`` has none).
+
+    Raises:
+        FileNotFoundError: ``uri`` does not exist (or holds no files).
+        NotADirectoryError: a local ``uri`` is a file.
+    """
+    fs, path = url_to_fs(uri)
+    if _is_local(fs):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"materialize: no directory {uri}")
+        if not os.path.isdir(path):
+            raise NotADirectoryError(f"materialize: {uri} is not a directory")
+        return path
+    cache_root = os.path.join(tempfile.gettempdir(), CACHE_DIRNAME)
+    cache_dir = os.path.join(cache_root, hashlib.sha256(uri.encode("utf-8")).hexdigest())
+    manifest_uri = uri.rstrip("/") + "/manifest.json"
+    remote_manifest = read_bytes(manifest_uri) if exists(manifest_uri) else None
+    if remote_manifest is not None and _read_local(os.path.join(cache_dir, "manifest.json")) == remote_manifest:
+        logger.debug("materialize: cache hit for %s at %s", uri, cache_dir)
+        return cache_dir
+    os.makedirs(cache_root, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=".download-", dir=cache_root)
+    try:
+        download_dir(uri, tmp_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    logger.info("materialize: downloaded %s to %s", uri, cache_dir)
+    return _install_cache(tmp_dir, cache_dir, remote_manifest)

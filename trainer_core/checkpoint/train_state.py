@@ -1,0 +1,152 @@
+"""Save and restore a training stage's whole state for exact resume.
+
+A checkpoint directory ``step-XXXXXXXX/`` holds::
+
+    model.safetensors    weights (shared tensors stored once per name)
+    optimizer.pt         optimizer state dict
+    scheduler.pt         LR scheduler state dict
+    rng.pt               torch CPU (and CUDA) generator states
+    trainer_state.json   global step, data position, counters, python/numpy RNG
+    manifest.json        written last: the commit marker (see manifest.py)
+
+Resuming restores all of it, so the run continues with the same batches, the same random
+numbers and the same optimizer moments as one never interrupted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+from torch import nn
+
+from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
+from trainer_core.checkpoint.storage import read_bytes
+from trainer_core.spec import join_uri
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainProgress:
+    """Counters that advance with training; saved in ``trainer_state.json``.
+
+    Attributes:
+        global_step: optimizer steps taken.
+        epoch: data epoch of the next micro-batch.
+        batch_index: index within the epoch of the next micro-batch.
+        consumed_samples: examples (or pairs) consumed.
+        consumed_tokens: non-padding tokens consumed.
+        best_eval_loss: lowest eval loss seen (None before the first eval).
+        evals_without_improvement: evaluations since the best one (early stopping).
+        history: first and latest values of logged metrics, for the stage summary.
+    """
+
+    global_step: int = 0
+    epoch: int = 0
+    batch_index: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    best_eval_loss: float | None = None
+    evals_without_improvement: int = 0
+    history: dict[str, Any] = field(default_factory=dict)
+
+
+def _rng_states() -> tuple[dict, bytes]:
+    py_version, py_state, py_gauss = random.getstate()
+    np_state = np.random.get_state()
+    host = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+    buf = io.BytesIO()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    torch.save({"torch": torch.get_rng_state(), "cuda": cuda}, buf)
+    return host, buf.getvalue()
+
+
+def _set_rng_states(host: dict, torch_blob: bytes) -> None:
+    version, state, gauss = host["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = host["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    states = torch.load(io.BytesIO(torch_blob), weights_only=True)
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def save_train_state(
+    uri: str,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    progress: TrainProgress,
+    manifest_fields: dict[str, Any],
+) -> Manifest:
+    """Write a complete checkpoint to ``uri`` and commit it with its manifest (written last).
+
+    Args:
+        uri: the ``step-XXXXXXXX`` directory URI.
+        model: the plain (unwrapped) model.
+        optimizer: its optimizer.
+        scheduler: its LR scheduler (anything with ``state_dict()``).
+        progress: counters and data position.
+        manifest_fields: ``stage``, ``run_id``, ``config_hash``, ``backend``, ``extra`` ...
+
+    Returns:
+        The committed manifest.
+    """
+    writer = ArtifactWriter(uri, overwrite=True)
+    weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+    writer.write_bytes("model.safetensors", safetensors.torch.save(weights))
+    writer.write_bytes("optimizer.pt", _torch_bytes(optimizer.state_dict()))
+    writer.write_bytes("scheduler.pt", _torch_bytes(scheduler.state_dict()))
+    host_rng, torch_rng = _rng_states()
+    writer.write_bytes("rng.pt", torch_rng)
+    state = {"progress": asdict(progress), "rng": host_rng}
+    writer.write_bytes("trainer_state.json", json.dumps(state).encode())
+    return writer.commit(
+        kind="checkpoint",
+        global_step=progress.global_step,
+        consumed_samples=progress.consumed_samples,
+        consumed_tokens=progress.consumed_tokens,
+        **manifest_fields,
+    )
+
+
+def load_train_state(
+    uri: str, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> TrainProgress:
+    """Restore a checkpoint written by :func:`save_train_state` into live objects.
+
+    The caller has already verified the manifest (``find_latest`` does). Weights load with
+    ``strict=True``.
+
+    Raises:
+        RuntimeError: the weights do not fit the model (from ``load_state_dict``).
+    """
+    weights = safetensors.torch.load(read_bytes(join_uri(uri, "model.safetensors")))
+    device = next(model.parameters()).device
+    model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=True)
+    optimizer.load_state_dict(torch.load(io.BytesIO(read_bytes(join_uri(uri, "optimizer.pt"))), weights_only=True))
+    scheduler.load_state_dict(torch.load(io.BytesIO(read_bytes(join_uri(uri, "scheduler.pt"))), weights_only=True))
+    state = json.loads(read_bytes(join_uri(uri, "trainer_state.json")))
+    _set_rng_states(state["rng"], read_bytes(join_uri(uri, "rng.pt")))
+    progress = TrainProgress(**state["progress"])
+    log.info("resumed from %s at global_step %d", uri, progress.global_step)
+    return progress

@@ -1,0 +1,240 @@
+"""Training-time batching: collation into padded tensors and a resumable length-bucketed sampler.
+
+Shape legend: B batch (micro-batch size), T tokens (the longest row of the batch).
+All collated tensors are ``torch.long``. ``attention_mask`` is 1 = real token, 0 = padding;
+``loss_mask`` is 1 = counted in the loss, aligned with ``input_ids`` (shifting it for
+next-token prediction is the loss function's job).
+
+Rows are dicts of ``list[int]`` (or anything ``torch.as_tensor`` accepts) as stored by
+``prepare_data``.
+
+The sampler's order is a pure function of ``(seed, epoch)``, so a run resumed at a
+:class:`DataPosition` reads exactly the micro-batches it would have read without stopping.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+
+def _padded(seqs: Sequence[Sequence[int]], length: int, value: int, left: bool = False) -> Tensor:
+    """``[len(seqs), length]`` long tensor of ``seqs`` padded with ``value``."""
+    out = torch.full((len(seqs), length), value, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        n = len(seq)
+        if n:
+            row = torch.as_tensor(seq, dtype=torch.long)
+            if left:
+                out[i, length - n :] = row
+            else:
+                out[i, :n] = row
+    return out
+
+
+def _check_rows(rows: Sequence[dict], ids_key: str, mask_key: str | None) -> None:
+    if not rows:
+        raise ValueError("cannot collate an empty batch")
+    for i, row in enumerate(rows):
+        if ids_key not in row:
+            raise ValueError(f"batch row {i} has no '{ids_key}' (keys: {sorted(row)})")
+        if mask_key is not None and mask_key in row and len(row[mask_key]) != len(row[ids_key]):
+            raise ValueError(
+                f"batch row {i}: '{mask_key}' has {len(row[mask_key])} entries but '{ids_key}' {len(row[ids_key])}"
+            )
+    if max(len(row[ids_key]) for row in rows) == 0:
+        raise ValueError(f"every row of the batch has an empty '{ids_key}'")
+
+
+def _causal(rows: Sequence[dict], pad_id: int, prefix: str, length: int) -> dict[str, Tensor]:
+    ids = [row[f"{prefix}input_ids"] for row in rows]
+    loss = [row.get(f"{prefix}loss_mask", [1] * len(row[f"{prefix}input_ids"])) for row in rows]
+    return {
+        f"{prefix}input_ids": _padded(ids, length, pad_id),
+        f"{prefix}attention_mask": _padded([[1] * len(s) for s in ids], length, 0),
+        f"{prefix}loss_mask": _padded(loss, length, 0),
+    }
+
+
+def collate_causal(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
+    """Right-pad causal-LM rows to the longest one.
+
+    Args:
+        rows: dicts with ``input_ids`` and ``loss_mask`` (absent: all 1) of equal length.
+        pad_id: token id written in padded positions.
+
+    Returns:
+        ``input_ids [B,T]``, ``attention_mask [B,T]`` (1 = real token) and ``loss_mask [B,T]``
+        (1 = counted in the loss; 0 on padding), all long.
+
+    Raises:
+        ValueError: empty batch, a row without ``input_ids``, mask/ids length mismatch, or all rows empty.
+    """
+    _check_rows(rows, "input_ids", "loss_mask")
+    return _causal(rows, pad_id, "", max(len(row["input_ids"]) for row in rows))
+
+
+def collate_pairs(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
+    """Right-pad preference pairs to ONE common length, ready for a concatenated ``[2B,T]`` forward.
+
+    Args:
+        rows: dicts with ``chosen_input_ids``, ``chosen_loss_mask``, ``rejected_input_ids``,
+            ``rejected_loss_mask``.
+        pad_id: token id written in padded positions.
+
+    Returns:
+        ``chosen_input_ids``, ``chosen_attention_mask``, ``chosen_loss_mask``,
+        ``rejected_input_ids``, ``rejected_attention_mask``, ``rejected_loss_mask``: each
+        ``[B,T]`` long with T the longest chosen or rejected row.
+
+    Raises:
+        ValueError: as :func:`collate_causal`, for either side.
+    """
+    _check_rows(rows, "chosen_input_ids", "chosen_loss_mask")
+    _check_rows(rows, "rejected_input_ids", "rejected_loss_mask")
+    length = max(len(row[k]) for row in rows for k in ("chosen_input_ids", "rejected_input_ids"))
+    return {**_causal(rows, pad_id, "chosen_", length), **_causal(rows, pad_id, "rejected_", length)}
+
+
+def collate_prompts_left(rows: Sequence[dict], pad_id: int, key: str | None = None) -> dict[str, Tensor]:
+    """Left-pad prompts for batched generation (the last column is every row's last token).
+
+    Args:
+        rows: dicts holding the prompt ids under ``key``.
+        pad_id: token id written in padded positions.
+        key: the ids field; None: ``input_ids`` if the first row has it, else ``prompt_input_ids``
+            (the column of ``eval_problems.parquet``).
+
+    Returns:
+        ``input_ids [B,T]`` and ``attention_mask [B,T]`` (1 = real token), long.
+
+    Raises:
+        ValueError: empty batch, a row without the ids field, or all prompts empty.
+    """
+    if key is None:
+        key = "input_ids" if rows and "input_ids" in rows[0] else "prompt_input_ids"
+    _check_rows(rows, key, None)
+    ids = [row[key] for row in rows]
+    length = max(len(s) for s in ids)
+    return {
+        "input_ids": _padded(ids, length, pad_id, left=True),
+        "attention_mask": _padded([[1] * len(s) for s in ids], length, 0, left=True),
+    }
+
+
+class BucketedBatchSampler:
+    """Deterministic length-bucketed micro-batches of row indices.
+
+    For epoch ``e``: shuffle all indices with ``random.Random(seed + e)``, cut them into
+    chunks of ``micro_batch_size * bucket_size_multiplier``, sort each chunk by length (so a
+    micro-batch holds rows of similar length: little padding), split it into micro-batches
+    and shuffle the micro-batch order with the same RNG. With ``drop_last`` the
+    ``len(lengths) % micro_batch_size`` indices at the end of the shuffled order are left out
+    (a random set, not the longest rows). With ``shuffle=False`` nothing is shuffled.
+    """
+
+    def __init__(
+        self,
+        lengths: list[int],
+        micro_batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        bucket_size_multiplier: int = 50,
+        drop_last: bool = False,
+    ) -> None:
+        """Store and validate.
+
+        Raises:
+            ValueError: ``micro_batch_size`` or ``bucket_size_multiplier`` below 1, or an epoch
+                would have no micro-batch (no rows, or fewer than one full batch with ``drop_last``).
+        """
+        if micro_batch_size < 1 or bucket_size_multiplier < 1:
+            raise ValueError(
+                f"micro_batch_size and bucket_size_multiplier must be >= 1, got {micro_batch_size}, "
+                f"{bucket_size_multiplier}"
+            )
+        self.lengths = list(lengths)
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.bucket_size_multiplier = bucket_size_multiplier
+        self.drop_last = drop_last
+        if len(self) == 0:
+            raise ValueError(
+                f"{len(self.lengths)} rows give no micro-batch of {micro_batch_size} (drop_last={drop_last})"
+            )
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch."""
+        n = len(self.lengths)
+        return n // self.micro_batch_size if self.drop_last else math.ceil(n / self.micro_batch_size)
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """The micro-batches (lists of row indices) of ``epoch``, a function of ``(seed, epoch)`` only."""
+        rng = random.Random(self.seed + epoch)
+        order = list(range(len(self.lengths)))
+        if self.shuffle:
+            rng.shuffle(order)
+        if self.drop_last:
+            order = order[: len(order) - len(order) % self.micro_batch_size]
+        chunk = self.micro_batch_size * self.bucket_size_multiplier
+        out: list[list[int]] = []
+        for start in range(0, len(order), chunk):
+            bucket = sorted(order[start : start + chunk], key=self.lengths.__getitem__)
+            out.extend(bucket[i : i + self.micro_batch_size] for i in range(0, len(bucket), self.micro_batch_size))
+        if self.shuffle:
+            rng.shuffle(out)
+        return out
+
+
+@dataclass
+class DataPosition:
+    """Where the data stream stands: ``batch_index`` is the index of the NEXT micro-batch of ``epoch``."""
+
+    epoch: int = 0
+    batch_index: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        """``{"epoch", "batch_index"}`` (JSON-ready)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DataPosition:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: a missing key, a non-integer or a negative value.
+        """
+        try:
+            epoch, batch_index = data["epoch"], data["batch_index"]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"data position needs 'epoch' and 'batch_index', got {data!r}") from e
+        for name, value in (("epoch", epoch), ("batch_index", batch_index)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"data position {name} must be a non-negative int, got {value!r}")
+        return cls(epoch=epoch, batch_index=batch_index)
+
+
+def iterate_batches(sampler: BucketedBatchSampler, position: DataPosition) -> Iterator[tuple[list[int], DataPosition]]:
+    """Endless micro-batches from ``position`` on, each with the position AFTER it.
+
+    After the last micro-batch of an epoch the position is ``(epoch + 1, 0)``.
+
+    Raises:
+        ValueError: ``position.batch_index`` beyond the epoch's micro-batches.
+    """
+    num_batches = len(sampler)
+    if not 0 <= position.batch_index <= num_batches or position.epoch < 0:
+        raise ValueError(f"data position {position} is outside an epoch of {num_batches} micro-batches")
+    epoch, start = position.epoch, position.batch_index
+    while True:
+        batches = sampler.batches(epoch)
+        for i in range(start, num_batches):
+            after = DataPosition(epoch, i + 1) if i + 1 < num_batches else DataPosition(epoch + 1, 0)
+            yield batches[i], after
+        epoch, start = epoch + 1, 0

@@ -1,0 +1,295 @@
+"""Adapters from raw record formats to the canonical examples the trainers read.
+
+Formats (``DataSource.format``):
+
+- ``prompt_completion``: ``{"prompt", "completion"}`` for SFT, ``{"prompt", "chosen", "rejected"}``
+  for preference pairs. ``prompt`` is a string (one user turn) or a list of
+  ``{"role", "content"}`` messages.
+- ``gsm8k``: ``{"question", "answer"}``; the answer is a worked solution ending in
+  ``#### <number>`` (Cobbe et al. 2021, https://github.com/openai/grade-school-math).
+- ``hh_rlhf``: ``{"chosen", "rejected"}``, each a whole dialogue of ``\\n\\nHuman: ...`` /
+  ``\\n\\nAssistant: ...`` turns that share all but the last assistant reply (Bai et al. 2022,
+  https://github.com/anthropics/hh-rlhf).
+
+Canonical examples:
+
+- SFT: ``{"prompt": str, "completion": str, "messages": [...], "answer": str | None}``;
+  ``messages`` are the prompt turns as chat messages.
+- preference: ``{"messages": [...], "chosen": str, "rejected": str}``.
+- eval problem: ``{"messages": [...], "answer": str}``.
+
+Each carries the input's ``"_source"`` (``file:line``) when it had one. Every error is a
+:class:`~trainer_core.errors.DataError` naming that source and the offending field.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from trainer_core.errors import DataError
+
+FORMATS = ("prompt_completion", "gsm8k", "hh_rlhf")
+"""Concrete record formats (``"auto"`` resolves to one of these)."""
+
+ROLES = ("system", "user", "assistant")
+"""Chat roles a message may have."""
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+_HH_ROLE = {"Human": "user", "Assistant": "assistant"}
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+class DialogueParseError(DataError):
+    """A field has the right type but its content cannot be parsed (e.g. an HH dialogue whose
+    chosen and rejected versions do not share a prompt). Data-set noise rather than a schema
+    error: callers may skip such a record and count it."""
+
+
+def _where(record: dict) -> str:
+    return str(record.get("_source", "<record>"))
+
+
+def _field(record: dict, name: str, kind: type | tuple[type, ...] = str) -> Any:
+    """``record[name]``, checked to be of type ``kind``."""
+    if name not in record:
+        keys = sorted(k for k in record if k != "_source")
+        raise DataError(f"{_where(record)}: missing field '{name}' (record has {keys})")
+    value = record[name]
+    if not isinstance(value, kind):
+        want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise DataError(f"{_where(record)}: field '{name}' must be {want}, got {type(value).__name__}")
+    return value
+
+
+def _with_source(example: dict, record: dict) -> dict:
+    if "_source" in record:
+        example["_source"] = record["_source"]
+    return example
+
+
+def detect_format(record: dict) -> str:
+    """The format of ``record`` from its keys.
+
+    Returns:
+        ``"gsm8k"`` (``question`` + ``answer``), ``"prompt_completion"`` (``prompt`` +
+        ``completion``, or ``prompt`` + ``chosen`` + ``rejected``) or ``"hh_rlhf"``
+        (``chosen`` + ``rejected`` without ``prompt``).
+
+    Raises:
+        DataError: the keys match no known format.
+    """
+    keys = set(record)
+    if {"question", "answer"} <= keys:
+        return "gsm8k"
+    if "prompt" in keys and ("completion" in keys or {"chosen", "rejected"} <= keys):
+        return "prompt_completion"
+    if {"chosen", "rejected"} <= keys:
+        return "hh_rlhf"
+    shown = sorted(k for k in keys if k != "_source")
+    raise DataError(
+        f"{_where(record)}: cannot detect the record format from fields {shown}; expected "
+        "question/answer (gsm8k), prompt/completion or prompt/chosen/rejected (prompt_completion), "
+        "or chosen/rejected dialogues (hh_rlhf)"
+    )
+
+
+def _resolve(record: dict, fmt: str) -> str:
+    if not isinstance(record, dict):
+        raise DataError(f"expected a record dict, got {type(record).__name__}")
+    if fmt == "auto":
+        return detect_format(record)
+    if fmt not in FORMATS:
+        raise DataError(f"{_where(record)}: unknown format {fmt!r}; expected one of {FORMATS} or 'auto'")
+    return fmt
+
+
+def _prompt_messages(record: dict) -> list[dict[str, str]]:
+    """The ``prompt`` field as chat messages (a string is one user turn)."""
+    prompt = _field(record, "prompt", (str, list))
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if not prompt:
+        raise DataError(f"{_where(record)}: field 'prompt' is an empty message list")
+    messages = []
+    for i, m in enumerate(prompt):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise DataError(
+                f"{_where(record)}: field 'prompt'[{i}] must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}"
+            )
+        messages.append({"role": m["role"], "content": m["content"]})
+    return messages
+
+
+def messages_to_text(messages: list[dict[str, str]]) -> str:
+    """Plain-text rendering of chat messages (``Role: content`` paragraphs), for display."""
+    return "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
+
+
+def parse_hh_dialogue(text: str, where: str, field: str) -> list[dict[str, str]]:
+    """Split an HH-RLHF dialogue into chat messages.
+
+    Turns start at ``\\n\\nHuman:`` / ``\\n\\nAssistant:``; content is stripped; consecutive turns
+    of the same role (a few HH rows have them) are merged, joined by a blank line.
+
+    Raises:
+        DialogueParseError: no turns at all, or text before the first marker.
+    """
+    parts = _HH_TURN.split(text)
+    if len(parts) < 3:
+        raise DialogueParseError(f"{where}: field '{field}' has no '\\n\\nHuman:'/'\\n\\nAssistant:' turns")
+    if parts[0].strip():
+        raise DialogueParseError(f"{where}: field '{field}' has text before the first 'Human:'/'Assistant:' turn")
+    messages: list[dict[str, str]] = []
+    for i in range(1, len(parts), 2):
+        role, content = _HH_ROLE[parts[i]], parts[i + 1].strip()
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] = f"{messages[-1]['content']}\n\n{content}".strip()
+        else:
+            messages.append({"role": role, "content": content})
+    return messages
+
+
+def _hh_pair(record: dict) -> dict:
+    where = _where(record)
+    chosen = parse_hh_dialogue(_field(record, "chosen"), where, "chosen")
+    rejected = parse_hh_dialogue(_field(record, "rejected"), where, "rejected")
+    for name, turns in (("chosen", chosen), ("rejected", rejected)):
+        if turns[-1]["role"] != "assistant":
+            raise DialogueParseError(f"{where}: field '{name}': the last turn is not an assistant reply")
+    prompt = chosen[:-1]
+    if prompt != rejected[:-1]:
+        raise DialogueParseError(
+            f"{where}: fields 'chosen'/'rejected' do not share all turns but the last assistant reply"
+        )
+    if not prompt or prompt[-1]["role"] != "user":
+        raise DialogueParseError(f"{where}: field 'chosen': the prompt turns must end with a Human turn")
+    return {"messages": prompt, "chosen": chosen[-1]["content"], "rejected": rejected[-1]["content"]}
+
+
+def to_sft_example(record: dict, fmt: str = "auto") -> dict:
+    """Canonical SFT example ``{"prompt", "completion", "messages", "answer"}``.
+
+    gsm8k: prompt = question, completion = the whole worked answer (``#### n`` included),
+    answer = :func:`final_answer` of it. prompt_completion: answer = :func:`final_answer` of the
+    completion (None without ``####``). hh_rlhf: the shared dialogue is the prompt, the chosen
+    reply the completion, answer None.
+
+    Raises:
+        DataError: unknown format, missing field or wrong type (names the source and field);
+            :class:`DialogueParseError` for an unparsable HH dialogue.
+    """
+    fmt = _resolve(record, fmt)
+    if fmt == "gsm8k":
+        question, answer = _field(record, "question"), _field(record, "answer")
+        messages = [{"role": "user", "content": question}]
+        example = {"prompt": question, "completion": answer, "messages": messages, "answer": final_answer(answer)}
+    elif fmt == "prompt_completion":
+        messages = _prompt_messages(record)
+        completion = _field(record, "completion")
+        example = {"prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
+                   "completion": completion, "messages": messages, "answer": final_answer(completion)}
+    else:
+        pair = _hh_pair(record)
+        example = {"prompt": messages_to_text(pair["messages"]), "completion": pair["chosen"],
+                   "messages": pair["messages"], "answer": None}
+    return _with_source(example, record)
+
+
+def to_preference_example(record: dict, fmt: str = "auto") -> dict:
+    """Canonical preference pair ``{"messages", "chosen", "rejected"}``.
+
+    hh_rlhf: both dialogues are parsed into turns; the shared prefix (ending with a Human turn)
+    is the prompt and the two final assistant replies are chosen / rejected.
+    prompt_completion: ``{"prompt", "chosen", "rejected"}``.
+
+    Raises:
+        DataError: unknown or SFT-only format, missing field or wrong type;
+            :class:`DialogueParseError` when the dialogues do not share a prompt or do not end
+            with an assistant reply.
+    """
+    fmt = _resolve(record, fmt)
+    if fmt == "hh_rlhf":
+        pair = _hh_pair(record)
+    elif fmt == "prompt_completion":
+        pair = {"messages": _prompt_messages(record), "chosen": _field(record, "chosen"),
+                "rejected": _field(record, "rejected")}
+    else:
+        raise DataError(f"{_where(record)}: format {fmt!r} has no preference pairs (fields 'chosen'/'rejected')")
+    return _with_source(pair, record)
+
+
+def to_eval_problem(record: dict, fmt: str = "auto") -> dict:
+    """Canonical eval problem ``{"messages", "answer"}`` with a verifiable final answer.
+
+    gsm8k: the question and the number after ``####``. prompt_completion: the prompt and the
+    final answer of the completion (which must contain ``#### n``).
+
+    Raises:
+        DataError: missing field, wrong type, or no ``#### <answer>`` in the answer/completion.
+    """
+    fmt = _resolve(record, fmt)
+    if fmt == "gsm8k":
+        messages, field = [{"role": "user", "content": _field(record, "question")}], "answer"
+    elif fmt == "prompt_completion":
+        messages, field = _prompt_messages(record), "completion"
+    else:
+        raise DataError(f"{_where(record)}: format {fmt!r} has no verifiable answers for evaluation")
+    answer = final_answer(_field(record, field))
+    if answer is None:
+        raise DataError(f"{_where(record)}: field '{field}' has no final answer after '####'")
+    return _with_source({"messages": messages, "answer": answer}, record)
+
+
+def normalize_answer(text: str) -> str:
+    """Strip whitespace, remove commas, spaces and ``$``, drop one trailing ``.``."""
+    out = re.sub(r"[\s,$]", "", text)
+    return out[:-1] if out.endswith(".") else out
+
+
+def final_answer(text: str) -> str | None:
+    """The normalised answer after the last ``####`` (its first line), or None if absent/empty.
+
+    >>> final_answer("48+24=<<48+24=72>>72\\n#### 1,072")
+    '1072'
+    """
+    if "####" not in text:
+        return None
+    tail = text.rsplit("####", 1)[1].strip()
+    answer = normalize_answer(tail.split("\n", 1)[0]) if tail else ""
+    return answer or None
+
+
+def extract_generated_answer(text: str) -> str | None:
+    """The answer a model wrote: the first number after the last ``####``, else the last number.
+
+    Returns:
+        The normalised number, or None when the text holds no number.
+    """
+    if "####" in text:
+        found = _NUMBER.search(text.rsplit("####", 1)[1])
+        if found:
+            return normalize_answer(found.group())
+    numbers = _NUMBER.findall(text)
+    return normalize_answer(numbers[-1]) if numbers else None
+
+
+def _as_number(text: str) -> Decimal | None:
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        return None
+    return value if value.is_finite() else None
+
+
+def answers_match(pred: str | None, gold: str | None) -> bool:
+    """Whether ``pred`` equals ``gold`` after :func:`normalize_answer`; numerically when both
+    are numbers (``"72.0"`` matches ``"72"``). None never matches."""
+    if pred is None or gold is None:
+        return False
+    p, g = normalize_answer(pred), normalize_answer(gold)
+    pn, gn = _as_number(p), _as_number(g)
+    if pn is not None and gn is not None:
+        return pn == gn
+    return p == g

@@ -1,0 +1,228 @@
+"""Tokenizers: train a small byte-level BPE, load a pretrained one, encode chats with a loss mask.
+
+:func:`encode_chat` works with any Hugging Face tokenizer that has a chat template: the prompt
+is rendered with ``add_generation_prompt=True``, the full conversation with the completion
+appended as an assistant message, and the completion is the difference of the two texts, so
+the loss mask is 1 exactly on the completion tokens, end-of-turn tokens included (the model
+learns to stop). Lists of token ids here are plain Python ``list[int]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import tempfile
+from typing import Any, Iterable
+
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from trainer_core.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS: dict[str, str] = {
+    "pad": "<|pad|>",
+    "eos": "<|end|>",
+    "system": "<|system|>",
+    "user": "<|user|>",
+    "assistant": "<|assistant|>",
+}
+"""Special tokens of a trained tokenizer, in id order (pad = 0, eos = 1, then the role headers)."""
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('unknown chat role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+"""Jinja chat template: ``<|role|>\\n{content}<|end|>\\n`` per message, then ``<|assistant|>\\n``
+with ``add_generation_prompt``. ``eos_token`` is the tokenizer's, so this also serves as the
+fallback template of a loaded tokenizer that has none."""
+
+_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS.values()))
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int, min_frequency: int
+) -> transformers.PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer (GPT-2 style) with :data:`SPECIAL_TOKENS` and :data:`CHAT_TEMPLATE`.
+
+    The 256 byte symbols are always in the vocabulary, so any text can be encoded.
+
+    Args:
+        texts: training texts (chat-rendered, special tokens included: they are kept whole).
+        vocab_size: target vocabulary size including special tokens; at least
+            256 + len(SPECIAL_TOKENS) entries come out whatever the target.
+        min_frequency: minimum count of a pair for a merge.
+
+    Returns:
+        A fast tokenizer with pad/eos set, ``padding_side="right"`` and the chat template;
+        ``save_pretrained`` / ``AutoTokenizer.from_pretrained`` round-trip it.
+
+    Raises:
+        ConfigError: ``vocab_size`` or ``min_frequency`` below 1.
+        DataError: ``texts`` is empty.
+    """
+    if vocab_size < 1 or min_frequency < 1:
+        raise ConfigError(f"tokenizer: vocab_size and min_frequency must be >= 1, got {vocab_size}, {min_frequency}")
+    specials = list(SPECIAL_TOKENS.values())
+    if vocab_size < 256 + len(specials):
+        logger.warning("tokenizer.vocab_size=%d is below the byte alphabet; using %d", vocab_size, 256 + len(specials))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    num_texts = 0
+
+    def pieces() -> Iterable[str]:  # the text between special tokens, so no merge learns their parts
+        nonlocal num_texts
+        for text in texts:
+            num_texts += 1
+            yield from (p for p in _SPECIAL_RE.split(text) if p)
+
+    tok.train_from_iterator(pieces(), trainer)
+    if num_texts == 0:
+        raise DataError("train_tokenizer: no training texts")
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=SPECIAL_TOKENS["pad"],
+        eos_token=SPECIAL_TOKENS["eos"],
+        padding_side="right",
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def _raise_template_error(message: str) -> None:
+    raise DataError(f"chat template: {message}")
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled_template(template: str) -> Any:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_template_error
+    return env.from_string(template)
+
+
+def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """:data:`CHAT_TEMPLATE` rendered with the trained tokenizer's eos, without a tokenizer.
+
+    Equals ``tokenizer.apply_chat_template(messages, add_generation_prompt=...,
+    tokenize=False)`` for a tokenizer from :func:`train_tokenizer`; used to make its training texts.
+
+    Raises:
+        DataError: a message has a role other than system / user / assistant.
+    """
+    return _compiled_template(CHAT_TEMPLATE).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, eos_token=SPECIAL_TOKENS["eos"]
+    )
+
+
+def _local_tokenizer_dir(uri: str, tmp: str) -> str:
+    """Copy the non-weight files of the directory ``uri`` into ``tmp``."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    base = path.rstrip("/")
+    files = [f for f in fs.find(base) if not f.endswith(_WEIGHT_SUFFIXES)]
+    if not files:
+        raise FileNotFoundError(uri)
+    for f in files:
+        local = os.path.join(tmp, *f[len(base) :].lstrip("/").split("/"))
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        fs.get_file(f, local)
+    return tmp
+
+
+def load_tokenizer(local_dir_or_name: str, trust_remote_code: bool = False) -> transformers.PreTrainedTokenizerBase:
+    """Load a tokenizer (local directory, hub id, or fsspec URI of an HF-format directory).
+
+    A tokenizer without a pad token gets pad = eos; one without a chat template gets
+    :data:`CHAT_TEMPLATE`. ``padding_side`` is set to ``"right"`` (collation pads explicitly).
+
+    Raises:
+        ConfigError: the tokenizer cannot be loaded, or has neither a pad nor an eos token.
+    """
+    try:
+        if "://" in local_dir_or_name and not local_dir_or_name.startswith("file://"):
+            with tempfile.TemporaryDirectory(prefix="posttrain-tok-") as tmp:
+                local = _local_tokenizer_dir(local_dir_or_name, tmp)
+                tok = transformers.AutoTokenizer.from_pretrained(local, trust_remote_code=trust_remote_code)
+        else:
+            path = local_dir_or_name.removeprefix("file://")
+            tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load tokenizer from {local_dir_or_name!r}: {e}") from e
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ConfigError(f"tokenizer {local_dir_or_name!r} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    if not tok.chat_template:
+        logger.warning("tokenizer %s has no chat template; using the built-in one", local_dir_or_name)
+        tok.chat_template = CHAT_TEMPLATE
+    tok.padding_side = "right"
+    return tok
+
+
+def _ids(tokenizer: transformers.PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_chat(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    completion: str | None,
+    max_length: int,
+    max_prompt_length: int,
+) -> dict[str, list[int]]:
+    """Token ids of a chat prompt (plus an assistant completion) and the loss mask.
+
+    Args:
+        tokenizer: any HF tokenizer with a chat template.
+        messages: prompt turns ``[{"role", "content"}]``.
+        completion: the assistant reply; None encodes the prompt alone (for generation).
+        max_length: max tokens of prompt + completion; the completion is cut to fit.
+        max_prompt_length: max prompt tokens; a longer prompt keeps its LAST tokens.
+
+    Returns:
+        ``{"input_ids": list[int], "loss_mask": list[int]}`` of equal length; loss_mask is
+        1 = counted in the loss (completion tokens, end-of-turn included), 0 on the prompt.
+
+    Raises:
+        ConfigError: ``max_prompt_length`` is not below ``max_length``, or the template renders
+            the conversation so that it does not start with the rendered prompt.
+    """
+    if not 0 < max_prompt_length < max_length:
+        raise ConfigError(f"need 0 < max_prompt_length < max_length, got {max_prompt_length}, {max_length}")
+    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = _ids(tokenizer, prompt_text)[-max_prompt_length:]
+    if completion is None:
+        return {"input_ids": prompt_ids, "loss_mask": [0] * len(prompt_ids)}
+    full_text = tokenizer.apply_chat_template(
+        messages + [{"role": "assistant", "content": completion}], tokenize=False
+    )
+    if not full_text.startswith(prompt_text):
+        raise ConfigError(
+            "the tokenizer's chat template renders prompt + completion so that it does not start with the "
+            "rendered prompt (generation prompt differs from the assistant header); cannot mask the prompt"
+        )
+    completion_ids = _ids(tokenizer, full_text[len(prompt_text) :])[: max_length - len(prompt_ids)]
+    return {
+        "input_ids": prompt_ids + completion_ids,
+        "loss_mask": [0] * len(prompt_ids) + [1] * len(completion_ids),
+    }

@@ -1,0 +1,281 @@
+"""The training loop shared by every training stage (SFT, reward model, DPO).
+
+A stage supplies an :class:`Objective` (how to count, step and evaluate a batch); the loop
+owns optimisation: gradient accumulation normalised by the counted units of the whole
+optimizer step, clipping, the LR schedule, periodic evaluation with early stopping,
+checkpoints every ``save_every`` steps and exact resume from the latest complete one.
+
+Units: ``global_step`` counts optimizer steps; a step consumes ``grad_accum_steps``
+micro-batches of ``micro_batch_size`` examples each.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from trainer_core.backends.base import Backend
+from trainer_core.checkpoint.manifest import find_latest, purge_checkpoints, step_dirname
+from trainer_core.checkpoint.train_state import TrainProgress, load_train_state, save_train_state
+from trainer_core.config import TrainStageConfig
+from trainer_core.data.batching import BucketedBatchSampler, DataPosition, iterate_batches
+from trainer_core.spec import join_uri
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """One micro-batch's contribution to an optimizer step.
+
+    Attributes:
+        loss_sum: scalar, the loss summed over the micro-batch's counted units (tokens for
+            SFT, pairs for reward model and DPO); the loop divides by the step's total count.
+        num_tokens: non-padding tokens processed (for throughput).
+        metric_sums: per-unit metrics summed over the micro-batch (detached); the loop
+            reports them divided by the step's total count.
+    """
+
+    loss_sum: Tensor
+    num_tokens: int
+    metric_sums: dict[str, Tensor] = field(default_factory=dict)
+
+
+class Objective(Protocol):
+    """What a training stage plugs into the loop."""
+
+    def count(self, batch: dict[str, Tensor]) -> int:
+        """Counted units (loss tokens or pairs) in a micro-batch."""
+
+    def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
+        """Forward one micro-batch; returns the summed loss with its graph."""
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out metrics; must contain ``loss`` (lower is better, drives early stopping)."""
+
+
+@dataclass
+class BatchSource:
+    """Deterministic micro-batches of a tokenised split.
+
+    Attributes:
+        rows: the split's rows (dicts from the prepared Parquet).
+        sampler: length-bucketed batch sampler, fully determined by (seed, epoch).
+        collate: rows -> tensors dict.
+        device: where batches go.
+    """
+
+    rows: list[dict]
+    sampler: BucketedBatchSampler
+    collate: Callable[[list[dict]], dict[str, Tensor]]
+    device: torch.device
+
+    def stream(self, position: DataPosition) -> Iterator[tuple[dict[str, Tensor], DataPosition, int]]:
+        """Yield (batch, position after it, number of examples) forever, from ``position``."""
+        for indices, after in iterate_batches(self.sampler, position):
+            batch = self.collate([self.rows[i] for i in indices])
+            yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}, after, len(indices)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainStageConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms, biases or 1-D params)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainStageConfig):
+    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` x peak."""
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer,
+        num_warmup_steps=min(cfg.warmup_steps, cfg.max_steps),
+        num_training_steps=cfg.max_steps,
+        min_lr_rate=cfg.min_lr_ratio,
+    )
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class TrainLoop:
+    """Runs one stage's optimisation; see the module docstring.
+
+    Attributes:
+        model: the wrapped trainable model (from ``backend.wrap``).
+        backend: the backend it runs on.
+        objective: the stage's loss and evaluation.
+        batches: the training split's batch source.
+        cfg: the stage's optimisation config.
+        checkpoints_uri: where ``step-XXXXXXXX/`` checkpoints go.
+        manifest_fields: fields recorded in every checkpoint manifest (stage, run_id, ...).
+        log_metrics: callback ``(metrics, global_step)`` (MLflow, stdout).
+    """
+
+    model: nn.Module
+    backend: Backend
+    objective: Objective
+    batches: BatchSource
+    cfg: TrainStageConfig
+    checkpoints_uri: str
+    manifest_fields: dict[str, Any]
+    log_metrics: Callable[[dict[str, float], int], None]
+
+    def __post_init__(self) -> None:
+        self.optimizer = build_optimizer(self.model, self.cfg)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg)
+        self.progress = TrainProgress()
+
+    def resume(self) -> bool:
+        """Load the latest complete checkpoint, if any; True when one was loaded.
+
+        A checkpoint written under another config (different ``config_hash``) is not used.
+        """
+        found = find_latest(self.checkpoints_uri)
+        if found is None:
+            return False
+        uri, manifest = found
+        if manifest.config_hash != self.manifest_fields.get("config_hash"):
+            log.warning("checkpoint %s was written with another config (%s); starting fresh", uri, manifest.config_hash)
+            return False
+        unwrapped = self.backend.unwrap(self.model)
+        self.progress = load_train_state(uri, model=unwrapped, optimizer=self.optimizer, scheduler=self.scheduler)
+        return True
+
+    def run(self) -> TrainProgress:
+        """Train until ``max_steps`` or early stopping; returns the final progress."""
+        cfg, progress = self.cfg, self.progress
+        if progress.global_step == 0 and "eval/loss" not in progress.history:
+            self._evaluate()
+        stream = self.batches.stream(DataPosition(progress.epoch, progress.batch_index))
+        while progress.global_step < cfg.max_steps:
+            metrics = self._optimizer_step(stream)
+            if progress.global_step % cfg.log_every == 0 or progress.global_step == cfg.max_steps:
+                self._log(metrics)
+            stop = False
+            if progress.global_step % cfg.eval_every == 0 or progress.global_step == cfg.max_steps:
+                stop = self._evaluate()
+            if progress.global_step % cfg.save_every == 0:
+                self.save()
+            if stop:
+                log.info("early stopping at global_step %d", progress.global_step)
+                progress.history["stopped_early"] = 1.0
+                break
+        return progress
+
+    def _optimizer_step(self, stream: Iterator) -> dict[str, float]:
+        cfg, progress = self.cfg, self.progress
+        micro = [next(stream) for _ in range(cfg.grad_accum_steps)]
+        count = sum(self.objective.count(batch) for batch, _, _ in micro)
+        total = self.backend.all_reduce_sum(torch.tensor(float(count), device=self.backend.device)).clamp(min=1.0)
+        t_fwd = t_bwd = 0.0
+        loss_sum = torch.zeros((), device=self.backend.device)
+        metric_sums: dict[str, Tensor] = {}
+        num_tokens = 0
+        for i, (batch, _, _) in enumerate(micro):
+            with self.backend.grad_sync(self.model, is_last_micro_batch=i == len(micro) - 1):
+                t0 = time.perf_counter()
+                out = self.objective.step(self.model, batch)
+                t1 = time.perf_counter()
+                (out.loss_sum / total).backward()
+                t_bwd += time.perf_counter() - t1
+                t_fwd += t1 - t0
+            loss_sum += out.loss_sum.detach()
+            num_tokens += out.num_tokens
+            for k, v in out.metric_sums.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + v
+        t0 = time.perf_counter()
+        grad_norm = self.backend.clip_grad_norm(self.model, cfg.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        t_opt = time.perf_counter() - t0
+        _, last_position, _ = micro[-1]
+        progress.global_step += 1
+        progress.epoch, progress.batch_index = last_position.epoch, last_position.batch_index
+        progress.consumed_samples += sum(n for _, _, n in micro)
+        progress.consumed_tokens += num_tokens
+        step_s = t_fwd + t_bwd + t_opt
+        metrics = {"train/loss": loss_sum / total, "train/grad_norm": grad_norm, "train/lr": lr}
+        metrics.update({f"train/{k}": v / total for k, v in metric_sums.items()})
+        metrics.update(
+            {
+                "train/tokens_per_s": num_tokens / max(step_s, 1e-9),
+                "time/forward_s": t_fwd,
+                "time/backward_s": t_bwd,
+                "time/optimizer_s": t_opt,
+            }
+        )
+        return metrics
+
+    def _log(self, metrics: dict[str, Any]) -> None:
+        values = {k: float(v) for k, v in metrics.items()}
+        values["memory/peak_bytes"] = float(_peak_memory_bytes(self.backend.device))
+        values["train/consumed_samples"] = float(self.progress.consumed_samples)
+        self._remember(values)
+        self.log_metrics(values, self.progress.global_step)
+
+    def _remember(self, values: dict[str, float]) -> None:
+        history = self.progress.history
+        for k, v in values.items():
+            history.setdefault(f"first/{k}", v)
+            history[k] = v
+
+    def _evaluate(self) -> bool:
+        """Evaluate, log, update early-stopping state; True when training should stop."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            metrics = {f"eval/{k}": float(v) for k, v in self.objective.evaluate(model).items()}
+        model.train(was_training)
+        self._remember(metrics)
+        self.log_metrics(metrics, self.progress.global_step)
+        loss = metrics["eval/loss"]
+        progress = self.progress
+        if progress.best_eval_loss is None or loss < progress.best_eval_loss:
+            progress.best_eval_loss, progress.evals_without_improvement = loss, 0
+        else:
+            progress.evals_without_improvement += 1
+        patience = self.cfg.early_stopping_patience
+        return patience is not None and progress.evals_without_improvement >= patience
+
+    def save(self) -> None:
+        """Checkpoint the current state, then purge checkpoints beyond ``keep_last_checkpoints``."""
+        uri = join_uri(self.checkpoints_uri, step_dirname(self.progress.global_step))
+        t0 = time.perf_counter()
+        save_train_state(
+            uri,
+            model=self.backend.unwrap(self.model),
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            progress=self.progress,
+            manifest_fields=self.manifest_fields,
+        )
+        log.info("checkpoint %s committed in %.2fs", uri, time.perf_counter() - t0)
+        purge_checkpoints(self.checkpoints_uri, keep_last=self.cfg.keep_last_checkpoints)
+
+
+def summarize(progress: TrainProgress) -> dict[str, float]:
+    """Final metrics of a stage: latest and first values, global step; NaN-free."""
+    out = {k: float(v) for k, v in progress.history.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    out["global_step"] = float(progress.global_step)
+    return out

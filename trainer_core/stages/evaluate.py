@@ -1,0 +1,115 @@
+"""Evaluation stage: held-out numbers for every model the pipeline trained.
+
+Metrics (each present when its models were trained in this run):
+- ``sft/eval_loss``, ``sft/eval_perplexity``: SFT model on the held-out SFT split.
+- ``reward_model/eval_accuracy``, ``reward_model/eval_margin``: pairwise accuracy on
+  held-out preference pairs.
+- ``dpo/eval_reward_accuracy``, ``dpo/eval_reward_margin``: DPO implicit-reward accuracy on
+  held-out pairs, against the SFT model (the DPO reference).
+- ``<policy>/exact_match``: greedy generation exact-match of the final number on held-out
+  GSM8K-style problems, for ``base`` (when the base model is pretrained), ``sft`` and ``dpo``.
+- ``dpo_vs_sft/win_rate``: fraction of held-out preference prompts where the reward model
+  scores the DPO policy's completion above the SFT policy's (ties count one half).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from trainer_core.checkpoint.manifest import Manifest
+from trainer_core.data.formats import answers_match, extract_generated_answer
+from trainer_core.generation import generate_completions, messages_of, prompt_ids, reward_scores
+from trainer_core.models import INIT_SOURCE, load_causal_lm, load_reward_model
+from trainer_core.spec import StageSpec
+from trainer_core.stages.common import StageContext, commit_final, load_rows, open_stage
+from trainer_core.stages.dpo import DPOObjective, collate_with_reference, reference_logprobs
+from trainer_core.stages.reward_model import RewardObjective, evaluate_pairs, pair_source
+from trainer_core.stages.sft import SFTObjective, causal_source
+
+log = logging.getLogger(__name__)
+
+
+def _policy(ctx: StageContext, role: str) -> nn.Module:
+    model = load_causal_lm(ctx.input(role), ctx.config.model, ctx.tokenizer, ctx.config.seed)
+    return ctx.backend.prepare_frozen(model)
+
+
+def exact_match(ctx: StageContext, policy: nn.Module, problems: list[dict]) -> tuple[float, list[str]]:
+    """Greedy exact-match accuracy on GSM8K-style problems; also returns the completions."""
+    cfg = ctx.config.evaluate
+    prompts = [prompt_ids(ctx.tokenizer, messages_of(p), ctx.config.data) for p in problems]
+    completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, ctx.backend.device, ctx.config.seed)
+    hits = [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(completions, problems)]
+    return sum(hits) / max(len(hits), 1), completions
+
+
+def _sft_metrics(ctx: StageContext, sft: nn.Module) -> dict[str, float]:
+    cfg = ctx.config.evaluate
+    rows = load_rows(ctx, "sft/eval")
+    source = causal_source(rows, ctx.tokenizer.pad_token_id, cfg.micro_batch_size, ctx.config.seed, ctx.backend.device, shuffle=False)
+    m = SFTObjective(source, cfg.eval_max_batches).evaluate(sft)
+    return {"sft/eval_loss": m["loss"], "sft/eval_perplexity": m["perplexity"]}
+
+
+def _pair_source(ctx: StageContext, rows: list[dict], collate=None):
+    cfg = ctx.config.evaluate
+    return pair_source(rows, ctx.tokenizer.pad_token_id, cfg.micro_batch_size, ctx.config.seed, ctx.backend.device, shuffle=False, collate=collate)
+
+
+def _rm_metrics(ctx: StageContext, rm: nn.Module, pairs: list[dict]) -> dict[str, float]:
+    cfg = ctx.config.evaluate
+    m = evaluate_pairs(RewardObjective(None, 0), rm, _pair_source(ctx, pairs), cfg.eval_max_batches)
+    return {"reward_model/eval_accuracy": m["accuracy"], "reward_model/eval_margin": m["margin"]}
+
+
+def _dpo_metrics(ctx: StageContext, dpo: nn.Module, reference: nn.Module, pairs: list[dict]) -> dict[str, float]:
+    from functools import partial
+
+    cfg = ctx.config.evaluate
+    pairs = pairs[: cfg.eval_max_batches * cfg.micro_batch_size]
+    ref = reference_logprobs(reference, pairs, ctx.tokenizer.pad_token_id, cfg.micro_batch_size, ctx.backend.device)
+    rows = [{**p, "ref_chosen_logprobs": c, "ref_rejected_logprobs": r} for p, (c, r) in zip(pairs, ref)]
+    source = _pair_source(ctx, rows, collate=partial(collate_with_reference, pad_id=ctx.tokenizer.pad_token_id))
+    m = evaluate_pairs(DPOObjective(ctx.config.dpo.beta, None, 0), dpo, source, cfg.eval_max_batches)
+    return {"dpo/eval_reward_accuracy": m["rewards/accuracies"], "dpo/eval_reward_margin": m["rewards/margins"]}
+
+
+def _win_rate(ctx: StageContext, rm: nn.Module, sft: nn.Module, dpo: nn.Module, pairs: list[dict]) -> float:
+    cfg, data, device = ctx.config.evaluate, ctx.config.data, ctx.backend.device
+    messages = [messages_of(p) for p in pairs[: cfg.num_winrate_prompts]]
+    prompts = [prompt_ids(ctx.tokenizer, m, data) for m in messages]
+    scores = {}
+    for name, policy in (("sft", sft), ("dpo", dpo)):
+        completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, device, ctx.config.seed)
+        scores[name] = reward_scores(rm, ctx.tokenizer, messages, completions, data, cfg.micro_batch_size, device)
+    wins = [1.0 if d > s else 0.5 if d == s else 0.0 for d, s in zip(scores["dpo"], scores["sft"])]
+    return sum(wins) / max(len(wins), 1)
+
+
+def run(spec: StageSpec) -> Manifest:
+    """Compute every available held-out metric and commit them."""
+    ctx = open_stage(spec)
+    problems = load_rows(ctx, "eval_problems")[: ctx.config.evaluate.num_problems]
+    pairs = load_rows(ctx, "preference/eval")
+    metrics: dict[str, float] = {}
+    policies: dict[str, nn.Module] = {}
+    if spec.inputs.get("base_model", INIT_SOURCE) != INIT_SOURCE:
+        metrics["base/exact_match"], _ = exact_match(ctx, _policy(ctx, "base_model"), problems)
+    for role, name in (("sft_model", "sft"), ("dpo_model", "dpo")):
+        if role in spec.inputs:
+            policies[name] = _policy(ctx, role)
+            metrics[f"{name}/exact_match"], _ = exact_match(ctx, policies[name], problems)
+    if "sft" in policies:
+        metrics.update(_sft_metrics(ctx, policies["sft"]))
+    rm = None
+    if "reward_model" in spec.inputs:
+        rm = ctx.backend.prepare_frozen(load_reward_model(ctx.input("reward_model"), ctx.config.model, ctx.tokenizer, ctx.config.seed))
+        metrics.update(_rm_metrics(ctx, rm, pairs))
+    if "dpo" in policies and "sft" in policies:
+        metrics.update(_dpo_metrics(ctx, policies["dpo"], policies["sft"], pairs))
+        if rm is not None:
+            metrics["dpo_vs_sft/win_rate"] = _win_rate(ctx, rm, policies["sft"], policies["dpo"], pairs)
+    ctx.log_metrics(metrics, 0)
+    return commit_final(ctx, metrics)

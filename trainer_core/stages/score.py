@@ -1,0 +1,87 @@
+"""Score stage: sample completions from the SFT policy on held-out prompts and score them.
+
+Prompts come from two held-out sets: GSM8K-style problems (scored by the exact-match
+verifier of the final number, and by the reward model) and preference-data prompts
+(scored by the reward model). The table is written as ``final/scores.parquet``.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trainer_core.checkpoint.manifest import Manifest
+from trainer_core.data.formats import answers_match, extract_generated_answer
+from trainer_core.generation import generate_completions, messages_of, prompt_ids, reward_scores
+from trainer_core.models import load_causal_lm, load_reward_model
+from trainer_core.spec import StageSpec
+from trainer_core.stages.common import StageContext, commit_final, load_rows, open_stage
+
+
+def _prompts(ctx: StageContext, num_prompts: int) -> list[dict]:
+    problems = load_rows(ctx, "eval_problems")[:num_prompts]
+    pairs = load_rows(ctx, "preference/eval")[:num_prompts]
+    items = [{"source": "eval_problems", "messages": messages_of(r), "answer": r["answer"]} for r in problems]
+    items += [{"source": "preference", "messages": messages_of(r), "answer": None} for r in pairs]
+    return items
+
+
+def _table_bytes(items: list[dict]) -> bytes:
+    table = pa.table(
+        {
+            "source": [i["source"] for i in items],
+            "prompt": [i["messages"][-1]["content"] for i in items],
+            "completion": [i["completion"] for i in items],
+            "answer": [i["answer"] for i in items],
+            "reward": pa.array([i.get("reward") for i in items], type=pa.float64()),
+            "correct": pa.array([i.get("correct") for i in items], type=pa.bool_()),
+        }
+    )
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def score_metrics(items: list[dict], tokenizer) -> dict[str, float]:
+    """Reward mean/std, verifier accuracy, mean completion length in tokens."""
+    metrics: dict[str, float] = {"num_scored": float(len(items))}
+    rewards = [i["reward"] for i in items if i.get("reward") is not None]
+    if rewards:
+        metrics["reward_mean"] = statistics.fmean(rewards)
+        metrics["reward_std"] = statistics.pstdev(rewards)
+    verified = [i["correct"] for i in items if i.get("correct") is not None]
+    if verified:
+        metrics["verifier_accuracy"] = sum(verified) / len(verified)
+    lengths = [len(tokenizer(i["completion"], add_special_tokens=False)["input_ids"]) for i in items]
+    metrics["response_length_tokens"] = statistics.fmean(lengths) if lengths else 0.0
+    return metrics
+
+
+def run(spec: StageSpec) -> Manifest:
+    """Generate, verify and reward-score completions; commit the table."""
+    ctx = open_stage(spec)
+    cfg, data, seed = ctx.config.score, ctx.config.data, ctx.config.seed
+    device = ctx.backend.device
+    items = _prompts(ctx, cfg.num_prompts)
+    policy = ctx.backend.prepare_frozen(load_causal_lm(ctx.input("model"), ctx.config.model, ctx.tokenizer, seed))
+    prompts = [prompt_ids(ctx.tokenizer, i["messages"], data) for i in items]
+    completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, device, seed)
+    del policy
+    for item, completion in zip(items, completions):
+        item["completion"] = completion
+        if item["answer"] is not None:
+            item["correct"] = answers_match(extract_generated_answer(completion), item["answer"])
+    if "reward_model" in spec.inputs:
+        rm = ctx.backend.prepare_frozen(
+            load_reward_model(ctx.input("reward_model"), ctx.config.model, ctx.tokenizer, seed)
+        )
+        messages = [i["messages"] for i in items]
+        rewards = reward_scores(rm, ctx.tokenizer, messages, completions, data, cfg.generation.batch_size, device)
+        for item, reward in zip(items, rewards):
+            item["reward"] = reward
+    metrics = score_metrics(items, ctx.tokenizer)
+    ctx.log_metrics(metrics, 0)
+    return commit_final(ctx, metrics, files={"scores.parquet": _table_bytes(items)})
