@@ -23,10 +23,7 @@ from trainer_core.checkpoint import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME
 from trainer_core.config import PipelineConfig, load_config, resolve_local_root
 from trainer_core.errors import ConfigError
-from trainer_core.spec import final_uri, join_uri, stage_uri
-
-MODEL_FROM_CONFIG = "init"
-"""The ``model`` input meaning "build the model from ``config.model.init``"."""
+from trainer_core.spec import INIT_SOURCE, final_uri, join_uri, stage_uri
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -112,7 +109,7 @@ def stage_inputs(stage: str, config: PipelineConfig, outputs: dict[str, str]) ->
     """
     if stage == "prepare_data":
         return {}
-    source = config.model.name_or_path or MODEL_FROM_CONFIG
+    source = config.model.name_or_path or INIT_SOURCE
     sft = outputs.get("sft")
     inputs = {"data": outputs["prepare_data"]}
     if stage == "sft":

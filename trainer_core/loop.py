@@ -234,9 +234,11 @@ class TrainLoop:
         self.log_metrics(values, self.progress.global_step)
 
     def _remember(self, values: dict[str, float]) -> None:
+        """Keep the latest value of each metric, and the first of the loss and eval metrics."""
         history = self.progress.history
         for k, v in values.items():
-            history.setdefault(f"first/{k}", v)
+            if k == "train/loss" or k.startswith("eval/"):
+                history.setdefault(f"first/{k}", v)
             history[k] = v
 
     def _evaluate(self) -> bool:

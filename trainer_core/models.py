@@ -11,7 +11,6 @@ All are loaded with the ``Auto*`` classes; ``trust_remote_code`` is off unless c
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import torch
@@ -26,9 +25,7 @@ from transformers import (
 
 from trainer_core.config import ModelConfig
 from trainer_core.errors import ConfigError
-
-INIT_SOURCE = "init"
-"""The model source meaning "build from ``model.init``"."""
+from trainer_core.spec import INIT_SOURCE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,8 +124,3 @@ def save_pretrained_to(writer, model: nn.Module, tokenizer: PreTrainedTokenizerB
 def count_parameters(model: nn.Module) -> int:
     """Number of parameters (shared tensors counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def is_local_dir(path: str) -> bool:
-    """True when ``path`` is an existing local directory."""
-    return os.path.isdir(path)

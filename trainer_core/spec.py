@@ -20,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from trainer_core.config import PipelineConfig
 
 
+INIT_SOURCE = "init"
+"""The model-source URI meaning "build the model from ``config.model.init``"."""
+
+
 def join_uri(base: str, *parts: str) -> str:
     """Join URI path parts with '/' (a ``pathlib.Path`` would mangle ``s3://``)."""
     out = base.rstrip("/")

@@ -1,0 +1,250 @@
+"""SFT speed: the project's SFT stage against TRL's ``SFTTrainer``, same model, data and batch.
+
+Run: ``.venv/bin/python bench/bench_sft.py [--steps 30] [--warmup 3] [--synthetic]``.
+Prints train tokens/s of both and their ratio; writes ``.bench/sft.json``. See ``common.py``
+for what the timing holds and ``README.md`` for the latest numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+from common import (
+    MICRO_BATCH_SIZE,
+    StepLog,
+    Workload,
+    captured_stdout,
+    cleanup,
+    environment,
+    patched,
+    prepare_workload,
+    print_table,
+    quiet_libraries,
+    ratio_row,
+    set_threads,
+    stage_spec,
+    summarize_steps,
+    write_result,
+)
+from trainer_core.stages import common as stage_common
+from trainer_core.stages import prepare_data, sft
+
+
+def stage_overrides(stage: str, warmup: int, steps: int) -> dict[str, Any]:
+    """Config overrides that make a training stage a pure timed run: micro-batch 8, no
+    accumulation, one log line per step, evaluation only before step 1 and after the last
+    (one micro-batch), no step checkpoints."""
+    total = warmup + steps
+    return {f"{stage}.max_steps": total, f"{stage}.micro_batch_size": MICRO_BATCH_SIZE,
+            f"{stage}.grad_accum_steps": 1, f"{stage}.eval_every": total, f"{stage}.eval_max_batches": 1,
+            f"{stage}.save_every": 10**9, f"{stage}.log_every": 1}
+
+
+def probe_stage(log: StepLog, objective: type, count_examples):
+    """Hooks recording each training step's end time, tokens and examples while a stage runs.
+
+    The loop calls ``StageContext.log_metrics`` once per optimizer step (``log_every=1``); the
+    objective's ``step`` is counted only in training mode (evaluation calls it too).
+    """
+
+    def on_log(original):
+        def log_metrics(self, metrics, step):
+            if "train/loss" in metrics:
+                log.ends_s.append(time.perf_counter())
+                log.compute_s.append(sum(metrics.get(f"time/{k}_s", 0.0) for k in ("forward", "backward", "optimizer")))
+            return original(self, metrics, step)
+
+        return log_metrics
+
+    def on_step(original):
+        def step(self, model, batch):
+            out = original(self, model, batch)
+            if model.training:
+                log.tokens.append(int(out.num_tokens))
+                log.examples.append(count_examples(batch))
+            return out
+
+        return step
+
+    return [(stage_common.StageContext, "log_metrics", on_log), (objective, "step", on_step)]
+
+
+def run_stage_probed(run, spec, hooks) -> float:
+    """Run a stage entry point in-process with ``hooks`` applied; returns its wall seconds."""
+    t0 = time.perf_counter()
+    with captured_stdout() as tail:
+        try:
+            with patched(*hooks[0]), patched(*hooks[1]):
+                run(spec)
+        except BaseException:
+            print("\n".join(tail))
+            raise
+    return time.perf_counter() - t0
+
+
+def run_project(w: Workload, warmup: int, steps: int) -> dict[str, Any]:
+    """The project's SFT stage, in this process; per-step times from the loop's metric callback."""
+    log = StepLog()
+    hooks = probe_stage(log, sft.SFTObjective, lambda b: int(b["input_ids"].shape[0]))
+    total_s = run_stage_probed(sft.run, stage_spec(w, "sft", {"model": w.model_dir}), hooks)
+    return {**summarize_steps(log, warmup, steps), "stage_total_s": total_s}
+
+
+def trl_rows(w: Workload) -> tuple[list[dict], list[int], list[int]]:
+    """The project's prepared train rows as TRL conversational prompt-completion examples,
+    with the project's sequence and completion token counts (for the equality check)."""
+    rows = prepare_data.load_split(w.data_uri, "sft/train")
+    examples = [{"prompt": json.loads(r["messages_json"]),
+                 "completion": [{"role": "assistant", "content": r["completion"]}]} for r in rows]
+    return examples, [len(r["input_ids"]) for r in rows], [sum(r["loss_mask"]) for r in rows]
+
+
+def trl_args(w: Workload, stage: str, warmup: int, steps: int, **extra) -> dict[str, Any]:
+    """TRL/``TrainingArguments`` kwargs matching the project's run: fp32 on CPU, batch 8, no
+    accumulation, the same optimiser settings, no eval, no saving, no logging in the timed steps,
+    no gradient checkpointing (TRL's default is on: it trades speed for memory)."""
+    cfg = getattr(w.config, stage)
+    return dict(
+        output_dir=os.path.join(w.root, f"trl-{stage}"), max_steps=warmup + steps,
+        per_device_train_batch_size=MICRO_BATCH_SIZE, gradient_accumulation_steps=1,
+        learning_rate=cfg.learning_rate, lr_scheduler_type="cosine", warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1],
+        max_grad_norm=cfg.max_grad_norm or 0.0, logging_steps=10**6, save_strategy="no", eval_strategy="no",
+        report_to=[], dataloader_num_workers=0, bf16=False, fp16=False, gradient_checkpointing=False,
+        use_cpu=True, seed=w.config.seed, disable_tqdm=True, max_length=w.max_length_tokens, **extra,
+    )
+
+
+def step_timer(log: StepLog):
+    """A ``TrainerCallback`` stamping each optimizer step's end (and its begin, for compute time)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        begin_s = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin_s = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            log.ends_s.append(now)
+            log.compute_s.append(now - self.begin_s)
+
+    return StepTimer()
+
+
+def count_collated(trainer, log: StepLog, examples_per_row: int = 1) -> None:
+    """Wrap the trainer's collator to record each batch's real tokens and examples, in order.
+
+    Real tokens: ``attention_mask.sum()``; a padding-free / packed batch has no padding, so all
+    of ``input_ids``. Batches are drawn in step order (one per step without accumulation).
+    """
+    collate = trainer.data_collator
+
+    def counting(features):
+        batch = collate(features)
+        mask = batch.get("attention_mask")
+        log.tokens.append(int(mask.sum()) if mask is not None else int(batch["input_ids"].numel()))
+        log.examples.append(len(features) // examples_per_row)
+        return batch
+
+    trainer.data_collator = counting
+
+
+def run_trl(w: Workload, warmup: int, steps: int, packing: bool = False) -> dict[str, Any]:
+    """TRL's ``SFTTrainer`` on the same rows, tokenizer and initial weights."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    examples, lengths, completion_tokens = trl_rows(w)
+    log = StepLog()
+    tokenizer = prepare_data.load_tokenizer_from(w.data_uri)
+    model = AutoModelForCausalLM.from_pretrained(w.model_dir, dtype="float32")
+    args = SFTConfig(**trl_args(w, "sft", warmup, steps, packing=packing, completion_only_loss=True))
+    t0 = time.perf_counter()
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
+                         processing_class=tokenizer, callbacks=[step_timer(log)])
+    init_s = time.perf_counter() - t0
+    same = None if packing else same_lengths(trainer.train_dataset, lengths, completion_tokens)
+    count_collated(trainer, log)
+    t0 = time.perf_counter()
+    trainer.train()
+    return {**summarize_steps(log, warmup, steps), "init_s": init_s, "train_total_s": time.perf_counter() - t0,
+            "packing": packing, "same_token_ids_as_project": same}
+
+
+def same_lengths(dataset, lengths: list[int], completion_tokens: list[int]) -> bool:
+    """True when TRL tokenised every row to the project's length and completion-token count."""
+    trl_lengths = [len(x) for x in dataset["input_ids"]]
+    trl_completion = [sum(1 for t in x if t != -100) for x in dataset["labels"]]
+    return sorted(trl_lengths) == sorted(lengths) and sorted(trl_completion) == sorted(completion_tokens)
+
+
+def report_rows(project: dict[str, Any], trl: dict[str, Any], trl_packed: dict[str, Any] | None) -> list[dict]:
+    rows = [
+        ratio_row("SFT train tokens/s (step wall clock)", project["tokens_per_s"], trl["tokens_per_s"]),
+        ratio_row("SFT examples/s (step wall clock)", project["examples_per_s"], trl["examples_per_s"], None),
+        ratio_row("SFT median step ms (lower is better)", 1e3 * project["median_step_s"],
+                  1e3 * trl["median_step_s"], None),
+    ]
+    if trl_packed is not None:
+        rows.append(ratio_row("SFT train tokens/s vs TRL packing=True", project["tokens_per_s"],
+                              trl_packed["tokens_per_s"]))
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments shared with ``run_all.py``."""
+    parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per trainer")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (>= 1)")
+    parser.add_argument("--synthetic", action="store_true", help="generated arithmetic task instead of the files")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Prepare the SFT workload, time the project's stage then TRL's trainer, report."""
+    set_threads()
+    quiet_libraries()
+    t0 = time.perf_counter()
+    w = prepare_workload("sft", synthetic=args.synthetic, max_length=args.sft_max_length,
+                         num_examples=args.sft_examples, seed=args.seed,
+                         overrides=stage_overrides("sft", args.warmup, args.steps))
+    try:
+        prep_s = time.perf_counter() - t0
+        project = run_project(w, args.warmup, args.steps)
+        trl = run_trl(w, args.warmup, args.steps)
+        trl_packed = run_trl(w, args.warmup, args.steps, packing=True) if args.trl_packing else None
+    finally:
+        cleanup(w)
+    rows = report_rows(project, trl, trl_packed)
+    print_table(f"SFT, {w.num_params / 1e6:.2f}M-param Llama, batch {MICRO_BATCH_SIZE}, max_length "
+                f"{w.max_length_tokens}, {args.steps} timed steps after {args.warmup} warmup, data {w.source}", rows)
+    payload = {"benchmark": "sft", "rows": rows, "project": project, "trl": trl, "trl_packing": trl_packed,
+               "workload": {"source": w.source, "num_params": w.num_params, "max_length": w.max_length_tokens,
+                            "micro_batch_size": MICRO_BATCH_SIZE, "examples": args.sft_examples,
+                            "prepare_s": prep_s},
+               "environment": environment()}
+    print(f"wrote {write_result('sft', payload)}")
+    return payload
+
+
+def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sft-max-length", type=int, default=256, help="max prompt + completion tokens")
+    parser.add_argument("--sft-examples", type=int, default=2000, help="records kept (train + 16 held out)")
+    parser.add_argument("--trl-packing", action="store_true", help="also time TRL with packing=True")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    add_sft_arguments(parser)
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

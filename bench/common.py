@@ -1,0 +1,345 @@
+"""What the speed benchmarks against TRL share: the workload, the step timers, the report.
+
+One workload feeds both sides: the project's own ``prepare_data`` stage trains the BPE
+tokenizer and tokenises the data; the same tokenizer, the same train rows (given to TRL as
+text in its conversational prompt-completion / preference format) and the same model weights
+(a ~4.2M-parameter Llama built once from a seeded ``LlamaConfig`` and saved to a directory
+both sides load) go to each trainer. Rows longer than the benchmark's max length are left
+out before the final ``prepare_data`` pass, so neither side truncates anything and both see
+exactly the same token ids (checked: see ``check_same_lengths``).
+
+Timing, identical on both sides: a step is timed from the end of the previous optimizer
+step to the end of this one (wall clock), so it holds fetching and collating the batch,
+forward, backward, clipping, the optimizer and the per-step bookkeeping of each trainer;
+the first ``warmup`` steps are excluded. Throughput = real (non-padding) tokens of the
+examples of the timed steps / their wall seconds; pairs/s = pairs of the timed steps / their
+wall seconds. One-off work (data preparation, tokenisation, model loading, the reference
+log-prob pass of DPO, the evaluations, the final save) is outside the step timing and
+reported separately where it matters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer_core.checkpoint.storage import configure
+from trainer_core.config import PipelineConfig, load_config
+from trainer_core.data.formats import to_preference_example, to_sft_example
+from trainer_core.data.synthetic import make_preference_records, make_sft_records
+from trainer_core.data.tokenizer import encode_chat
+from trainer_core.errors import DataError
+from trainer_core.models import count_parameters, load_causal_lm
+from trainer_core.spec import StageSpec, final_uri, stage_uri
+from trainer_core.stages import prepare_data
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / ".bench"
+DATA_DIR = Path(os.environ.get("POSTTRAIN_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
+GSM8K = DATA_DIR / "gsm8k" / "train.jsonl"
+HH_PAIRS = DATA_DIR / "hh-rlhf-harmless" / "pairs.jsonl"
+
+NUM_THREADS = 2
+MICRO_BATCH_SIZE = 8
+VOCAB_SIZE = 4096
+MODEL_INIT = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 512,
+}
+"""With the 4096-token vocabulary (tied embeddings): 4,212,992 parameters."""
+
+TARGET_RATIO = 2.0
+"""The issue's target: the project's throughput at least 2x TRL's."""
+
+
+@dataclass
+class Workload:
+    """One benchmark's prepared data and model, shared by both trainers.
+
+    Attributes:
+        kind: ``"sft"`` or ``"dpo"``.
+        root: temporary storage root (deleted by :func:`cleanup`).
+        config: the pipeline config of the final ``prepare_data`` pass and the stage runs.
+        data_uri: the committed ``prepare_data`` output.
+        model_dir: HF directory of the seeded initial model (weights + tokenizer).
+        max_length_tokens: longest row kept (prompt + completion), the same ``max_length`` for TRL.
+        num_params: parameters of the model (tied embeddings counted once).
+        source: where the records came from.
+    """
+
+    kind: str
+    root: str
+    config: PipelineConfig
+    data_uri: str
+    model_dir: str
+    max_length_tokens: int
+    num_params: int
+    source: str
+
+
+def set_threads() -> None:
+    """Both sides run with :data:`NUM_THREADS` intra-op threads (the 2-core CI machine)."""
+    torch.set_num_threads(NUM_THREADS)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        raise DataError(f"{path} not found; pass --synthetic to use the generated task")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def raw_records(kind: str, synthetic: bool, seed: int, num: int) -> tuple[list[dict], str, str]:
+    """(records, format, source name) of the benchmark's data, before any filtering.
+
+    ``num`` caps the synthetic generator only; real files are read whole and capped later.
+    """
+    if kind == "sft":
+        if synthetic:
+            return make_sft_records(num, seed, 20), "gsm8k", "synthetic"
+        return _read_jsonl(GSM8K), "gsm8k", str(GSM8K)
+    if synthetic:
+        return make_preference_records(num, seed, 20), "prompt_completion", "synthetic"
+    return _read_jsonl(HH_PAIRS), "hh_rlhf", str(HH_PAIRS)
+
+
+def _full_lengths(kind: str, record: dict, fmt: str, tokenizer: Any) -> list[int] | None:
+    """Untruncated token counts of a record's sequence(s); None when it does not parse."""
+    try:
+        ex = to_sft_example(record, fmt) if kind == "sft" else to_preference_example(record, fmt)
+    except DataError:
+        return None
+    completions = [ex["completion"]] if kind == "sft" else [ex["chosen"], ex["rejected"]]
+    big = 1 << 20
+    return [len(encode_chat(tokenizer, ex["messages"], c, big, big - 1)["input_ids"]) for c in completions]
+
+
+def fitting_records(kind: str, records: list[dict], fmt: str, tokenizer: Any, max_length: int,
+                    limit: int) -> list[dict]:
+    """The first ``limit`` records whose every sequence fits in ``max_length`` tokens untruncated."""
+    kept = []
+    for record in records:
+        lengths = _full_lengths(kind, record, fmt, tokenizer)
+        if lengths is not None and max(lengths) <= max_length:
+            kept.append(record)
+            if len(kept) >= limit:
+                break
+    return kept
+
+
+def _write_jsonl(path: str, records: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps({k: v for k, v in r.items() if k != "_source"}, ensure_ascii=False) + "\n")
+
+
+def _config(overrides: dict[str, Any]) -> PipelineConfig:
+    return load_config(None, overrides=overrides)
+
+
+def _run_prepare(config: PipelineConfig, run_id: str) -> str:
+    spec = StageSpec(stage="prepare_data", run_id=run_id, config=config, inputs={},
+                     output_uri=stage_uri(config.storage.root, run_id, "prepare_data"))
+    prepare_data.run(spec)
+    return final_uri(spec.output_uri)
+
+
+def _data_overrides(kind: str, uri: str | None, fmt: str, max_length: int) -> dict[str, Any]:
+    source = "data.sft" if kind == "sft" else "data.preference"
+    other = "data.preference" if kind == "sft" else "data.sft"
+    out = {f"{source}.uri": uri, f"{source}.format": fmt, "data.max_eval_rows": 16,
+           "data.max_length_tokens": max_length, "data.max_prompt_length_tokens": max_length - 1,
+           "data.synthetic.num_problems": 64, "data.synthetic.num_pairs": 64}
+    out[f"{other}.uri"] = None  # the unused data set: a small synthetic one
+    return out
+
+
+def prepare_workload(kind: str, *, synthetic: bool, max_length: int, num_examples: int, seed: int,
+                     overrides: dict[str, Any]) -> Workload:
+    """Prepare the data twice with the project's ``prepare_data`` and build the shared model.
+
+    Pass 1 trains the tokenizer on all records (``model.init``: tokenizer trained on the data).
+    The first ``num_examples`` records that fit ``max_length`` untruncated are written to a
+    JSONL file; pass 2 prepares them with that tokenizer, loaded from the saved model
+    directory (``model.name_or_path``), which both trainers then load.
+
+    Args:
+        kind: ``"sft"`` (GSM8K) or ``"dpo"`` (HH-RLHF harmless pairs).
+        synthetic: use the generated arithmetic task instead of the files.
+        max_length: longest prompt + completion kept, in tokens.
+        num_examples: records kept (train + held-out split).
+        seed: the pipeline seed (split, init, shuffling).
+        overrides: extra config overrides for the stage runs (``sft.*`` / ``dpo.*``).
+    """
+    root = tempfile.mkdtemp(prefix=f"posttrain-bench-{kind}-")
+    records, fmt, source = raw_records(kind, synthetic, seed, max(4 * num_examples, 200))
+    tmp_jsonl = os.path.join(root, f"{kind}.jsonl")
+    _write_jsonl(tmp_jsonl, records)
+    common = {"seed": seed, "storage.root": root, "tokenizer.vocab_size": VOCAB_SIZE, "backend.device": "cpu"}
+    first = _config({**common, **_data_overrides(kind, tmp_jsonl, fmt, 2048),
+                     **{f"model.init.{k}": v for k, v in MODEL_INIT.items()}})
+    tokenizer = prepare_data.load_tokenizer_from(_run_prepare(first, "tokenizer"))
+    kept = fitting_records(kind, records, fmt, tokenizer, max_length, num_examples)
+    _write_jsonl(tmp_jsonl, kept)
+    model_dir = os.path.join(root, "init-model")
+    model = load_causal_lm("init", first.model, tokenizer, seed)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    second = _config({**common, **_data_overrides(kind, tmp_jsonl, fmt, max_length), **overrides,
+                      "model.init": None, "model.name_or_path": model_dir})
+    configure(second.storage)
+    return Workload(kind=kind, root=root, config=second, data_uri=_run_prepare(second, "bench"),
+                    model_dir=model_dir, max_length_tokens=max_length, num_params=count_parameters(model),
+                    source=source)
+
+
+def cleanup(workload: Workload) -> None:
+    """Delete the workload's temporary storage root."""
+    shutil.rmtree(workload.root, ignore_errors=True)
+
+
+def stage_spec(workload: Workload, stage: str, inputs: dict[str, str]) -> StageSpec:
+    """A spec running ``stage`` of the workload's config with ``inputs`` (``data`` added)."""
+    return StageSpec(stage=stage, run_id="bench", config=workload.config,
+                     inputs={"data": workload.data_uri, **inputs},
+                     output_uri=stage_uri(workload.config.storage.root, "bench", stage))
+
+
+@dataclass
+class StepLog:
+    """What a trainer did at each optimizer step, in step order (index 0 = step 1).
+
+    Attributes:
+        ends_s: ``time.perf_counter()`` at the end of each step.
+        tokens: real (non-padding) tokens of each step's examples.
+        examples: examples (SFT rows or preference pairs) of each step.
+        compute_s: the trainer's own forward + backward + optimizer time of each step, when known.
+    """
+
+    ends_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    examples: list[int] = field(default_factory=list)
+    compute_s: list[float] = field(default_factory=list)
+
+
+def summarize_steps(log: StepLog, warmup: int, steps: int) -> dict[str, float]:
+    """Throughput over steps ``warmup + 1 .. warmup + steps`` (1-based).
+
+    Raises:
+        RuntimeError: fewer steps were logged than asked for, or ``warmup`` < 1 (the first
+            timed step starts at the end of the last warmup step).
+    """
+    if warmup < 1:
+        raise RuntimeError("need at least 1 warmup step: a timed step starts when the previous one ends")
+    if len(log.ends_s) < warmup + steps or len(log.tokens) < warmup + steps:
+        raise RuntimeError(f"asked for {warmup}+{steps} steps, the trainer logged {len(log.ends_s)} step ends "
+                           f"and {len(log.tokens)} token counts")
+    window = slice(warmup, warmup + steps)
+    wall_s = log.ends_s[warmup + steps - 1] - log.ends_s[warmup - 1]
+    step_s = [b - a for a, b in zip(log.ends_s[warmup - 1 : warmup + steps - 1], log.ends_s[window])]
+    tokens, examples = sum(log.tokens[window]), sum(log.examples[window])
+    out = {
+        "timed_steps": steps,
+        "warmup_steps": warmup,
+        "wall_s": wall_s,
+        "tokens": tokens,
+        "examples": examples,
+        "tokens_per_s": tokens / wall_s,
+        "examples_per_s": examples / wall_s,
+        "median_step_s": statistics.median(step_s),
+    }
+    if len(log.compute_s) >= warmup + steps:
+        out["compute_s"] = sum(log.compute_s[window])
+        out["compute_share"] = out["compute_s"] / wall_s
+    return out
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Replace ``owner.name`` by ``make(original)`` for the duration of the block."""
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def captured_stdout(keep_lines: int = 20) -> Iterator[list[str]]:
+    """Capture stdout (the stages print one line per step); the last lines come back in the list."""
+    buffer, tail = io.StringIO(), []
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield tail
+    finally:
+        tail.extend(buffer.getvalue().splitlines()[-keep_lines:])
+
+
+def ratio_row(metric: str, project: float, trl: float, target: float | None = TARGET_RATIO) -> dict[str, Any]:
+    """One line of the report; ``met`` is None for rows without a target."""
+    ratio = project / trl if trl else float("nan")
+    return {"metric": metric, "project": project, "trl": trl, "ratio": ratio, "target": target,
+            "met": None if target is None else ratio >= target}
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    """Print rows of :func:`ratio_row` as a fixed-width table."""
+    print(f"\n{title}")
+    print(f"{'metric':<52} {'project':>10} {'TRL':>10} {'ratio':>7}  target")
+    for r in rows:
+        target = "-" if r["target"] is None else f">= {r['target']:g}x " + ("ok" if r["met"] else "MISSED")
+        print(f"{r['metric']:<52} {r['project']:>10.2f} {r['trl']:>10.2f} {r['ratio']:>6.2f}x  {target}")
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts recorded with every result."""
+    import transformers
+    import trl
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` as ``.bench/<name>.json``; returns the path."""
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    return path
+
+
+def quiet_libraries() -> None:
+    """Silence progress bars and info logs of datasets / transformers / TRL (not warnings)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_warning()
+    transformers.logging.set_verbosity_warning()

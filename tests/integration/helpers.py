@@ -1,0 +1,298 @@
+"""Shared machinery of the integration tests: a tiny pipeline config, stage specs, and stage
+processes launched (and killed) exactly as the stage tasks launch them.
+
+Every stage runs as ``python -m trainer_core.run <spec>`` in a fresh interpreter pinned to
+one CPU thread (``OMP_NUM_THREADS=1``): the runs compared bit for bit must do the same
+float reductions, and one thread per process lets two processes share the 2-core CI box.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from trainer_core.checkpoint import storage
+from trainer_core.checkpoint.manifest import MANIFEST_NAME, step_dirname
+from trainer_core.config import TRAINING_STAGES, PipelineConfig, load_config
+from trainer_core.spec import StageSpec, checkpoints_uri, final_uri, join_uri
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
+RUN_ID = "itest"
+MAX_STEPS = 12
+SAVE_EVERY = 4
+
+_DATA_OVERRIDES = {
+    "data.synthetic.num_problems": 200,
+    "data.synthetic.num_pairs": 120,
+    "data.max_length_tokens": 96,
+    "data.max_prompt_length_tokens": 48,
+    "data.max_eval_rows": 32,
+    "tokenizer.vocab_size": 300,
+    "model.init.hidden_size": 32,
+    "model.init.intermediate_size": 64,
+    "model.init.num_hidden_layers": 2,
+    "model.init.max_position_embeddings": 128,
+}
+_TRAIN_OVERRIDES = {
+    "max_steps": MAX_STEPS,
+    "save_every": SAVE_EVERY,
+    "eval_every": SAVE_EVERY,
+    "eval_max_batches": 2,
+    "micro_batch_size": 4,
+    "grad_accum_steps": 1,
+    "warmup_steps": 2,
+    "log_every": 1,
+    "keep_last_checkpoints": 2,
+}
+_STAGE_OVERRIDES = {
+    # 16 pairs a step over ~108 training pairs: the step-8 checkpoint sits inside epoch 1,
+    # so a resume from it starts mid-way through a reshuffled epoch.
+    "reward_model": {"micro_batch_size": 16},
+    # Two micro-batches a step: accumulation state must not leak across a resume.
+    "dpo": {"grad_accum_steps": 2},
+}
+
+STEP_LINE = re.compile(r"\[(?P<stage>\w+)\] step (?P<step>\d+): (?P<metrics>.*)$")
+UNTIMED = ("train/tokens_per_s",)
+"""Logged metrics that measure wall time: never equal between two runs."""
+
+
+def tiny_overrides() -> dict[str, object]:
+    """``key.path -> value`` overrides shrinking the demo config to a seconds-long run per stage."""
+    out: dict[str, object] = dict(_DATA_OVERRIDES)
+    for stage in TRAINING_STAGES:
+        for key, value in {**_TRAIN_OVERRIDES, **_STAGE_OVERRIDES.get(stage, {})}.items():
+            out[f"{stage}.{key}"] = value
+    return out
+
+
+def tiny_config(root: str) -> PipelineConfig:
+    """The demo config with :func:`tiny_overrides`, writing under ``root``."""
+    return load_config(str(DEMO_CONFIG), overrides={**tiny_overrides(), "storage.root": root})
+
+
+def stage_inputs(stage: str, data_uri: str, sft_model_uri: str | None) -> dict[str, str]:
+    """A stage's input roles, wired as the pipeline flow wires them."""
+    if stage == "sft":
+        return {"data": data_uri, "model": "init"}
+    assert sft_model_uri is not None, f"{stage} needs the SFT model"
+    if stage == "reward_model":
+        return {"data": data_uri, "model": sft_model_uri}
+    if stage == "dpo":
+        return {"data": data_uri, "model": sft_model_uri, "reference": sft_model_uri}
+    raise ValueError(f"not a training stage: {stage}")
+
+
+def write_spec(spec: StageSpec, path: str | Path) -> str:
+    """Write ``spec`` as JSON to the local ``path``; returns the path."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(spec.model_dump_json())
+    return str(path)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a stage process: one compute thread, no MLflow server, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "AWS_"))}
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        TQDM_DISABLE="1",
+    )
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class StageRun:
+    """What one stage process did.
+
+    Attributes:
+        returncode: exit status; ``-signal.SIGKILL`` when the test killed it.
+        lines: its stdout and stderr lines, in order.
+        killed: the test killed it (the kill condition came true while it ran).
+        wall_s: seconds from launch to exit.
+    """
+
+    returncode: int
+    lines: list[str]
+    killed: bool
+    wall_s: float
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def step_metrics(self) -> dict[int, dict[str, str]]:
+        """``{global_step: {metric: printed value}}`` from every ``[stage] step N: ...`` line.
+
+        Train and eval lines of the same step are merged; wall-time metrics are left out.
+        Values stay the printed strings: equal strings are what "the same lines" means.
+        """
+        out: dict[int, dict[str, str]] = {}
+        for line in self.lines:
+            m = STEP_LINE.search(line)
+            if not m:
+                continue
+            values = out.setdefault(int(m["step"]), {})
+            for pair in m["metrics"].split():
+                key, _, value = pair.partition("=")
+                if key not in UNTIMED:
+                    values[key] = value
+        return out
+
+
+def run_stage(
+    spec_path: str,
+    *,
+    kill_when: Callable[[list[str]], bool] | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 240.0,
+    poll_s: float = 0.002,
+) -> StageRun:
+    """Run ``python -m trainer_core.run <spec_path>``; SIGKILL its process group once ``kill_when`` holds.
+
+    Args:
+        spec_path: the stage spec file.
+        kill_when: polled every ``poll_s`` with the output lines so far; when it returns True the
+            whole process group gets SIGKILL (no cleanup runs, as when a node dies).
+        env: extra environment variables for the child.
+        timeout_s: kill and fail after this long.
+        poll_s: polling interval.
+
+    Raises:
+        AssertionError: ``kill_when`` was given but the stage exited before it held.
+        TimeoutError: the stage ran past ``timeout_s``.
+    """
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer_core.run", spec_path],
+        cwd=REPO_ROOT,
+        env=child_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    killed = False
+    try:
+        while proc.poll() is None:
+            if kill_when is not None and kill_when(lines):
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed = True
+                break
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"{spec_path} ran past {timeout_s}s:\n" + "\n".join(lines[-40:]))
+            time.sleep(poll_s)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(timeout=30)
+        proc.stdout.close()
+    run = StageRun(returncode=proc.returncode, lines=lines, killed=killed, wall_s=time.monotonic() - t0)
+    if kill_when is not None and not killed:
+        raise AssertionError(f"{spec_path} exited (rc={run.returncode}) before the kill point:\n{run.tail()}")
+    return run
+
+
+def after_checkpoint(output_uri: str, step: int) -> Callable[[list[str]], bool]:
+    """Kill condition: the ``step-XXXXXXXX`` checkpoint of ``output_uri`` is committed (manifest on storage)."""
+    manifest = join_uri(checkpoints_uri(output_uri), step_dirname(step), MANIFEST_NAME)
+    return lambda _lines: storage.exists(manifest)
+
+
+def after_step(stage: str, step: int) -> Callable[[list[str]], bool]:
+    """Kill condition: the stage printed the metrics line of optimizer step ``step``."""
+    prefix = f"[{stage}] step {step}:"
+    return lambda lines: any(line.startswith(prefix) for line in lines)
+
+
+def committed_steps(output_uri: str) -> list[int]:
+    """Global steps of the checkpoints of ``output_uri`` that have a manifest, ascending."""
+    ckpts = checkpoints_uri(output_uri)
+    steps = []
+    for name in storage.list_dirs(ckpts):
+        if name.startswith("step-") and storage.exists(join_uri(ckpts, name, MANIFEST_NAME)):
+            steps.append(int(name.removeprefix("step-")))
+    return sorted(steps)
+
+
+def checkpoint_uri(output_uri: str, step: int) -> str:
+    """``<output_uri>/checkpoints/step-XXXXXXXX``."""
+    return join_uri(checkpoints_uri(output_uri), step_dirname(step))
+
+
+def final_weights(output_uri: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``<output_uri>/final/model.safetensors`` (any storage)."""
+    return safetensors.torch.load(storage.read_bytes(join_uri(final_uri(output_uri), "model.safetensors")))
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Every tensor bit-identical (same names, dtypes, shapes and values)."""
+    assert sorted(actual) == sorted(expected)
+    differ = [k for k in expected if actual[k].dtype != expected[k].dtype or not torch.equal(actual[k], expected[k])]
+    assert not differ, f"{len(differ)}/{len(expected)} tensors differ, e.g. {differ[:5]}"
+
+
+@dataclass
+class TinyPipeline:
+    """Prepared data plus one uninterrupted run of every training stage: the references.
+
+    Attributes:
+        root: local directory holding everything.
+        config: the tiny pipeline config.
+        data_uri: prepare_data's final directory.
+        baseline_uris: training stage -> output URI of its uninterrupted run.
+        baseline_runs: training stage -> that run.
+    """
+
+    root: str
+    config: PipelineConfig
+    data_uri: str
+    baseline_uris: dict[str, str] = field(default_factory=dict)
+    baseline_runs: dict[str, StageRun] = field(default_factory=dict)
+
+    def spec(self, stage: str, output_uri: str) -> StageSpec:
+        """The spec of ``stage`` writing to ``output_uri``; models come from the baselines."""
+        sft = self.baseline_uris.get("sft")
+        inputs = stage_inputs(stage, self.data_uri, final_uri(sft) if sft else None)
+        return StageSpec(stage=stage, run_id=RUN_ID, config=self.config, inputs=inputs, output_uri=output_uri)
+
+    def write_spec(self, stage: str, output_uri: str, name: str) -> str:
+        """Write :meth:`spec` to ``<root>/specs/<name>.json``; returns the path."""
+        return write_spec(self.spec(stage, output_uri), os.path.join(self.root, "specs", f"{name}.json"))
+
+    def run_baseline(self, stage: str) -> StageRun:
+        """Run ``stage`` uninterrupted into ``<root>/baseline/<stage>`` and record it."""
+        uri = os.path.join(self.root, "baseline", stage)
+        run = run_stage(self.write_spec(stage, uri, f"baseline-{stage}"))
+        assert run.returncode == 0, run.tail()
+        self.baseline_uris[stage] = uri
+        self.baseline_runs[stage] = run
+        return run
