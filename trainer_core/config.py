@@ -17,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from trainer_core.errors import ConfigError
 
-STAGE_ORDER: tuple[str, ...] = ("prepare_data", "sft", "reward_model", "score", "dpo", "evaluate")
+STAGE_ORDER: tuple[str, ...] = ("prepare_data", "sft", "reward_model", "score", "dpo", "ppo", "grpo", "evaluate")
 """Every stage the pipeline knows, in pipeline order."""
 
-TRAINING_STAGES: tuple[str, ...] = ("sft", "reward_model", "dpo")
+TRAINING_STAGES: tuple[str, ...] = ("sft", "reward_model", "dpo", "ppo", "grpo")
 """Stages that run an optimizer loop and write step checkpoints."""
 
 
@@ -174,7 +174,13 @@ class TrainStageConfig(_Base):
     eval_every: int = Field(25, ge=1, description="Evaluate every N optimizer steps (and at the end).")
     eval_max_batches: int = Field(8, ge=1, description="Max eval micro-batches per evaluation.")
     save_every: int = Field(50, ge=1, description="Write a checkpoint every N optimizer steps.")
-    keep_last_checkpoints: int = Field(2, ge=1, description="Checkpoints kept; older ones are purged.")
+    keep_last_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are purged.")
+    keep_best_metric: str | None = Field(
+        "eval/loss", description="Also keep the checkpoint with the lowest value of this metric (None: off)."
+    )
+    async_save: bool = Field(
+        True, description="Upload checkpoints in a background thread (at most one save in flight)."
+    )
     early_stopping_patience: int | None = Field(
         None, ge=1, description="Stop after this many evaluations without a better eval loss (None: off)."
     )
@@ -232,6 +238,65 @@ class EvaluateConfig(_Base):
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Generation settings.")
 
 
+class RewardConfig(_Base):
+    """How an online RL stage scores a completion: learned, verifiable, or a weighted sum."""
+
+    kind: Literal["reward_model", "verifier", "weighted"] = Field(
+        "verifier", description="'reward_model': the trained RM's score; 'verifier': exact match of the final "
+        "number (1/0) plus format bonus; 'weighted': weights.reward_model * RM + weights.verifier * verifier."
+    )
+    reward_model_from: str | None = Field(None, description="Reward model URI; None: the reward_model output.")
+    reward_model_weight: float = Field(1.0, description="Weight of the RM score in 'weighted'.")
+    verifier_weight: float = Field(1.0, description="Weight of the verifier score in 'weighted'.")
+    format_bonus: float = Field(
+        0.1, ge=0, description="Verifier: added when the completion has a '#### <number>' final line."
+    )
+
+
+class RLStageConfig(TrainStageConfig):
+    """Settings shared by online RL stages (PPO, GRPO). ``max_steps`` counts rollout-update iterations."""
+
+    learning_rate: float = Field(1e-4, gt=0, description="Peak policy learning rate (AdamW).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay.")
+    reference_from: str | None = Field(None, description="Reference model URI; None: the policy's starting model.")
+    prompts_per_rollout: int = Field(8, ge=1, description="Prompts sampled per rollout-update iteration.")
+    ppo_epochs: int = Field(1, ge=1, description="Optimisation passes over each rollout batch.")
+    num_mini_batches: int = Field(1, ge=1, description="Mini-batches (optimizer steps) per epoch of a rollout batch.")
+    clip_eps: float = Field(0.2, gt=0, description="Policy ratio clip range epsilon.")
+    kl_coef: float = Field(0.05, ge=0, description="KL penalty coefficient (initial value when adaptive).")
+    kl_estimator: Literal["k1", "k3"] = Field("k1", description="Per-token KL estimator (Schulman's k1 or k3).")
+    adaptive_kl: bool = Field(False, description="Adapt kl_coef towards kl_target (Ziegler et al. 2019).")
+    kl_target: float = Field(6.0, gt=0, description="Target KL for the adaptive controller.")
+    kl_horizon: int = Field(10000, ge=1, description="Horizon of the adaptive KL controller.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+    generation: GenerationConfig = Field(
+        default_factory=lambda: GenerationConfig(max_new_tokens=48, temperature=1.0, top_p=1.0),
+        description="Rollout sampling settings.",
+    )
+
+
+class PPOConfig(RLStageConfig):
+    """PPO with a value head, GAE, and a per-token KL penalty against the reference."""
+
+    reward: RewardConfig = Field(
+        default_factory=lambda: RewardConfig(kind="reward_model"), description="Reward function."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    vf_coef: float = Field(0.1, ge=0, description="Value loss coefficient.")
+    value_clip_eps: float = Field(0.2, gt=0, description="Value prediction clip range.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages to zero mean, unit variance.")
+
+
+class GRPOConfig(RLStageConfig):
+    """GRPO: G samples per prompt, group-normalised advantages, no critic."""
+
+    group_size: int = Field(4, ge=2, description="Completions sampled per prompt (G).")
+    scale_rewards: bool = Field(True, description="Divide group advantages by the group std (False: Dr. GRPO).")
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0: no KL term, no reference).")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="Per-token KL estimator (k3 as in DeepSeekMath).")
+
+
 class LaunchConfig(_Base):
     """How the stage tasks run the trainer processes."""
 
@@ -262,6 +327,8 @@ class PipelineConfig(_Base):
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Reward model stage.")
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="Scoring stage.")
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO stage.")
+    ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO stage.")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO stage.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
 
     @field_validator("stages", mode="before")

@@ -11,6 +11,7 @@ micro-batches of ``micro_batch_size`` examples each.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import resource
@@ -25,7 +26,13 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainer_core.backends.base import Backend
 from trainer_core.checkpoint.manifest import find_latest, purge_checkpoints, step_dirname
-from trainer_core.checkpoint.train_state import TrainProgress, load_train_state, save_train_state
+from trainer_core.checkpoint.train_state import (
+    CheckpointSaver,
+    TrainProgress,
+    load_train_state,
+    snapshot_train_state,
+    write_checkpoint,
+)
 from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition, iterate_batches
 from trainer_core.spec import join_uri
@@ -126,7 +133,10 @@ class TrainLoop:
         cfg: the stage's optimisation config.
         checkpoints_uri: where ``step-XXXXXXXX/`` checkpoints go.
         manifest_fields: fields recorded in every checkpoint manifest (stage, run_id, ...).
-        log_metrics: callback ``(metrics, global_step)`` (MLflow, stdout).
+        log_metrics: callback ``(metrics, global_step)`` called at once (console / task log).
+        commit_metrics: callback ``([(metrics, global_step), ...])`` called once the steps'
+            checkpoint is committed, and at the end (MLflow). A run killed after a checkpoint
+            re-logs the later steps on resume, so the tracker never holds a step twice.
     """
 
     model: nn.Module
@@ -137,11 +147,14 @@ class TrainLoop:
     checkpoints_uri: str
     manifest_fields: dict[str, Any]
     log_metrics: Callable[[dict[str, float], int], None]
+    commit_metrics: Callable[[list[tuple[dict[str, float], int]]], None] = lambda batch: None
 
     def __post_init__(self) -> None:
         self.optimizer = build_optimizer(self.model, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.progress = TrainProgress()
+        self.saver = CheckpointSaver(asynchronous=self.cfg.async_save)
+        self._uncommitted: list[tuple[dict[str, float], int]] = []
 
     def resume(self) -> bool:
         """Load the latest complete checkpoint, if any; True when one was loaded.
@@ -160,7 +173,21 @@ class TrainLoop:
         return True
 
     def run(self) -> TrainProgress:
-        """Train until ``max_steps`` or early stopping; returns the final progress."""
+        """Train until ``max_steps`` or early stopping; returns the final progress.
+
+        Waits for the last checkpoint upload, then hands the remaining metrics to
+        ``commit_metrics``. On an exception the in-flight upload is still awaited (so no
+        thread writes after the process decides to exit) and uncommitted metrics are dropped.
+        """
+        try:
+            self._train()
+        finally:
+            self.saver.close()
+        self.commit_metrics(self._uncommitted)
+        self._uncommitted = []
+        return self.progress
+
+    def _train(self) -> None:
         cfg, progress = self.cfg, self.progress
         if progress.global_step == 0 and "eval/loss" not in progress.history:
             self._evaluate()
@@ -178,7 +205,6 @@ class TrainLoop:
                 log.info("early stopping at global_step %d", progress.global_step)
                 progress.history["stopped_early"] = 1.0
                 break
-        return progress
 
     def _optimizer_step(self, stream: Iterator) -> dict[str, float]:
         cfg, progress = self.cfg, self.progress
@@ -230,8 +256,12 @@ class TrainLoop:
         values = {k: float(v) for k, v in metrics.items()}
         values["memory/peak_bytes"] = float(_peak_memory_bytes(self.backend.device))
         values["train/consumed_samples"] = float(self.progress.consumed_samples)
+        self._emit(values)
+
+    def _emit(self, values: dict[str, float]) -> None:
         self._remember(values)
         self.log_metrics(values, self.progress.global_step)
+        self._uncommitted.append((values, self.progress.global_step))
 
     def _remember(self, values: dict[str, float]) -> None:
         """Keep the latest value of each metric, and the first of the loss and eval metrics."""
@@ -249,8 +279,7 @@ class TrainLoop:
         with torch.no_grad():
             metrics = {f"eval/{k}": float(v) for k, v in self.objective.evaluate(model).items()}
         model.train(was_training)
-        self._remember(metrics)
-        self.log_metrics(metrics, self.progress.global_step)
+        self._emit(metrics)
         loss = metrics["eval/loss"]
         progress = self.progress
         if progress.best_eval_loss is None or loss < progress.best_eval_loss:
@@ -261,19 +290,44 @@ class TrainLoop:
         return patience is not None and progress.evals_without_improvement >= patience
 
     def save(self) -> None:
-        """Checkpoint the current state, then purge checkpoints beyond ``keep_last_checkpoints``."""
-        uri = join_uri(self.checkpoints_uri, step_dirname(self.progress.global_step))
+        """Checkpoint the current state; the upload may overlap the next steps.
+
+        The state is copied to host memory now; writing, the manifest commit, the MLflow
+        flush of the steps it covers and the purge of old checkpoints (keeping the newest
+        ``keep_last_checkpoints`` and the best by ``keep_best_metric``) follow in order.
+        """
+        name = step_dirname(self.progress.global_step)
+        uri = join_uri(self.checkpoints_uri, name)
+        self._track_best(name)
         t0 = time.perf_counter()
-        save_train_state(
-            uri,
-            model=self.backend.unwrap(self.model),
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            progress=self.progress,
-            manifest_fields=self.manifest_fields,
+        files = snapshot_train_state(
+            model=self.backend.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler, progress=self.progress
         )
-        log.info("checkpoint %s committed in %.2fs", uri, time.perf_counter() - t0)
-        purge_checkpoints(self.checkpoints_uri, keep_last=self.cfg.keep_last_checkpoints)
+        progress = copy.deepcopy(self.progress)
+        history = progress.history
+        evals = {k: float(v) for k, v in history.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        fields = {**self.manifest_fields, "metrics": evals}
+        metrics, self._uncommitted = self._uncommitted, []
+        keep = {progress.best_checkpoint} if progress.best_checkpoint else set()
+        stall_s = time.perf_counter() - t0
+
+        def job() -> None:
+            write_checkpoint(uri, files, progress, fields)
+            self.commit_metrics(metrics)
+            log.info("checkpoint %s committed (step stalled %.3fs)", uri, stall_s)
+            purge_checkpoints(self.checkpoints_uri, keep_last=self.cfg.keep_last_checkpoints, keep=keep)
+
+        self.saver.submit(job)
+
+    def _track_best(self, name: str) -> None:
+        """Record ``name`` as the best checkpoint when its latest ``keep_best_metric`` is lowest."""
+        metric = self.cfg.keep_best_metric
+        value = self.progress.history.get(metric) if metric else None
+        if value is None:
+            return
+        best = self.progress.best_checkpoint_metric
+        if best is None or value < best:
+            self.progress.best_checkpoint, self.progress.best_checkpoint_metric = name, float(value)
 
 
 def summarize(progress: TrainProgress) -> dict[str, float]:

@@ -2,7 +2,9 @@
 
 Reads the :class:`~trainer_core.spec.StageSpec`, runs the stage and exits:
 0 when the stage's final manifest is committed, :data:`~trainer_core.errors.EXIT_BAD_INPUT`
-(2) for bad config or data (never worth a retry), 1 for any other failure.
+(2) for bad config or data, a corrupt input manifest or a stage held by another writer
+(a :class:`~trainer_core.errors.PosttrainError`: never worth a retry), 1 for any other failure.
+The stage runs under its writer lease (``checkpoint/lease.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import sys
 import traceback
 
-from trainer_core.errors import EXIT_BAD_INPUT, ConfigError, DataError
+from trainer_core.errors import EXIT_BAD_INPUT, ConfigError, PosttrainError
 
 STAGE_MODULES = {
     "prepare_data": "trainer_core.stages.prepare_data",
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m trainer_core.run <stage-spec-uri>", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
+        from trainer_core.checkpoint.lease import StageLease
         from trainer_core.checkpoint.storage import configure
 
         spec = load_spec(argv[0])
@@ -60,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         if spec.stage not in STAGE_MODULES:
             raise ConfigError(f"unknown stage {spec.stage!r}; known: {sorted(STAGE_MODULES)}")
         module = importlib.import_module(STAGE_MODULES[spec.stage])
-        manifest = module.run(spec)
+        with StageLease(spec.output_uri, owner=spec.writer_id):
+            manifest = module.run(spec)
         print(f"stage {spec.stage} committed: global_step={manifest.global_step}", flush=True)
         return 0
-    except (ConfigError, DataError) as e:
+    except PosttrainError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except Exception:

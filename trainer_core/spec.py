@@ -71,3 +71,8 @@ class StageSpec(BaseModel):
     output_uri: str = Field(description="The stage's output directory URI.")
     tracking_uri: str | None = Field(None, description="MLflow tracking URI.")
     mlflow_run_id: str | None = Field(None, description="The stage's nested MLflow run (metrics go there).")
+    writer_id: str | None = Field(
+        None,
+        description="Identity of the writer (e.g. the Prefect task run id, the same across its retries); "
+        "None: this process. See checkpoint/lease.py.",
+    )

@@ -48,9 +48,9 @@ def test_validate_unknown_field_and_malformed_override_exit_2(tmp_path):
 
 
 def test_unknown_stage_exits_2_naming_it(tmp_path):
-    result = runner.invoke(app, ["validate", write_config(tmp_path, "stages: [prepare_data, ppo]\n")])
+    result = runner.invoke(app, ["validate", write_config(tmp_path, "stages: [prepare_data, bogus]\n")])
     assert result.exit_code == 2
-    assert "'ppo'" in result.stderr and "stages" in result.stderr
+    assert "'bogus'" in result.stderr and "stages" in result.stderr
 
 
 def test_run_with_bad_config_exits_2_before_anything_runs(tmp_path):

@@ -19,6 +19,8 @@ import io
 import json
 import logging
 import random
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,6 +48,8 @@ class TrainProgress:
         consumed_tokens: non-padding tokens consumed.
         best_eval_loss: lowest eval loss seen (None before the first eval).
         evals_without_improvement: evaluations since the best one (early stopping).
+        best_checkpoint: directory name of the checkpoint kept as the best one.
+        best_checkpoint_metric: its value of ``keep_best_metric``.
         history: first and latest values of logged metrics, for the stage summary.
     """
 
@@ -56,6 +60,8 @@ class TrainProgress:
     consumed_tokens: int = 0
     best_eval_loss: float | None = None
     evals_without_improvement: int = 0
+    best_checkpoint: str | None = None
+    best_checkpoint_metric: float | None = None
     history: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,6 +95,43 @@ def _torch_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def snapshot_train_state(
+    *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, progress: TrainProgress
+) -> dict[str, bytes]:
+    """Serialise the whole training state to bytes in host memory, synchronously.
+
+    What is returned no longer depends on the live objects, so training may go on while it
+    is uploaded (see :class:`CheckpointSaver`).
+
+    Returns:
+        Relative file name -> bytes, the files of a checkpoint directory (no manifest).
+    """
+    weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+    host_rng, torch_rng = _rng_states()
+    state = {"progress": asdict(progress), "rng": host_rng}
+    return {
+        "model.safetensors": safetensors.torch.save(weights),
+        "optimizer.pt": _torch_bytes(optimizer.state_dict()),
+        "scheduler.pt": _torch_bytes(scheduler.state_dict()),
+        "rng.pt": torch_rng,
+        "trainer_state.json": json.dumps(state).encode(),
+    }
+
+
+def write_checkpoint(uri: str, files: dict[str, bytes], progress: TrainProgress, manifest_fields: dict) -> Manifest:
+    """Write a snapshot's files to ``uri`` and commit them with a manifest written last."""
+    writer = ArtifactWriter(uri, overwrite=True)
+    for name, data in files.items():
+        writer.write_bytes(name, data)
+    return writer.commit(
+        kind="checkpoint",
+        global_step=progress.global_step,
+        consumed_samples=progress.consumed_samples,
+        consumed_tokens=progress.consumed_tokens,
+        **manifest_fields,
+    )
+
+
 def save_train_state(
     uri: str,
     *,
@@ -111,22 +154,47 @@ def save_train_state(
     Returns:
         The committed manifest.
     """
-    writer = ArtifactWriter(uri, overwrite=True)
-    weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
-    writer.write_bytes("model.safetensors", safetensors.torch.save(weights))
-    writer.write_bytes("optimizer.pt", _torch_bytes(optimizer.state_dict()))
-    writer.write_bytes("scheduler.pt", _torch_bytes(scheduler.state_dict()))
-    host_rng, torch_rng = _rng_states()
-    writer.write_bytes("rng.pt", torch_rng)
-    state = {"progress": asdict(progress), "rng": host_rng}
-    writer.write_bytes("trainer_state.json", json.dumps(state).encode())
-    return writer.commit(
-        kind="checkpoint",
-        global_step=progress.global_step,
-        consumed_samples=progress.consumed_samples,
-        consumed_tokens=progress.consumed_tokens,
-        **manifest_fields,
-    )
+    files = snapshot_train_state(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
+    return write_checkpoint(uri, files, progress, manifest_fields)
+
+
+class CheckpointSaver:
+    """Writes checkpoints, optionally in a background thread, with at most one save in flight.
+
+    ``submit`` snapshots nothing itself: callers pass bytes from :func:`snapshot_train_state`,
+    so the step loop is blocked only for the in-memory copy. A failed background save is
+    raised by the next ``submit`` or ``wait`` (the stage then fails and is retried).
+
+    Args:
+        asynchronous: False writes in the caller's thread (the reference behaviour).
+    """
+
+    def __init__(self, asynchronous: bool = True) -> None:
+        self.asynchronous = asynchronous
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if asynchronous else None
+        self._pending: Future | None = None
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        """Run ``job`` (write + commit + follow-ups) after the previous save has finished."""
+        self.wait()
+        if self._pool is None:
+            job()
+        else:
+            self._pending = self._pool.submit(job)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the last save, then stop the thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
 
 
 def load_train_state(

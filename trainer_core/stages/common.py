@@ -13,9 +13,10 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer_core.backends import Backend, build_backend
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
-from trainer_core.config import PipelineConfig, TrainStageConfig, config_hash, stage_config
+from trainer_core.config import PipelineConfig, TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition
 from trainer_core.errors import ConfigError
+from trainer_core.fingerprint import stage_fingerprint
 from trainer_core.loop import BatchSource, Objective, TrainLoop, summarize
 from trainer_core.models import save_pretrained_to
 from trainer_core.spec import StageSpec, checkpoints_uri, final_uri
@@ -40,6 +41,7 @@ class StageContext:
     backend: Backend
     tokenizer: PreTrainedTokenizerBase
     metrics: MetricLogger
+    _stage_hash: str | None = None
 
     @property
     def config(self) -> PipelineConfig:
@@ -63,19 +65,26 @@ class StageContext:
             ) from None
 
     def stage_hash(self) -> str:
-        """Hash of this stage's config plus its inputs and the seed: what its outputs depend on."""
-        cfg = stage_config(self.config, self.spec.stage)
-        payload = {"stage": cfg.model_dump(mode="json") if cfg else None, "inputs": self.spec.inputs}
-        payload["seed"] = self.config.seed
-        payload["model"] = self.config.model.model_dump(mode="json")
-        return config_hash(payload)
+        """This stage's fingerprint: its config and its inputs' hashes (see ``fingerprint.py``)."""
+        if self._stage_hash is None:
+            self._stage_hash = stage_fingerprint(self.config, self.spec.stage, self.spec.inputs)
+        return self._stage_hash
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Send metrics to MLflow and print a compact line (the task streams it to Prefect)."""
-        self.metrics.log(metrics, step)
+    def print_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Print a compact metrics line (the task streams it into the Prefect log)."""
         shown = {k: v for k, v in metrics.items() if not k.startswith(("time/", "memory/", "first/"))}
         text = " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
         print(f"[{self.spec.stage}] step {step}: {text}", flush=True)
+
+    def commit_metrics(self, batch: list[tuple[dict[str, float], int]]) -> None:
+        """Send ``(metrics, step)`` pairs to the stage's MLflow run."""
+        for metrics, step in batch:
+            self.metrics.log(metrics, step)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Print and send to MLflow at once (stages without checkpoints)."""
+        self.print_metrics(metrics, step)
+        self.commit_metrics([(metrics, step)])
 
 
 def open_stage(spec: StageSpec) -> StageContext:
@@ -139,7 +148,8 @@ def train_stage(
         cfg=cfg,
         checkpoints_uri=checkpoints_uri(ctx.spec.output_uri),
         manifest_fields=fields,
-        log_metrics=ctx.log_metrics,
+        log_metrics=ctx.print_metrics,
+        commit_metrics=ctx.commit_metrics,
     )
     resumed = loop.resume()
     progress = loop.run()

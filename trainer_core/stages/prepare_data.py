@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from trainer_core.checkpoint import storage
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
-from trainer_core.config import DataSource, PipelineConfig, config_hash
+from trainer_core.config import DataSource, PipelineConfig
 from trainer_core.data.formats import (
     DialogueParseError,
     detect_format,
@@ -50,6 +50,7 @@ from trainer_core.data.sources import read_records
 from trainer_core.data.synthetic import make_preference_records, make_sft_records
 from trainer_core.data.tokenizer import encode_chat, load_tokenizer, render_chat, train_tokenizer
 from trainer_core.errors import DataError
+from trainer_core.fingerprint import stage_fingerprint
 from trainer_core.spec import StageSpec, final_uri, join_uri
 
 logger = logging.getLogger(__name__)
@@ -299,8 +300,6 @@ def run(spec: StageSpec) -> Manifest:
     with tempfile.TemporaryDirectory(prefix="posttrain-tokenizer-") as local:
         tokenizer.save_pretrained(local)
         writer.write_dir(local, prefix="tokenizer")
-    hashed = {"seed": config.seed, "data": config.data.model_dump(mode="json"),
-              "tokenizer": config.tokenizer.model_dump(mode="json"), "model": config.model.model_dump(mode="json")}
     extra = {
         "splits": list(SPLIT_NAMES),
         "sources": _source_names(config),
@@ -310,7 +309,7 @@ def run(spec: StageSpec) -> Manifest:
         "max_length_tokens": config.data.max_length_tokens,
         "max_prompt_length_tokens": config.data.max_prompt_length_tokens,
     }
-    manifest = writer.commit(kind="final", stage=STAGE, run_id=spec.run_id, config_hash=config_hash(hashed),
+    manifest = writer.commit(kind="final", stage=STAGE, run_id=spec.run_id, config_hash=stage_fingerprint(config, STAGE, spec.inputs),
                              metrics={k: float(v) for k, v in metrics.items()}, extra=extra)
     logger.info("prepare_data committed %s: %s", writer.uri, {k: v for k, v in metrics.items() if k.startswith("num_")})
     return manifest

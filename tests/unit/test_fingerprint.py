@@ -1,0 +1,53 @@
+"""Stage fingerprints chain through input manifests."""
+
+from __future__ import annotations
+
+import uuid
+
+from trainer_core.checkpoint.manifest import ArtifactWriter
+from trainer_core.config import load_config
+from trainer_core.fingerprint import stage_fingerprint
+from trainer_core.spec import join_uri
+
+
+def _commit(uri: str, config_hash: str) -> None:
+    writer = ArtifactWriter(uri, overwrite=True)
+    writer.write_bytes("x.bin", b"x")
+    writer.commit(kind="final", stage="s", run_id="r", config_hash=config_hash)
+
+
+def test_editing_a_stage_changes_it_and_its_consumers_only():
+    root = f"memory://fp-{uuid.uuid4().hex}"
+    base = load_config("configs/demo.yaml")
+    edited = load_config("configs/demo.yaml", overrides={"dpo.beta": 0.5})
+    sft_uri, dpo_uri, data_uri = (join_uri(root, n) for n in ("sft", "dpo", "data"))
+    _commit(data_uri, "d0")
+    _commit(sft_uri, "s0")
+    sft_inputs = {"data": data_uri, "model": "init"}
+    dpo_inputs = {"data": data_uri, "model": sft_uri, "reference": sft_uri}
+    assert stage_fingerprint(base, "sft", sft_inputs) == stage_fingerprint(edited, "sft", sft_inputs)
+    before, after = stage_fingerprint(base, "dpo", dpo_inputs), stage_fingerprint(edited, "dpo", dpo_inputs)
+    assert before != after
+    _commit(dpo_uri, before)
+    eval_inputs = {"data": data_uri, "sft_model": sft_uri, "dpo_model": dpo_uri}
+    first = stage_fingerprint(base, "evaluate", eval_inputs)
+    _commit(dpo_uri, after)  # DPO re-ran under the edited config
+    assert stage_fingerprint(base, "evaluate", eval_inputs) != first
+
+
+def test_upstream_change_reaches_downstream_through_manifests():
+    root = f"memory://fp-{uuid.uuid4().hex}"
+    config = load_config("configs/demo.yaml")
+    data_uri = join_uri(root, "data")
+    _commit(data_uri, "tokenised-v1")
+    inputs = {"data": data_uri, "model": "init"}
+    first = stage_fingerprint(config, "sft", inputs)
+    _commit(data_uri, "tokenised-v2")
+    assert stage_fingerprint(config, "sft", inputs) != first
+
+
+def test_backend_is_not_part_of_the_fingerprint():
+    a = load_config("configs/demo.yaml")
+    b = load_config("configs/demo.yaml", overrides={"backend.device": "cpu"})
+    inputs = {"model": "init"}
+    assert stage_fingerprint(a, "sft", inputs) == stage_fingerprint(b, "sft", inputs)

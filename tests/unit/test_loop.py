@@ -1,0 +1,147 @@
+"""TrainLoop on a toy regression: async save, metric commit order, best-checkpoint retention, resume."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from trainer_core.backends.single import SingleDeviceBackend
+from trainer_core.checkpoint import storage
+from trainer_core.checkpoint.manifest import find_latest, read_manifest
+from trainer_core.config import TrainStageConfig
+from trainer_core.data.batching import BucketedBatchSampler
+from trainer_core.loop import BatchSource, StepOutput, TrainLoop
+from trainer_core.spec import join_uri
+
+DEVICE = torch.device("cpu")
+
+
+def _rows(n: int = 24) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0])
+    return [{"x": x[i], "y": y[i]} for i in range(n)]
+
+
+def _collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    return {"x": torch.stack([r["x"] for r in rows]), "y": torch.stack([r["y"] for r in rows])}
+
+
+class Regression:
+    """Squared error per example; eval returns scripted losses when given, else the real one."""
+
+    def __init__(self, eval_losses: list[float] | None = None) -> None:
+        self.eval_losses = list(eval_losses or [])
+        self.eval_rows = _collate(_rows(8))
+
+    def count(self, batch):
+        return batch["x"].shape[0]
+
+    @staticmethod
+    def _loss_sum(model, batch):
+        return ((model(batch["x"]).squeeze(-1) - batch["y"]) ** 2).sum()
+
+    def step(self, model, batch):
+        return StepOutput(loss_sum=self._loss_sum(model, batch), num_tokens=batch["x"].shape[0])
+
+    def evaluate(self, model):
+        if self.eval_losses:
+            return {"loss": self.eval_losses.pop(0)}
+        return {"loss": float(self._loss_sum(model, self.eval_rows)) / 8}
+
+
+def _loop(root: str, objective=None, committed=None, **cfg) -> TrainLoop:
+    torch.manual_seed(0)
+    rows = _rows()
+    sampler = BucketedBatchSampler([1] * len(rows), micro_batch_size=4, seed=0)
+    settings = dict(max_steps=6, save_every=3, eval_every=3, warmup_steps=1, learning_rate=0.05, log_every=1)
+    settings.update(cfg)
+    return TrainLoop(
+        model=nn.Linear(4, 1),
+        backend=SingleDeviceBackend("cpu"),
+        objective=objective or Regression(),
+        batches=BatchSource(rows=rows, sampler=sampler, collate=_collate, device=DEVICE),
+        cfg=TrainStageConfig(**settings),
+        checkpoints_uri=join_uri(root, "checkpoints"),
+        manifest_fields={"stage": "toy", "run_id": "r", "config_hash": "h"},
+        log_metrics=lambda m, s: None,
+        commit_metrics=(committed.append if committed is not None else (lambda b: None)),
+    )
+
+
+@pytest.fixture
+def root():
+    return f"memory://loop-{uuid.uuid4().hex}"
+
+
+def _weights(loop: TrainLoop) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in loop.model.state_dict().items()}
+
+
+def test_async_and_sync_save_write_identical_checkpoints(root):
+    sync = _loop(join_uri(root, "sync"), async_save=False)
+    sync.run()
+    asyn = _loop(join_uri(root, "async"), async_save=True)
+    asyn.run()
+    for k, v in _weights(sync).items():
+        assert torch.equal(v, _weights(asyn)[k])
+    a = storage.read_bytes(join_uri(root, "sync/checkpoints/step-00000006/model.safetensors"))
+    b = storage.read_bytes(join_uri(root, "async/checkpoints/step-00000006/model.safetensors"))
+    assert a == b
+
+
+def test_metrics_are_committed_only_with_their_checkpoint(root):
+    """Steps 0-3 go to the tracker when step-3 commits, 4-6 with step-6; nothing twice."""
+    committed: list = []
+    loop = _loop(root, committed=committed, max_steps=7)
+    loop.run()
+    batches = [sorted({step for _, step in batch}) for batch in committed]
+    assert batches[0] == [0, 1, 2, 3]
+    assert batches[1] == [4, 5, 6]
+    assert batches[-1] == [7]  # the tail after the last checkpoint, flushed at the end
+    steps = [(step, tuple(sorted(m))) for batch in committed for m, step in batch]
+    assert len(steps) == len(set(steps))
+
+
+def test_best_checkpoint_survives_retention(root):
+    """keep_last=1, eval loss lowest at step 3: step-3 is kept beside the newest, step-6 purged."""
+    scripted = Regression(eval_losses=[5.0, 1.0, 3.0, 4.0])  # steps 0, 3, 6, 9
+    loop = _loop(root, objective=scripted, max_steps=9, keep_last_checkpoints=1, async_save=False)
+    loop.run()
+    names = storage.list_dirs(join_uri(root, "checkpoints"))
+    assert names == ["step-00000003", "step-00000009"]
+    assert read_manifest(join_uri(root, "checkpoints/step-00000003")).metrics["eval/loss"] == 1.0
+
+
+def test_resume_continues_bit_identically(root):
+    """6 steps straight == 3 steps, a fresh process state, resume, 3 more."""
+    full = _loop(join_uri(root, "full"))
+    full.run()
+    part = _loop(join_uri(root, "part"))
+    calls = {"n": 0}
+    step = part.objective.step
+
+    def crash_after_checkpoint(model, batch):
+        """Micro-batches 1-3 train (steps 1-3, checkpoint at 3); the 4th crashes."""
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return step(model, batch)
+
+    part.objective.step = crash_after_checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        part.run()
+    assert find_latest(join_uri(root, "part/checkpoints"))[1].global_step == 3
+    resumed = _loop(join_uri(root, "part"))
+    assert resumed.resume()
+    assert resumed.progress.global_step == 3
+    resumed.run()
+    for k, v in _weights(full).items():
+        assert torch.equal(v, _weights(resumed)[k])
+    a = safetensors.torch.load(storage.read_bytes(join_uri(root, "full/checkpoints/step-00000006/model.safetensors")))
+    b = safetensors.torch.load(storage.read_bytes(join_uri(root, "part/checkpoints/step-00000006/model.safetensors")))
+    assert all(torch.equal(a[k], b[k]) for k in a)

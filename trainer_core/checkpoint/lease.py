@@ -1,0 +1,131 @@
+"""One writer per stage prefix: a lease object with an owner and an expiry.
+
+A trainer takes ``<stage output>/lease.json`` before it writes anything and renews it from a
+heartbeat thread. A second process that finds a live lease held by another owner is refused
+with :class:`LeaseHeldError`. An expired lease (its holder died without releasing it) is taken
+over. The same owner may take its own lease again: a Prefect retry of a task run passes the
+same ``writer_id``, so it does not wait for the expiry of the attempt it replaces.
+
+Object stores have no compare-and-swap through fsspec, so acquisition is
+write-then-read-back: two processes starting within the same moment could both believe they
+hold the lease until the next heartbeat, when the loser logs an error and sets ``lost``. The
+lease guards against a second pipeline run or a stray manual relaunch, not against
+adversaries. Times are UTC epoch seconds from the writers' clocks; keep them within a small
+fraction of ``ttl_s`` of each other.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+from trainer_core.checkpoint import storage
+from trainer_core.errors import PosttrainError
+from trainer_core.spec import join_uri
+
+log = logging.getLogger(__name__)
+
+LEASE_NAME = "lease.json"
+
+
+class LeaseHeldError(PosttrainError):
+    """Another live writer holds the stage's lease."""
+
+
+def default_owner() -> str:
+    """``host:pid:random``: unique to this process."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class StageLease:
+    """The writer lease of one stage output prefix.
+
+    Args:
+        prefix_uri: the stage's output directory URI.
+        owner: writer identity; the same string may re-take its own lease.
+        ttl_s: seconds a lease lives without renewal.
+
+    Raises:
+        ValueError: ``ttl_s`` is not positive.
+    """
+
+    def __init__(self, prefix_uri: str, owner: str | None = None, ttl_s: float = 60.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.uri = join_uri(prefix_uri, LEASE_NAME)
+        self.owner = owner or default_owner()
+        self.ttl_s = ttl_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost = threading.Event()
+
+    def _read(self) -> dict | None:
+        try:
+            return json.loads(storage.read_bytes(self.uri))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError):
+            log.warning("unreadable lease %s; treating it as expired", self.uri)
+            return None
+
+    def _write(self) -> None:
+        record = {"owner": self.owner, "expires_at": time.time() + self.ttl_s, "pid": os.getpid()}
+        storage.write_bytes(self.uri, json.dumps(record).encode())
+
+    def _check_free(self) -> None:
+        current = self._read()
+        if current and current.get("owner") != self.owner and current.get("expires_at", 0) > time.time():
+            left = current["expires_at"] - time.time()
+            raise LeaseHeldError(
+                f"{self.uri} is held by {current['owner']} for another {left:.0f}s: another process is "
+                "training this stage of this run. Wait for it, or use another run id."
+            )
+
+    def acquire(self) -> None:
+        """Take the lease and start renewing it every ``ttl_s / 3`` seconds.
+
+        Raises:
+            LeaseHeldError: a live lease of another owner exists (checked again after writing).
+        """
+        self._check_free()
+        self._write()
+        time.sleep(0.05)
+        current = self._read()
+        if current is None or current.get("owner") != self.owner:
+            raise LeaseHeldError(f"{self.uri} was taken by {current and current.get('owner')} at the same time")
+        self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)
+        self._thread.start()
+        log.info("lease %s taken by %s", self.uri, self.owner)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                current = self._read()
+                if current is not None and current.get("owner") != self.owner:
+                    log.error("lease %s was taken over by %s", self.uri, current.get("owner"))
+                    self.lost.set()
+                    return
+                self._write()
+            except Exception as e:  # noqa: BLE001 - a missed renewal is retried next beat
+                log.warning("lease renewal failed: %s", e)
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease if it is still ours (best effort)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        current = self._read()
+        if current is not None and current.get("owner") == self.owner:
+            storage.remove(self.uri, recursive=False)
+
+    def __enter__(self) -> StageLease:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
