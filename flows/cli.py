@@ -14,6 +14,7 @@ import typer
 import yaml
 from rich.console import Console
 
+from deployments.deploy import deploy
 from trainer_core.config import PipelineConfig, load_config, resolve_local_root
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 
@@ -52,13 +53,64 @@ def run(
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run id; reuse one to resume it.")] = None,
 ) -> None:
     """Run the pipeline; the last stdout line is the summary.json URI."""
-    from flows.pipeline import check_run_id, new_run_id, post_training_pipeline
+    from flows.pipeline import new_run_id
+
+    cfg = _load_or_exit(config, overrides)
+    _run_pipeline(cfg, run_id or new_run_id(cfg))
+
+
+RootOpt = Annotated[str, typer.Option("--root", help="storage.root the run was written under.")]
+
+
+@app.command()
+def resume(run_id: str, overrides: SetOpt = None, root: RootOpt = "./outputs") -> None:
+    """Re-run RUN_ID with its saved config (plus overrides): finished stages whose config and
+    inputs are unchanged are skipped; the first unfinished one resumes from its checkpoint."""
+    from tasks.runs import load_run_config
+
+    try:
+        saved = load_run_config(_absolute(root), run_id)
+        cfg = resolve_local_root(load_config(base=saved, overrides=list(overrides or [])))
+    except ConfigError as e:
+        _err.print(str(e), style="red", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    _run_pipeline(cfg, run_id)
+
+
+@app.command()
+def status(run_id: str, root: RootOpt = "./outputs") -> None:
+    """List RUN_ID's stages: state, latest committed checkpoint step, output URI."""
+    from rich.table import Table
+
+    from tasks.runs import run_status
+
+    try:
+        rows = run_status(_absolute(root), run_id)
+    except ConfigError as e:
+        _err.print(str(e), style="red", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    table = Table("stage", "state", "latest checkpoint step", "final step", "output")
+    for r in rows:
+        table.add_row(r["stage"], r["state"], _show(r["latest_step"]), _show(r["final_step"]), r["output_uri"])
+    Console(width=200).print(table)
+
+
+def _show(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _absolute(root: str) -> str:
+    return resolve_local_root(PipelineConfig(storage={"root": root})).storage.root
+
+
+def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
+    """Run the flow for ``cfg`` under ``run_id``; print locations; last line: the summary URI."""
+    from flows.pipeline import check_run_id, post_training_pipeline
     from tasks.summary import summary_uri
     from trainer_core.spec import run_uri
 
-    cfg = _load_or_exit(config, overrides)
     try:
-        run_id = check_run_id(run_id or new_run_id(cfg))
+        run_id = check_run_id(run_id)
     except ConfigError as e:
         _err.print(str(e), style="red", markup=False)
         raise typer.Exit(EXIT_BAD_INPUT) from None
@@ -71,10 +123,14 @@ def run(
         typer.echo(summary_uri(cfg, run_id))
         raise typer.Exit(1) from None
     for name, entry in summary["stages"].items():
-        typer.echo(f"{name}: {entry['status']} -> {entry['output_uri']}")
+        reused = " (unchanged, not re-run)" if entry.get("reused") else ""
+        typer.echo(f"{name}: {entry['status']}{reused} -> {entry['output_uri']}")
     mlflow = summary["mlflow"]
     typer.echo(f"mlflow: {mlflow['tracking_uri']} (run {mlflow['parent_run_id']})")
     typer.echo(summary["summary_uri"])
+
+
+app.command("deploy")(deploy)
 
 
 def main() -> None:

@@ -1,5 +1,10 @@
 """The post-training pipeline flow: prepare_data -> sft -> reward_model -> score -> dpo -> evaluate.
 
+Re-running a run id skips every stage whose committed final output carries the fingerprint
+the stage would produce now (its config and its inputs' hashes: ``trainer_core/fingerprint.py``)
+and resumes the first unfinished stage from its latest checkpoint; a stage whose config
+changed runs again, and so does every stage that consumes its output.
+
 The flow only sequences stage tasks and passes URIs between them (see :func:`stage_inputs`
 for who reads whose output). Each stage runs in its own trainer process
 (``tasks.stages.run_stage``); the flow writes ``<root>/runs/<run_id>/summary.json`` at the end,
@@ -17,6 +22,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, SecretStr
 
 from tasks.stages import stage_task
+from tasks.runs import completed_result, save_run_config
 from tasks.summary import build_summary, write_summary
 from tasks.tracking import finish_pipeline_run, resolve_tracking_uri, start_pipeline_run
 from trainer_core.checkpoint import storage
@@ -83,7 +89,7 @@ def prior_outputs(config: PipelineConfig, run_id: str) -> dict[str, str]:
     """
     found = {
         stage: uri
-        for stage in ("prepare_data", "sft", "reward_model", "dpo")
+        for stage in ("prepare_data", "sft", "reward_model", "dpo", "ppo", "grpo")
         if stage not in config.stages and (uri := _committed_final(config, run_id, stage))
     }
     if "prepare_data" not in config.stages and "prepare_data" not in found:
@@ -105,7 +111,9 @@ def stage_inputs(stage: str, config: PipelineConfig, outputs: dict[str, str]) ->
 
     Returns:
         Role -> URI: ``data`` for every stage but prepare_data; ``model`` (and ``reference``,
-        ``reward_model``, ``sft_model``, ``dpo_model``, ``base_model``) per stage.
+        ``reward_model``, ``sft_model``, ``dpo_model``, ``ppo_model``, ``grpo_model``,
+        ``base_model``) per stage. PPO and GRPO get ``reward_model`` only when their reward
+        kind reads one (a missing one fails the stage with a clear error).
     """
     if stage == "prepare_data":
         return {}
@@ -124,8 +132,18 @@ def stage_inputs(stage: str, config: PipelineConfig, outputs: dict[str, str]) ->
     elif stage == "dpo":
         inputs["model"] = config.dpo.init_from or sft or source
         inputs["reference"] = config.dpo.reference_from or inputs["model"]
+    elif stage in ("ppo", "grpo"):
+        rl = config.ppo if stage == "ppo" else config.grpo
+        inputs["model"] = rl.init_from or sft or source
+        inputs["reference"] = rl.reference_from or inputs["model"]
+        reward_model = rl.reward.reward_model_from or outputs.get("reward_model")
+        if rl.reward.kind != "verifier" and reward_model:
+            inputs["reward_model"] = reward_model
     elif stage == "evaluate":
-        roles = {"sft_model": "sft", "reward_model": "reward_model", "dpo_model": "dpo"}
+        roles = {
+            "sft_model": "sft", "reward_model": "reward_model", "dpo_model": "dpo", "ppo_model": "ppo",
+            "grpo_model": "grpo",
+        }
         inputs.update({role: outputs[name] for role, name in roles.items() if name in outputs})
         inputs["base_model"] = source
     return inputs
@@ -135,7 +153,21 @@ def _failed_record(error: BaseException) -> dict[str, Any]:
     return {"status": "failed", "error": f"{type(error).__name__}: {error}"[:2000]}
 
 
-@flow(name="post_training_pipeline")
+def flow_run_name() -> str:
+    """The Prefect flow run's name: the ``run_id`` parameter, else ``<pipeline name>-<YYYYmmdd-HHMMSS>``."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    if params.get("run_id"):
+        return str(params["run_id"])
+    try:
+        name = resolve_config(params.get("config"), params.get("config_uri"), params.get("overrides")).name
+    except Exception:  # noqa: BLE001 - the flow body reports a bad config; the name falls back
+        name = "posttrain"
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@flow(name="post-training-pipeline", flow_run_name=flow_run_name)
 def post_training_pipeline(
     config: PipelineConfig | None = None,
     config_uri: str | None = None,
@@ -162,6 +194,7 @@ def post_training_pipeline(
     run_id = check_run_id(run_id or new_run_id(cfg))
     storage.configure(cfg.storage)
     outputs = prior_outputs(cfg, run_id)
+    save_run_config(cfg, run_id)
     tracking_uri = resolve_tracking_uri(cfg)
     parent = start_pipeline_run(cfg, run_id)
     log.info("run %s: stages %s, MLflow %s (run %s)", run_id, cfg.stages, tracking_uri, parent)
@@ -173,7 +206,10 @@ def post_training_pipeline(
             continue
         try:
             inputs = stage_inputs(stage, cfg, outputs)
-            results[stage] = stage_task(stage, cfg)(stage, cfg, run_id, inputs, parent)
+            reused = completed_result(cfg, run_id, stage, inputs)
+            if reused is not None:
+                log.info("stage %s: committed output %s matches its config and inputs; not re-run", stage, reused["output_uri"])
+            results[stage] = reused or stage_task(stage, cfg)(stage, cfg, run_id, inputs, parent)
             outputs[stage] = results[stage]["output_uri"]
         except BaseException as e:  # noqa: BLE001 - recorded, summarised, re-raised below
             failure, results[stage] = e, _failed_record(e)

@@ -27,6 +27,8 @@ def stage_entry(result: dict[str, Any]) -> dict[str, Any]:
     entry["metrics"] = dict(entry["metrics"] or {})
     if result.get("error"):
         entry["error"] = result["error"]
+    if result.get("reused"):
+        entry["reused"] = True
     return entry
 
 

@@ -119,7 +119,7 @@ def _log_params(client: MlflowClient, run_id: str, params: dict[str, str]) -> No
 
 
 def start_pipeline_run(config: PipelineConfig, run_id: str) -> str:
-    """Create the parent MLflow run of one pipeline run.
+    """Create the parent MLflow run of one pipeline run, or reopen it when the run id is resumed.
 
     Args:
         config: The validated pipeline config (local root already absolute).
@@ -129,8 +129,16 @@ def start_pipeline_run(config: PipelineConfig, run_id: str) -> str:
         The MLflow run id.
     """
     client = MlflowClient(resolve_tracking_uri(config))
+    experiment_id = _experiment_id(client, config)
+    tagged = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_RUN_ID}` = '{run_id}'", max_results=1000)
+    existing = [r for r in tagged if TAG_PARENT not in r.data.tags]  # stage runs carry the run id too
+    if existing:
+        parent = existing[0].info.run_id
+        client.update_run(parent, status="RUNNING")
+        client.log_dict(parent, config.model_dump(mode="json"), "config.json")
+        return parent
     tags = {TAG_RUN_ID: run_id, "posttrain.config_hash": config_hash(config), "posttrain.name": config.name}
-    run = client.create_run(_experiment_id(client, config), tags=tags, run_name=run_id)
+    run = client.create_run(experiment_id, tags=tags, run_name=run_id)
     params = {"stages": ",".join(config.stages), "seed": str(config.seed)}
     params.update(flatten_params(config.model, "model"))
     params.update(flatten_params(config.backend, "backend"))

@@ -23,6 +23,8 @@ STAGE_MODULES = {
     "reward_model": "trainer_core.stages.reward_model",
     "score": "trainer_core.stages.score",
     "dpo": "trainer_core.stages.dpo",
+    "ppo": "trainer_core.stages.ppo",
+    "grpo": "trainer_core.stages.grpo",
     "evaluate": "trainer_core.stages.evaluate",
 }
 

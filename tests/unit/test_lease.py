@@ -16,7 +16,7 @@ def test_second_writer_is_refused_while_lease_is_live(storage_root):
     prefix = join_uri(storage_root, "runs/r/stages/sft")
     with StageLease(prefix, owner="writer-a", ttl_s=30):
         with pytest.raises(LeaseHeldError, match="writer-a"):
-            StageLease(prefix, owner="writer-b", ttl_s=30).acquire()
+            StageLease(prefix, owner="writer-b", ttl_s=30).acquire(wait_s=0)
     assert not storage.exists(join_uri(prefix, LEASE_NAME))
 
 
@@ -54,3 +54,23 @@ def test_heartbeat_renews_and_notices_takeover(tmp_path):
     assert lease.lost.wait(1.0)
     lease.release()
     assert json.loads(storage.read_bytes(join_uri(prefix, LEASE_NAME)))["owner"] == "b"
+
+
+def test_writer_waits_for_a_dead_holders_lease_then_takes_it(tmp_path):
+    """A holder killed without release stops renewing: the next writer waits, then takes over."""
+    prefix = str(tmp_path / "stage")
+    storage.write_bytes(
+        join_uri(prefix, LEASE_NAME), json.dumps({"owner": "killed", "expires_at": time.time() + 0.5}).encode()
+    )
+    lease = StageLease(prefix, owner="relaunch", ttl_s=2)
+    t0 = time.time()
+    lease.acquire()
+    assert 0.4 < time.time() - t0 < 3
+    lease.release()
+
+
+def test_live_renewing_writer_keeps_the_lease_against_a_waiting_one(tmp_path):
+    prefix = str(tmp_path / "stage")
+    with StageLease(prefix, owner="live", ttl_s=0.6):
+        with pytest.raises(LeaseHeldError, match="live"):
+            StageLease(prefix, owner="second", ttl_s=0.6).acquire(wait_s=1.5)

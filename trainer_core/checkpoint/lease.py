@@ -3,8 +3,11 @@
 A trainer takes ``<stage output>/lease.json`` before it writes anything and renews it from a
 heartbeat thread. A second process that finds a live lease held by another owner is refused
 with :class:`LeaseHeldError`. An expired lease (its holder died without releasing it) is taken
-over. The same owner may take its own lease again: a Prefect retry of a task run passes the
-same ``writer_id``, so it does not wait for the expiry of the attempt it replaces.
+over: a writer that finds a live lease waits up to one ``ttl_s`` for it to lapse before it is
+refused, so a relaunch after a hard kill (SIGKILL, OOM) goes on once the dead holder's lease
+expires, while a second live writer, which keeps renewing, is refused. The same owner may
+take its own lease again at once: a Prefect retry of a task run passes the same
+``writer_id``, so it does not wait for the attempt it replaces.
 
 Object stores have no compare-and-swap through fsspec, so acquisition is
 write-then-read-back: two processes starting within the same moment could both believe they
@@ -54,7 +57,7 @@ class StageLease:
         ValueError: ``ttl_s`` is not positive.
     """
 
-    def __init__(self, prefix_uri: str, owner: str | None = None, ttl_s: float = 60.0) -> None:
+    def __init__(self, prefix_uri: str, owner: str | None = None, ttl_s: float = 30.0) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.uri = join_uri(prefix_uri, LEASE_NAME)
@@ -86,13 +89,28 @@ class StageLease:
                 "training this stage of this run. Wait for it, or use another run id."
             )
 
-    def acquire(self) -> None:
+    def acquire(self, wait_s: float | None = None) -> None:
         """Take the lease and start renewing it every ``ttl_s / 3`` seconds.
 
+        Args:
+            wait_s: how long to wait for another owner's lease to expire (a holder that was
+                killed stops renewing, so its lease lapses within ``ttl_s``); default
+                ``ttl_s + 5``. 0 refuses at once.
+
         Raises:
-            LeaseHeldError: a live lease of another owner exists (checked again after writing).
+            LeaseHeldError: another owner's lease stayed live for ``wait_s`` (it is renewed:
+                a live writer), or was taken at the same moment (checked after writing).
         """
-        self._check_free()
+        deadline = time.time() + (self.ttl_s + 5 if wait_s is None else wait_s)
+        while True:
+            try:
+                self._check_free()
+                break
+            except LeaseHeldError:
+                if time.time() >= deadline:
+                    raise
+                log.warning("waiting for the lease %s of another writer to expire", self.uri)
+                time.sleep(min(1.0, self.ttl_s / 10))
         self._write()
         time.sleep(0.05)
         current = self._read()

@@ -7,9 +7,11 @@ Metrics (each present when its models were trained in this run):
 - ``dpo/eval_reward_accuracy``, ``dpo/eval_reward_margin``: DPO implicit-reward accuracy on
   held-out pairs, against the SFT model (the DPO reference).
 - ``<policy>/exact_match``: greedy generation exact-match of the final number on held-out
-  GSM8K-style problems, for ``base`` (when the base model is pretrained), ``sft`` and ``dpo``.
-- ``dpo_vs_sft/win_rate``: fraction of held-out preference prompts where the reward model
-  scores the DPO policy's completion above the SFT policy's (ties count one half).
+  GSM8K-style problems, for ``base`` (when the base model is pretrained), ``sft``, ``dpo``,
+  ``ppo`` and ``grpo``.
+- ``<policy>_vs_sft/win_rate`` (``dpo``, ``ppo``, ``grpo``): fraction of held-out preference
+  prompts where the reward model scores the policy's completion above the SFT policy's (ties
+  count one half).
 """
 
 from __future__ import annotations
@@ -76,16 +78,20 @@ def _dpo_metrics(ctx: StageContext, dpo: nn.Module, reference: nn.Module, pairs:
     return {"dpo/eval_reward_accuracy": m["rewards/accuracies"], "dpo/eval_reward_margin": m["rewards/margins"]}
 
 
-def _win_rate(ctx: StageContext, rm: nn.Module, sft: nn.Module, dpo: nn.Module, pairs: list[dict]) -> float:
+def _win_rates(ctx: StageContext, rm: nn.Module, policies: dict[str, nn.Module], pairs: list[dict]) -> dict[str, float]:
+    """``<policy>_vs_sft/win_rate`` of every trained policy but SFT (SFT completions scored once)."""
     cfg, data, device = ctx.config.evaluate, ctx.config.data, ctx.backend.device
     messages = [messages_of(p) for p in pairs[: cfg.num_winrate_prompts]]
     prompts = [prompt_ids(ctx.tokenizer, m, data) for m in messages]
     scores = {}
-    for name, policy in (("sft", sft), ("dpo", dpo)):
+    for name, policy in policies.items():
         completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, device, ctx.config.seed)
         scores[name] = reward_scores(rm, ctx.tokenizer, messages, completions, data, cfg.micro_batch_size, device)
-    wins = [1.0 if d > s else 0.5 if d == s else 0.0 for d, s in zip(scores["dpo"], scores["sft"])]
-    return sum(wins) / max(len(wins), 1)
+    out = {}
+    for name in (n for n in scores if n != "sft"):
+        wins = [1.0 if d > s else 0.5 if d == s else 0.0 for d, s in zip(scores[name], scores["sft"])]
+        out[f"{name}_vs_sft/win_rate"] = sum(wins) / max(len(wins), 1)
+    return out
 
 
 def run(spec: StageSpec) -> Manifest:
@@ -97,7 +103,7 @@ def run(spec: StageSpec) -> Manifest:
     policies: dict[str, nn.Module] = {}
     if spec.inputs.get("base_model", INIT_SOURCE) != INIT_SOURCE:
         metrics["base/exact_match"], _ = exact_match(ctx, _policy(ctx, "base_model"), problems)
-    for role, name in (("sft_model", "sft"), ("dpo_model", "dpo")):
+    for role, name in (("sft_model", "sft"), ("dpo_model", "dpo"), ("ppo_model", "ppo"), ("grpo_model", "grpo")):
         if role in spec.inputs:
             policies[name] = _policy(ctx, role)
             metrics[f"{name}/exact_match"], _ = exact_match(ctx, policies[name], problems)
@@ -109,7 +115,7 @@ def run(spec: StageSpec) -> Manifest:
         metrics.update(_rm_metrics(ctx, rm, pairs))
     if "dpo" in policies and "sft" in policies:
         metrics.update(_dpo_metrics(ctx, policies["dpo"], policies["sft"], pairs))
-        if rm is not None:
-            metrics["dpo_vs_sft/win_rate"] = _win_rate(ctx, rm, policies["sft"], policies["dpo"], pairs)
+    if rm is not None and "sft" in policies and len(policies) > 1:
+        metrics.update(_win_rates(ctx, rm, policies, pairs))
     ctx.log_metrics(metrics, 0)
     return commit_final(ctx, metrics)

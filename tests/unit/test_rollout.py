@@ -1,0 +1,85 @@
+"""Sampling from a tiny random policy: EOS handling, masks, seeded determinism, and log-probs
+from the full forward equal to the sampling distribution's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from trainer_core.config import GenerationConfig
+from trainer_core.rollout import RolloutBatch, forward_completions, sample_completions
+
+PAD, EOS, VOCAB = 0, 1, 12
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=PAD, eos_token_id=EOS,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight[EOS] += 0.6  # make EOS likely enough that some rows stop early
+    return model
+
+
+def _prompts():
+    ids = torch.tensor([[PAD, PAD, 5, 6], [3, 4, 5, 7]])
+    return ids, (ids != PAD).float()
+
+
+def _sample(policy, seed: int, max_new_tokens: int = 10):
+    ids, mask = _prompts()
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0)
+    return sample_completions(policy, ids, mask, gen, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(seed))
+
+
+def test_rows_stop_after_eos_and_are_padded(policy):
+    for seed in range(5):
+        tokens, mask = _sample(policy, seed)
+        assert tokens.shape == mask.shape and tokens.shape[1] <= 10
+        for row, m in zip(tokens.tolist(), mask.tolist()):
+            n = int(sum(m))
+            assert m == [1.0] * n + [0.0] * (len(m) - n)
+            assert all(t == PAD for t in row[n:])
+            assert EOS not in row[: n - 1]  # EOS, if any, is the last real token
+
+
+def test_same_generator_state_same_tokens(policy):
+    a, _ = _sample(policy, 3)
+    b, _ = _sample(policy, 3)
+    c, _ = _sample(policy, 4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_forward_logprobs_match_stepwise_distribution(policy):
+    """log p(token_t) from one forward over [prompt | completion] equals log_softmax of the logits
+    of the unpadded prefix, for every real completion token; padding positions are 0."""
+    ids, p_mask = _prompts()
+    tokens, c_mask = _sample(policy, 1, max_new_tokens=6)
+    with torch.no_grad():
+        logprobs, entropies, hidden = forward_completions(policy, ids, p_mask, tokens, c_mask, temperature=1.0, with_hidden=True)
+    assert hidden.shape == (*tokens.shape, 16) and (entropies >= 0).all()
+    for i in range(2):
+        prompt = ids[i][p_mask[i] > 0]
+        for t in range(int(c_mask[i].sum())):
+            prefix = torch.cat([prompt, tokens[i, :t]])[None]
+            with torch.no_grad():
+                want = torch.log_softmax(policy(input_ids=prefix).logits[0, -1], -1)[tokens[i, t]]
+            assert logprobs[i, t].item() == pytest.approx(want.item(), abs=1e-5)
+        assert (logprobs[i][c_mask[i] == 0] == 0).all()
+
+
+def test_rollout_batch_select_takes_rows():
+    n, t = 4, 3
+    batch = RolloutBatch(
+        prompt_ids=torch.arange(n)[:, None], prompt_mask=torch.ones(n, 1), completion_ids=torch.zeros(n, t, dtype=torch.long),
+        completion_mask=torch.ones(n, t), logprobs=torch.zeros(n, t), scores=torch.arange(n).float(),
+        prompt_index=torch.arange(n) // 2,
+    )
+    mb = batch.select(torch.tensor([3, 0]))
+    assert mb.scores.tolist() == [3.0, 0.0] and mb.prompt_ids[:, 0].tolist() == [3, 0]
+    assert mb.ref_logprobs is None and mb.num_sequences == 2
