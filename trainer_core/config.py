@@ -221,7 +221,9 @@ class ScoreConfig(_Base):
 
     policy_from: str | None = Field(None, description="Policy URI; None: the SFT output.")
     reward_model_from: str | None = Field(None, description="Reward model URI; None: the reward_model output.")
-    num_prompts: int = Field(64, ge=1, description="Held-out prompts scored.")
+    num_prompts: int = Field(
+        64, ge=1, description="Held-out prompts scored from each set (GSM8K-style problems and preference prompts)."
+    )
     generation: GenerationConfig = Field(
         default_factory=lambda: GenerationConfig(temperature=0.7, top_p=0.95),
         description="Sampling settings.",

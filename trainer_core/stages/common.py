@@ -155,6 +155,8 @@ def train_stage(
     progress = loop.run()
     metrics = summarize(progress)
     metrics["resumed"] = float(resumed)
+    metrics["consumed_samples"] = float(progress.consumed_samples)
+    metrics["consumed_tokens"] = float(progress.consumed_tokens)
     return metrics
 
 
@@ -186,6 +188,8 @@ def commit_final(
         stage=ctx.spec.stage,
         run_id=ctx.spec.run_id,
         global_step=int(metrics.get("global_step", 0)),
+        consumed_samples=int(metrics.get("consumed_samples", 0)),
+        consumed_tokens=int(metrics.get("consumed_tokens", 0)),
         config_hash=ctx.stage_hash(),
         backend=ctx.backend.name,
         world_size=ctx.backend.world_size,

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import logging
 from functools import partial
+from itertools import islice
 
 import torch
 from torch import Tensor, nn
 
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest, load_verified
 from trainer_core.checkpoint.storage import read_bytes
-from trainer_core.data.batching import collate_pairs
+from trainer_core.data.batching import DataPosition, collate_pairs, iterate_batches
 from trainer_core.loop import BatchSource, StepOutput
 from trainer_core.models import load_causal_lm
 from trainer_core.objectives.dpo import dpo_loss
@@ -93,25 +94,46 @@ def reference_logprobs(model: nn.Module, rows: list[dict], pad_id: int, batch_si
     return out
 
 
-def _load_or_compute_reference(ctx: StageContext, splits: dict[str, list[dict]]) -> dict[str, list[list[float]]]:
+def rows_used(source: BatchSource, num_micro_batches: int) -> list[int]:
+    """Indices of the rows that the first ``num_micro_batches`` micro-batches of ``source`` read.
+
+    The batch order is fully determined by (seed, epoch), so this is exactly what training
+    (or evaluation) will consume, resumed or not; early stopping only reads fewer.
+    """
+    used: set[int] = set()
+    for indices, _ in islice(iterate_batches(source.sampler, DataPosition(0, 0)), num_micro_batches):
+        used.update(indices)
+        if len(used) == len(source.rows):
+            break
+    return sorted(used)
+
+
+def _load_or_compute_reference(ctx: StageContext, needed: dict[str, list[int]], splits: dict[str, list[dict]]) -> dict[str, dict[int, list[float]]]:
+    """Reference log-probs (row index -> [chosen, rejected]) of the rows each split will use."""
     uri = join_uri(ctx.spec.output_uri, "reference")
     expected = ctx.stage_hash()
     try:
         manifest = load_verified(uri)
         if manifest.config_hash == expected:
             log.info("reusing reference log-probs from %s", uri)
-            return {s: json.loads(read_bytes(join_uri(uri, f"{s}.json"))) for s in SPLITS}
+            loaded = {s: json.loads(read_bytes(join_uri(uri, f"{s}.json"))) for s in SPLITS}
+            return {s: {int(i): v for i, v in values.items()} for s, values in loaded.items()}
     except (FileNotFoundError, ValueError) as e:
         log.info("computing reference log-probs (%s)", e.__class__.__name__)
     cfg = ctx.config.dpo
     reference = load_causal_lm(ctx.input("reference"), ctx.config.model, ctx.tokenizer, ctx.config.seed)
     reference = ctx.backend.prepare_frozen(reference)
     pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
-    values = {s: reference_logprobs(reference, rows, pad_id, cfg.micro_batch_size, device) for s, rows in splits.items()}
+    batch_size = cfg.micro_batch_size * cfg.grad_accum_steps
+    values: dict[str, dict[int, list[float]]] = {}
+    for s, indices in needed.items():
+        computed = reference_logprobs(reference, [splits[s][i] for i in indices], pad_id, batch_size, device)
+        values[s] = dict(zip(indices, computed))
+        log.info("reference log-probs: %d of %d %s pairs (the ones this run reads)", len(indices), len(splits[s]), s)
     del reference
     writer = ArtifactWriter(uri, overwrite=True)
     for s, v in values.items():
-        writer.write_bytes(f"{s}.json", json.dumps(v).encode())
+        writer.write_bytes(f"{s}.json", json.dumps({str(i): lp for i, lp in v.items()}).encode())
     writer.commit(
         kind="final", stage="dpo", run_id=ctx.spec.run_id, config_hash=expected,
         extra={"role": "reference_logprobs", "reference": ctx.input("reference")},
@@ -120,18 +142,25 @@ def _load_or_compute_reference(ctx: StageContext, splits: dict[str, list[dict]])
 
 
 def run(spec: StageSpec) -> Manifest:
-    """Train the DPO policy from the SFT model and commit it as an HF model directory."""
+    """Train the DPO policy from the SFT model and commit it as an HF model directory.
+
+    Reference log-probs are computed once, before training, for the pairs the run will read.
+    """
     ctx = open_stage(spec)
     cfg, seed = ctx.config.dpo, ctx.config.seed
     pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
     splits = {s: load_rows(ctx, f"preference/{s}") for s in SPLITS}
-    reference = _load_or_compute_reference(ctx, splits)
-    for s, rows in splits.items():
-        for row, (c, r) in zip(rows, reference[s]):
-            row["ref_chosen_logprobs"], row["ref_rejected_logprobs"] = c, r
     collate = partial(collate_with_reference, pad_id=pad_id)
     train = pair_source(splits["train"], pad_id, cfg.micro_batch_size, seed, device, collate=collate)
     held_out = pair_source(splits["eval"], pad_id, cfg.micro_batch_size, seed, device, shuffle=False, collate=collate)
+    needed = {
+        "train": rows_used(train, cfg.max_steps * cfg.grad_accum_steps),
+        "eval": rows_used(held_out, min(cfg.eval_max_batches, len(held_out.sampler))),
+    }
+    reference = _load_or_compute_reference(ctx, needed, splits)
+    for s, rows in splits.items():
+        for i, (c, r) in reference[s].items():
+            rows[i]["ref_chosen_logprobs"], rows[i]["ref_rejected_logprobs"] = c, r
     model = ctx.backend.wrap(load_causal_lm(ctx.input("model"), ctx.config.model, ctx.tokenizer, seed))
     metrics = train_stage(ctx, model, DPOObjective(cfg.beta, held_out, cfg.eval_max_batches), train, cfg)
     return commit_final(ctx, metrics, model=model)

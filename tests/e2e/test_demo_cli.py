@@ -1,0 +1,70 @@
+"""``posttrain run configs/demo.yaml`` as a user runs it: a child process, every stage of the
+demo config with tiny sizes, against the session's Prefect API. The last stdout line is the
+summary URI and the summary it names says every stage completed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY = {
+    "data.synthetic.num_problems": 120,
+    "data.synthetic.num_pairs": 60,
+    "data.max_eval_rows": 8,
+    "tokenizer.vocab_size": 256,
+    "model.init.hidden_size": 32,
+    "model.init.intermediate_size": 64,
+    "model.init.num_hidden_layers": 1,
+    "sft.max_steps": 4,
+    "sft.eval_every": 2,
+    "sft.save_every": 2,
+    "reward_model.max_steps": 2,
+    "dpo.max_steps": 2,
+    "dpo.grad_accum_steps": 1,
+    "score.num_prompts": 2,
+    "score.generation.max_new_tokens": 8,
+    "evaluate.num_problems": 2,
+    "evaluate.num_winrate_prompts": 2,
+    "evaluate.generation.max_new_tokens": 8,
+    "launch.retries": 0,
+    "launch.timeout_s": 120,
+}
+
+
+@pytest.mark.slow
+def test_demo_config_through_the_cli(prefect_api, tmp_path):
+    root = tmp_path / "out"
+    args = [str(REPO / "configs" / "demo.yaml"), "--run-id", "demo-cli", "--set", f"storage.root={root}"]
+    for key, value in TINY.items():
+        args += ["--set", f"{key}={value}"]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "run id: demo-cli"
+    uri = lines[-1]
+    assert uri == str(root / "runs" / "demo-cli" / "summary.json")
+    summary = json.loads(Path(uri).read_text())
+    assert summary["run_id"] == "demo-cli" and summary["status"] == "completed"
+    stages = ("prepare_data", "sft", "reward_model", "score", "dpo", "evaluate")
+    assert set(summary["stages"]) == set(stages)
+    for name in stages:
+        entry = summary["stages"][name]
+        assert entry["status"] == "completed", (name, entry)
+        assert (Path(entry["output_uri"]) / "manifest.json").is_file()
+        assert f"{name}: completed -> {entry['output_uri']}" in lines
+    assert summary["stages"]["sft"]["metrics"]["global_step"] == 4
+    assert summary["mlflow"]["tracking_uri"] == f"sqlite:///{root / 'mlflow.db'}"
+    assert "dpo_vs_sft/win_rate" in summary["stages"]["evaluate"]["metrics"]

@@ -1,0 +1,260 @@
+"""Deployments end to end: a real ``prefect server start`` (SQLite, its own PREFECT_HOME), a real
+``mlflow server``, ``posttrain deploy`` against them, a process worker in its own process group,
+and flow runs created through the API as the UI's Run button does
+(``create_flow_run_from_deployment`` with parameters and job variables).
+
+Two good runs of the tiny demo take the same one-slot GPU concurrency limit and must not hold it
+at the same time; a run with a bad override fails before any stage starts, naming the field; a
+run with a bad typed ``config`` is refused by the API, naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.exceptions import PrefectHTTPStatusError
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from trainer_core.config import PipelineConfig
+
+pytestmark = pytest.mark.slow
+
+PROJECT_DIR = Path(__file__).resolve().parents[2]
+DEPLOYMENT = "post-training-pipeline/demo"
+GPU_LIMIT = "posttrain-gpu-local"
+STARTUP_TIMEOUT_S = 120
+RUN_TIMEOUT_S = 300
+
+
+def tiny_demo(root: Path, tracking_uri: str) -> dict:
+    """``overrides`` for a demo run of a few seconds: prepare_data and 3 SFT steps of a tiny Llama."""
+    return {
+        "storage.root": str(root),
+        "tracking.tracking_uri": tracking_uri,
+        "stages": "prepare_data,sft",
+        "data.synthetic.num_problems": 60,
+        "data.synthetic.num_pairs": 40,
+        "tokenizer.vocab_size": 256,
+        "model.init.hidden_size": 32,
+        "model.init.intermediate_size": 64,
+        "model.init.num_hidden_layers": 1,
+        "model.init.num_attention_heads": 2,
+        "model.init.num_key_value_heads": 1,
+        "sft.max_steps": 3,
+        "sft.micro_batch_size": 4,
+        "sft.warmup_steps": 0,
+        "sft.eval_every": 3,
+        "sft.eval_max_batches": 1,
+        "sft.save_every": 3,
+        "launch.retries": 0,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], env: dict, log_path: Path, cwd: Path) -> subprocess.Popen:
+    """Start ``cmd`` in its own process group, output to ``log_path``."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group (a Prefect worker shuts down gracefully), SIGKILL it after 10 s."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{proc.args[:3]} exited:\n{log_path.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[dict]:
+    """A Prefect server and an MLflow server on free loopback ports, started in parallel."""
+    tmp = tmp_path_factory.mktemp("stack")
+    prefect_port, mlflow_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(
+        PREFECT_HOME=str(tmp / "prefect-home"),
+        PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+    )
+    bin_dir = Path(sys.executable).parent
+    procs = {
+        "prefect": start([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                          str(prefect_port)], env, tmp / "prefect-server.log", tmp),
+        "mlflow": start([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+                         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db"],
+                        env, tmp / "mlflow-server.log", tmp),
+    }
+    try:
+        wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", procs["prefect"], tmp / "prefect-server.log")
+        wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", procs["mlflow"], tmp / "mlflow-server.log")
+        yield {"env": env, "tmp": tmp, "api_url": env["PREFECT_API_URL"], "mlflow": f"http://127.0.0.1:{mlflow_port}"}
+    finally:
+        for proc in procs.values():
+            stop(proc)
+
+
+def posttrain(stack: dict, *args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "flows.cli", *args], env=stack["env"], cwd=stack["tmp"],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@contextmanager
+def client(stack: dict) -> Iterator[SyncPrefectClient]:
+    """A client of the stack's Prefect API (whatever API the rest of the session uses)."""
+    with temporary_settings(updates={PREFECT_API_URL: stack["api_url"]}), get_client(sync_client=True) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+def deployed(stack) -> str:
+    return posttrain(stack, "deploy")
+
+
+def test_deploy_registers_typed_deployments(stack, deployed):
+    assert f"deployment {DEPLOYMENT}:" in deployed
+    with client(stack) as api:
+        demo = api.read_deployment_by_name(DEPLOYMENT)
+        nightly = api.read_deployment_by_name("post-training-pipeline/qwen2.5-0.5b-1gpu")
+        assert api.read_work_pool("posttrain-local").type == "process"
+        assert api.read_work_pool("posttrain-gpu").type == "kubernetes"
+        assert api.read_global_concurrency_limit_by_name(GPU_LIMIT).limit == 1
+    assert demo.work_pool_name == "posttrain-local" and demo.entrypoint == "flows.pipeline.post_training_pipeline"
+    assert demo.job_variables == {"working_dir": str(PROJECT_DIR)}
+    assert demo.parameters == {"config_uri": "configs/demo.yaml"} and demo.enforce_parameter_schema
+    assert {"posttrain", "demo"} <= set(demo.tags)
+    schema = demo.parameter_openapi_schema
+    assert {"config", "config_uri", "overrides", "run_id"} <= set(schema["properties"])
+    learning_rate = schema["definitions"]["SFTConfig"]["properties"]["learning_rate"]
+    assert learning_rate["description"] == PipelineConfig.model_fields["sft"].annotation.model_fields["learning_rate"].description
+    assert learning_rate["exclusiveMinimum"] == 0 and learning_rate["default"] == 1e-3
+    [schedule] = nightly.schedules
+    assert schedule.schedule.cron == "0 2 * * *" and schedule.active is False
+
+
+def wait_final(api: SyncPrefectClient, ids: list, worker_log: Path) -> dict:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        runs = {r.id: r for r in api.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))}
+        if all(runs[i].state.is_final() for i in ids):
+            return runs
+        time.sleep(1)
+    raise AssertionError(f"flow runs not final after {RUN_TIMEOUT_S} s; worker log:\n{worker_log.read_text()[-5000:]}")
+
+
+def slot_intervals(api: SyncPrefectClient, flow_run_id) -> list[tuple[float, float]]:
+    """(holding, releasing) timestamps of the GPU slot, from the flow run's logs (which may reach
+    the API a moment after the run's final state)."""
+    deadline = time.monotonic() + 30
+    while True:
+        logs, page = [], None
+        while page is None or len(page) == 200:
+            page = api.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=len(logs))
+            logs += page
+        marks = {kind: [log.timestamp.timestamp() for log in logs if f"{kind} 1 slot(s) of concurrency limit" in log.message]
+                 for kind in ("holding", "releasing")}
+        if (marks["holding"] and len(marks["holding"]) == len(marks["releasing"])) or time.monotonic() > deadline:
+            return list(zip(marks["holding"], marks["releasing"], strict=True))
+        time.sleep(1)
+
+
+def test_runs_from_the_api(stack, deployed):
+    tmp, worker_log = stack["tmp"], stack["tmp"] / "worker.log"
+    worker = start([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", "posttrain-local"],
+                   {**stack["env"], "PREFECT_WORKER_QUERY_SECONDS": "1"}, worker_log, tmp)
+    gpu_env = {"env": {"POSTTRAIN_GPU_CONCURRENCY_LIMIT": GPU_LIMIT}}
+    try:
+        with client(stack) as api:
+            demo = api.read_deployment_by_name(DEPLOYMENT)
+            with pytest.raises(PrefectHTTPStatusError, match=r"config\.sft\.learning_rate") as refused:
+                api.create_flow_run_from_deployment(demo.id, parameters={"config": {"sft": {"learning_rate": -1}}})
+            assert refused.value.response.status_code == 409
+            good = [api.create_flow_run_from_deployment(
+                demo.id, parameters={"overrides": tiny_demo(tmp / name, stack["mlflow"])}, job_variables=gpu_env)
+                for name in ("a", "b")]
+            bad = api.create_flow_run_from_deployment(
+                demo.id, parameters={"overrides": {"storage.root": str(tmp / "bad"), "sft.learning_rate": -1}})
+            runs = wait_final(api, [r.id for r in (*good, bad)], worker_log)
+
+            failed = runs[bad.id]
+            assert failed.state.is_failed() and "sft.learning_rate" in failed.state.message, failed.state.message
+            assert api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[bad.id]))) == []
+            assert not (tmp / "bad" / "runs").exists()
+
+            for run, name in zip(good, ("a", "b"), strict=True):
+                final = runs[run.id]
+                assert final.state.is_completed(), f"{final.state.message}\n{worker_log.read_text()[-5000:]}"
+                assert re.fullmatch(r"demo-\d{8}-\d{6}", final.name), final.name
+                [summary_path] = (tmp / name / "runs").glob("*/summary.json")
+                summary = json.loads(summary_path.read_text())
+                assert summary["status"] == "completed" and list(summary["stages"]) == ["prepare_data", "sft"]
+                tasks = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+                assert sorted(t.name for t in tasks) == ["prepare_data", "sft"]
+                [artifact] = api.read_artifacts(artifact_filter=ArtifactFilter(
+                    key=ArtifactFilterKey(any_=["sft-metrics"]), flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+                mlflow_run_id = summary["stages"]["sft"]["mlflow_run_id"]
+                assert re.search(rf"\]\({re.escape(stack['mlflow'])}/#/experiments/\d+/runs/{mlflow_run_id}\)",
+                                 artifact.data), artifact.data
+
+            (a_start, a_end), (b_start, b_end) = (slot_intervals(api, r.id)[0] for r in good)
+            assert a_end <= b_start or b_end <= a_start, "two pipelines held the one GPU slot at once"
+            assert api.read_global_concurrency_limit_by_name(GPU_LIMIT).active_slots == 0
+    finally:
+        stop(worker)
+
+
+def test_enable_schedule(stack, deployed):
+    out = posttrain(stack, "deploy", "--name", "qwen2.5-0.5b-1gpu", "--enable-schedule")
+    assert "schedules active" in out
+    with client(stack) as api:
+        [schedule] = api.read_deployment_by_name("post-training-pipeline/qwen2.5-0.5b-1gpu").schedules
+    assert schedule.active is True and schedule.schedule.cron == "0 2 * * *" and schedule.schedule.timezone == "UTC"

@@ -1,0 +1,293 @@
+"""Acceptance: failed stages retry from their last checkpoint; a re-run of a finished run
+trains nothing; a second writer of a stage is refused.
+
+Under a real Prefect API (the session's ``prefect_api``), a real MLflow sqlite store under
+``tmp_path`` and real trainer processes, with the tiny config of the integration tests.
+
+- The SFT trainer of a flow run is SIGKILLed (its whole process group, as when a node dies)
+  right after its step-4 checkpoint is committed. The Prefect retry of the task run resumes
+  from that checkpoint: steps 1-4 run once, MLflow holds one ``train/loss`` per step, and
+  the final weights equal those of an uninterrupted run, bit for bit.
+- ``posttrain resume`` of a finished run launches no trainer; with ``--set dpo.beta=0.5`` it
+  re-runs DPO and the evaluation only.
+- A trainer started on a stage whose lease a live writer holds exits with code 2 and names
+  the lease. The trainer waits ``ttl + 5`` = 35 s for a live lease to lapse before it gives
+  up (``StageLease.acquire``; the ttl is not configurable), so that test takes ~45 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+from typer.testing import CliRunner
+
+from flows.cli import app
+from flows.pipeline import post_training_pipeline
+from tests.integration.helpers import (
+    DEMO_CONFIG,
+    assert_same_weights,
+    final_weights,
+    run_stage,
+    tiny_overrides,
+    write_spec,
+)
+from trainer_core.checkpoint.lease import LEASE_NAME, StageLease
+from trainer_core.checkpoint.manifest import MANIFEST_NAME, step_dirname
+from trainer_core.config import PipelineConfig, load_config
+from trainer_core.errors import EXIT_BAD_INPUT
+from trainer_core.spec import StageSpec, final_uri, stage_uri
+
+ALL_STAGES = ["prepare_data", "sft", "reward_model", "score", "dpo", "evaluate"]
+MAX_STEPS = 12
+SAVE_EVERY = 4
+KILL_AT = 4
+"""The SFT trainer is killed once the checkpoint of this step is committed."""
+
+_RESUMED = re.compile(r"resumed from \S+ at global_step (\d+)")
+_STEP_LINE = re.compile(r"^\[sft\] step (\d+):")
+
+
+def pipeline_config(root: Path, stages: list[str], **extra: object) -> PipelineConfig:
+    """The tiny integration-test config writing under ``root`` (MLflow: ``<root>/mlflow.db``)."""
+    overrides = {
+        **tiny_overrides(),
+        "storage.root": str(root),
+        "stages": stages,
+        "launch.retries": 2,
+        "launch.retry_delay_s": 1,
+        "launch.timeout_s": 300,
+        "sft.max_steps": MAX_STEPS,
+        "sft.save_every": SAVE_EVERY,
+        "sft.log_every": 1,
+        **extra,
+    }
+    return load_config(str(DEMO_CONFIG), overrides=overrides)
+
+
+@pytest.fixture
+def single_thread_trainers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainers inherit the test's environment: one compute thread each (as the integration
+    helpers launch them, so float reductions match bit for bit), no MLflow server from outside."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+def wait_for(path: Path, deadline_s: float, done: threading.Event, poll_s: float = 0.01) -> None:
+    """Poll until ``path`` exists; fail if ``done`` is set first or ``deadline_s`` passes."""
+    end = time.monotonic() + deadline_s
+    while not path.exists():
+        if done.is_set():
+            raise AssertionError(f"the flow ended before {path} appeared")
+        if time.monotonic() > end:
+            raise AssertionError(f"{path} did not appear within {deadline_s}s")
+        time.sleep(poll_s)
+
+
+def kill_trainer(stage_dir: Path) -> int:
+    """SIGKILL the process group of the trainer holding ``<stage_dir>/lease.json``; its pid."""
+    pid = json.loads((stage_dir / LEASE_NAME).read_text())["pid"]
+    assert os.getpgid(pid) == pid, "the trainer should lead its own process group"
+    os.killpg(pid, signal.SIGKILL)
+    return pid
+
+
+def task_runs_of(flow_run_id) -> dict:
+    """Task run name -> task run, for one flow run."""
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {t.name: t for t in runs}
+
+
+def task_log_lines(task_run_id, last_line: str, timeout_s: float = 30.0) -> list[str]:
+    """Messages of a task run's logs in time order, read once ``last_line`` has arrived
+    (the flow process ships logs to the API in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        messages: list[str] = []
+        with get_client(sync_client=True) as client:
+            while page := client.read_logs(
+                log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])),
+                offset=len(messages),
+                limit=200,
+            ):
+                messages += [log.message for log in page]
+        if any(last_line in m for m in messages) or time.monotonic() > deadline:
+            return messages
+        time.sleep(0.5)
+
+
+def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
+    prefect_api, tmp_path, single_thread_trainers
+):
+    root, run_id = tmp_path / "out", "retry-sft"
+    config = pipeline_config(root, ["prepare_data", "sft"])
+    stage_dir = Path(stage_uri(str(root), run_id, "sft"))
+    data_final = Path(final_uri(stage_uri(str(root), run_id, "prepare_data")))
+    checkpoint = stage_dir / "checkpoints" / step_dirname(KILL_AT) / MANIFEST_NAME
+
+    done, outcome = threading.Event(), {}
+
+    def run_flow() -> None:
+        try:
+            outcome["state"] = post_training_pipeline(config=config, run_id=run_id, return_state=True)
+        finally:
+            done.set()
+
+    def uninterrupted_sft() -> StageSpec:
+        """The same SFT run, never killed, on the flow's prepared data (the reference)."""
+        wait_for(data_final / MANIFEST_NAME, 300, done)
+        spec = StageSpec(
+            stage="sft", run_id=run_id, config=config, inputs={"data": str(data_final), "model": "init"},
+            output_uri=str(tmp_path / "uninterrupted"),
+        )
+        run = run_stage(write_spec(spec, tmp_path / "uninterrupted.json"))
+        assert run.returncode == 0, run.tail()
+        return spec
+
+    flow_thread = threading.Thread(target=run_flow, name="flow", daemon=True)
+    t0 = time.monotonic()
+    flow_thread.start()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        reference = pool.submit(uninterrupted_sft)
+        wait_for(checkpoint, 300, done)
+        killed_pid = kill_trainer(stage_dir)
+        flow_thread.join(timeout=400)
+        assert not flow_thread.is_alive(), "the flow did not finish"
+        reference_spec = reference.result()
+    print(f"flow with one killed SFT attempt: {time.monotonic() - t0:.1f}s (trainer pid {killed_pid} killed)")
+
+    state = outcome["state"]
+    assert state.is_completed(), state.message
+    summary = state.result()
+    sft = summary["stages"]["sft"]
+    assert summary["status"] == "completed" and sft["status"] == "completed"
+    assert sft["metrics"]["global_step"] == MAX_STEPS and sft["metrics"]["resumed"] == 1.0
+
+    task_runs = task_runs_of(state.state_details.flow_run_id)
+    assert {name: t.run_count for name, t in task_runs.items()} == {"prepare_data": 1, "sft": 2}
+
+    # The second attempt resumed from the checkpoint the first one committed, and did not
+    # redo the steps before it: each of steps 1-4 ran once, the retry's first step is 5.
+    lines = task_log_lines(task_runs["sft"].id, "stage sft committed")
+    resumed = [(i, int(m[1])) for i, line in enumerate(lines) if (m := _RESUMED.search(line))]
+    assert len(resumed) == 1, [line for line in lines if "resum" in line]
+    at, resume_step = resumed[0]
+    assert resume_step >= KILL_AT and f"{step_dirname(resume_step)}" in lines[at]
+    steps = [int(m[1]) for line in lines if (m := _STEP_LINE.match(line))]
+    retry_steps = [int(m[1]) for line in lines[at:] if (m := _STEP_LINE.match(line))]
+    assert retry_steps == list(range(resume_step + 1, MAX_STEPS + 1))
+    assert all(steps.count(s) == 1 for s in range(1, resume_step + 1)), steps
+
+    # MLflow: the stage's one run holds every step's loss exactly once.
+    mlflow = MlflowClient(summary["mlflow"]["tracking_uri"])
+    assert json.loads((root / "runs" / run_id / "specs" / "sft.json").read_text())["mlflow_run_id"] == sft["mlflow_run_id"]
+    history = mlflow.get_metric_history(sft["mlflow_run_id"], "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, MAX_STEPS + 1))
+    assert mlflow.get_run(sft["mlflow_run_id"]).info.status == "FINISHED"
+
+    assert_same_weights(final_weights(str(stage_dir)), final_weights(reference_spec.output_uri))
+
+
+def _final_manifests(root: Path, run_id: str) -> dict[str, float]:
+    return {s: (Path(final_uri(stage_uri(str(root), run_id, s))) / MANIFEST_NAME).stat().st_mtime_ns for s in ALL_STAGES}
+
+
+def _files_under(root: Path, sub: str) -> dict[str, int]:
+    """Relative path -> mtime (ns) of every file under ``<root>/<sub>``."""
+    base = root / sub
+    return {str(p.relative_to(base)): p.stat().st_mtime_ns for p in base.rglob("*") if p.is_file()}
+
+
+def _resume(run_id: str, root: Path, *overrides: str) -> tuple[dict, list[str], float]:
+    """``posttrain resume RUN_ID --root ROOT [--set ...]``: (summary, stdout lines, wall s)."""
+    args = ["resume", run_id, "--root", str(root)]
+    for item in overrides:
+        args += ["--set", item]
+    t0 = time.monotonic()
+    result = CliRunner().invoke(app, args)
+    wall_s = time.monotonic() - t0
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    return json.loads(Path(lines[-1]).read_text()), lines, wall_s
+
+
+@pytest.mark.slow
+def test_resume_of_a_finished_run_trains_nothing_and_a_changed_dpo_beta_reruns_dpo_and_evaluate(
+    prefect_api, tmp_path, single_thread_trainers
+):
+    root, run_id = tmp_path / "out", "resume-all"
+    steps = {f"{s}.{k}": 4 if k == "max_steps" else 2 for s in ("sft", "reward_model", "dpo")
+             for k in ("max_steps", "save_every", "eval_every")}
+    tiny_generation = {
+        "score.num_prompts": 2, "score.generation.max_new_tokens": 8, "evaluate.num_problems": 2,
+        "evaluate.num_winrate_prompts": 2, "evaluate.generation.max_new_tokens": 8, "launch.retries": 0,
+    }
+    config = pipeline_config(root, ALL_STAGES, **steps, **tiny_generation)
+    t0 = time.monotonic()
+    state = post_training_pipeline(config=config, run_id=run_id, return_state=True)
+    print(f"full tiny pipeline: {time.monotonic() - t0:.1f}s")
+    assert state.is_completed(), state.message
+    run_dir = root / "runs" / run_id
+    finals, checkpoints, specs = _final_manifests(root, run_id), _files_under(run_dir, "stages"), _files_under(run_dir, "specs")
+
+    summary, lines, wall_s = _resume(run_id, root)
+    print(f"resume, nothing to do: {wall_s:.1f}s")
+    assert summary["status"] == "completed"
+    assert {s: (e["status"], e.get("reused"), e["wall_s"]) for s, e in summary["stages"].items()} == {
+        s: ("completed", True, 0.0) for s in ALL_STAGES
+    }
+    assert all(f"{s}: completed (unchanged, not re-run) -> " in "\n".join(lines) for s in ALL_STAGES)
+    assert _final_manifests(root, run_id) == finals
+    assert _files_under(run_dir, "stages") == checkpoints, "a reused run wrote checkpoints or outputs"
+    assert _files_under(run_dir, "specs") == specs, "a reused run launched a trainer"
+    assert wall_s < 60, f"a resume that trains nothing took {wall_s:.0f}s"
+
+    summary, _, wall_s = _resume(run_id, root, "dpo.beta=0.5")
+    print(f"resume with dpo.beta=0.5: {wall_s:.1f}s")
+    assert summary["status"] == "completed"
+    rerun = {"dpo", "evaluate"}
+    assert {s for s, e in summary["stages"].items() if not e.get("reused")} == rerun
+    assert all(e["status"] == "completed" for e in summary["stages"].values())
+    now = _final_manifests(root, run_id)
+    assert {s for s in ALL_STAGES if now[s] != finals[s]} == rerun
+    assert json.loads((run_dir / "config.json").read_text())["dpo"]["beta"] == 0.5
+    dpo_manifest = json.loads((Path(summary["stages"]["dpo"]["output_uri"]) / MANIFEST_NAME).read_text())
+    assert dpo_manifest["global_step"] == 4 and dpo_manifest["metrics"]["resumed"] == 0.0
+    changed = {p for p, m in _files_under(run_dir, "stages").items() if checkpoints.get(p) != m}
+    assert changed and all(p.split("/")[0] in rerun for p in changed), sorted(changed)
+
+
+def test_a_second_writer_of_a_stage_is_refused_while_the_lease_is_live(tmp_path, single_thread_trainers):
+    root, run_id = tmp_path / "out", "two-writers"
+    config = pipeline_config(root, ["prepare_data"])
+    output_uri = stage_uri(str(root), run_id, "prepare_data")
+    holder = StageLease(output_uri, owner="test-holder", ttl_s=6.0)
+    holder.acquire(wait_s=0)
+    try:
+        spec = StageSpec(
+            stage="prepare_data", run_id=run_id, config=config, inputs={}, output_uri=output_uri,
+            writer_id="second-writer",
+        )
+        run = run_stage(write_spec(spec, tmp_path / "second.json"), timeout_s=180)
+        lease = json.loads((Path(output_uri) / LEASE_NAME).read_text())
+        assert not holder.lost.is_set()
+    finally:
+        holder.release()
+    print(f"second writer refused after {run.wall_s:.1f}s")
+    assert run.returncode == EXIT_BAD_INPUT, run.tail()
+    assert f"{Path(output_uri) / LEASE_NAME} is held by test-holder" in run.output, run.tail()
+    assert lease["owner"] == "test-holder"
+    assert not Path(final_uri(output_uri)).exists()
