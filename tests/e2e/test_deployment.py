@@ -117,7 +117,7 @@ def stack(tmp_path_factory) -> Iterator[dict]:
     """A Prefect server and an MLflow server on free loopback ports, started in parallel."""
     tmp = tmp_path_factory.mktemp("stack")
     prefect_port, mlflow_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "POSTTRAIN_"))}
     env.update(
         PREFECT_HOME=str(tmp / "prefect-home"),
         PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
@@ -175,7 +175,8 @@ def test_deploy_registers_typed_deployments(stack, deployed):
     schema = demo.parameter_openapi_schema
     assert {"config", "config_uri", "overrides", "run_id"} <= set(schema["properties"])
     learning_rate = schema["definitions"]["SFTConfig"]["properties"]["learning_rate"]
-    assert learning_rate["description"] == PipelineConfig.model_fields["sft"].annotation.model_fields["learning_rate"].description
+    sft_fields = PipelineConfig.model_fields["sft"].annotation.model_fields
+    assert learning_rate["description"] == sft_fields["learning_rate"].description
     assert learning_rate["exclusiveMinimum"] == 0 and learning_rate["default"] == 1e-3
     [schedule] = nightly.schedules
     assert schedule.schedule.cron == "0 2 * * *" and schedule.active is False
@@ -194,13 +195,13 @@ def wait_final(api: SyncPrefectClient, ids: list, worker_log: Path) -> dict:
 def slot_intervals(api: SyncPrefectClient, flow_run_id) -> list[tuple[float, float]]:
     """(holding, releasing) timestamps of the GPU slot, from the flow run's logs (which may reach
     the API a moment after the run's final state)."""
-    deadline = time.monotonic() + 30
+    deadline, of_run = time.monotonic() + 30, LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
     while True:
         logs, page = [], None
         while page is None or len(page) == 200:
-            page = api.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=len(logs))
+            page = api.read_logs(of_run, limit=200, offset=len(logs))
             logs += page
-        marks = {kind: [log.timestamp.timestamp() for log in logs if f"{kind} 1 slot(s) of concurrency limit" in log.message]
+        marks = {kind: [log.timestamp.timestamp() for log in logs if f"{kind} 1 slot(s) of concurrency" in log.message]
                  for kind in ("holding", "releasing")}
         if (marks["holding"] and len(marks["holding"]) == len(marks["releasing"])) or time.monotonic() > deadline:
             return list(zip(marks["holding"], marks["releasing"], strict=True))

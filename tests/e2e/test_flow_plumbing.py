@@ -144,7 +144,8 @@ def test_stage_inputs_rules():
 
 def test_a_repeated_stage_attempt_logs_into_the_same_mlflow_run(prefect_api, tmp_path, monkeypatch):
     """What a Prefect retry does: run_stage again for the same run id and parent reuses the
-    stage's MLflow run (found through the earlier spec); a new parent gets a new stage run."""
+    stage's MLflow run (found through the earlier spec); a new parent gets a new stage run.
+    Resuming a run id reopens its parent instead of creating another."""
     from prefect import flow
 
     from tasks.stages import run_stage
@@ -158,7 +159,10 @@ def test_a_repeated_stage_attempt_logs_into_the_same_mlflow_run(prefect_api, tmp
         return [run_stage(stage="prepare_data", config=config, run_id="plumb-again", inputs={},
                           parent_mlflow_run_id=p)["mlflow_run_id"] for p in parents]
 
-    first_parent, second_parent = start_pipeline_run(config, "plumb-again"), start_pipeline_run(config, "plumb-again")
+    first_parent = start_pipeline_run(config, "plumb-again")
+    assert start_pipeline_run(config, "plumb-again") == first_parent
+    second_parent = start_pipeline_run(config, "plumb-other")
+    assert second_parent != first_parent
     a, b, c = attempts([first_parent, first_parent, second_parent])
     assert a == b and c != a
     mlflow = MlflowClient(f"sqlite:///{tmp_path}/out/mlflow.db")

@@ -1,0 +1,1 @@
+"""Prefect deployments of the pipeline flow: ``prefect.yaml`` declares them, ``deploy.py`` registers them."""
