@@ -98,13 +98,14 @@ def _spec_config_and_env(config: PipelineConfig) -> tuple[PipelineConfig, dict[s
 
 @contextmanager
 def gpu_slots(stage: str, config: PipelineConfig, log: Any) -> Iterator[None]:
-    """Hold slots of the concurrency limit named by ``$POSTTRAIN_GPU_CONCURRENCY_LIMIT`` (see
-    :data:`GPU_CONCURRENCY_ENV`); waits as long as the slots are taken.
+    """Hold slots of the concurrency limit ``launch.gpu_concurrency_limit`` (default
+    ``$POSTTRAIN_GPU_CONCURRENCY_LIMIT``, see :data:`GPU_CONCURRENCY_ENV`); waits as long as the
+    slots are taken.
 
     Raises:
         ConcurrencySlotAcquisitionError: the named limit does not exist.
     """
-    name = os.environ.get(GPU_CONCURRENCY_ENV, "").strip()
+    name = (config.launch.gpu_concurrency_limit or os.environ.get(GPU_CONCURRENCY_ENV, "")).strip()
     if not name or stage == "prepare_data" or config.backend.device == "cpu":
         yield
         return

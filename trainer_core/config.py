@@ -305,6 +305,11 @@ class LaunchConfig(_Base):
     retries: int = Field(2, ge=0, description="Prefect retries of a failed stage task (resumes from checkpoint).")
     retry_delay_s: float = Field(2.0, ge=0, description="Seconds between retries.")
     timeout_s: float | None = Field(None, gt=0, description="Kill a stage's trainer after this many seconds.")
+    gpu_concurrency_limit: str | None = Field(
+        None,
+        description="Prefect global concurrency limit whose slots (one per GPU) a GPU stage holds while it "
+        "trains, so pipelines sharing a node queue; default: $POSTTRAIN_GPU_CONCURRENCY_LIMIT, else none.",
+    )
 
 
 class PipelineConfig(_Base):

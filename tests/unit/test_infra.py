@@ -287,6 +287,24 @@ def test_gpu_slots_only_for_gpu_stages(monkeypatch, env, stage, device, taken):
     assert calls == (expected if taken else [])
 
 
+def test_gpu_slots_limit_from_config_wins_over_env(monkeypatch):
+    from tasks import stages
+
+    calls: list = []
+
+    @contextmanager
+    def recording_concurrency(name, **kwargs):
+        calls.append(name)
+        yield
+
+    monkeypatch.setattr(stages, "concurrency", recording_concurrency)
+    monkeypatch.setenv(stages.GPU_CONCURRENCY_ENV, "from-env")
+    config = load_config(overrides={"backend.device": "cuda", "launch.gpu_concurrency_limit": "from-config"})
+    with stages.gpu_slots("sft", config, logging.getLogger("test")):
+        pass
+    assert calls == ["from-config"]
+
+
 def test_mlflow_link_only_for_a_tracking_server():
     from tasks.stages import mlflow_run_markdown
 
