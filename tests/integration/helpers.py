@@ -1,5 +1,5 @@
 """Shared machinery of the integration tests: a tiny pipeline config, stage specs, and stage
-processes launched (and killed) exactly as the stage tasks launch them.
+processes launched (and killed) the way the stage tasks launch them.
 
 Every stage runs as ``python -m trainer_core.run <spec>`` in a fresh interpreter pinned to
 one CPU thread (``OMP_NUM_THREADS=1``): the runs compared bit for bit must do the same
@@ -57,15 +57,15 @@ _TRAIN_OVERRIDES = {
     "keep_last_checkpoints": 2,
 }
 _STAGE_OVERRIDES = {
-    # 16 pairs a step over ~108 training pairs: the step-8 checkpoint sits inside epoch 1,
-    # so a resume from it starts mid-way through a reshuffled epoch.
+    # 16 pairs a step over the 71 training pairs (5 micro-batches an epoch): the step-8
+    # checkpoint sits inside epoch 1, so a resume from it starts mid-way through a reshuffled epoch.
     "reward_model": {"micro_batch_size": 16},
     # Two micro-batches a step: accumulation state must not leak across a resume.
     "dpo": {"grad_accum_steps": 2},
 }
 
 STEP_LINE = re.compile(r"\[(?P<stage>\w+)\] step (?P<step>\d+): (?P<metrics>.*)$")
-UNTIMED = ("train/tokens_per_s",)
+TIMING_METRICS = ("train/tokens_per_s",)
 """Logged metrics that measure wall time: never equal between two runs."""
 
 
@@ -153,7 +153,7 @@ class StageRun:
             values = out.setdefault(int(m["step"]), {})
             for pair in m["metrics"].split():
                 key, _, value = pair.partition("=")
-                if key not in UNTIMED:
+                if key not in TIMING_METRICS:
                     values[key] = value
         return out
 
@@ -278,20 +278,26 @@ class TinyPipeline:
     baseline_uris: dict[str, str] = field(default_factory=dict)
     baseline_runs: dict[str, StageRun] = field(default_factory=dict)
 
-    def spec(self, stage: str, output_uri: str) -> StageSpec:
-        """The spec of ``stage`` writing to ``output_uri``; models come from the baselines."""
+    def spec(self, stage: str, output_uri: str, writer_id: str | None = None) -> StageSpec:
+        """The spec of ``stage`` writing to ``output_uri``; models come from the baselines.
+
+        A relaunch after a kill passes the killed run's ``writer_id`` (what a retry of the same
+        task run is meant to do), so the dead process's unexpired lease does not refuse it.
+        """
         sft = self.baseline_uris.get("sft")
         inputs = stage_inputs(stage, self.data_uri, final_uri(sft) if sft else None)
-        return StageSpec(stage=stage, run_id=RUN_ID, config=self.config, inputs=inputs, output_uri=output_uri)
+        return StageSpec(
+            stage=stage, run_id=RUN_ID, config=self.config, inputs=inputs, output_uri=output_uri, writer_id=writer_id
+        )
 
-    def write_spec(self, stage: str, output_uri: str, name: str) -> str:
-        """Write :meth:`spec` to ``<root>/specs/<name>.json``; returns the path."""
-        return write_spec(self.spec(stage, output_uri), os.path.join(self.root, "specs", f"{name}.json"))
+    def write_spec(self, stage: str, output_uri: str, path: str, writer_id: str | None = None) -> str:
+        """Write :meth:`spec` to the local ``path``; returns the path."""
+        return write_spec(self.spec(stage, output_uri, writer_id), path)
 
     def run_baseline(self, stage: str) -> StageRun:
         """Run ``stage`` uninterrupted into ``<root>/baseline/<stage>`` and record it."""
         uri = os.path.join(self.root, "baseline", stage)
-        run = run_stage(self.write_spec(stage, uri, f"baseline-{stage}"))
+        run = run_stage(self.write_spec(stage, uri, os.path.join(self.root, "specs", f"baseline-{stage}.json")))
         assert run.returncode == 0, run.tail()
         self.baseline_uris[stage] = uri
         self.baseline_runs[stage] = run

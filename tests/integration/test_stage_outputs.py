@@ -1,0 +1,191 @@
+"""What the stages commit, and a step's independence from how its batch is cut.
+
+- Every committed directory (prepare_data's output, each training stage's ``final/``, its
+  newest checkpoint, DPO's reference log-probs) has a manifest listing exactly its files,
+  each with the size and SHA-256 of the bytes on storage.
+- Each training stage's ``final/`` loads with the ``transformers`` Auto classes as is.
+- Micro-batch x accumulation equivalence: 4 examples x 1 micro-batch, 2 x 2 and 1 x 4 give
+  the same per-step losses (the loop normalises by the units counted over the whole step).
+  The length-bucketed sampler orders batches differently for different micro-batch sizes, so
+  this runs :class:`~trainer_core.loop.TrainLoop` in-process on a sampler that cuts each
+  4-example micro-batch of the real sampler into consecutive pieces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import partial
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from trainer_core.backends import build_backend
+from trainer_core.checkpoint import storage
+from trainer_core.checkpoint.manifest import MANIFEST_NAME, read_manifest, verify
+from trainer_core.config import BackendConfig, TrainStageConfig
+from trainer_core.data.batching import BucketedBatchSampler, collate_causal, collate_pairs
+from trainer_core.loop import BatchSource, TrainLoop
+from trainer_core.models import load_causal_lm, load_reward_model
+from trainer_core.spec import final_uri, join_uri
+from trainer_core.stages.dpo import DPOObjective, collate_with_reference, reference_logprobs
+from trainer_core.stages.prepare_data import load_split, load_tokenizer_from
+from trainer_core.stages.reward_model import RewardObjective, pair_source
+from trainer_core.stages.sft import SFTObjective, causal_source
+
+from .helpers import MAX_STEPS, TinyPipeline, checkpoint_uri, committed_steps, final_weights
+
+COMMITTED_DIRS = [
+    "prepare_data/final",
+    *(f"{stage}/{what}" for stage in ("sft", "reward_model", "dpo") for what in ("final", "checkpoint")),
+    "dpo/reference",
+]
+
+
+def _committed_dir(pipeline: TinyPipeline, name: str) -> str:
+    stage, what = name.split("/")
+    if stage == "prepare_data":
+        return pipeline.data_uri
+    output = pipeline.baseline_uris[stage]
+    if what == "checkpoint":
+        return checkpoint_uri(output, committed_steps(output)[-1])
+    return final_uri(output) if what == "final" else join_uri(output, what)
+
+
+@pytest.mark.parametrize("name", COMMITTED_DIRS)
+def test_manifest_lists_every_file_with_its_sha256(tiny_pipeline, name):
+    uri = _committed_dir(tiny_pipeline, name)
+    manifest = read_manifest(uri)
+    on_disk = storage.list_files(uri)
+    listed = {entry.path: entry for entry in manifest.files}
+    assert set(listed) == set(on_disk) - {MANIFEST_NAME}
+    for path, entry in listed.items():
+        data = storage.read_bytes(join_uri(uri, path))
+        assert (entry.size_bytes, entry.sha256) == (len(data), hashlib.sha256(data).hexdigest()), path
+    assert verify(uri, manifest) == []
+    assert manifest.stage == name.split("/")[0]
+    if name.endswith("/final") and not name.startswith("prepare_data"):
+        assert manifest.global_step == MAX_STEPS
+
+
+@pytest.mark.parametrize(
+    ("stage", "auto_class"),
+    [
+        ("sft", AutoModelForCausalLM),
+        ("reward_model", AutoModelForSequenceClassification),
+        ("dpo", AutoModelForCausalLM),
+    ],
+)
+def test_final_dir_loads_with_auto_classes(tiny_pipeline, stage, auto_class):
+    output = tiny_pipeline.baseline_uris[stage]
+    path = storage.materialize(final_uri(output))
+    model, info = auto_class.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    encoded = tokenizer(["What is 3 + 4?", "Add 12 and 5."], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
+    expected_shape = (2, 1) if stage == "reward_model" else (2, encoded["input_ids"].shape[1], len(tokenizer))
+    assert tuple(logits.shape) == expected_shape and torch.isfinite(logits).all()
+    state = model.state_dict()
+    for name, tensor in final_weights(output).items():
+        assert torch.equal(state[name], tensor), name
+    if stage != "sft":  # trained away from its SFT starting point
+        start = final_weights(tiny_pipeline.baseline_uris["sft"])
+        assert any(not torch.equal(state[k], v) for k, v in start.items() if k in state)
+
+
+class SplitSampler:
+    """Each micro-batch of ``inner`` cut into ``parts`` consecutive equal pieces.
+
+    With ``grad_accum_steps=parts`` an optimizer step then sees exactly the examples of one
+    ``inner`` micro-batch, which the stock sampler does not guarantee across micro-batch sizes.
+    Duck-types :class:`~trainer_core.data.batching.BucketedBatchSampler` (``len``, ``batches``).
+    """
+
+    def __init__(self, inner: BucketedBatchSampler, parts: int) -> None:
+        assert inner.drop_last and inner.micro_batch_size % parts == 0
+        self.inner, self.parts = inner, parts
+        self.size = inner.micro_batch_size // parts
+
+    def __len__(self) -> int:
+        return len(self.inner) * self.parts
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        return [b[i : i + self.size] for b in self.inner.batches(epoch) for i in range(0, len(b), self.size)]
+
+
+EXAMPLES_PER_STEP = 4
+
+
+def _stage_parts(stage: str, pipeline: TinyPipeline):
+    """(model factory, objective, train rows, row lengths, collate) of ``stage``, built in-process."""
+    data, config, cpu = pipeline.data_uri, pipeline.config, torch.device("cpu")
+    tokenizer = load_tokenizer_from(data)
+    pad_id = tokenizer.pad_token_id
+    if stage == "sft":
+        rows = load_split(data, "sft/train")
+        held_out = causal_source(load_split(data, "sft/eval"), pad_id, 4, 0, cpu, shuffle=False)
+        make = partial(load_causal_lm, "init", config.model, tokenizer, config.seed)
+        lengths = [len(r["input_ids"]) for r in rows]
+        return make, SFTObjective(held_out, 1), rows, lengths, partial(collate_causal, pad_id=pad_id)
+    rows = load_split(data, "preference/train")
+    lengths = [max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in rows]
+    eval_rows = load_split(data, "preference/eval")
+    if stage == "reward_model":
+        held_out = pair_source(eval_rows, pad_id, 4, 0, cpu, shuffle=False)
+        make = partial(load_reward_model, "init", config.model, tokenizer, config.seed)
+        return make, RewardObjective(held_out, 1), rows, lengths, partial(collate_pairs, pad_id=pad_id)
+    make = partial(load_causal_lm, "init", config.model, tokenizer, config.seed)
+    reference = make().eval()
+    for split in (rows, eval_rows):  # policy = reference at the start: DPO loss log 2
+        for row, (chosen, rejected) in zip(split, reference_logprobs(reference, split, pad_id, 16, cpu)):
+            row["ref_chosen_logprobs"], row["ref_rejected_logprobs"] = chosen, rejected
+    collate = partial(collate_with_reference, pad_id=pad_id)
+    held_out = pair_source(eval_rows, pad_id, 4, 0, cpu, shuffle=False, collate=collate)
+    return make, DPOObjective(0.1, held_out, 1), rows, lengths, collate
+
+
+def _train(parts, workdir: str, grad_accum_steps: int):
+    """Six optimizer steps of 4 examples each, cut into ``grad_accum_steps`` micro-batches.
+
+    Returns:
+        ({global_step: logged metrics}, final weights).
+    """
+    make, objective, rows, lengths, collate = parts
+    inner = BucketedBatchSampler(lengths, EXAMPLES_PER_STEP, seed=0, drop_last=True)
+    sampler = inner if grad_accum_steps == 1 else SplitSampler(inner, grad_accum_steps)
+    cfg = TrainStageConfig(
+        max_steps=6, micro_batch_size=EXAMPLES_PER_STEP // grad_accum_steps, grad_accum_steps=grad_accum_steps,
+        learning_rate=3e-3, warmup_steps=2, eval_every=1000, save_every=1000, async_save=False,
+    )
+    logged: dict[int, dict[str, float]] = {}
+    backend = build_backend(BackendConfig(device="cpu"))
+    loop = TrainLoop(
+        model=backend.wrap(make()),
+        backend=backend,
+        objective=objective,
+        batches=BatchSource(rows=rows, sampler=sampler, collate=collate, device=torch.device("cpu")),
+        cfg=cfg,
+        checkpoints_uri=os.path.join(workdir, f"accum{grad_accum_steps}"),
+        manifest_fields={},
+        log_metrics=lambda metrics, step: logged.setdefault(step, {}).update(metrics),
+    )
+    loop.run()
+    return logged, {k: v.detach().clone() for k, v in loop.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward_model", "dpo"])
+def test_micro_batch_times_accumulation_gives_the_same_steps(tiny_pipeline, tmp_path, stage):
+    parts = _stage_parts(stage, tiny_pipeline)
+    reference_metrics, reference_weights = _train(parts, str(tmp_path), grad_accum_steps=1)
+    for grad_accum_steps in (2, 4):
+        metrics, weights = _train(parts, str(tmp_path), grad_accum_steps=grad_accum_steps)
+        for step in range(1, 7):
+            expected, actual = reference_metrics[step], metrics[step]
+            assert actual["train/consumed_samples"] == expected["train/consumed_samples"] == step * EXAMPLES_PER_STEP
+            for key in ("train/loss", "train/grad_norm"):
+                assert actual[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (grad_accum_steps, step, key)
+        for name, tensor in reference_weights.items():
+            torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
