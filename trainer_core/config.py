@@ -216,6 +216,21 @@ class GenerationConfig(_Base):
     batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
 
 
+class SampledGenerationConfig(GenerationConfig):
+    """Sampling settings for scoring completions (a YAML override of one field keeps these defaults)."""
+
+    temperature: float = Field(0.7, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling threshold.")
+
+
+class RolloutGenerationConfig(GenerationConfig):
+    """Rollout sampling from the policy: on-policy, so temperature 1 and no truncation by default."""
+
+    max_new_tokens: int = Field(48, ge=1, description="Max generated tokens per completion.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (must be > 0 for RL).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+
+
 class ScoreConfig(_Base):
     """Sample completions from the SFT policy for held-out prompts and score them."""
 
@@ -224,9 +239,8 @@ class ScoreConfig(_Base):
     num_prompts: int = Field(
         64, ge=1, description="Held-out prompts scored from each set (GSM8K-style problems and preference prompts)."
     )
-    generation: GenerationConfig = Field(
-        default_factory=lambda: GenerationConfig(temperature=0.7, top_p=0.95),
-        description="Sampling settings.",
+    generation: SampledGenerationConfig = Field(
+        default_factory=SampledGenerationConfig, description="Sampling settings."
     )
 
 
@@ -271,9 +285,8 @@ class RLStageConfig(TrainStageConfig):
     kl_target: float = Field(6.0, gt=0, description="Target KL for the adaptive controller.")
     kl_horizon: int = Field(10000, ge=1, description="Horizon of the adaptive KL controller.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
-    generation: GenerationConfig = Field(
-        default_factory=lambda: GenerationConfig(max_new_tokens=48, temperature=1.0, top_p=1.0),
-        description="Rollout sampling settings.",
+    generation: RolloutGenerationConfig = Field(
+        default_factory=RolloutGenerationConfig, description="Rollout sampling settings."
     )
 
 

@@ -28,6 +28,15 @@ TINY = {
     "reward_model.max_steps": 2,
     "dpo.max_steps": 2,
     "dpo.grad_accum_steps": 1,
+    "ppo.max_steps": 2,
+    "ppo.prompts_per_rollout": 2,
+    "ppo.save_every": 2,
+    "ppo.generation.max_new_tokens": 8,
+    "grpo.max_steps": 2,
+    "grpo.prompts_per_rollout": 2,
+    "grpo.group_size": 2,
+    "grpo.save_every": 2,
+    "grpo.generation.max_new_tokens": 8,
     "score.num_prompts": 2,
     "score.generation.max_new_tokens": 8,
     "evaluate.num_problems": 2,
@@ -58,7 +67,7 @@ def test_demo_config_through_the_cli(prefect_api, tmp_path):
     assert uri == str(root / "runs" / "demo-cli" / "summary.json")
     summary = json.loads(Path(uri).read_text())
     assert summary["run_id"] == "demo-cli" and summary["status"] == "completed"
-    stages = ("prepare_data", "sft", "reward_model", "score", "dpo", "evaluate")
+    stages = ("prepare_data", "sft", "reward_model", "score", "dpo", "ppo", "grpo", "evaluate")
     assert set(summary["stages"]) == set(stages)
     for name in stages:
         entry = summary["stages"][name]
@@ -67,4 +76,7 @@ def test_demo_config_through_the_cli(prefect_api, tmp_path):
         assert f"{name}: completed -> {entry['output_uri']}" in lines
     assert summary["stages"]["sft"]["metrics"]["global_step"] == 4
     assert summary["mlflow"]["tracking_uri"] == f"sqlite:///{root / 'mlflow.db'}"
-    assert "dpo_vs_sft/win_rate" in summary["stages"]["evaluate"]["metrics"]
+    for policy in ("dpo", "ppo", "grpo"):
+        assert f"{policy}_vs_sft/win_rate" in summary["stages"]["evaluate"]["metrics"]
+    for rl in ("ppo", "grpo"):
+        assert {"first/reward_mean", "reward_mean"} <= set(summary["stages"][rl]["metrics"])

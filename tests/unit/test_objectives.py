@@ -29,7 +29,7 @@ def test_uniform_logits_cost_log_vocab_per_counted_token():
     logits = torch.zeros(1, 5, 8)
     input_ids = torch.tensor([[1, 2, 3, 4, 0]])
     loss_mask = torch.tensor([[0, 0, 1, 1, 1]])
-    loss_sum, count = sft_loss(logits, input_ids, loss_mask)
+    loss_sum, count = sft_loss(compute_logprobs(logits, input_ids), shift_mask(loss_mask))
     assert count.item() == 3
     assert loss_sum.item() == pytest.approx(3 * math.log(8), rel=1e-6)
 
@@ -40,14 +40,17 @@ def test_sft_loss_ignores_prompt_and_padding_tokens():
     logits = torch.randn(1, 6, 11)
     input_ids = torch.tensor([[5, 6, 7, 8, 0, 0]])
     loss_mask = torch.tensor([[0, 0, 1, 1, 0, 0]])  # tokens 2, 3 are the completion
-    base, count = sft_loss(logits, input_ids, loss_mask)
+    def loss(lg):
+        return sft_loss(compute_logprobs(lg, input_ids), shift_mask(loss_mask))
+
+    base, count = loss(logits)
     perturbed = logits.clone()
     perturbed[0, 0, 6] += 100.0  # position 0 predicts token 1 (prompt)
     perturbed[0, 3:, 0] -= 50.0  # positions 3, 4 predict tokens 4, 5 (padding)
-    assert sft_loss(perturbed, input_ids, loss_mask)[0].item() == pytest.approx(base.item(), rel=1e-6)
+    assert loss(perturbed)[0].item() == pytest.approx(base.item(), rel=1e-6)
     assert count.item() == 2
     perturbed[0, 1, 7] += 3.0  # position 1 predicts token 2 (completion): must change the loss
-    assert sft_loss(perturbed, input_ids, loss_mask)[0].item() != pytest.approx(base.item(), rel=1e-6)
+    assert loss(perturbed)[0].item() != pytest.approx(base.item(), rel=1e-6)
 
 
 def test_sequence_logprobs_sums_masked_tokens():

@@ -1,16 +1,14 @@
 """Supervised fine-tuning loss: next-token cross-entropy on completion tokens only.
 
-Shape legend: B batch, T tokens, V vocabulary.
+Shape legend: B batch, T tokens.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from trainer_core.objectives.logprobs import compute_logprobs, shift_mask
 
-
-def sft_loss(logits: Tensor, input_ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+def sft_loss(token_logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Masked next-token negative log-likelihood, summed (not averaged).
 
     The loop divides the sum by ``num_valid_tokens`` counted over every micro-batch of the
@@ -18,10 +16,10 @@ def sft_loss(logits: Tensor, input_ids: Tensor, loss_mask: Tensor) -> tuple[Tens
     the global batch is cut into micro-batches.
 
     Args:
-        logits: [B, T, V] model output for ``input_ids``.
-        input_ids: [B, T] long token ids.
-        loss_mask: [B, T] 1 = token counted in the loss (completion tokens; prompt and
-            padding are 0). Aligned with ``input_ids``; the shift is done here.
+        token_logprobs: [B, T - 1] log p(token t + 1), from ``compute_logprobs`` or
+            ``forward.masked_token_logprobs``.
+        mask: [B, T - 1] from ``shift_mask(loss_mask)``: 1 = the predicted token is a
+            completion token counted in the loss; prompt and padding are 0.
 
     Returns:
         (loss_sum, num_valid_tokens): a scalar float32 sum of the per-token NLL over counted
@@ -29,6 +27,4 @@ def sft_loss(logits: Tensor, input_ids: Tensor, loss_mask: Tensor) -> tuple[Tens
 
     Checked by hand: with uniform logits every counted token costs ``log V``.
     """
-    mask = shift_mask(loss_mask)
-    nll = -compute_logprobs(logits, input_ids)
-    return (nll * mask).sum(), mask.sum().long()
+    return -(token_logprobs * mask).sum(), mask.sum().long()

@@ -23,7 +23,8 @@ from trainer_core.data.batching import DataPosition, collate_pairs, iterate_batc
 from trainer_core.loop import BatchSource, StepOutput
 from trainer_core.models import load_causal_lm
 from trainer_core.objectives.dpo import dpo_loss
-from trainer_core.objectives.logprobs import compute_logprobs, sequence_logprobs, shift_mask
+from trainer_core.forward import masked_token_logprobs
+from trainer_core.objectives.logprobs import sequence_logprobs, shift_mask
 from trainer_core.spec import StageSpec, join_uri
 from trainer_core.stages.common import StageContext, commit_final, load_rows, open_stage, train_stage
 from trainer_core.stages.reward_model import concat_pairs, evaluate_pairs, pair_source
@@ -36,8 +37,8 @@ SPLITS = ("train", "eval")
 def pair_logprobs(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     """Summed completion log-probs of chosen and rejected, each [B], from one [2B, T] forward."""
     input_ids, attention_mask, loss_mask = concat_pairs(batch)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    logprobs = sequence_logprobs(compute_logprobs(logits, input_ids), shift_mask(loss_mask))
+    token_logprobs = masked_token_logprobs(model, input_ids, attention_mask, loss_mask)
+    logprobs = sequence_logprobs(token_logprobs, shift_mask(loss_mask))
     num_pairs = batch["chosen_input_ids"].shape[0]
     return logprobs[:num_pairs], logprobs[num_pairs:]
 

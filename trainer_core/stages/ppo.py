@@ -76,4 +76,5 @@ def run(spec: StageSpec) -> Manifest:
     ctx = open_stage(spec)
     cfg = ctx.config.ppo
     trainer, metrics = run_rl_stage(ctx, cfg, PPOAlgorithm(cfg), uses_reference=True)
-    return commit_final(ctx, metrics, model=trainer.policy, files={"value_head.safetensors": value_head_bytes(trainer.value_head)})
+    files = {"value_head.safetensors": value_head_bytes(trainer.value_head)}
+    return commit_final(ctx, metrics, model=trainer.policy, files=files)

@@ -224,7 +224,8 @@ class RLTrainer:
             self.policy, p_ids, p_mask, cfg.generation, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
             generator=self.generator,
         )
-        texts = [t.strip() for t in tok.batch_decode(c_ids.masked_fill(c_mask == 0, tok.pad_token_id), skip_special_tokens=True)]
+        decoded = tok.batch_decode(c_ids.masked_fill(c_mask == 0, tok.pad_token_id), skip_special_tokens=True)
+        texts = [t.strip() for t in decoded]
         temperature = cfg.generation.temperature
         logprobs, _, hidden = forward_completions(
             self.policy, p_ids, p_mask, c_ids, c_mask, temperature=temperature, with_hidden=self.value_head is not None
@@ -235,7 +236,8 @@ class RLTrainer:
             ref, _, _ = forward_completions(self.reference, p_ids, p_mask, c_ids, c_mask, temperature=temperature)
         batch = RolloutBatch(
             prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask, logprobs=logprobs,
-            scores=self.reward_fn(items, texts).to(device), prompt_index=torch.arange(len(items), device=device) // group,
+            scores=self.reward_fn(items, texts).to(device),
+            prompt_index=torch.arange(len(items), device=device) // group,
             ref_logprobs=ref, values=values,
         )
         self.algo.prepare(batch, self.kl_ctl.value)
@@ -251,7 +253,7 @@ class RLTrainer:
             "reward_mean": float(scores.mean()),
             "reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
             "response_length_tokens": float(mask.sum(1).mean()),
-            "val/num_eos_tokens": float((batch.completion_ids == self.ctx.tokenizer.eos_token_id).logical_and(mask > 0).sum()),
+            "val/num_eos_tokens": float(((batch.completion_ids == self.ctx.tokenizer.eos_token_id) & (mask > 0)).sum()),
         }
         kl_seq = torch.zeros_like(scores)
         if batch.ref_logprobs is not None:
@@ -353,7 +355,10 @@ class RLTrainer:
         """The RL state beyond the supervised checkpoint: value head, KL controller, sampling RNG."""
         buf = io.BytesIO()
         torch.save(self.generator.get_state(), buf)
-        files = {"rl_state.json": json.dumps({"kl_controller": self.kl_ctl.state_dict()}).encode(), "sampler_rng.pt": buf.getvalue()}
+        files = {
+            "rl_state.json": json.dumps({"kl_controller": self.kl_ctl.state_dict()}).encode(),
+            "sampler_rng.pt": buf.getvalue(),
+        }
         if self.value_head is not None:
             files["value_head.safetensors"] = value_head_bytes(self.value_head)
         return files
@@ -361,7 +366,10 @@ class RLTrainer:
     def save(self) -> None:
         """Snapshot now; write, commit, flush the covered metrics and purge in the saver's thread."""
         uri = join_uri(self.checkpoints_uri, step_dirname(self.progress.global_step))
-        files = snapshot_train_state(model=self.ctx.backend.unwrap(self.policy), optimizer=self.optimizer, scheduler=self.scheduler, progress=self.progress)
+        files = snapshot_train_state(
+            model=self.ctx.backend.unwrap(self.policy), optimizer=self.optimizer, scheduler=self.scheduler,
+            progress=self.progress,
+        )
         files.update(self.extra_files())
         progress, fields = copy.deepcopy(self.progress), self.manifest_fields()
         metrics, self._uncommitted = self._uncommitted, []
@@ -398,7 +406,9 @@ def value_head_bytes(head: nn.Module) -> bytes:
     return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()})
 
 
-def run_rl_stage(ctx: StageContext, cfg: RLStageConfig, algo: Algorithm, uses_reference: bool) -> tuple[RLTrainer, dict[str, float]]:
+def run_rl_stage(
+    ctx: StageContext, cfg: RLStageConfig, algo: Algorithm, uses_reference: bool
+) -> tuple[RLTrainer, dict[str, float]]:
     """Build the trainer, resume if a checkpoint exists, train; returns it and the final metrics."""
     _check(cfg, algo.samples_per_prompt)
     seed, device = ctx.config.seed, ctx.backend.device
@@ -406,10 +416,13 @@ def run_rl_stage(ctx: StageContext, cfg: RLStageConfig, algo: Algorithm, uses_re
     reward_fn = _reward_fn(ctx, cfg)
     reference = None
     if uses_reference:
-        reference = ctx.backend.prepare_frozen(load_causal_lm(ctx.input("reference"), ctx.config.model, ctx.tokenizer, seed))
+        reference = load_causal_lm(ctx.input("reference"), ctx.config.model, ctx.tokenizer, seed)
+        reference = ctx.backend.prepare_frozen(reference)
     policy = ctx.backend.wrap(load_causal_lm(ctx.input("model"), ctx.config.model, ctx.tokenizer, seed))
     torch.manual_seed(seed)
-    trainer = RLTrainer(ctx=ctx, cfg=cfg, algo=algo, policy=policy, reference=reference, reward_fn=reward_fn, prompts=prompts)
+    trainer = RLTrainer(
+        ctx=ctx, cfg=cfg, algo=algo, policy=policy, reference=reference, reward_fn=reward_fn, prompts=prompts
+    )
     resumed = trainer.resume()
     log.info("%s: %d prompts, device %s, resumed=%s", ctx.spec.stage, len(prompts), device, resumed)
     progress = trainer.run()

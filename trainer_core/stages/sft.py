@@ -15,6 +15,8 @@ from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.data.batching import collate_causal
 from trainer_core.loop import BatchSource, StepOutput
 from trainer_core.models import load_causal_lm
+from trainer_core.forward import masked_token_logprobs
+from trainer_core.objectives.logprobs import shift_mask
 from trainer_core.objectives.sft import sft_loss
 from trainer_core.spec import StageSpec
 from trainer_core.stages.common import batch_source, commit_final, eval_batches, load_rows, open_stage, train_stage
@@ -36,8 +38,8 @@ class SFTObjective:
         return int(batch["loss_mask"][:, 1:].sum())
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss_sum, _ = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+        logprobs = masked_token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+        loss_sum, _ = sft_loss(logprobs, shift_mask(batch["loss_mask"]))
         return StepOutput(loss_sum=loss_sum, num_tokens=int(batch["attention_mask"].sum()))
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
