@@ -17,20 +17,24 @@ from common import (
     MICRO_BATCH_SIZE,
     StepLog,
     Workload,
+    alternate,
+    best_round,
     captured_stdout,
     cleanup,
     environment,
     patched,
     prepare_workload,
+    print_rounds,
     print_table,
     quiet_libraries,
     ratio_row,
+    set_niceness,
     set_threads,
     stage_spec,
     summarize_steps,
     write_result,
 )
-from trainer_core.stages import common as stage_common
+from trainer_core.loop import TrainLoop
 from trainer_core.stages import prepare_data, sft
 
 
@@ -47,18 +51,24 @@ def stage_overrides(stage: str, warmup: int, steps: int) -> dict[str, Any]:
 def probe_stage(log: StepLog, objective: type, count_examples):
     """Hooks recording each training step's end time, tokens and examples while a stage runs.
 
-    The loop calls ``StageContext.log_metrics`` once per optimizer step (``log_every=1``); the
-    objective's ``step`` is counted only in training mode (evaluation calls it too).
+    The loop calls its ``log_metrics`` callback once per optimizer step (``log_every=1``) with
+    ``train/*`` metrics; it is wrapped as each ``TrainLoop`` is built. The objective's ``step``
+    is counted only in training mode (evaluation calls it too).
     """
 
-    def on_log(original):
-        def log_metrics(self, metrics, step):
-            if "train/loss" in metrics:
-                log.ends_s.append(time.perf_counter())
-                log.compute_s.append(sum(metrics.get(f"time/{k}_s", 0.0) for k in ("forward", "backward", "optimizer")))
-            return original(self, metrics, step)
+    def on_init(original):
+        def __post_init__(self):
+            original(self)
+            inner = self.log_metrics
 
-        return log_metrics
+            def log_metrics(metrics, step):
+                if "train/loss" in metrics:
+                    log.mark_end(sum(metrics.get(f"time/{k}_s", 0.0) for k in ("forward", "backward", "optimizer")))
+                return inner(metrics, step)
+
+            self.log_metrics = log_metrics
+
+        return __post_init__
 
     def on_step(original):
         def step(self, model, batch):
@@ -66,11 +76,12 @@ def probe_stage(log: StepLog, objective: type, count_examples):
             if model.training:
                 log.tokens.append(int(out.num_tokens))
                 log.examples.append(count_examples(batch))
+                log.padded_tokens.append(sum(v.numel() for k, v in batch.items() if k.endswith("input_ids")))
             return out
 
         return step
 
-    return [(stage_common.StageContext, "log_metrics", on_log), (objective, "step", on_step)]
+    return [(TrainLoop, "__post_init__", on_init), (objective, "step", on_step)]
 
 
 def run_stage_probed(run, spec, hooks) -> float:
@@ -86,11 +97,12 @@ def run_stage_probed(run, spec, hooks) -> float:
     return time.perf_counter() - t0
 
 
-def run_project(w: Workload, warmup: int, steps: int) -> dict[str, Any]:
+def run_project(w: Workload, warmup: int, steps: int, round_index: int = 0) -> dict[str, Any]:
     """The project's SFT stage, in this process; per-step times from the loop's metric callback."""
     log = StepLog()
     hooks = probe_stage(log, sft.SFTObjective, lambda b: int(b["input_ids"].shape[0]))
-    total_s = run_stage_probed(sft.run, stage_spec(w, "sft", {"model": w.model_dir}), hooks)
+    spec = stage_spec(w, "sft", {"model": w.model_dir}, run_id=f"round-{round_index}")
+    total_s = run_stage_probed(sft.run, spec, hooks)
     return {**summarize_steps(log, warmup, steps), "stage_total_s": total_s}
 
 
@@ -130,9 +142,7 @@ def step_timer(log: StepLog):
             self.begin_s = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
-            log.ends_s.append(now)
-            log.compute_s.append(now - self.begin_s)
+            log.mark_end(time.perf_counter() - self.begin_s)
 
     return StepTimer()
 
@@ -150,12 +160,13 @@ def count_collated(trainer, log: StepLog, examples_per_row: int = 1) -> None:
         mask = batch.get("attention_mask")
         log.tokens.append(int(mask.sum()) if mask is not None else int(batch["input_ids"].numel()))
         log.examples.append(len(features) // examples_per_row)
+        log.padded_tokens.append(int(batch["input_ids"].numel()))
         return batch
 
     trainer.data_collator = counting
 
 
-def run_trl(w: Workload, warmup: int, steps: int, packing: bool = False) -> dict[str, Any]:
+def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, packing: bool = False) -> dict[str, Any]:
     """TRL's ``SFTTrainer`` on the same rows, tokenizer and initial weights."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -188,6 +199,8 @@ def same_lengths(dataset, lengths: list[int], completion_tokens: list[int]) -> b
 def report_rows(project: dict[str, Any], trl: dict[str, Any], trl_packed: dict[str, Any] | None) -> list[dict]:
     rows = [
         ratio_row("SFT train tokens/s (step wall clock)", project["tokens_per_s"], trl["tokens_per_s"]),
+        ratio_row("SFT train tokens per CPU-second (load-robust)", project["tokens_per_cpu_s"],
+                  trl["tokens_per_cpu_s"], None),
         ratio_row("SFT examples/s (step wall clock)", project["examples_per_s"], trl["examples_per_s"], None),
         ratio_row("SFT median step ms (lower is better)", 1e3 * project["median_step_s"],
                   1e3 * trl["median_step_s"], None),
@@ -203,11 +216,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per trainer")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (>= 1)")
     parser.add_argument("--synthetic", action="store_true", help="generated arithmetic task instead of the files")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs per side, alternating the order; the best round of each side is reported")
+    parser.add_argument("--quiet-wait-s", type=float, default=30.0,
+                        help="before each run, wait up to this long for other processes to leave the CPUs idle")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="scheduling priority of the benchmark process (e.g. -10 on a shared machine; needs root)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Prepare the SFT workload, time the project's stage then TRL's trainer, report."""
+    set_niceness(args.nice)
     set_threads()
     quiet_libraries()
     t0 = time.perf_counter()
@@ -216,19 +236,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          overrides=stage_overrides("sft", args.warmup, args.steps))
     try:
         prep_s = time.perf_counter() - t0
-        project = run_project(w, args.warmup, args.steps)
-        trl = run_trl(w, args.warmup, args.steps)
-        trl_packed = run_trl(w, args.warmup, args.steps, packing=True) if args.trl_packing else None
+        runs = {"project": lambda i: run_project(w, args.warmup, args.steps, i),
+                "trl": lambda i: run_trl(w, args.warmup, args.steps, i)}
+        if args.trl_packing:
+            runs["trl_packing"] = lambda i: run_trl(w, args.warmup, args.steps, i, packing=True)
+        results = alternate(args.rounds, runs, args.quiet_wait_s)
     finally:
         cleanup(w)
+    project, trl = (best_round(results[k], "tokens_per_s") for k in ("project", "trl"))
+    trl_packed = best_round(results["trl_packing"], "tokens_per_s") if args.trl_packing else None
     rows = report_rows(project, trl, trl_packed)
     print_table(f"SFT, {w.num_params / 1e6:.2f}M-param Llama, batch {MICRO_BATCH_SIZE}, max_length "
-                f"{w.max_length_tokens}, {args.steps} timed steps after {args.warmup} warmup, data {w.source}", rows)
+                f"{w.max_length_tokens}, {args.steps} timed steps after {args.warmup} warmup, best of "
+                f"{args.rounds} rounds, data {w.source}", rows)
     payload = {"benchmark": "sft", "rows": rows, "project": project, "trl": trl, "trl_packing": trl_packed,
+               "all_rounds": results,
                "workload": {"source": w.source, "num_params": w.num_params, "max_length": w.max_length_tokens,
                             "micro_batch_size": MICRO_BATCH_SIZE, "examples": args.sft_examples,
                             "prepare_s": prep_s},
                "environment": environment()}
+    print_rounds(results, "tokens_per_s")
     print(f"wrote {write_result('sft', payload)}")
     return payload
 

@@ -99,6 +99,25 @@ def set_threads() -> None:
     torch.set_num_threads(NUM_THREADS)
 
 
+def set_niceness(niceness: int) -> None:
+    """Give every thread of this process the scheduling priority ``niceness`` (Linux; below 0
+    needs root). On a machine shared with other CPU-bound work, a negative value makes the
+    measured numbers far less dependent on what else runs. Threads started later inherit it.
+    With scheduler autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) a thread's nice
+    value only counts within its session, so the session's autogroup gets it too.
+
+    Raises:
+        PermissionError: a negative ``niceness`` without the privilege to set it.
+    """
+    if niceness == 0:
+        return
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    for tid in tids:
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/autogroup").write_text(f"{niceness}\n")
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         raise DataError(f"{path} not found; pass --synthetic to use the generated task")
@@ -215,11 +234,12 @@ def cleanup(workload: Workload) -> None:
     shutil.rmtree(workload.root, ignore_errors=True)
 
 
-def stage_spec(workload: Workload, stage: str, inputs: dict[str, str]) -> StageSpec:
-    """A spec running ``stage`` of the workload's config with ``inputs`` (``data`` added)."""
-    return StageSpec(stage=stage, run_id="bench", config=workload.config,
+def stage_spec(workload: Workload, stage: str, inputs: dict[str, str], run_id: str) -> StageSpec:
+    """A spec running ``stage`` of the workload's config with ``inputs`` (``data`` added); a
+    fresh ``run_id`` gives a fresh output directory (nothing to resume or reuse)."""
+    return StageSpec(stage=stage, run_id=run_id, config=workload.config,
                      inputs={"data": workload.data_uri, **inputs},
-                     output_uri=stage_uri(workload.config.storage.root, "bench", stage))
+                     output_uri=stage_uri(workload.config.storage.root, run_id, stage))
 
 
 @dataclass
@@ -230,13 +250,24 @@ class StepLog:
         ends_s: ``time.perf_counter()`` at the end of each step.
         tokens: real (non-padding) tokens of each step's examples.
         examples: examples (SFT rows or preference pairs) of each step.
+        padded_tokens: token positions each step computed on, padding included.
+        cpu_s: ``time.process_time()`` (CPU seconds of this process, all threads) at the same points.
         compute_s: the trainer's own forward + backward + optimizer time of each step, when known.
     """
 
     ends_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     examples: list[int] = field(default_factory=list)
+    padded_tokens: list[int] = field(default_factory=list)
     compute_s: list[float] = field(default_factory=list)
+
+    def mark_end(self, compute_s: float | None = None) -> None:
+        """Record the end of a step (and the trainer's own compute seconds of it, if known)."""
+        self.ends_s.append(time.perf_counter())
+        self.cpu_s.append(time.process_time())
+        if compute_s is not None:
+            self.compute_s.append(compute_s)
 
 
 def summarize_steps(log: StepLog, warmup: int, steps: int) -> dict[str, float]:
@@ -265,10 +296,87 @@ def summarize_steps(log: StepLog, warmup: int, steps: int) -> dict[str, float]:
         "examples_per_s": examples / wall_s,
         "median_step_s": statistics.median(step_s),
     }
+    if len(log.padded_tokens) >= warmup + steps:
+        out["padded_tokens"] = sum(log.padded_tokens[window])
+        out["padding_share"] = 1.0 - tokens / out["padded_tokens"]
+    if len(log.cpu_s) >= warmup + steps:
+        out["cpu_s"] = log.cpu_s[warmup + steps - 1] - log.cpu_s[warmup - 1]
+        out["tokens_per_cpu_s"] = tokens / out["cpu_s"]
     if len(log.compute_s) >= warmup + steps:
         out["compute_s"] = sum(log.compute_s[window])
         out["compute_share"] = out["compute_s"] / wall_s
     return out
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(total, idle) clock ticks of all CPUs since boot, from ``/proc/stat``; None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(values), values[3] + values[4]
+
+
+def busy_share(interval_s: float = 1.0) -> float:
+    """Fraction of the machine's CPU capacity in use over ``interval_s`` (NaN off Linux)."""
+    before = _cpu_ticks()
+    time.sleep(interval_s)
+    after = _cpu_ticks()
+    if before is None or after is None or after[0] == before[0]:
+        return float("nan")
+    return 1.0 - (after[1] - before[1]) / (after[0] - before[0])
+
+
+def wait_for_quiet(max_wait_s: float, threshold: float = 0.25) -> float:
+    """Wait (at most ``max_wait_s``) until other processes use under ``threshold`` of the CPUs.
+
+    The benchmark shares its 2 cores with whatever else runs; a busy machine slows both sides,
+    but not equally. Returns the last busy share measured.
+    """
+    deadline = time.monotonic() + max_wait_s
+    share = busy_share()
+    while share > threshold and time.monotonic() < deadline:
+        share = busy_share(2.0)
+    return share
+
+
+@contextlib.contextmanager
+def others_load(into: dict[str, Any]) -> Iterator[None]:
+    """Measure the share of the CPUs used by OTHER processes during the block into
+    ``into["others_cpu_share"]`` (0 = the benchmark had the machine to itself)."""
+    ticks, cpu0 = _cpu_ticks(), time.process_time()
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    yield
+    after, cpu1 = _cpu_ticks(), time.process_time()
+    if ticks is None or after is None or after[0] == ticks[0]:
+        into["others_cpu_share"] = float("nan")
+        return
+    total, busy = after[0] - ticks[0], (after[0] - ticks[0]) - (after[1] - ticks[1])
+    into["others_cpu_share"] = max(0.0, (busy - (cpu1 - cpu0) * hz) / total)
+
+
+def alternate(rounds: int, runs: dict[str, Callable[[int], dict]], quiet_wait_s: float = 0.0) -> dict[str, list[dict]]:
+    """Run each side once per round, in reversed order every other round (A B, B A, ...), so
+    that a drift in the machine's load hits both sides alike. Before each run, wait up to
+    ``quiet_wait_s`` for the machine to be idle; each result records the busy share seen just
+    before it started and the share other processes used while it ran.
+    """
+    names = list(runs)
+    out: dict[str, list[dict]] = {n: [] for n in names}
+    for i in range(rounds):
+        for name in names if i % 2 == 0 else names[::-1]:
+            load: dict[str, Any] = {"busy_share_before": wait_for_quiet(quiet_wait_s) if quiet_wait_s else None}
+            with others_load(load):
+                result = runs[name](i)
+            out[name].append({**result, **load})
+    return out
+
+
+def best_round(results: list[dict], key: str) -> dict:
+    """The round with the highest ``key`` (the least disturbed), with every round's value listed."""
+    top = max(results, key=lambda r: r[key])
+    return {**top, f"rounds_{key}": [r[key] for r in results]}
 
 
 @contextlib.contextmanager
@@ -309,12 +417,29 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
         print(f"{r['metric']:<52} {r['project']:>10.2f} {r['trl']:>10.2f} {r['ratio']:>6.2f}x  {target}")
 
 
+def print_rounds(results: dict[str, list[dict]], key: str) -> None:
+    """One line per side: ``key`` of every round, with the CPU share other processes took meanwhile."""
+    for name, rounds in results.items():
+        values = ", ".join(f"{r[key]:.2f} (others {r.get('others_cpu_share', float('nan')):.0%})" for r in rounds)
+        print(f"  {name} {key} per round: {values}")
+
+
 def environment() -> dict[str, Any]:
     """Versions and machine facts recorded with every result."""
+    import subprocess
+
     import transformers
     import trl
 
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
     return {
+        "git_commit": git("rev-parse", "--short", "HEAD"),
+        "trainer_core_modified": bool(git("status", "--porcelain", "trainer_core")),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "trl": trl.__version__,
@@ -322,6 +447,7 @@ def environment() -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "loadavg_1m_5m_15m_at_end": os.getloadavg(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

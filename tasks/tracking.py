@@ -193,7 +193,8 @@ def finish_stage_run(
         client.log_dict(run_id, manifest.model_dump(mode="json"), f"manifests/{manifest.kind}.json")
         now_ms = int(time.time() * 1000)
         for key, value in (manifest.metrics or {}).items():
-            metric = Metric(sanitize_metric_name(key), float(value), now_ms, int(manifest.global_step or 0))
+            name = sanitize_metric_name(f"final/{key}")  # per-step history stays the trainer's alone
+            metric = Metric(name, float(value), now_ms, int(manifest.global_step or 0))
             if metric.value == metric.value and abs(metric.value) != float("inf"):
                 metrics.append(metric)
     if tags or metrics:

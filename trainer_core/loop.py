@@ -12,6 +12,7 @@ micro-batches of ``micro_batch_size`` examples each.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import resource
@@ -26,6 +27,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainer_core.backends.base import Backend
 from trainer_core.checkpoint.manifest import find_latest, purge_checkpoints, step_dirname
+from trainer_core.checkpoint.storage import read_bytes
 from trainer_core.checkpoint.train_state import (
     CheckpointSaver,
     TrainProgress,
@@ -38,6 +40,9 @@ from trainer_core.data.batching import BucketedBatchSampler, DataPosition, itera
 from trainer_core.spec import join_uri
 
 log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.json"
+"""In a checkpoint: the ``[[metrics, step], ...]`` logged since the previous checkpoint."""
 
 
 @dataclass
@@ -94,7 +99,11 @@ class BatchSource:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainStageConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms, biases or 1-D params)."""
+    """AdamW with weight decay on matrices only (not on norms, biases or 1-D params).
+
+    The fused implementation (one kernel over all parameters, on CPU and CUDA) replaces the
+    per-parameter loop; it is deterministic, so resumed runs stay bit-identical.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
@@ -102,7 +111,7 @@ def build_optimizer(model: nn.Module, cfg: TrainStageConfig) -> torch.optim.Adam
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, fused=True)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainStageConfig):
@@ -137,6 +146,9 @@ class TrainLoop:
         commit_metrics: callback ``([(metrics, global_step), ...])`` called once the steps'
             checkpoint is committed, and at the end (MLflow). A run killed after a checkpoint
             re-logs the later steps on resume, so the tracker never holds a step twice.
+        recommit_metrics: callback given, on resume, the metrics the checkpoint covers
+            (stored in it as ``metrics.json``): it logs those the tracker lacks, for a process
+            killed between the checkpoint's commit and its ``commit_metrics``.
     """
 
     model: nn.Module
@@ -148,6 +160,7 @@ class TrainLoop:
     manifest_fields: dict[str, Any]
     log_metrics: Callable[[dict[str, float], int], None]
     commit_metrics: Callable[[list[tuple[dict[str, float], int]]], None] = lambda batch: None
+    recommit_metrics: Callable[[list[tuple[dict[str, float], int]]], None] = lambda batch: None
 
     def __post_init__(self) -> None:
         self.optimizer = build_optimizer(self.model, self.cfg)
@@ -170,6 +183,9 @@ class TrainLoop:
             return False
         unwrapped = self.backend.unwrap(self.model)
         self.progress = load_train_state(uri, model=unwrapped, optimizer=self.optimizer, scheduler=self.scheduler)
+        if any(f.path == METRICS_FILE for f in manifest.files):
+            batch = json.loads(read_bytes(join_uri(uri, METRICS_FILE)))
+            self.recommit_metrics([(metrics, int(step)) for metrics, step in batch])
         return True
 
     def run(self) -> TrainProgress:
@@ -308,6 +324,7 @@ class TrainLoop:
         evals = {k: float(v) for k, v in history.items() if k.startswith("eval/") and isinstance(v, (int, float))}
         fields = {**self.manifest_fields, "metrics": evals}
         metrics, self._uncommitted = self._uncommitted, []
+        files[METRICS_FILE] = json.dumps(metrics).encode()
         keep = {progress.best_checkpoint} if progress.best_checkpoint else set()
         stall_s = time.perf_counter() - t0
 

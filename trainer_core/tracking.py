@@ -113,6 +113,30 @@ class MetricLogger:
             logger.warning("MLflow log_batch failed at step %d: %s", step, e)
         return clean
 
+    def log_missing(self, batch: list[tuple[dict[str, float], int]]) -> int:
+        """Log the (name, step) values of ``batch`` that the run does not hold yet.
+
+        Used on resume with the metrics a checkpoint covers: the process that wrote the
+        checkpoint may have died after committing it and before logging them, or after
+        logging them; either way the run ends with each step exactly once.
+
+        Returns:
+            The number of values logged.
+        """
+        if not self.enabled or not batch:
+            return 0
+        names = {k for metrics, _ in batch for k in self._clean(metrics)}
+        try:
+            logged = {(n, m.step) for n in names for m in self._client.get_metric_history(self.run_id, n)}
+        except Exception as e:  # noqa: BLE001
+            logger.warning("MLflow get_metric_history failed (%s); not re-logging", e)
+            return 0
+        count = 0
+        for metrics, step in batch:
+            missing = {k: v for k, v in self._clean(metrics).items() if (k, int(step)) not in logged}
+            count += len(self.log(missing, step)) if missing else 0
+        return count
+
     def log_dict_artifact(self, obj: dict[str, Any], artifact_file: str) -> None:
         """Log a JSON/YAML-serialisable dict as the run artifact ``artifact_file``.
 

@@ -145,3 +145,15 @@ def test_resume_continues_bit_identically(root):
     a = safetensors.torch.load(storage.read_bytes(join_uri(root, "full/checkpoints/step-00000006/model.safetensors")))
     b = safetensors.torch.load(storage.read_bytes(join_uri(root, "part/checkpoints/step-00000006/model.safetensors")))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_hands_the_checkpoints_metrics_to_recommit(root):
+    """A process killed after committing step-3 but before logging its metrics: the resume logs them."""
+    first = _loop(root, max_steps=3)
+    first.run()
+    recommitted: list = []
+    resumed = _loop(root, max_steps=3)
+    resumed.recommit_metrics = recommitted.extend
+    assert resumed.resume()
+    assert sorted({step for _, step in recommitted}) == [0, 1, 2, 3]
+    assert any("train/loss" in metrics for metrics, step in recommitted if step == 3)

@@ -114,8 +114,9 @@ def test_finish_stage_run_logs_manifest_metrics_and_status(config, store, tmp_pa
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["posttrain.output_uri"] == str(model_dir)
-    assert run.data.metrics == {"eval/loss": 1.25, "acc_1": 0.5}
-    assert [m.step for m in client.get_metric_history(run_id, "eval/loss")] == [7]
+    assert run.data.metrics == {"final/eval/loss": 1.25, "final/acc_1": 0.5}  # apart from the step history
+    assert [m.step for m in client.get_metric_history(run_id, "final/eval/loss")] == [7]
+    assert client.get_metric_history(run_id, "eval/loss") == []
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert artifacts == {"manifests", "model"}
     assert {a.path for a in client.list_artifacts(run_id, "model")} == {"model/config.json", "model/model.safetensors"}

@@ -150,6 +150,7 @@ def train_stage(
         manifest_fields=fields,
         log_metrics=ctx.print_metrics,
         commit_metrics=ctx.commit_metrics,
+        recommit_metrics=ctx.metrics.log_missing,
     )
     resumed = loop.resume()
     progress = loop.run()

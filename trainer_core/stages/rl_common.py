@@ -55,7 +55,7 @@ from trainer_core.config import RLStageConfig
 from trainer_core.data.batching import collate_prompts_left
 from trainer_core.errors import ConfigError
 from trainer_core.generation import messages_of, prompt_ids
-from trainer_core.loop import build_optimizer, build_scheduler, summarize
+from trainer_core.loop import METRICS_FILE, build_optimizer, build_scheduler, summarize
 from trainer_core.models import load_causal_lm, load_reward_model
 from trainer_core.objectives.ppo import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
 from trainer_core.rewards import (
@@ -373,6 +373,7 @@ class RLTrainer:
         files.update(self.extra_files())
         progress, fields = copy.deepcopy(self.progress), self.manifest_fields()
         metrics, self._uncommitted = self._uncommitted, []
+        files[METRICS_FILE] = json.dumps(metrics).encode()
 
         def job() -> None:
             write_checkpoint(uri, files, progress, fields)
@@ -398,6 +399,9 @@ class RLTrainer:
         if self.value_head is not None:
             weights = safetensors.torch.load(read_bytes(join_uri(uri, "value_head.safetensors")))
             self.value_head.load_state_dict({k: v.to(self.ctx.backend.device) for k, v in weights.items()})
+        if any(f.path == METRICS_FILE for f in manifest.files):
+            batch = json.loads(read_bytes(join_uri(uri, METRICS_FILE)))
+            self.ctx.metrics.log_missing([(metrics, int(step)) for metrics, step in batch])
         return True
 
 
