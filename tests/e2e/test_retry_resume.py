@@ -198,14 +198,18 @@ def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
     # MLflow: both attempts logged into the stage's one run, which holds every step's loss
     # exactly once (step -> number of values logged at it).
     mlflow = MlflowClient(summary["mlflow"]["tracking_uri"])
-    assert json.loads((root / "runs" / run_id / "specs" / "sft.json").read_text())["mlflow_run_id"] == sft["mlflow_run_id"]
+    spec = json.loads((root / "runs" / run_id / "specs" / "sft.json").read_text())
+    assert spec["mlflow_run_id"] == sft["mlflow_run_id"]
     assert mlflow.get_run(sft["mlflow_run_id"]).info.status == "FINISHED"
     history = mlflow.get_metric_history(sft["mlflow_run_id"], "train/loss")
     assert dict(sorted(Counter(m.step for m in history).items())) == {s: 1 for s in range(1, MAX_STEPS + 1)}
 
 
-def _final_manifests(root: Path, run_id: str) -> dict[str, float]:
-    return {s: (Path(final_uri(stage_uri(str(root), run_id, s))) / MANIFEST_NAME).stat().st_mtime_ns for s in ALL_STAGES}
+def _final_manifests(root: Path, run_id: str) -> dict[str, int]:
+    """Stage -> mtime (ns) of its committed ``final/manifest.json``."""
+    return {
+        s: (Path(final_uri(stage_uri(str(root), run_id, s))) / MANIFEST_NAME).stat().st_mtime_ns for s in ALL_STAGES
+    }
 
 
 def _files_under(root: Path, sub: str) -> dict[str, int]:
@@ -244,7 +248,8 @@ def test_resume_of_a_finished_run_trains_nothing_and_a_changed_dpo_beta_reruns_d
     print(f"full tiny pipeline: {time.monotonic() - t0:.1f}s")
     assert state.is_completed(), state.message
     run_dir = root / "runs" / run_id
-    finals, checkpoints, specs = _final_manifests(root, run_id), _files_under(run_dir, "stages"), _files_under(run_dir, "specs")
+    finals, specs = _final_manifests(root, run_id), _files_under(run_dir, "specs")
+    checkpoints = _files_under(run_dir, "stages")
 
     summary, lines, wall_s = _resume(run_id, root)
     print(f"resume, nothing to do: {wall_s:.1f}s")
