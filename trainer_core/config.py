@@ -318,6 +318,10 @@ class LaunchConfig(_Base):
     retries: int = Field(2, ge=0, description="Prefect retries of a failed stage task (resumes from checkpoint).")
     retry_delay_s: float = Field(2.0, ge=0, description="Seconds between retries.")
     timeout_s: float | None = Field(None, gt=0, description="Kill a stage's trainer after this many seconds.")
+    lease_ttl_s: float = Field(
+        30.0, gt=0, description="Lifetime of a stage's writer lease without renewal (renewed every third of it); "
+        "a relaunch after a hard kill waits at most this long for the dead writer's lease.",
+    )
     gpu_concurrency_limit: str | None = Field(
         None,
         description="Prefect global concurrency limit whose slots (one per GPU) a GPU stage holds while it "

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec.stage not in STAGE_MODULES:
             raise ConfigError(f"unknown stage {spec.stage!r}; known: {sorted(STAGE_MODULES)}")
         module = importlib.import_module(STAGE_MODULES[spec.stage])
-        with StageLease(spec.output_uri, owner=spec.writer_id):
+        with StageLease(spec.output_uri, owner=spec.writer_id, ttl_s=spec.config.launch.lease_ttl_s):
             manifest = module.run(spec)
         print(f"stage {spec.stage} committed: global_step={manifest.global_step}", flush=True)
         return 0
