@@ -27,10 +27,11 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainer_core.backends.base import Backend
 from trainer_core.checkpoint.manifest import find_latest, purge_checkpoints, step_dirname
-from trainer_core.checkpoint.storage import read_bytes
 from trainer_core.checkpoint.train_state import (
+    METRICS_FILE,
     CheckpointSaver,
     TrainProgress,
+    checkpoint_metrics,
     load_train_state,
     snapshot_train_state,
     write_checkpoint,
@@ -40,9 +41,6 @@ from trainer_core.data.batching import BucketedBatchSampler, DataPosition, itera
 from trainer_core.spec import join_uri
 
 log = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.json"
-"""In a checkpoint: the ``[[metrics, step], ...]`` logged since the previous checkpoint."""
 
 
 @dataclass
@@ -183,9 +181,7 @@ class TrainLoop:
             return False
         unwrapped = self.backend.unwrap(self.model)
         self.progress = load_train_state(uri, model=unwrapped, optimizer=self.optimizer, scheduler=self.scheduler)
-        if any(f.path == METRICS_FILE for f in manifest.files):
-            batch = json.loads(read_bytes(join_uri(uri, METRICS_FILE)))
-            self.recommit_metrics([(metrics, int(step)) for metrics, step in batch])
+        self.recommit_metrics(checkpoint_metrics(uri, manifest))
         return True
 
     def run(self) -> TrainProgress:

@@ -158,6 +158,17 @@ def save_train_state(
     return write_checkpoint(uri, files, progress, manifest_fields)
 
 
+METRICS_FILE = "metrics.json"
+"""In a checkpoint: the ``[[metrics, step], ...]`` logged since the previous checkpoint."""
+
+
+def checkpoint_metrics(uri: str, manifest: Manifest) -> list[tuple[dict[str, float], int]]:
+    """The ``(metrics, step)`` pairs a committed checkpoint covers ([] if it stores none)."""
+    if not any(f.path == METRICS_FILE for f in manifest.files):
+        return []
+    return [(metrics, int(step)) for metrics, step in json.loads(read_bytes(join_uri(uri, METRICS_FILE)))]
+
+
 class CheckpointSaver:
     """Writes checkpoints, optionally in a background thread, with at most one save in flight.
 

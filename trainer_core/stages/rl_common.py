@@ -45,8 +45,10 @@ from torch import Tensor, nn
 from trainer_core.checkpoint.manifest import find_latest, purge_checkpoints, step_dirname
 from trainer_core.checkpoint.storage import read_bytes
 from trainer_core.checkpoint.train_state import (
+    METRICS_FILE,
     CheckpointSaver,
     TrainProgress,
+    checkpoint_metrics,
     load_train_state,
     snapshot_train_state,
     write_checkpoint,
@@ -55,7 +57,7 @@ from trainer_core.config import RLStageConfig
 from trainer_core.data.batching import collate_prompts_left
 from trainer_core.errors import ConfigError
 from trainer_core.generation import messages_of, prompt_ids
-from trainer_core.loop import METRICS_FILE, build_optimizer, build_scheduler, summarize
+from trainer_core.loop import build_optimizer, build_scheduler, summarize
 from trainer_core.models import load_causal_lm, load_reward_model
 from trainer_core.objectives.ppo import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
 from trainer_core.rewards import (
@@ -399,9 +401,7 @@ class RLTrainer:
         if self.value_head is not None:
             weights = safetensors.torch.load(read_bytes(join_uri(uri, "value_head.safetensors")))
             self.value_head.load_state_dict({k: v.to(self.ctx.backend.device) for k, v in weights.items()})
-        if any(f.path == METRICS_FILE for f in manifest.files):
-            batch = json.loads(read_bytes(join_uri(uri, METRICS_FILE)))
-            self.ctx.metrics.log_missing([(metrics, int(step)) for metrics, step in batch])
+        self.ctx.metrics.log_missing(checkpoint_metrics(uri, manifest))
         return True
 
 
