@@ -148,12 +148,68 @@ class ModelConfig(_Base):
         return self
 
 
-class BackendConfig(_Base):
-    """How a training stage runs its processes."""
+BACKENDS: tuple[str, ...] = ("single", "ddp", "fsdp2", "deepspeed")
+"""Training backends; every one but ``single`` runs one process per rank under a launcher."""
 
-    name: Literal["single"] = Field("single", description="Training backend: 'single' (one device).")
+
+class BackendConfig(_Base):
+    """How a training stage runs its processes: backend, world size, launcher and rendezvous.
+
+    World size is ``nnodes * nproc_per_node``. ``single`` runs one plain process; the others
+    run under ``torchrun`` (or the ``deepspeed`` launcher) with one process per rank: gloo
+    process groups on CPU, NCCL on GPU. Multi-node: every node's worker runs the same stage
+    command with its own ``node_rank`` and the same ``rdzv_endpoint`` (host:port of node 0).
+    """
+
+    name: Literal["single", "ddp", "fsdp2", "deepspeed"] = Field(
+        "single", description="Training backend: single (one device), ddp, fsdp2 or deepspeed (ZeRO)."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device; 'auto' picks cuda when present.")
-    nproc_per_node: Literal[1] = Field(1, description="Processes per node (1 for the single backend).")
+    nproc_per_node: int = Field(1, ge=1, description="Processes (ranks) per node; 1 with the single backend.")
+    nnodes: int = Field(1, ge=1, description="Nodes in the job (multi-node: one worker per node).")
+    node_rank: int = Field(0, ge=0, description="This node's rank in [0, nnodes).")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of the c10d rendezvous (node 0); default on one node: 127.0.0.1 and a free port."
+    )
+    rdzv_id: str | None = Field(None, description="Rendezvous id shared by the job's nodes; default: run id + stage.")
+    launcher: Literal["torchrun", "deepspeed"] = Field(
+        "torchrun", description="Launcher of multi-process stages: torchrun, or the deepspeed launcher."
+    )
+    dist_timeout_s: float = Field(600.0, gt=0, description="Collective timeout: a rank that waits longer fails.")
+    mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Compute dtype of fsdp2/deepspeed: auto = bf16 on CUDA, fp32 on CPU."
+    )
+    cpu_offload: bool = Field(False, description="fsdp2: keep parameters, gradients and optimizer state on CPU.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="deepspeed: ZeRO stage.")
+    offload_optimizer: bool = Field(False, description="deepspeed: ZeRO optimizer-state offload to CPU (DeepSpeedCPUAdam).")
+    offload_params: bool = Field(False, description="deepspeed: ZeRO-3 parameter offload to CPU.")
+    ds_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="deepspeed: raw DeepSpeed config merged (recursively) over the generated one, for experts.",
+    )
+    validate_replicas: bool = Field(
+        True, description="At each checkpoint, check by checksum that replicated state is identical on every rank."
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
+        return self.nnodes * self.nproc_per_node
+
+    @model_validator(mode="after")
+    def _check(self) -> BackendConfig:
+        if self.name == "single" and self.world_size != 1:
+            raise ValueError(
+                f"backend.name=single runs one process; got nnodes={self.nnodes}, nproc_per_node={self.nproc_per_node}"
+                " (choose ddp, fsdp2 or deepspeed)"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"backend.node_rank={self.node_rank} must be < backend.nnodes={self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("backend.rdzv_endpoint (host:port of node 0) is required when backend.nnodes > 1")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("backend.offload_params needs backend.zero_stage=3")
+        return self
 
 
 class TrainStageConfig(_Base):
@@ -162,9 +218,36 @@ class TrainStageConfig(_Base):
     init_from: str | None = Field(
         None, description="Model URI to start from; None: the previous stage's output (or model config)."
     )
+    backend: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Override of the pipeline-wide backend for this stage (e.g. {name: ddp}); merged over `backend`.",
+    )
     max_steps: int = Field(100, ge=1, description="Optimizer steps (global_step at the end).")
     micro_batch_size: int = Field(8, ge=1, description="Examples per forward/backward.")
-    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per rank per optimizer step.")
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Examples per optimizer step over all ranks. When set, grad_accum_steps is ignored and "
+        "derived as global_batch_size / (micro_batch_size x world size), so a run resumed at another world "
+        "size (elastic) keeps the same batch.",
+    )
+
+    def accum_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step at ``world_size`` ranks.
+
+        Raises:
+            ConfigError: ``global_batch_size`` is not a multiple of ``micro_batch_size x world_size``.
+        """
+        if self.global_batch_size is None:
+            return self.grad_accum_steps
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size x world size "
+                f"= {self.micro_batch_size} x {world_size}"
+            )
+        return self.global_batch_size // per_step
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
@@ -373,6 +456,36 @@ class PipelineConfig(_Base):
         if not value:
             raise ValueError("at least one stage is required")
         return sorted(value, key=STAGE_ORDER.index)
+
+    @model_validator(mode="after")
+    def _check_stage_backends(self) -> PipelineConfig:
+        for stage in TRAINING_STAGES:
+            world_size = self.backend_for(stage).world_size
+            try:
+                getattr(self, stage).accum_steps(world_size)
+            except ConfigError as e:
+                raise ValueError(f"{stage}: {e}") from None
+        return self
+
+    def backend_for(self, stage: str) -> BackendConfig:
+        """The backend ``stage`` runs on: the pipeline's, with the stage's ``backend`` override merged.
+
+        Stages without an optimizer loop (prepare_data, score, evaluate) run one process on
+        the pipeline's device whatever the backend: they generate and score, they do not train.
+
+        Raises:
+            ValueError: the merged override is not a valid :class:`BackendConfig` (the message
+                names ``<stage>.backend``).
+        """
+        if stage not in TRAINING_STAGES:
+            return BackendConfig(device=self.backend.device)
+        override = getattr(self, stage).backend
+        if not override:
+            return self.backend
+        try:
+            return BackendConfig.model_validate({**self.backend.model_dump(), **override})
+        except ValidationError as e:
+            raise ValueError(f"{stage}.backend: {e}") from None
 
 
 def stage_config(config: PipelineConfig, stage: str) -> BaseModel | None:

@@ -36,6 +36,15 @@ def input_identity(uri: str) -> str:
         return uri
 
 
+def _not_hashed(section) -> set[str]:
+    """Fields of a stage section that do not change its result: the backend override, and the
+    accumulation steps when ``global_batch_size`` fixes the batch (they follow the world size)."""
+    out = {"backend"} if "backend" in type(section).model_fields else set()
+    if getattr(section, "global_batch_size", None) is not None:
+        out.add("grad_accum_steps")
+    return out
+
+
 def stage_fingerprint(config: PipelineConfig, stage: str, inputs: dict[str, str]) -> str:
     """The hash a stage's committed outputs must carry to be reused.
 
@@ -50,7 +59,7 @@ def stage_fingerprint(config: PipelineConfig, stage: str, inputs: dict[str, str]
     section = stage_config(config, stage)
     payload = {
         "stage": stage,
-        "config": section.model_dump(mode="json") if section is not None else None,
+        "config": section.model_dump(mode="json", exclude=_not_hashed(section)) if section is not None else None,
         "seed": config.seed,
         "model": config.model.model_dump(mode="json"),
         "tokenizer": config.tokenizer.model_dump(mode="json"),

@@ -14,11 +14,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformers import PreTrainedModel
+
 from trainer_core.objectives.logprobs import compute_logprobs, shift_mask
 
 
+def _is_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def _head_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    """(decoder, lm_head) when the logits are exactly ``lm_head(decoder(x))``, else None."""
+    """(decoder, lm_head) when the logits are exactly ``lm_head(decoder(x))``, else None.
+
+    None also for a wrapped or sharded model (DDP, FSDP2, a DeepSpeed engine): their
+    gradient and all-gather hooks run on the wrapper's forward, which calling the decoder and
+    the head directly would skip.
+    """
+    if not isinstance(model, PreTrainedModel) or _is_fsdp(model):
+        return None
     config = getattr(model, "config", None)
     if config is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
         return None

@@ -26,13 +26,15 @@ from torch import Tensor, nn
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainer_core.backends.base import Backend
-from trainer_core.checkpoint.manifest import find_latest, purge_checkpoints, step_dirname
+from trainer_core.checkpoint.manifest import purge_checkpoints, step_dirname
 from trainer_core.checkpoint.train_state import (
     METRICS_FILE,
     CheckpointSaver,
     TrainProgress,
     checkpoint_metrics,
-    load_train_state,
+    find_resumable,
+    load_checkpoint_state,
+    save_distributed_checkpoint,
     snapshot_train_state,
     write_checkpoint,
 )
@@ -89,9 +91,19 @@ class BatchSource:
     collate: Callable[[list[dict]], dict[str, Tensor]]
     device: torch.device
 
-    def stream(self, position: DataPosition) -> Iterator[tuple[dict[str, Tensor], DataPosition, int]]:
-        """Yield (batch, position after it, number of examples) forever, from ``position``."""
-        for indices, after in iterate_batches(self.sampler, position):
+    def stream(
+        self, position: DataPosition, rank: int = 0, world_size: int = 1
+    ) -> Iterator[tuple[dict[str, Tensor] | None, DataPosition, int]]:
+        """Yield (batch, position after it, number of examples) forever, from ``position``.
+
+        With ``world_size`` > 1 the i-th micro-batch from ``position`` belongs to rank
+        ``i % world_size``: only this rank's are collated; the others come as ``None`` (their
+        position and size still count).
+        """
+        for i, (indices, after) in enumerate(iterate_batches(self.sampler, position)):
+            if i % world_size != rank:
+                yield None, after, len(indices)
+                continue
             batch = self.collate([self.rows[i] for i in indices])
             yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}, after, len(indices)
 
@@ -100,7 +112,8 @@ def build_optimizer(model: nn.Module, cfg: TrainStageConfig) -> torch.optim.Adam
     """AdamW with weight decay on matrices only (not on norms, biases or 1-D params).
 
     The fused implementation (one kernel over all parameters, on CPU and CUDA) replaces the
-    per-parameter loop; it is deterministic, so resumed runs stay bit-identical.
+    per-parameter loop; it is deterministic, so resumed runs stay bit-identical. Sharded
+    (DTensor) parameters use the multi-tensor (``foreach``) implementation.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -109,7 +122,9 @@ def build_optimizer(model: nn.Module, cfg: TrainStageConfig) -> torch.optim.Adam
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, fused=True)
+    sharded = any(type(p).__name__ == "DTensor" for p in params)
+    impl = {"foreach": True} if sharded else {"fused": True}
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, **impl)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainStageConfig):
@@ -161,10 +176,16 @@ class TrainLoop:
     recommit_metrics: Callable[[list[tuple[dict[str, float], int]]], None] = lambda batch: None
 
     def __post_init__(self) -> None:
-        self.optimizer = build_optimizer(self.model, self.cfg)
+        self.model, self.optimizer = self.backend.setup_optimizer(
+            self.model, build_optimizer(self.model, self.cfg), self.cfg
+        )
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
+        self.accum_steps = self.cfg.accum_steps(self.backend.world_size)
         self.progress = TrainProgress()
-        self.saver = CheckpointSaver(asynchronous=self.cfg.async_save)
+        # Only one process writing the plain format saves in the background; a checkpoint
+        # written by several ranks (or through DCP / DeepSpeed) is a collective, saved in step.
+        self.distributed_save = self.backend.world_size > 1 or self.backend.checkpoint_format != "full"
+        self.saver = CheckpointSaver(asynchronous=self.cfg.async_save and not self.distributed_save)
         self._uncommitted: list[tuple[dict[str, float], int]] = []
 
     def resume(self) -> bool:
@@ -172,16 +193,15 @@ class TrainLoop:
 
         A checkpoint written under another config (different ``config_hash``) is not used.
         """
-        found = find_latest(self.checkpoints_uri)
+        found = find_resumable(self.checkpoints_uri, self.backend, self.manifest_fields.get("config_hash"))
         if found is None:
             return False
         uri, manifest = found
-        if manifest.config_hash != self.manifest_fields.get("config_hash"):
-            log.warning("checkpoint %s was written with another config (%s); starting fresh", uri, manifest.config_hash)
-            return False
-        unwrapped = self.backend.unwrap(self.model)
-        self.progress = load_train_state(uri, model=unwrapped, optimizer=self.optimizer, scheduler=self.scheduler)
-        self.recommit_metrics(checkpoint_metrics(uri, manifest))
+        self.progress = load_checkpoint_state(
+            uri, manifest, backend=self.backend, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        if self.backend.rank == 0:
+            self.recommit_metrics(checkpoint_metrics(uri, manifest))
         return True
 
     def run(self) -> TrainProgress:
@@ -203,7 +223,8 @@ class TrainLoop:
         cfg, progress = self.cfg, self.progress
         if progress.global_step == 0 and "eval/loss" not in progress.history:
             self._evaluate()
-        stream = self.batches.stream(DataPosition(progress.epoch, progress.batch_index))
+        backend = self.backend
+        stream = self.batches.stream(DataPosition(progress.epoch, progress.batch_index), backend.rank, backend.world_size)
         while progress.global_step < cfg.max_steps:
             metrics = self._optimizer_step(stream)
             if progress.global_step % cfg.log_every == 0 or progress.global_step == cfg.max_steps:
@@ -219,20 +240,27 @@ class TrainLoop:
                 break
 
     def _optimizer_step(self, stream: Iterator) -> dict[str, float]:
-        cfg, progress = self.cfg, self.progress
-        micro = [next(stream) for _ in range(cfg.grad_accum_steps)]
-        count = sum(self.objective.count(batch) for batch, _, _ in micro)
-        total = self.backend.all_reduce_sum(torch.tensor(float(count), device=self.backend.device)).clamp(min=1.0)
+        """One optimizer step over ``grad_accum_steps`` micro-batches on every rank.
+
+        The loss is summed over every counted unit of the global batch (all micro-batches of
+        all ranks) and divided by their number, so the step equals one taken on a single
+        device over ``grad_accum_steps x world_size`` micro-batches.
+        """
+        cfg, progress, backend = self.cfg, self.progress, self.backend
+        drawn = [next(stream) for _ in range(self.accum_steps * backend.world_size)]
+        micro = [batch for batch, _, _ in drawn if batch is not None]
+        count = sum(self.objective.count(batch) for batch in micro)
+        total = backend.all_reduce_sum(torch.tensor(float(count), device=backend.device)).clamp(min=1.0)
         t_fwd = t_bwd = 0.0
-        loss_sum = torch.zeros((), device=self.backend.device)
+        loss_sum = torch.zeros((), device=backend.device)
         metric_sums: dict[str, Tensor] = {}
         num_tokens = 0
-        for i, (batch, _, _) in enumerate(micro):
-            with self.backend.grad_sync(self.model, is_last_micro_batch=i == len(micro) - 1):
+        for i, batch in enumerate(micro):
+            with backend.grad_sync(self.model, is_last_micro_batch=i == len(micro) - 1):
                 t0 = time.perf_counter()
                 out = self.objective.step(self.model, batch)
                 t1 = time.perf_counter()
-                (out.loss_sum / total).backward()
+                backend.backward(self.model, out.loss_sum / total)
                 t_bwd += time.perf_counter() - t1
                 t_fwd += t1 - t0
             loss_sum += out.loss_sum.detach()
@@ -240,16 +268,23 @@ class TrainLoop:
             for k, v in out.metric_sums.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + v
         t0 = time.perf_counter()
-        grad_norm = self.backend.clip_grad_norm(self.model, cfg.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = backend.optimizer_step(self.model, self.optimizer, cfg.max_grad_norm)
         self.scheduler.step()
         t_opt = time.perf_counter() - t0
-        _, last_position, _ = micro[-1]
+        if backend.world_size > 1:
+            keys = sorted(metric_sums)
+            local = torch.stack(
+                [loss_sum.float(), torch.tensor(float(num_tokens), device=backend.device)]
+                + [torch.as_tensor(metric_sums[k], device=backend.device).float() for k in keys]
+            )
+            summed = backend.all_reduce_sum(local)
+            loss_sum, num_tokens = summed[0], int(summed[1].item())
+            metric_sums = {k: summed[2 + j] for j, k in enumerate(keys)}
+        _, last_position, _ = drawn[-1]
         progress.global_step += 1
         progress.epoch, progress.batch_index = last_position.epoch, last_position.batch_index
-        progress.consumed_samples += sum(n for _, _, n in micro)
+        progress.consumed_samples += sum(n for _, _, n in drawn)
         progress.consumed_tokens += num_tokens
         step_s = t_fwd + t_bwd + t_opt
         metrics = {"train/loss": loss_sum / total, "train/grad_norm": grad_norm, "train/lr": lr}
@@ -311,6 +346,9 @@ class TrainLoop:
         name = step_dirname(self.progress.global_step)
         uri = join_uri(self.checkpoints_uri, name)
         self._track_best(name)
+        if self.distributed_save:
+            self._save_distributed(uri)
+            return
         t0 = time.perf_counter()
         files = snapshot_train_state(
             model=self.backend.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler, progress=self.progress
@@ -331,6 +369,30 @@ class TrainLoop:
             purge_checkpoints(self.checkpoints_uri, keep_last=self.cfg.keep_last_checkpoints, keep=keep)
 
         self.saver.submit(job)
+
+    def _save_distributed(self, uri: str) -> None:
+        """Collective save by every rank (see ``save_distributed_checkpoint``), then rank 0's follow-ups."""
+        t0 = time.perf_counter()
+        progress = copy.deepcopy(self.progress)
+        evals = {k: float(v) for k, v in progress.history.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        metrics, self._uncommitted = self._uncommitted, []
+        backend_cfg = getattr(self.backend, "cfg", None)
+        save_distributed_checkpoint(
+            uri,
+            backend=self.backend,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            progress=progress,
+            global_files={METRICS_FILE: json.dumps(metrics).encode()},
+            manifest_fields={**self.manifest_fields, "metrics": evals},
+            validate_replicas=getattr(backend_cfg, "validate_replicas", True),
+        )
+        if self.backend.rank == 0:
+            self.commit_metrics(metrics)
+            log.info("checkpoint %s committed by %d rank(s) in %.3fs", uri, self.backend.world_size, time.perf_counter() - t0)
+            keep = {progress.best_checkpoint} if progress.best_checkpoint else set()
+            purge_checkpoints(self.checkpoints_uri, keep_last=self.cfg.keep_last_checkpoints, keep=keep)
 
     def _track_best(self, name: str) -> None:
         """Record ``name`` as the best checkpoint when its latest ``keep_best_metric`` is lowest."""

@@ -109,14 +109,20 @@ def load_reward_model(
     )
 
 
-def save_pretrained_to(writer, model: nn.Module, tokenizer: PreTrainedTokenizerBase, prefix: str = "") -> None:
+def save_pretrained_to(
+    writer, model: nn.Module, tokenizer: PreTrainedTokenizerBase, prefix: str = "", state_dict: dict | None = None
+) -> None:
     """Write ``model`` (safetensors) and ``tokenizer`` in HF format through an ``ArtifactWriter``.
 
     The files are staged in a local temp directory, then each is written (and hashed) by
-    the writer; nothing is committed here.
+    the writer; nothing is committed here. ``state_dict``: the consolidated weights of a
+    sharded model (``Backend.full_state_dict``), saved with ``model``'s config.
     """
     with tempfile.TemporaryDirectory(prefix="posttrain-save-") as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if state_dict is None:
+            model.save_pretrained(tmp, safe_serialization=True)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         writer.write_dir(tmp, prefix=prefix)
 

@@ -9,7 +9,9 @@ The stage runs under its writer lease (``checkpoint/lease.py``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import json
 import logging
 import sys
@@ -65,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         if spec.stage not in STAGE_MODULES:
             raise ConfigError(f"unknown stage {spec.stage!r}; known: {sorted(STAGE_MODULES)}")
         module = importlib.import_module(STAGE_MODULES[spec.stage])
-        with StageLease(spec.output_uri, owner=spec.writer_id, ttl_s=spec.config.launch.lease_ttl_s):
+        # Rank 0 holds the stage's writer lease for the whole job; other ranks write only
+        # between its barriers.
+        if int(os.environ.get("RANK", "0")) == 0:
+            lease = StageLease(spec.output_uri, owner=spec.writer_id, ttl_s=spec.config.launch.lease_ttl_s)
+        else:
+            lease = contextlib.nullcontext()
+        with lease:
             manifest = module.run(spec)
         print(f"stage {spec.stage} committed: global_step={manifest.global_step}", flush=True)
         return 0
@@ -76,6 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         sys.stdout.flush()
         return 1
+    finally:
+        _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Leave the process group (if the stage joined one) so the launcher sees a clean exit."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

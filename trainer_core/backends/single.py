@@ -3,28 +3,49 @@
 from __future__ import annotations
 
 import contextlib
+import io
+from typing import Any
 
+import safetensors.torch
 import torch
 from torch import Tensor, nn
 
+from trainer_core.config import TrainStageConfig
 
-def resolve_device(device: str) -> torch.device:
-    """Map ``auto`` / ``cpu`` / ``cuda`` to a ``torch.device``.
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """Map ``auto`` / ``cpu`` / ``cuda`` to a ``torch.device`` (CUDA: the ``local_rank``-th GPU).
 
     Raises:
         RuntimeError: ``cuda`` was asked for and no CUDA device is visible.
     """
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("backend.device=cuda but no CUDA device is visible")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend.device=cuda but no CUDA device is visible")
+        return torch.device("cuda", local_rank)
     return torch.device(device)
+
+
+def torch_bytes(obj: Any) -> bytes:
+    """``torch.save`` to bytes."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def full_weights_bytes(state_dict: dict[str, Tensor]) -> bytes:
+    """Safetensors bytes of a (CPU-copied) state dict."""
+    return safetensors.torch.save({k: v.detach().to("cpu").clone().contiguous() for k, v in state_dict.items()})
 
 
 class SingleDeviceBackend:
     """Everything on one device; all collectives are identities."""
 
     name = "single"
+    checkpoint_format = "full"
+    sharded_forward = False
 
     def __init__(self, device: str = "auto") -> None:
         self.device = resolve_device(device)
@@ -36,6 +57,11 @@ class SingleDeviceBackend:
         model.train()
         return model
 
+    def setup_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        return model, optimizer
+
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         model.to(self.device)
         model.eval()
@@ -45,19 +71,58 @@ class SingleDeviceBackend:
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def backward(self, model: nn.Module, loss: Tensor) -> None:
+        loss.backward()
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> Tensor:
+        """Global grad norm before clipping; clips in place when ``max_norm`` is set."""
         params = [p for p in model.parameters() if p.grad is not None]
         limit = max_norm if max_norm is not None else float("inf")
         return torch.nn.utils.clip_grad_norm_(params, limit)
 
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
+        grad_norm = self.clip_grad_norm(model, max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return tensor
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Tensor] | None:
+        return model.state_dict()
+
+    def save_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Any) -> None:
+        from trainer_core.checkpoint.components import Sharing
+
+        out.put("model.safetensors", Sharing.REPLICATED, full_weights_bytes(model.state_dict()))
+        out.put("optimizer.pt", Sharing.REPLICATED, torch_bytes(optimizer.state_dict()))
+
+    def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
+        load_full_state(model, optimizer, uri)
 
     def barrier(self) -> None:
         return None
 
     def close(self) -> None:
         return None
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
+    """Load ``model.safetensors`` (strict) and ``optimizer.pt`` of a ``full``-format checkpoint."""
+    from trainer_core.checkpoint.storage import read_bytes
+    from trainer_core.spec import join_uri
+
+    weights = safetensors.torch.load(read_bytes(join_uri(uri, "model.safetensors")))
+    device = next(model.parameters()).device
+    model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=True)
+    optimizer.load_state_dict(torch.load(io.BytesIO(read_bytes(join_uri(uri, "optimizer.pt"))), weights_only=True))

@@ -215,6 +215,16 @@ class ArtifactWriter:
             raise ValueError(f"'{MANIFEST_NAME}' is written by commit(), not by write_*")
         return join_uri(self.uri, relpath)
 
+    def add_entry(self, entry: FileEntry) -> None:
+        """Record a file another process (another rank) wrote under this directory.
+
+        Raises:
+            ValueError: unsafe path, or the reserved manifest name.
+            RuntimeError: the writer has committed.
+        """
+        self._target(entry.path)
+        self._entries[entry.path] = entry
+
     def write_bytes(self, relpath: str, data: bytes) -> FileEntry:
         """Write ``data`` to ``<uri>/<relpath>`` and record its entry.
 

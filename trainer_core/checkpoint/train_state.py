@@ -229,3 +229,116 @@ def load_train_state(
     progress = TrainProgress(**state["progress"])
     log.info("resumed from %s at global_step %d", uri, progress.global_step)
     return progress
+
+
+def checkpoint_format_of(manifest: Manifest) -> str:
+    """The checkpoint format a manifest records (``full`` for checkpoints that predate the field)."""
+    return str((manifest.extra or {}).get("checkpoint_format", "full"))
+
+
+def resume_problem(manifest: Manifest, backend: Any, config_hash: str | None) -> str | None:
+    """Why a checkpoint cannot be resumed by ``backend`` (None when it can).
+
+    A checkpoint written under another config, in another backend's format, or by DeepSpeed
+    at another world size (ZeRO partitions do not reshard) is not resumed from.
+    """
+    if manifest.config_hash != config_hash:
+        return f"written with another config ({manifest.config_hash})"
+    fmt = checkpoint_format_of(manifest)
+    if fmt != backend.checkpoint_format:
+        return f"format {fmt!r} (backend {manifest.backend}); backend {backend.name} reads {backend.checkpoint_format!r}"
+    if fmt == "deepspeed" and manifest.world_size != backend.world_size:
+        return f"DeepSpeed ZeRO partitions of {manifest.world_size} ranks; this run has {backend.world_size}"
+    return None
+
+
+def find_resumable(checkpoints_uri: str, backend: Any, config_hash: str | None) -> tuple[str, Manifest] | None:
+    """Collective: rank 0 finds the latest complete checkpoint; every rank gets the same answer.
+
+    Returns:
+        (uri, manifest) of a checkpoint ``backend`` can resume, else None (a warning says why).
+    """
+    from trainer_core.checkpoint.manifest import find_latest
+
+    found = find_latest(checkpoints_uri) if backend.rank == 0 else None
+    found = backend.broadcast_object(found)
+    if found is None:
+        return None
+    uri, manifest = found
+    problem = resume_problem(manifest, backend, config_hash)
+    if problem is not None:
+        log.warning("checkpoint %s not resumed: %s; starting fresh", uri, problem)
+        return None
+    return uri, manifest
+
+
+def save_distributed_checkpoint(
+    uri: str,
+    *,
+    backend: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    progress: TrainProgress,
+    global_files: dict[str, bytes],
+    manifest_fields: dict[str, Any],
+    validate_replicas: bool = True,
+) -> Manifest:
+    """Collective: write a checkpoint from every rank and commit it (manifest last, by rank 0).
+
+    Components (see ``components.py``): model and optimizer in the backend's format
+    (``Backend.save_model_state``), ``scheduler.pt`` REPLICATED, ``rng.pt`` PER_RANK,
+    ``trainer_state.json`` and ``global_files`` GLOBAL.
+
+    Raises:
+        ReplicaMismatchError: a replicated component differs across ranks (nothing is committed).
+    """
+    from trainer_core.backends.single import torch_bytes
+    from trainer_core.checkpoint.components import RankWriter, Sharing, state_checksum
+
+    out = RankWriter(uri, backend, validate_replicas=validate_replicas)
+    backend.save_model_state(model, optimizer, out)
+    sched = scheduler.state_dict()
+    out.put("scheduler.pt", Sharing.REPLICATED, torch_bytes(sched), state_checksum(sched))
+    host_rng, torch_rng = _rng_states()
+    out.put("rng.pt", Sharing.PER_RANK, torch_rng)
+    out.put("trainer_state.json", Sharing.GLOBAL, json.dumps({"progress": asdict(progress), "rng": host_rng}).encode())
+    for name, data in global_files.items():
+        out.put(name, Sharing.GLOBAL, data)
+    fields = dict(manifest_fields)
+    fields["extra"] = {**fields.get("extra", {}), "checkpoint_format": backend.checkpoint_format}
+    fields["backend"], fields["world_size"] = backend.name, backend.world_size
+    return out.commit(
+        kind="checkpoint",
+        global_step=progress.global_step,
+        consumed_samples=progress.consumed_samples,
+        consumed_tokens=progress.consumed_tokens,
+        **fields,
+    )
+
+
+def load_checkpoint_state(
+    uri: str, manifest: Manifest, *, backend: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> TrainProgress:
+    """Collective: restore a checkpoint found by :func:`find_resumable` into live objects.
+
+    Reads the backend's model and optimizer state, the (replicated) scheduler, the global
+    progress and this rank's RNG; a rank with no RNG file of its own (the checkpoint was
+    written by fewer ranks) keeps its seeded generator and says so.
+    """
+    from trainer_core.checkpoint.components import per_rank_path
+    from trainer_core.checkpoint.storage import exists
+
+    backend.load_model_state(model, optimizer, uri)
+    scheduler.load_state_dict(torch.load(io.BytesIO(read_bytes(join_uri(uri, "scheduler.pt"))), weights_only=True))
+    state = json.loads(read_bytes(join_uri(uri, "trainer_state.json")))
+    names = {f.path for f in manifest.files}
+    mine = per_rank_path("rng.pt", backend.rank)
+    rng = mine if mine in names else ("rng.pt" if "rng.pt" in names and backend.rank == 0 else None)
+    if rng is not None:
+        _set_rng_states(state["rng"], read_bytes(join_uri(uri, rng)))
+    else:
+        log.warning("checkpoint %s has no RNG state for rank %d (written by %d ranks)", uri, backend.rank, manifest.world_size)
+    progress = TrainProgress(**state["progress"])
+    log.info("resumed from %s at global_step %d", uri, progress.global_step)
+    return progress

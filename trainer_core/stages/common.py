@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,14 +71,24 @@ class StageContext:
             self._stage_hash = stage_fingerprint(self.config, self.spec.stage, self.spec.inputs)
         return self._stage_hash
 
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0: the one process that prints metrics, talks to MLflow and commits."""
+        return self.backend.rank == 0
+
     def print_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Print a compact metrics line (the task streams it into the Prefect log)."""
+        """Print a compact metrics line (the task streams it into the Prefect log); rank 0 only."""
+        if not self.is_main:
+            return
         shown = {k: v for k, v in metrics.items() if not k.startswith(("time/", "memory/", "first/"))}
         text = " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
-        print(f"[{self.spec.stage}] step {step}: {text}", flush=True)
+        # One write call: print() writes the text and the newline separately, and a log line
+        # from the async checkpoint saver's thread can land between them on a shared pipe.
+        sys.stdout.write(f"[{self.spec.stage}] step {step}: {text}\n")
+        sys.stdout.flush()
 
     def commit_metrics(self, batch: list[tuple[dict[str, float], int]]) -> None:
-        """Send ``(metrics, step)`` pairs to the stage's MLflow run."""
+        """Send ``(metrics, step)`` pairs to the stage's MLflow run (rank 0 holds the only logger)."""
         for metrics, step in batch:
             self.metrics.log(metrics, step)
 
@@ -89,9 +100,10 @@ class StageContext:
 
 def open_stage(spec: StageSpec) -> StageContext:
     """Build a stage's context: backend, tokenizer from the prepared data, MLflow logger."""
-    backend = build_backend(spec.config.backend)
+    backend = build_backend(spec.config.backend_for(spec.stage))
     tokenizer = load_tokenizer_from(spec.inputs["data"]) if "data" in spec.inputs else None
-    metrics = MetricLogger(spec.tracking_uri, spec.mlflow_run_id)
+    main = backend.rank == 0
+    metrics = MetricLogger(spec.tracking_uri if main else None, spec.mlflow_run_id if main else None)
     return StageContext(spec=spec, backend=backend, tokenizer=tokenizer, metrics=metrics)
 
 
@@ -138,7 +150,7 @@ def train_stage(
         "config_hash": ctx.stage_hash(),
         "backend": ctx.backend.name,
         "world_size": ctx.backend.world_size,
-        "extra": {"mlflow_run_id": ctx.spec.mlflow_run_id},
+        "extra": {"mlflow_run_id": ctx.spec.mlflow_run_id, "checkpoint_format": ctx.backend.checkpoint_format},
     }
     loop = TrainLoop(
         model=model,
@@ -171,16 +183,30 @@ def commit_final(
 ) -> Manifest:
     """Write the stage's result to ``<output_uri>/final/`` and commit it (manifest last).
 
+    Collective under a distributed backend: the model is consolidated from every rank's
+    shards into one HF-format safetensors state dict on rank 0 (``Backend.full_state_dict``),
+    which alone writes and commits; every rank returns the committed manifest.
+
     Args:
         ctx: the stage context.
         metrics: final metrics recorded in the manifest.
-        model: an HF model to save (with the tokenizer) in safetensors format.
+        model: an HF model (possibly wrapped or sharded) to save with the tokenizer.
         files: other files, relative path -> bytes.
         extra: extra manifest fields (inputs, MLflow run id are added).
     """
+    backend = ctx.backend
+    weights = backend.full_state_dict(model) if model is not None and backend.name != "single" else None
+    manifest = _write_final(ctx, metrics, model, weights, files, extra) if ctx.is_main else None
+    if backend.world_size == 1:
+        return manifest
+    data = backend.broadcast_object(manifest.model_dump(mode="json") if manifest is not None else None)
+    return Manifest.model_validate(data)
+
+
+def _write_final(ctx, metrics, model, weights, files, extra) -> Manifest:
     writer = ArtifactWriter(final_uri(ctx.spec.output_uri), overwrite=True)
     if model is not None:
-        save_pretrained_to(writer, ctx.backend.unwrap(model), ctx.tokenizer)
+        save_pretrained_to(writer, ctx.backend.unwrap(model), ctx.tokenizer, state_dict=weights)
     for relpath, data in (files or {}).items():
         writer.write_bytes(relpath, data)
     info = {"inputs": ctx.spec.inputs, "mlflow_run_id": ctx.spec.mlflow_run_id, **(extra or {})}

@@ -113,25 +113,29 @@ def _load_or_compute_reference(ctx: StageContext, needed: dict[str, list[int]], 
     """Reference log-probs (row index -> [chosen, rejected]) of the rows each split will use."""
     uri = join_uri(ctx.spec.output_uri, "reference")
     expected = ctx.stage_hash()
-    try:
-        manifest = load_verified(uri)
-        if manifest.config_hash == expected:
-            log.info("reusing reference log-probs from %s", uri)
-            loaded = {s: json.loads(read_bytes(join_uri(uri, f"{s}.json"))) for s in SPLITS}
-            return {s: {int(i): v for i, v in values.items()} for s, values in loaded.items()}
-    except (FileNotFoundError, ValueError) as e:
-        log.info("computing reference log-probs (%s)", e.__class__.__name__)
+    reuse = False
+    if ctx.is_main:  # one decision for all ranks: a sharded reference needs every rank's forward
+        try:
+            reuse = load_verified(uri).config_hash == expected
+        except (FileNotFoundError, ValueError) as e:
+            log.info("computing reference log-probs (%s)", e.__class__.__name__)
+    if ctx.backend.broadcast_object(reuse):
+        log.info("reusing reference log-probs from %s", uri)
+        loaded = {s: json.loads(read_bytes(join_uri(uri, f"{s}.json"))) for s in SPLITS}
+        return {s: {int(i): v for i, v in values.items()} for s, values in loaded.items()}
     cfg = ctx.config.dpo
     reference = load_causal_lm(ctx.input("reference"), ctx.config.model, ctx.tokenizer, ctx.config.seed)
     reference = ctx.backend.prepare_frozen(reference)
     pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
-    batch_size = cfg.micro_batch_size * cfg.grad_accum_steps
+    batch_size = cfg.micro_batch_size * cfg.accum_steps(ctx.backend.world_size)
     values: dict[str, dict[int, list[float]]] = {}
     for s, indices in needed.items():
         computed = reference_logprobs(reference, [splits[s][i] for i in indices], pad_id, batch_size, device)
         values[s] = dict(zip(indices, computed))
         log.info("reference log-probs: %d of %d %s pairs (the ones this run reads)", len(indices), len(splits[s]), s)
     del reference
+    if not ctx.is_main:  # every rank computed the same values; rank 0 commits them
+        return values
     writer = ArtifactWriter(uri, overwrite=True)
     for s, v in values.items():
         writer.write_bytes(f"{s}.json", json.dumps({str(i): lp for i, lp in v.items()}).encode())
@@ -155,7 +159,7 @@ def run(spec: StageSpec) -> Manifest:
     train = pair_source(splits["train"], pad_id, cfg.micro_batch_size, seed, device, collate=collate)
     held_out = pair_source(splits["eval"], pad_id, cfg.micro_batch_size, seed, device, shuffle=False, collate=collate)
     needed = {
-        "train": rows_used(train, cfg.max_steps * cfg.grad_accum_steps),
+        "train": rows_used(train, cfg.max_steps * cfg.accum_steps(ctx.backend.world_size) * ctx.backend.world_size),
         "eval": rows_used(held_out, min(cfg.eval_max_batches, len(held_out.sampler))),
     }
     reference = _load_or_compute_reference(ctx, needed, splits)

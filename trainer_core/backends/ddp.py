@@ -1,0 +1,77 @@
+"""DDP backend: the model replicated on every rank, gradients all-reduced (averaged) in backward.
+
+Weights and optimizer state are REPLICATED state components: rank 0 writes one copy (the
+``full`` format, the same files as the single-device backend), after the ranks' checksums
+are compared when ``backend.validate_replicas`` is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer_core.backends.distributed import ProcessGroupBackend
+from trainer_core.backends.single import full_weights_bytes, load_full_state, torch_bytes
+from trainer_core.checkpoint.components import Sharing, state_checksum
+from trainer_core.config import BackendConfig, TrainStageConfig
+
+
+class DDPBackend(ProcessGroupBackend):
+    """``torch.nn.parallel.DistributedDataParallel`` over gloo (CPU) or NCCL (CUDA)."""
+
+    name = "ddp"
+    checkpoint_format = "full"
+
+    def __init__(self, cfg: BackendConfig) -> None:
+        super().__init__(cfg)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model.to(self.device)
+        model.train()
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    def setup_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        return model, optimizer
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        model.to(self.device)
+        model.eval()
+        model.requires_grad_(False)
+        return model
+
+    def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        if is_last_micro_batch or not isinstance(model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def backward(self, model: nn.Module, loss: Tensor) -> None:
+        (loss * self.world_size).backward()  # DDP averages gradients over ranks
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
+        params = [p for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Tensor] | None:
+        return self.unwrap(model).state_dict() if self.rank == 0 else None
+
+    def save_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Any) -> None:
+        weights = self.unwrap(model).state_dict()
+        out.put("model.safetensors", Sharing.REPLICATED, full_weights_bytes(weights), state_checksum(weights))
+        state = optimizer.state_dict()
+        out.put("optimizer.pt", Sharing.REPLICATED, torch_bytes(state), state_checksum(state))
+
+    def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
+        load_full_state(self.unwrap(model), optimizer, uri)

@@ -1,0 +1,181 @@
+"""DeepSpeed backend: ZeRO stage 0-3 with optional optimizer / parameter offload.
+
+The DeepSpeed config is generated from the pydantic config (micro-batch size, gradient
+accumulation, clipping, ZeRO stage, offload, bf16) and ``backend.ds_config`` is merged over
+it recursively, for settings this project does not model. The engine takes the loop's own
+AdamW (``zero_allow_untested_optimizer``) or, with optimizer offload, a ``DeepSpeedCPUAdam``
+with the same groups; the loop's LR schedule drives the optimizer's groups as on one device.
+
+Gradient accumulation: the loop marks each micro-batch's boundary with
+``set_gradient_accumulation_boundary`` (the documented pattern) and calls ``engine.step()``
+once per optimizer step. ``engine.backward(..., scale_wrt_gas=False)``: the loop already
+divided the loss by the step's global count; the loss is multiplied by ``world_size`` since
+ZeRO averages gradients over ranks.
+
+Checkpoints (format ``deepspeed``): ``engine.save_checkpoint`` into a local staging directory
+per rank (model states on rank 0, one ZeRO partition file per rank: PER_RANK components),
+uploaded under ``deepspeed/`` of the checkpoint directory; loading downloads them and calls
+``engine.load_checkpoint``. ZeRO partitions do not reshard: resume needs the same world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import tempfile
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trainer_core.backends.distributed import ProcessGroupBackend
+from trainer_core.checkpoint import storage
+from trainer_core.config import BackendConfig, TrainStageConfig
+from trainer_core.spec import join_uri
+
+log = logging.getLogger(__name__)
+
+DS_DIR = "deepspeed"
+"""Sub-directory of a checkpoint holding DeepSpeed's files."""
+
+DS_TAG = "state"
+"""The tag (sub-directory) DeepSpeed saves under inside :data:`DS_DIR`."""
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override`` merged over ``base`` recursively (dicts merge, anything else replaces)."""
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def build_ds_config(backend: BackendConfig, cfg: TrainStageConfig, world_size: int, bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed config of a training stage.
+
+    Args:
+        backend: ZeRO stage, offload and the raw ``ds_config`` override.
+        cfg: micro-batch size, gradient accumulation and clipping of the stage.
+        world_size: data-parallel ranks.
+        bf16: compute in bf16.
+
+    Returns:
+        A DeepSpeed config dict (``train_batch_size = micro_batch_size x grad_accum_steps x world_size``).
+    """
+    zero: dict[str, Any] = {"stage": backend.zero_stage}
+    if backend.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if backend.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.accum_steps(world_size),
+        "train_batch_size": cfg.micro_batch_size * cfg.accum_steps(world_size) * world_size,
+        "gradient_clipping": cfg.max_grad_norm or 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return deep_merge(config, backend.ds_config)
+
+
+class DeepSpeedBackend(ProcessGroupBackend):
+    """DeepSpeed ZeRO (``deepspeed.initialize``); the model to call is the engine."""
+
+    name = "deepspeed"
+    checkpoint_format = "deepspeed"
+
+    def __init__(self, cfg: BackendConfig) -> None:
+        import deepspeed
+
+        super().__init__(cfg)
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        self.bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type == "cuda")
+        self.sharded_forward = cfg.zero_stage == 3
+        self._engines: dict[int, Any] = {}  # id(module) -> its engine, for callers holding the module
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model.to(self.device)
+        model.train()
+        return model
+
+    def setup_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        import deepspeed
+
+        if self.cfg.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in optimizer.param_groups]
+            defaults = optimizer.defaults
+            optimizer = DeepSpeedCPUAdam(groups, lr=defaults["lr"], betas=defaults["betas"], adamw_mode=True)
+        config = build_ds_config(self.cfg, cfg, self.world_size, self.bf16)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        self._engines[id(engine.module)] = engine
+        return engine, optimizer
+
+    def _engine(self, model: nn.Module) -> Any:
+        return model if hasattr(model, "save_checkpoint") else self._engines.get(id(model), model)
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        model.requires_grad_(False)
+        model.eval()
+        if self.cfg.zero_stage == 3:
+            import deepspeed
+
+            config = {
+                "train_micro_batch_size_per_gpu": 1,
+                "zero_optimization": {"stage": 3},
+                "bf16": {"enabled": self.bf16},
+                "steps_per_print": 2**31 - 1,
+            }
+            engine, _, _, _ = deepspeed.initialize(model=model, config=deep_merge(config, self.cfg.ds_config))
+            engine.eval()
+            return engine
+        model.to(self.device)
+        return model
+
+    def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        if hasattr(model, "set_gradient_accumulation_boundary"):
+            model.set_gradient_accumulation_boundary(is_last_micro_batch)
+        return contextlib.nullcontext()
+
+    def backward(self, model: nn.Module, loss: Tensor) -> None:
+        model.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
+        model.step()
+        norm = model.get_global_grad_norm()
+        return torch.as_tensor(float(norm) if norm is not None else float("nan"))
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Tensor] | None:
+        engine = self._engine(model)
+        if self.cfg.zero_stage == 3:
+            if not hasattr(engine, "_zero3_consolidated_16bit_state_dict"):
+                raise TypeError("full_state_dict under ZeRO-3 needs the model given to setup_optimizer")
+            return engine._zero3_consolidated_16bit_state_dict()
+        return self.unwrap(model).state_dict() if self.rank == 0 else None
+
+    def save_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Any) -> None:
+        with tempfile.TemporaryDirectory(prefix=f"posttrain-ds-rank{self.rank}-") as tmp:
+            os.makedirs(os.path.join(tmp, DS_TAG), exist_ok=True)
+            model.save_checkpoint(tmp, tag=DS_TAG, client_state={}, save_latest=False)
+            for root, _, files in os.walk(tmp):
+                for name in sorted(files):
+                    rel = os.path.relpath(os.path.join(root, name), tmp).replace(os.sep, "/")
+                    out.write_file(f"{DS_DIR}/{rel}", os.path.join(root, name))
+
+    def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
+        with tempfile.TemporaryDirectory(prefix=f"posttrain-ds-rank{self.rank}-") as tmp:
+            storage.download_dir(join_uri(uri, DS_DIR), tmp)
+            path, _ = model.load_checkpoint(tmp, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+            if path is None:
+                raise RuntimeError(f"DeepSpeed could not load the checkpoint at {uri}")

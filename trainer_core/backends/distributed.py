@@ -1,0 +1,82 @@
+"""What every multi-process backend shares: process-group set-up from the launcher's
+environment and the collectives of the :class:`~trainer_core.backends.base.Backend` Protocol."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from trainer_core.backends.single import resolve_device
+from trainer_core.config import BackendConfig
+from trainer_core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def init_process_group(cfg: BackendConfig) -> tuple[int, int, torch.device]:
+    """Join the job's default process group (gloo on CPU, NCCL on CUDA).
+
+    Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (set by ``torchrun`` and the
+    ``deepspeed`` launcher) and rendezvous through ``MASTER_ADDR``/``MASTER_PORT``.
+
+    Returns:
+        (rank, world_size, device).
+
+    Raises:
+        ConfigError: the process was not started by a launcher (no ``RANK``/``WORLD_SIZE``).
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"backend.name={cfg.name} runs under a launcher (torchrun / deepspeed): {', '.join(missing)} not set"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = resolve_device(cfg.device, int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+    log.info("rank %d/%d on %s (%s)", rank, world_size, device, dist.get_backend())
+    return rank, world_size, device
+
+
+class ProcessGroupBackend:
+    """Collectives over the default process group; subclasses add wrapping and checkpoints."""
+
+    name = "distributed"
+    sharded_forward = False
+
+    def __init__(self, cfg: BackendConfig) -> None:
+        self.cfg = cfg
+        self.rank, self.world_size, self.device = init_process_group(cfg)
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
