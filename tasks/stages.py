@@ -203,7 +203,7 @@ def run_stage(
     storage.write_json(spec_uri, spec.model_dump(mode="json"))
     log.info("stage %s: spec %s, inputs %s", stage, spec_uri, inputs)
     try:
-        cmd = trainer_command(spec_uri, config)
+        cmd = trainer_command(spec_uri, config.backend_for(stage), rdzv_id=f"{run_id}-{stage}")
         with gpu_slots(stage, config, log):
             result = launch_stage_process(cmd, env=env, log=log, timeout_s=config.launch.timeout_s)
         raise_for_result(result, stage)

@@ -7,7 +7,8 @@
 - The Kubernetes work pool's base job template rendered as Prefect's Kubernetes worker renders it
   (defaults, then job variables, ``apply_values``, ``KubernetesWorkerJobConfiguration``,
   ``prepare_for_flow_run``).
-- The multi-node trainer manifest rendered with its ``${VAR}`` values.
+- The multi-node trainer manifest rendered as ``envsubst`` renders it, and each pod's command
+  run (``--dry-run``) against a stage spec.
 - ``deployments/prefect.yaml`` through ``deployments.deploy`` (no API), and the stage task's GPU
   slot and MLflow link helpers.
 """
@@ -17,7 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-import string
+import shlex
+import shutil
+import subprocess
 import tomllib
 import uuid
 from contextlib import contextmanager
@@ -177,25 +180,92 @@ def test_work_pool_job_renders_gpu_image_and_secrets():
     assert container["envFrom"][0]["secretRef"]["name"] == "team-s3"
 
 
-def test_multinode_trainer_manifest_renders():
-    values = {"NAME": "sft-run42", "NAMESPACE": "posttrain", "NNODES": "2", "NPROC_PER_NODE": "8",
-              "IMAGE": "registry.example.com/posttrain-worker:1.2", "SPEC_URI": "s3://b/runs/run42/specs/sft.json"}
-    text = string.Template((INFRA / "k8s" / "multinode-trainer.yaml").read_text()).substitute(values)
+MULTINODE_VALUES = {
+    "NAME": "sft-run42", "NAMESPACE": "posttrain", "NNODES": "2", "NPROC_PER_NODE": "8",
+    "IMAGE": "registry.example.com/posttrain-worker:1.2", "SPEC_URI": "s3://b/runs/run42/specs/sft.json",
+}  # fmt: skip
+
+
+def envsubst(text: str, values: dict[str, str]) -> str:
+    """GNU ``envsubst`` without arguments: ``$VAR`` and ``${VAR}`` replaced, unset ones by ''."""
+    return re.sub(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)", lambda m: values.get(m.group(1) or m.group(2), ""), text)
+
+
+def render_multinode(values: dict[str, str]) -> tuple[dict, dict]:
+    template = (INFRA / "k8s" / "multinode-trainer.yaml").read_text()
+    text = envsubst(template, values)
+    if envsubst_bin := shutil.which("envsubst"):  # the real tool, where installed, renders the same
+        real = subprocess.run([envsubst_bin], input=template, capture_output=True, text=True, env=values, check=True)
+        assert real.stdout == text
     service, job = yaml.safe_load_all(text)
+    return service, job
+
+
+def test_multinode_trainer_manifest_renders():
+    values = MULTINODE_VALUES
+    service, job = render_multinode(values)
     assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == {"job-name": "sft-run42"}
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
+    assert spec["backoffLimit"] == 0
     pod = spec["template"]["spec"]
     assert pod["subdomain"] == service["metadata"]["name"] == job["metadata"]["name"]
     [container] = pod["containers"]
-    command = container["command"]
-    assert command[0] == "torchrun" and command[-3:] == ["-m", "trainer_core.run", values["SPEC_URI"]]
-    rendezvous = {"--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
-                  "--rdzv-endpoint=sft-run42-0.sft-run42:29500"}
-    assert rendezvous <= set(command)
+    assert container["command"] == [
+        "python", "-m", "tasks.launch", values["SPEC_URI"], "--node-rank=$(NODE_RANK)",
+        "--nnodes=2", "--nproc-per-node=8", "--rdzv-endpoint=sft-run42-0.sft-run42:29500",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
+    [port] = service["spec"]["ports"]
+    assert port["port"] == container["ports"][0]["containerPort"] == 29500
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert container["envFrom"][0] == {"secretRef": {"name": "posttrain-s3"}}
+
+
+def write_stage_spec(path: Path, overrides: list[str]) -> str:
+    from trainer_core.spec import StageSpec
+
+    config = load_config(overrides=overrides)
+    spec = StageSpec(stage="sft", run_id="run42", config=config, output_uri=str(path.parent / "sft"))
+    path.write_text(json.dumps(spec.model_dump(mode="json")))
+    return str(path)
+
+
+def test_multinode_pods_run_the_stage_command_built_from_the_spec(tmp_path, capsys):
+    """Each pod's command, with Kubernetes' ``$(NODE_RANK)`` expanded to its index, runs
+    ``tasks.launch``, which prints (``--dry-run``) the torchrun command ``trainer_command``
+    builds for that node from the spec's backend; a spec that disagrees with the job is refused."""
+    from tasks import launch
+
+    spec_uri = write_stage_spec(tmp_path / "sft.json", [
+        "backend.name=fsdp2", "backend.nnodes=2", "backend.nproc_per_node=8",
+        "backend.rdzv_endpoint=sft-run42-0.sft-run42:29500",
+    ])  # fmt: skip
+    [container] = render_multinode(MULTINODE_VALUES | {"SPEC_URI": spec_uri})[1]["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:3] == ["python", "-m", "tasks.launch"]
+    config = load_config(overrides={"backend.name": "fsdp2", "backend.nnodes": 2, "backend.nproc_per_node": 8,
+                                    "backend.rdzv_endpoint": "sft-run42-0.sft-run42:29500"})
+    for index in (0, 1):
+        argv = [a.replace("$(NODE_RANK)", str(index)) for a in container["command"][3:]]
+        assert launch.main([*argv, "--dry-run"]) == 0
+        printed = shlex.split(capsys.readouterr().out)
+        backend = config.backend.model_copy(update={"node_rank": index})
+        assert printed == launch.trainer_command(spec_uri, backend, "run42-sft")
+        assert printed[printed.index("--rdzv-conf") + 1] == f"is_host={'true' if index == 0 else 'false'}"
+
+    mismatched = write_stage_spec(tmp_path / "bad.json", [
+        "backend.name=fsdp2", "backend.nnodes=2", "backend.nproc_per_node=4", "backend.rdzv_endpoint=x-0.x:29500",
+    ])  # fmt: skip
+    argv = [mismatched if a == spec_uri else a.replace("$(NODE_RANK)", "0") for a in container["command"][3:]]
+    assert launch.main([*argv, "--dry-run"]) == 2
+    assert "nproc_per_node=8 but the stage spec has backend.nproc_per_node=4" in capsys.readouterr().err
+    assert launch.main([spec_uri, "--node-rank", "2", "--dry-run"]) == 2
+    assert "node_rank" in capsys.readouterr().err
+    assert launch.main([str(tmp_path / "missing.json"), "--node-rank", "0", "--dry-run"]) == 2
 
 
 def test_prefect_file_deployments_resolve():

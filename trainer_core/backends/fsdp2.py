@@ -32,6 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from trainer_core.backends.distributed import ProcessGroupBackend
 from trainer_core.checkpoint import storage
 from trainer_core.config import BackendConfig, TrainStageConfig
+from trainer_core.errors import ConfigError
 from trainer_core.spec import join_uri
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,11 @@ class FSDP2Backend(ProcessGroupBackend):
         self.mp_policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         )
+        if cfg.cpu_offload and self.device.type != "cuda":
+            raise ConfigError(
+                f"backend.cpu_offload moves GPU shards to host memory; this rank computes on {self.device}, "
+                "where there is nothing to offload"
+            )
         self.offload_policy = CPUOffloadPolicy() if cfg.cpu_offload else None
 
     def _shard(self, model: nn.Module) -> nn.Module:
