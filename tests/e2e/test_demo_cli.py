@@ -43,21 +43,32 @@ TINY = {
     "evaluate.num_winrate_prompts": 2,
     "evaluate.generation.max_new_tokens": 8,
     "launch.retries": 0,
-    "launch.timeout_s": 120,
+    "launch.timeout_s": 240,
+}
+
+
+BACKENDS = {
+    "single": [],
+    # The fixed points of the interface, verbatim: every training stage at 2 ranks.
+    "fsdp2": ["backend.name=fsdp2", "backend.nproc_per_node=2"],
+    "deepspeed-zero3": ["backend.name=deepspeed", "backend.zero_stage=3", "backend.nproc_per_node=2"],
 }
 
 
 @pytest.mark.slow
-def test_demo_config_through_the_cli(prefect_api, tmp_path):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
     root = tmp_path / "out"
     args = [str(REPO / "configs" / "demo.yaml"), "--run-id", "demo-cli", "--set", f"storage.root={root}"]
     for key, value in TINY.items():
         args += ["--set", f"{key}={value}"]
+    for item in BACKENDS[backend]:
+        args += ["--set", item]
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     result = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stderr[-5000:]
 
@@ -75,6 +86,11 @@ def test_demo_config_through_the_cli(prefect_api, tmp_path):
         assert (Path(entry["output_uri"]) / "manifest.json").is_file()
         assert f"{name}: completed -> {entry['output_uri']}" in lines
     assert summary["stages"]["sft"]["metrics"]["global_step"] == 4
+    world_size = 2 if BACKENDS[backend] else 1
+    for name in ("sft", "reward_model", "dpo", "ppo", "grpo"):
+        manifest = json.loads((Path(summary["stages"][name]["output_uri"]) / "manifest.json").read_text())
+        assert (manifest["backend"], manifest["world_size"]) == (backend.split("-")[0], world_size), name
+        assert (Path(summary["stages"][name]["output_uri"]) / "model.safetensors").is_file()
     assert summary["mlflow"]["tracking_uri"] == f"sqlite:///{root / 'mlflow.db'}"
     for policy in ("dpo", "ppo", "grpo"):
         assert f"{policy}_vs_sft/win_rate" in summary["stages"]["evaluate"]["metrics"]

@@ -122,6 +122,19 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def _engine(self, model: nn.Module) -> Any:
         return model if hasattr(model, "save_checkpoint") else self._engines.get(id(model), model)
 
+    def _owner(self, model: nn.Module) -> tuple[Any, str]:
+        """(engine, key prefix) of ``model``: its own engine with prefix "", or the engine whose
+        module holds ``model`` as a submodule with the submodule's name and a dot (e.g. the policy
+        inside the RL stages' policy-and-value module); ``(model, "")`` when no engine has it."""
+        engine = self._engine(model)
+        if engine is not model or hasattr(model, "save_checkpoint"):
+            return engine, ""
+        for candidate in self._engines.values():
+            for name, sub in candidate.module.named_modules():
+                if sub is model and name:
+                    return candidate, f"{name}."
+        return model, ""
+
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         model.requires_grad_(False)
         model.eval()
@@ -157,11 +170,16 @@ class DeepSpeedBackend(ProcessGroupBackend):
         return getattr(model, "module", model)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Tensor] | None:
-        engine = self._engine(model)
+        """Collective under ZeRO-3: ``model`` is the module given to ``setup_optimizer`` (or its
+        engine), or a submodule of it, whose keys then come without the submodule's prefix."""
+        engine, prefix = self._owner(model)
         if self.cfg.zero_stage == 3:
             if not hasattr(engine, "_zero3_consolidated_16bit_state_dict"):
                 raise TypeError("full_state_dict under ZeRO-3 needs the model given to setup_optimizer")
-            return engine._zero3_consolidated_16bit_state_dict()
+            state = engine._zero3_consolidated_16bit_state_dict()
+            if state is None or not prefix:
+                return state
+            return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         return self.unwrap(model).state_dict() if self.rank == 0 else None
 
     def save_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Any) -> None:
