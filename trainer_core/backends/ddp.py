@@ -15,9 +15,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer_core.backends.distributed import ProcessGroupBackend
-from trainer_core.backends.single import full_weights_bytes, load_full_state, torch_bytes
+from trainer_core.backends.single import full_weights_bytes, load_full_state, torch_bytes, torch_optimizer_step
 from trainer_core.checkpoint.components import Sharing, state_checksum
-from trainer_core.config import BackendConfig, TrainStageConfig
+from trainer_core.config import BackendConfig
 
 
 class DDPBackend(ProcessGroupBackend):
@@ -35,17 +35,6 @@ class DDPBackend(ProcessGroupBackend):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
 
-    def setup_optimizer(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
-    ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        return model, optimizer
-
-    def prepare_frozen(self, model: nn.Module) -> nn.Module:
-        model.to(self.device)
-        model.eval()
-        model.requires_grad_(False)
-        return model
-
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if is_last_micro_batch or not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
@@ -55,11 +44,7 @@ class DDPBackend(ProcessGroupBackend):
         (loss * self.world_size).backward()  # DDP averages gradients over ranks
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
-        params = [p for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return torch_optimizer_step(model, optimizer, max_grad_norm)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

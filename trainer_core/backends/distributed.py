@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from trainer_core.backends.single import resolve_device
-from trainer_core.config import BackendConfig
+from trainer_core.backends.single import place_frozen, resolve_device
+from trainer_core.config import BackendConfig, TrainStageConfig
 from trainer_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,14 @@ class ProcessGroupBackend:
     def __init__(self, cfg: BackendConfig) -> None:
         self.cfg = cfg
         self.rank, self.world_size, self.device = init_process_group(cfg)
+
+    def setup_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        return model, optimizer
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        return place_frozen(model, self.device)
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         out = tensor.clone()

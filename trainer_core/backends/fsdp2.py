@@ -30,8 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer_core.backends.distributed import ProcessGroupBackend
+from trainer_core.backends.single import torch_optimizer_step
 from trainer_core.checkpoint import storage
-from trainer_core.config import BackendConfig, TrainStageConfig
+from trainer_core.config import BackendConfig
 from trainer_core.errors import ConfigError
 from trainer_core.spec import join_uri
 
@@ -92,11 +93,6 @@ class FSDP2Backend(ProcessGroupBackend):
         model.train()
         return model
 
-    def setup_optimizer(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
-    ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        return model, optimizer
-
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         model.requires_grad_(False)
         model = self._shard(model)
@@ -112,12 +108,7 @@ class FSDP2Backend(ProcessGroupBackend):
         (loss * self.world_size).backward()  # the reduce-scatter averages over ranks
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
-        params = [p for p in model.parameters() if p.grad is not None]
-        limit = max_grad_norm if max_grad_norm is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)  # DTensor: reduced over the shards
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        return torch_optimizer_step(model, optimizer, max_grad_norm)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard changes the module's class in place: it is still the HF model

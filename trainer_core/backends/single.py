@@ -40,6 +40,29 @@ def full_weights_bytes(state_dict: dict[str, Tensor]) -> bytes:
     return safetensors.torch.save({k: v.detach().to("cpu").clone().contiguous() for k, v in state_dict.items()})
 
 
+def place_frozen(model: nn.Module, device: torch.device) -> nn.Module:
+    """A frozen model on ``device``: eval mode, ``requires_grad`` off (no optimizer ever sees it)."""
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def torch_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
+    """Clip to ``max_grad_norm`` (if set), step and zero the gradients of a torch-optimised model.
+
+    Returns:
+        Scalar: the L2 norm of all gradients before clipping. For DTensor (FSDP2) gradients
+        ``clip_grad_norm_`` reduces over the shards; the result is made a plain tensor.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    limit = max_grad_norm if max_grad_norm is not None else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+
+
 class SingleDeviceBackend:
     """Everything on one device; all collectives are identities."""
 
@@ -63,10 +86,7 @@ class SingleDeviceBackend:
         return model, optimizer
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
-        model.to(self.device)
-        model.eval()
-        model.requires_grad_(False)
-        return model
+        return place_frozen(model, self.device)
 
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -74,17 +94,8 @@ class SingleDeviceBackend:
     def backward(self, model: nn.Module, loss: Tensor) -> None:
         loss.backward()
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> Tensor:
-        """Global grad norm before clipping; clips in place when ``max_norm`` is set."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        limit = max_norm if max_norm is not None else float("inf")
-        return torch.nn.utils.clip_grad_norm_(params, limit)
-
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
-        grad_norm = self.clip_grad_norm(model, max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return torch_optimizer_step(model, optimizer, max_grad_norm)
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return tensor
