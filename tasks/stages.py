@@ -27,7 +27,9 @@ from prefect.logging import get_run_logger
 from prefect.runtime import task_run as prefect_task_run
 
 from tasks import tracking
-from tasks.launch import launch_stage_process, raise_for_result, retry_condition, trainer_command
+from tasks.commands import trainer_command
+from tasks.failures import raise_for_result
+from tasks.launch import launch_stage_process, retry_condition
 from trainer_core.checkpoint import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
 from trainer_core.config import PipelineConfig

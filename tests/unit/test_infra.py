@@ -238,8 +238,9 @@ def write_stage_spec(path: Path, overrides: list[str]) -> str:
 def test_multinode_pods_run_the_stage_command_built_from_the_spec(tmp_path, capsys):
     """Each pod's command, with Kubernetes' ``$(NODE_RANK)`` expanded to its index, runs
     ``tasks.launch``, which prints (``--dry-run``) the torchrun command ``trainer_command``
-    builds for that node from the spec's backend; a spec that disagrees with the job is refused."""
-    from tasks import launch
+    (``tasks/commands.py``) builds for that node from the spec's backend; a spec that disagrees
+    with the job is refused."""
+    from tasks import commands, launch
 
     spec_uri = write_stage_spec(tmp_path / "sft.json", [
         "backend.name=fsdp2", "backend.nnodes=2", "backend.nproc_per_node=8",
@@ -254,7 +255,7 @@ def test_multinode_pods_run_the_stage_command_built_from_the_spec(tmp_path, caps
         assert launch.main([*argv, "--dry-run"]) == 0
         printed = shlex.split(capsys.readouterr().out)
         backend = config.backend.model_copy(update={"node_rank": index})
-        assert printed == launch.trainer_command(spec_uri, backend, "run42-sft")
+        assert printed == commands.trainer_command(spec_uri, backend, "run42-sft")
         assert printed[printed.index("--rdzv-conf") + 1] == f"is_host={'true' if index == 0 else 'false'}"
 
     mismatched = write_stage_spec(tmp_path / "bad.json", [

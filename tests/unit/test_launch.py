@@ -1,5 +1,6 @@
 """tasks/launch.py against real child processes (small ``python -c`` scripts), the launcher
-commands it builds, and torchrun failure summaries captured from real 2-rank runs."""
+commands tasks/commands.py builds, and tasks/failures.py on torchrun failure summaries captured
+from real 2-rank runs."""
 
 from __future__ import annotations
 
@@ -12,18 +13,16 @@ from pathlib import Path
 import pytest
 from prefect.states import Failed
 
-from tasks.launch import (
+from tasks.commands import trainer_command
+from tasks.failures import (
     BadStageInput,
-    LaunchResult,
     RankFailure,
     StageFailed,
     blamed_failure,
-    launch_stage_process,
     parse_torchrun_failures,
     raise_for_result,
-    retry_condition,
-    trainer_command,
 )
+from tasks.launch import LaunchResult, launch_stage_process, retry_condition
 from trainer_core.config import BackendConfig, load_config
 
 
