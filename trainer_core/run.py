@@ -10,6 +10,7 @@ The stage runs under its writer lease (``checkpoint/lease.py``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import json
@@ -92,6 +93,9 @@ def _close_process_group() -> None:
     """Leave the process group (if the stage joined one) so the launcher sees a clean exit."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
+        # FSDP2 modules sit in reference cycles: collect them now, while the group they hold
+        # exists; freed at interpreter exit instead, they can abort the rank after its commit.
+        gc.collect()
         dist.destroy_process_group()
 
 

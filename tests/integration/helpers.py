@@ -8,9 +8,11 @@ float reductions, and one thread per process lets two processes share the 2-core
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -302,3 +304,220 @@ class TinyPipeline:
         self.baseline_uris[stage] = uri
         self.baseline_runs[stage] = run
         return run
+
+
+# --- Multi-rank stage processes (torchrun) ----------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a torchrun rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(nproc: int, args: list[str], port: int | None = None) -> list[str]:
+    """``python -m torch.distributed.run`` on one node, ``nproc`` ranks, c10d rendezvous on loopback.
+
+    Args:
+        nproc: ranks (processes) to start.
+        args: what each rank runs: ``["-m", module, ...]`` or ``[script, ...]``.
+        port: rendezvous port; default: a free one.
+    """
+    endpoint = f"127.0.0.1:{port or free_port()}"
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--max-restarts", "0", *args,
+    ]
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    """One row of ``/proc/<pid>/stat``: ``state`` is the one-letter state (``Z``: zombie);
+    ``start_ticks`` the start time in clock ticks since boot (with ``pid``, a process's identity)."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    state: str
+    start_ticks: int
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(pid, start_ticks)``: unlike the pid alone, never reused by a later process."""
+        return self.pid, self.start_ticks
+
+    @property
+    def alive(self) -> bool:
+        """Running or sleeping; a zombie (dead, not yet reaped) counts as dead."""
+        return self.state not in ("Z", "X")
+
+
+def process_table() -> dict[int, ProcInfo]:
+    """Every process visible in ``/proc`` (pid -> :class:`ProcInfo`)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        table[int(entry)] = ProcInfo(int(entry), int(fields[1]), int(fields[2]), fields[0], int(fields[19]))
+    return table
+
+
+def descendants(pid: int, table: dict[int, ProcInfo]) -> set[int]:
+    """Pids of ``pid``'s children, their children, and so on (not ``pid`` itself)."""
+    children: dict[int, list[int]] = {}
+    for info in table.values():
+        children.setdefault(info.ppid, []).append(info.pid)
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def env_rank(pid: int) -> int | None:
+    """``RANK`` in the environment of process ``pid`` (None if unset or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(b"RANK="):
+                    return int(item[5:])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@dataclass
+class RanksRun(StageRun):
+    """What one torchrun job did (``returncode``: torchrun's own exit status).
+
+    Attributes:
+        rank_pids: rank -> pid of its process (read from the ``RANK`` in its environment).
+        job: ``(pid, start_ticks)`` of every process seen in the job while it ran: torchrun, the
+            ranks, their children (see :attr:`ProcInfo.key`).
+        survivors: ``/proc`` lines of processes still alive when torchrun exited that belong to
+            the job (one of ``job``, or a later member of torchrun's or a rank's process group;
+            torchrun starts every rank in a session of its own). The helper then kills them.
+        kill_to_exit_s: seconds from the rank kill to torchrun's exit (None without a kill).
+    """
+
+    rank_pids: dict[int, int] = field(default_factory=dict)
+    job: set[tuple[int, int]] = field(default_factory=set)
+    survivors: list[str] = field(default_factory=list)
+    kill_to_exit_s: float | None = None
+
+    @property
+    def job_pids(self) -> set[int]:
+        return {pid for pid, _ in self.job}
+
+
+def _job_members(run: RanksRun, launcher: ProcInfo) -> list[ProcInfo]:
+    """Live processes of ``run``'s job: seen in it, or in the process group of torchrun
+    (``launcher``) or of a rank and started after torchrun."""
+    groups = {launcher.pid, *run.rank_pids.values()}
+    return [
+        info for info in process_table().values()
+        if info.alive and info.pid != os.getpid()
+        and (info.key in run.job or (info.pgid in groups and info.start_ticks >= launcher.start_ticks))
+    ]
+
+
+def run_ranks(
+    args: list[str],
+    nproc: int,
+    *,
+    kill_rank: int | None = None,
+    kill_when: Callable[[list[str]], bool] | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300.0,
+    poll_s: float = 0.005,
+) -> RanksRun:
+    """Run ``args`` at ``nproc`` ranks under torchrun; optionally SIGKILL one rank (only it) mid-run.
+
+    torchrun runs in a session of its own, like :func:`run_stage`'s process. While it runs, the
+    job's processes are recorded from ``/proc`` (ranks by their ``RANK``); when it exits, the
+    ones still alive are recorded in ``survivors`` and killed.
+
+    Args:
+        args: what each rank runs (see :func:`torchrun_command`).
+        nproc: ranks.
+        kill_rank: the rank to SIGKILL once ``kill_when`` holds (the other ranks and torchrun are
+            left to react on their own).
+        kill_when: polled every ``poll_s`` with the output lines so far.
+        env: extra environment variables.
+        timeout_s: kill the whole job and fail after this long.
+        poll_s: polling interval.
+
+    Raises:
+        AssertionError: ``kill_when`` was given but the job exited before it held.
+        TimeoutError: the job ran past ``timeout_s`` (everything in it is killed first).
+    """
+    assert (kill_rank is None) == (kill_when is None), "kill_rank and kill_when go together"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        torchrun_command(nproc, args),
+        cwd=REPO_ROOT,
+        env=child_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    launcher = process_table()[proc.pid]  # alive (or a zombie) until waited for
+    run = RanksRun(returncode=0, lines=lines, killed=False, wall_s=0.0, job={launcher.key})
+    killed_at = None
+    last_scan = 0.0
+    try:
+        while proc.poll() is None:
+            now = time.monotonic()
+            if now - last_scan > 0.05 or len(run.rank_pids) < nproc:
+                last_scan = now
+                table = process_table()
+                found = descendants(proc.pid, table)
+                run.job |= {table[pid].key for pid in found}
+                for pid in found - set(run.rank_pids.values()):
+                    if table[pid].ppid == proc.pid and (rank := env_rank(pid)) is not None:
+                        run.rank_pids[rank] = pid
+            if kill_when is not None and not run.killed and kill_rank in run.rank_pids and kill_when(lines):
+                os.kill(run.rank_pids[kill_rank], signal.SIGKILL)
+                run.killed, killed_at = True, time.monotonic()
+            if now - t0 > timeout_s:
+                raise TimeoutError(f"torchrun {args} ran past {timeout_s}s:\n" + "\n".join(lines[-40:]))
+            time.sleep(poll_s if len(run.rank_pids) == nproc else 0.01)
+        if killed_at is not None:
+            run.kill_to_exit_s = time.monotonic() - killed_at
+        left = _job_members(run, launcher)
+        run.survivors = [f"{p.pid} (ppid {p.ppid}, pgid {p.pgid}, state {p.state})" for p in left]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for info in _job_members(run, launcher):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(info.pid, signal.SIGKILL)
+        reader.join(timeout=30)
+        proc.stdout.close()
+    run.returncode, run.wall_s = proc.returncode, time.monotonic() - t0
+    if kill_when is not None and not run.killed:
+        raise AssertionError(f"torchrun {args} exited (rc={run.returncode}) before the kill point:\n{run.tail()}")
+    return run
+
+
+def run_stage_ranks(spec_path: str, nproc: int, **kwargs) -> RanksRun:
+    """Run ``python -m trainer_core.run <spec_path>`` at ``nproc`` ranks under torchrun (see :func:`run_ranks`)."""
+    return run_ranks(["-m", "trainer_core.run", spec_path], nproc, **kwargs)

@@ -1,0 +1,178 @@
+"""Backend configuration: validation, per-stage overrides, global batch size, DeepSpeed config."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from trainer_core.backends.deepspeed_zero import build_ds_config, deep_merge
+from trainer_core.config import TRAINING_STAGES, BackendConfig, PipelineConfig, TrainStageConfig, load_config
+from trainer_core.errors import ConfigError
+
+FSDP2_X2 = {"backend.name": "fsdp2", "backend.nproc_per_node": 2, "backend.device": "cpu"}
+
+
+def test_defaults_are_one_process():
+    backend = BackendConfig()
+    assert (backend.name, backend.world_size, backend.launcher) == ("single", 1, "torchrun")
+    assert backend.validate_replicas
+
+
+def test_world_size_is_nodes_times_processes():
+    backend = BackendConfig(name="ddp", nnodes=3, nproc_per_node=4, node_rank=2, rdzv_endpoint="node0:29500")
+    assert backend.world_size == 12
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"name": "single", "nproc_per_node": 2}, "backend.name=single runs one process"),
+        ({"name": "single", "nnodes": 2, "rdzv_endpoint": "h:1"}, "backend.name=single runs one process"),
+        ({"name": "ddp", "nnodes": 2}, r"backend.rdzv_endpoint \(host:port of node 0\) is required"),
+        ({"name": "ddp", "nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "node_rank=2 must be < backend.nnodes=2"),
+        ({"name": "deepspeed", "zero_stage": 2, "offload_params": True}, "offload_params needs backend.zero_stage=3"),
+        ({"name": "horovod"}, "name"),
+        ({"name": "deepspeed", "zero_stage": 4}, "zero_stage"),
+        ({"name": "ddp", "nproc_per_node": 0}, "nproc_per_node"),
+    ],
+)
+def test_invalid_backend_is_rejected(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        BackendConfig(**fields)
+
+
+def test_valid_combinations():
+    BackendConfig(name="deepspeed", zero_stage=3, offload_params=True, offload_optimizer=True)
+    BackendConfig(name="fsdp2", nnodes=2, nproc_per_node=8, rdzv_endpoint="sft-0.sft:29500")
+
+
+def test_invalid_pipeline_backend_names_its_path():
+    with pytest.raises(ConfigError, match=r"backend\.nproc_per_node"):
+        load_config(overrides={"backend.nproc_per_node": 0})
+    with pytest.raises(ConfigError, match="backend.name=single runs one process"):
+        load_config(overrides={"backend.nproc_per_node": 2})
+
+
+def test_stage_override_is_merged_over_the_pipeline_backend():
+    overrides = {**FSDP2_X2, "sft.backend": {"name": "ddp"}, "dpo.backend": {"zero_stage": 3, "name": "deepspeed"}}
+    config = load_config(overrides=overrides)
+    sft, dpo, rm = (config.backend_for(s) for s in ("sft", "dpo", "reward_model"))
+    assert (sft.name, sft.nproc_per_node, sft.device) == ("ddp", 2, "cpu")  # the rest from the pipeline
+    assert (dpo.name, dpo.zero_stage, dpo.world_size) == ("deepspeed", 3, 2)
+    assert rm == config.backend  # no override: the pipeline's
+    assert config.backend.name == "fsdp2"  # the pipeline's own is untouched
+
+
+@pytest.mark.parametrize("stage", ["prepare_data", "score", "evaluate"])
+def test_stages_without_an_optimizer_run_single(stage):
+    config = load_config(overrides=FSDP2_X2)
+    backend = config.backend_for(stage)
+    assert (backend.name, backend.world_size, backend.device) == ("single", 1, "cpu")
+
+
+def test_every_training_stage_gets_the_pipeline_backend():
+    config = load_config(overrides=FSDP2_X2)
+    assert all(config.backend_for(s) == config.backend for s in TRAINING_STAGES)
+
+
+def test_invalid_stage_override_names_the_stage():
+    with pytest.raises(ConfigError, match=r"(?s)sft\.backend: .*backend.name=single runs one process"):
+        load_config(overrides={**FSDP2_X2, "sft.backend": {"name": "single"}})
+    with pytest.raises(ConfigError, match=r"(?s)dpo\.backend: .*offload_params needs backend.zero_stage=3"):
+        load_config(overrides={"dpo.backend": {"name": "deepspeed", "offload_params": True}})
+    with pytest.raises(ConfigError, match=r"(?s)grpo\.backend: .*nprocs"):
+        load_config(overrides={"grpo.backend": {"nprocs": 2}})
+
+
+def test_backend_for_raises_for_an_override_set_after_validation():
+    config = load_config(overrides=FSDP2_X2)
+    config.ppo.backend = {"name": "single"}  # assignment validates the field, not the merged backend
+    with pytest.raises(ValueError, match=r"ppo\.backend: "):
+        config.backend_for("ppo")
+
+
+def test_accum_steps_from_global_batch_size():
+    """global_batch_size 16 of micro-batches of 4: 4 per step on 1 rank, 2 on 2, 1 on 4;
+    grad_accum_steps is ignored once global_batch_size is set."""
+    cfg = TrainStageConfig(micro_batch_size=4, grad_accum_steps=7, global_batch_size=16)
+    assert [cfg.accum_steps(w) for w in (1, 2, 4)] == [4, 2, 1]
+    assert TrainStageConfig(micro_batch_size=4, grad_accum_steps=3).accum_steps(8) == 3
+    with pytest.raises(ConfigError, match=r"global_batch_size=16 is not a multiple of .* = 4 x 3"):
+        cfg.accum_steps(3)
+
+
+def test_global_batch_size_not_divisible_names_the_stage():
+    with pytest.raises(ConfigError, match=r"dpo: global_batch_size=12 is not a multiple of .* = 4 x 2"):
+        load_config(overrides={**FSDP2_X2, "dpo.micro_batch_size": 4, "dpo.global_batch_size": 12})
+    # the world size is the stage's own: 8 = 4 x 2 on the pipeline's 2 ranks, not on the override's 4
+    overrides = {**FSDP2_X2, "sft.micro_batch_size": 4, "sft.global_batch_size": 8}
+    assert load_config(overrides=overrides).sft.accum_steps(2) == 1
+    with pytest.raises(ConfigError, match=r"sft: global_batch_size=8 is not a multiple of .* = 4 x 4"):
+        load_config(overrides={**overrides, "sft.backend": {"nproc_per_node": 4}})
+
+
+def _stage(**fields) -> TrainStageConfig:
+    return TrainStageConfig(micro_batch_size=2, grad_accum_steps=3, **fields)
+
+
+def test_ds_config_from_the_stage_config():
+    """train_batch_size = micro_batch_size x grad_accum_steps x world_size = 2 x 3 x 4 = 24."""
+    config = build_ds_config(BackendConfig(name="deepspeed", zero_stage=2), _stage(max_grad_norm=0.5), 4, bf16=False)
+    assert config["train_micro_batch_size_per_gpu"] == 2
+    assert config["gradient_accumulation_steps"] == 3
+    assert config["train_batch_size"] == 24
+    assert config["gradient_clipping"] == 0.5
+    assert config["zero_optimization"] == {"stage": 2}
+    assert config["bf16"] == {"enabled": False}
+    assert config["zero_allow_untested_optimizer"] is True
+
+
+def test_ds_config_follows_global_batch_size_and_no_clipping():
+    cfg = TrainStageConfig(micro_batch_size=2, global_batch_size=16, max_grad_norm=None)
+    config = build_ds_config(BackendConfig(name="deepspeed"), cfg, 2, bf16=True)
+    assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (4, 16)
+    assert config["gradient_clipping"] == 0.0  # DeepSpeed's "off"
+    assert config["bf16"] == {"enabled": True}
+
+
+def test_ds_config_offload_sections():
+    backend = BackendConfig(name="deepspeed", zero_stage=3, offload_optimizer=True, offload_params=True)
+    config = build_ds_config(backend, _stage(), 1, bf16=False)
+    assert config["zero_optimization"] == {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+    }
+    only_optimizer = BackendConfig(name="deepspeed", zero_stage=1, offload_optimizer=True)
+    assert build_ds_config(only_optimizer, _stage(), 1, bf16=False)["zero_optimization"] == {
+        "stage": 1, "offload_optimizer": {"device": "cpu"},
+    }
+
+
+def test_raw_ds_config_is_deep_merged_over_the_generated_one():
+    raw = {
+        "zero_optimization": {"offload_param": {"pin_memory": True}, "stage3_max_live_parameters": 1000},
+        "gradient_clipping": 2.0,
+        "bf16": {"enabled": False},
+        "communication_data_type": "fp32",
+    }
+    backend = BackendConfig(name="deepspeed", zero_stage=3, offload_params=True, ds_config=raw)
+    config = build_ds_config(backend, _stage(), 2, bf16=True)
+    assert config["zero_optimization"] == {
+        "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}, "stage3_max_live_parameters": 1000,
+    }
+    assert (config["gradient_clipping"], config["communication_data_type"]) == (2.0, "fp32")
+    assert config["bf16"] == {"enabled": False}
+    assert config["train_batch_size"] == 12  # what the override leaves alone stays generated
+    assert backend.ds_config == raw and "device" not in raw["zero_optimization"]["offload_param"]  # not mutated
+
+
+def test_deep_merge_replaces_non_dicts():
+    base = {"a": {"b": 1, "c": [1]}, "d": 1}
+    merged = deep_merge(base, {"a": {"c": [2], "e": {}}, "d": {"x": 1}})
+    assert merged == {"a": {"b": 1, "c": [2], "e": {}}, "d": {"x": 1}}
+    assert base == {"a": {"b": 1, "c": [1]}, "d": 1}
+
+
+def test_pipeline_config_round_trips_with_a_backend():
+    config = load_config(overrides={**FSDP2_X2, "sft.backend": {"name": "deepspeed", "zero_stage": 3}})
+    again = PipelineConfig.model_validate(config.model_dump(mode="json"))
+    assert again.backend_for("sft") == config.backend_for("sft")
