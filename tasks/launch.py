@@ -270,6 +270,29 @@ def _drain(lines: queue.Queue, out: _Output) -> None:
             out.add(item)
 
 
+def _spawn(
+    cmd: list[str], env: dict[str, str] | None, launch_id: str
+) -> tuple[subprocess.Popen, queue.Queue, threading.Thread]:
+    """Start ``cmd`` in a session of its own, tagged with ``launch_id``; a thread pumps its output lines."""
+    env = dict(os.environ if env is None else env)
+    env[LAUNCH_ID_ENV] = ":".join(filter(None, [env.get(LAUNCH_ID_ENV), launch_id]))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+        bufsize=1,
+    )
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), name=f"pump-{proc.pid}", daemon=True)
+    reader.start()
+    return proc, lines, reader
+
+
 def launch_stage_process(
     cmd: list[str],
     *,
@@ -307,22 +330,7 @@ def launch_stage_process(
     start = time.monotonic()
     deadline = None if timeout_s is None else start + timeout_s
     launch_id = uuid.uuid4().hex
-    env = dict(os.environ if env is None else env)
-    env[LAUNCH_ID_ENV] = ":".join(filter(None, [env.get(LAUNCH_ID_ENV), launch_id]))
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-        text=True,
-        errors="replace",
-        bufsize=1,
-    )
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), name=f"pump-{proc.pid}", daemon=True)
-    reader.start()
+    proc, lines, reader = _spawn(cmd, env, launch_id)
     out = _Output(log, tail_lines)
     timed_out = False
     try:

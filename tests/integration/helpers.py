@@ -160,6 +160,31 @@ class StageRun:
         return out
 
 
+def start_process(
+    cmd: list[str], env: dict[str, str] | None
+) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """Start ``cmd`` from the repo root in a session of its own (:func:`child_env` plus ``env``);
+    a daemon thread appends its merged stdout/stderr lines to the returned list."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=child_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return proc, lines, reader
+
+
 def run_stage(
     spec_path: str,
     *,
@@ -183,23 +208,7 @@ def run_stage(
         TimeoutError: the stage ran past ``timeout_s``.
     """
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer_core.run", spec_path],
-        cwd=REPO_ROOT,
-        env=child_env(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines: list[str] = []
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    proc, lines, reader = start_process([sys.executable, "-m", "trainer_core.run", spec_path], env)
     killed = False
     try:
         while proc.poll() is None:
@@ -461,23 +470,7 @@ def run_ranks(
     """
     assert (kill_rank is None) == (kill_when is None), "kill_rank and kill_when go together"
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        torchrun_command(nproc, args),
-        cwd=REPO_ROOT,
-        env=child_env(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines: list[str] = []
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    proc, lines, reader = start_process(torchrun_command(nproc, args), env)
     launcher = process_table()[proc.pid]  # alive (or a zombie) until waited for
     run = RanksRun(returncode=0, lines=lines, killed=False, wall_s=0.0, job={launcher.key})
     killed_at = None

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer_core.backends.distributed import ProcessGroupBackend
-from trainer_core.backends.single import full_weights_bytes, load_full_state, torch_bytes, torch_optimizer_step
+from trainer_core.backends.single import full_weights_bytes, load_full_state, place_trainable, torch_bytes, torch_optimizer_step
 from trainer_core.checkpoint.components import Sharing, state_checksum
 from trainer_core.config import BackendConfig
 
@@ -30,8 +30,7 @@ class DDPBackend(ProcessGroupBackend):
         super().__init__(cfg)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model.to(self.device)
-        model.train()
+        place_trainable(model, self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
 

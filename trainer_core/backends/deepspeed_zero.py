@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from trainer_core.backends.distributed import ProcessGroupBackend
+from trainer_core.backends.single import place_trainable
 from trainer_core.checkpoint import storage
 from trainer_core.config import BackendConfig, TrainStageConfig
 from trainer_core.spec import join_uri
@@ -99,9 +100,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
         self._engines: dict[int, Any] = {}  # id(module) -> its engine, for callers holding the module
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model.to(self.device)
-        model.train()
-        return model
+        return place_trainable(model, self.device)  # the engine is built in setup_optimizer
 
     def setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig

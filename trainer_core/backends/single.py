@@ -40,6 +40,13 @@ def full_weights_bytes(state_dict: dict[str, Tensor]) -> bytes:
     return safetensors.torch.save({k: v.detach().to("cpu").clone().contiguous() for k, v in state_dict.items()})
 
 
+def place_trainable(model: nn.Module, device: torch.device) -> nn.Module:
+    """A trainable model on ``device``, in train mode (what every backend does before wrapping)."""
+    model.to(device)
+    model.train()
+    return model
+
+
 def place_frozen(model: nn.Module, device: torch.device) -> nn.Module:
     """A frozen model on ``device``: eval mode, ``requires_grad`` off (no optimizer ever sees it)."""
     model.to(device)
@@ -76,9 +83,7 @@ class SingleDeviceBackend:
         self.world_size = 1
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model.to(self.device)
-        model.train()
-        return model
+        return place_trainable(model, self.device)
 
     def setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
