@@ -211,24 +211,21 @@ class CheckpointSaver:
 def load_train_state(
     uri: str, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> TrainProgress:
-    """Restore a checkpoint written by :func:`save_train_state` into live objects.
+    """Restore a checkpoint written by :func:`save_train_state` into live objects (one process).
 
     The caller has already verified the manifest (``find_latest`` does). Weights load with
-    ``strict=True``.
+    ``strict=True``. This is :func:`load_checkpoint_state` on the single-device backend.
 
     Raises:
         RuntimeError: the weights do not fit the model (from ``load_state_dict``).
     """
-    weights = safetensors.torch.load(read_bytes(join_uri(uri, "model.safetensors")))
-    device = next(model.parameters()).device
-    model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=True)
-    optimizer.load_state_dict(torch.load(io.BytesIO(read_bytes(join_uri(uri, "optimizer.pt"))), weights_only=True))
-    scheduler.load_state_dict(torch.load(io.BytesIO(read_bytes(join_uri(uri, "scheduler.pt"))), weights_only=True))
-    state = json.loads(read_bytes(join_uri(uri, "trainer_state.json")))
-    _set_rng_states(state["rng"], read_bytes(join_uri(uri, "rng.pt")))
-    progress = TrainProgress(**state["progress"])
-    log.info("resumed from %s at global_step %d", uri, progress.global_step)
-    return progress
+    from trainer_core.backends.single import SingleDeviceBackend
+    from trainer_core.checkpoint.manifest import read_manifest
+
+    backend = SingleDeviceBackend(next(model.parameters()).device.type)
+    return load_checkpoint_state(
+        uri, read_manifest(uri), backend=backend, model=model, optimizer=optimizer, scheduler=scheduler
+    )
 
 
 def checkpoint_format_of(manifest: Manifest) -> str:
