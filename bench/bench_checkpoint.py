@@ -13,23 +13,27 @@ checkpoint holds weights, both AdamW moments, scheduler, RNG and trainer state (
 1. Throughput (MB/s of checkpoint bytes), best of ``--rounds`` rounds per side, sides in
    alternating order:
 
-   - save, project: ``write_checkpoint`` (what the loop's saver runs after the snapshot):
-     clear the target, upload each file while hashing it, write ``manifest.json`` last.
+   - save, project: what the checkpoint session's background saver runs after the snapshot:
+     ``StagedWriter.replay`` into a ``RankWriter`` (clear the target, upload each file while
+     hashing it), then ``RankWriter.commit`` (``manifest.json`` last).
      Plain: ``s3fs.pipe_file`` of the same bytes, file by file.
    - load, project: what a resumed stage does: ``find_latest`` (list, read the manifest,
-     check every file's size and SHA-256 by streaming it) then ``load_train_state`` (read
+     check every file's size and SHA-256 by streaming it) then ``load_checkpoint_state`` (read
      every file again and restore model, optimizer, scheduler and RNG). Plain:
      ``s3fs.cat_file`` of every file once. The two parts are also timed on their own.
-   - snapshot: ``snapshot_train_state`` (state to bytes in host memory; no I/O): the part of a
-     save the training step always waits for.
+   - snapshot: ``put_train_state`` into a ``StagedWriter`` (state to bytes in host memory; no
+     I/O): the part of an asynchronous save the training step always waits for.
 
 2. Step stall: ``TrainLoop`` in process on the same model (synthetic ``--loop-tokens``-token
-   rows, micro-batch ``--loop-batch``, no accumulation: short steps, the same checkpoint), ``--steps`` steps with a checkpoint to S3 every ``--save-every`` steps,
-   with ``async_save`` True, False, and without checkpoints (``save_every`` > steps). A step's
-   time is the wall time between the loop's per-step metric callbacks; a save runs after the
-   callback of step N, so it lands in the time of step N+1 ("after a save"). Reported: median
-   time of normal steps and of steps after a save, the difference (the stall), the loop's own
-   ``step stalled`` log values (snapshot time), the wall time of all timed steps and its
+   rows, micro-batch ``--loop-batch``, no accumulation: short steps, the same checkpoint),
+   ``--steps`` steps with a checkpoint to S3 every ``--save-every`` steps (a
+   ``CheckpointSession``), with ``async_save`` True, False, and without checkpoints
+   (``save_every`` > steps). A step's time is the wall time between the per-step calls of the
+   session's metrics printer (``MetricsBuffer(printer=...)``); a save runs after the metrics of
+   step N, so it lands in the time of step N+1 ("after a save"). Reported: median time of
+   normal steps and of steps after a save, the difference (the stall), the session's own
+   logged values (``trainer_core.checkpoint.session``: ``step stalled``, the snapshot time, for
+   an async save; the whole in-step save time for a sync one), the wall time of all timed steps and its
    excess over the run without checkpoints. On a CPU-only machine the background upload (and
    the moto server parsing it) competes with training for the same cores, so an async save
    also slows the steps it overlaps; the wall-time excess is the number that counts.
@@ -54,18 +58,16 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common import MODEL_INIT, MICRO_BATCH_SIZE, VOCAB_SIZE, others_load, set_threads, write_result
+from trainer_core import storage
 from trainer_core.backends import build_backend
-from trainer_core.checkpoint import storage
+from trainer_core.backends.single import SingleDeviceBackend
+from trainer_core.checkpoint.components import RankWriter, Sharing, StagedWriter, per_rank_path
 from trainer_core.checkpoint.manifest import find_latest
-from trainer_core.checkpoint.train_state import (
-    TrainProgress,
-    load_train_state,
-    snapshot_train_state,
-    write_checkpoint,
-)
+from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
+from trainer_core.checkpoint.train_state import TrainProgress, load_checkpoint_state, put_train_state
 from trainer_core.config import BackendConfig, SFTConfig, StorageConfig
-from trainer_core.loop import TrainLoop, build_optimizer, build_scheduler
-from trainer_core.stages.sft import SFTObjective, causal_source
+from trainer_core.training.loop import TrainLoop, build_optimizer, build_scheduler
+from trainer_core.training.supervised import SFTObjective, causal_source
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 SEQ_TOKENS = 128
@@ -146,24 +148,53 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+class FileBytes:
+    """A one-rank ``RankWriter`` stand-in that keeps what is put: relative path -> bytes, the
+    files a single-process checkpoint directory holds (no manifest), for the plain-s3fs side."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+
+    def put(self, name: str, sharing: Sharing, data: bytes, checksum: str | None = None) -> None:
+        self.files[per_rank_path(name, 0) if sharing is Sharing.PER_RANK else name] = data
+
+
+def snapshot(backend: SingleDeviceBackend, model: Any, optimizer: Any, scheduler: Any,
+             progress: TrainProgress) -> StagedWriter:
+    """``put_train_state`` into a ``StagedWriter``: the state as bytes in host memory, no I/O
+    (what an asynchronous save does in step)."""
+    staged = StagedWriter()
+    put_train_state(staged, backend=backend, model=model, optimizer=optimizer, scheduler=scheduler,
+                    progress=progress, files={})
+    return staged
+
+
 def throughput(bucket: str, rounds: int) -> dict[str, Any]:
     """Save and load MB/s of the project and of plain s3fs, best round each (see module doc)."""
     model, optimizer, scheduler, progress = stepped_state()
-    snapshot_s = [
-        timed(lambda: snapshot_train_state(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress))
-        for _ in range(rounds)
-    ]
-    files = snapshot_train_state(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
+    backend = SingleDeviceBackend("cpu")
+    snapshot_s = [timed(lambda: snapshot(backend, model, optimizer, scheduler, progress)) for _ in range(rounds)]
+    staged = snapshot(backend, model, optimizer, scheduler, progress)
+    plain = FileBytes()
+    staged.replay(plain)
+    files = plain.files
     size_mb = sum(len(b) for b in files.values()) / MB
     fs, _ = storage.url_to_fs(f"s3://{bucket}")
-    fields = {"stage": "sft", "run_id": "bench", "config_hash": "bench"}
+    fields = {"stage": "sft", "run_id": "bench", "config_hash": "bench", "backend": backend.name,
+              "world_size": backend.world_size, "extra": {"checkpoint_format": backend.checkpoint_format}}
     fresh = build_model(seed=1)
     fresh_opt = build_optimizer(fresh, train_cfg())
     fresh_sched = build_scheduler(fresh_opt, train_cfg())
 
+    def save(uri: str) -> None:
+        out = RankWriter(uri, backend)
+        staged.replay(out)
+        out.commit(kind="checkpoint", global_step=progress.global_step, consumed_samples=progress.consumed_samples,
+                   consumed_tokens=progress.consumed_tokens, **fields)
+
     def project_save(i: int) -> dict[str, float]:
         uri = f"s3://{bucket}/project/{i}/checkpoints/step-00000001"
-        return {"save_s": timed(lambda: write_checkpoint(uri, files, progress, fields))}
+        return {"save_s": timed(lambda: save(uri))}
 
     def plain_save(i: int) -> dict[str, float]:
         return {"save_s": timed(lambda: [fs.pipe_file(f"{bucket}/plain/{i}/{n}", d) for n, d in files.items()])}
@@ -172,9 +203,10 @@ def throughput(bucket: str, rounds: int) -> dict[str, Any]:
         ckpts = f"s3://{bucket}/project/{i}/checkpoints"
         found: list = []
         verify_s = timed(lambda: found.append(find_latest(ckpts)))
-        uri = found[0][0]
-        restore_s = timed(lambda: load_train_state(uri, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched))
-        return {"load_s": verify_s + restore_s, "find_latest_s": verify_s, "load_train_state_s": restore_s}
+        uri, manifest = found[0]
+        restore_s = timed(lambda: load_checkpoint_state(uri, manifest, backend=backend, model=fresh,
+                                                        optimizer=fresh_opt, scheduler=fresh_sched))
+        return {"load_s": verify_s + restore_s, "find_latest_s": verify_s, "load_checkpoint_state_s": restore_s}
 
     def plain_load(i: int) -> dict[str, float]:
         return {"load_s": timed(lambda: [fs.cat_file(f"{bucket}/plain/{i}/{n}") for n in files])}
@@ -199,7 +231,7 @@ def throughput(bucket: str, rounds: int) -> dict[str, Any]:
     restore = out["load_project"]
     out["load_parts_mb_per_s"] = {
         "find_latest (list + manifest + sha256 of every file)": size_mb / restore["find_latest_s"],
-        "load_train_state (read + restore)": size_mb / restore["load_train_state_s"],
+        "load_checkpoint_state (read + restore)": size_mb / restore["load_checkpoint_state_s"],
     }
     return out
 
@@ -208,14 +240,17 @@ def throughput(bucket: str, rounds: int) -> dict[str, Any]:
 
 
 class StallLog(logging.Handler):
-    """Collects the ``step stalled`` seconds the loop logs with every committed checkpoint."""
+    """Collects, from the checkpoint session's log, the seconds each committed checkpoint held
+    the training step: ``step stalled`` of an asynchronous save (its in-memory snapshot), or
+    the whole in-step save of a synchronous one (``committed by N rank(s) in``)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.stalls: list[float] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "step stalled" in str(record.msg) and record.args:
+        msg = str(record.msg)
+        if ("step stalled" in msg or "committed by" in msg) and record.args:
             self.stalls.append(float(record.args[-1]))
 
 
@@ -244,19 +279,27 @@ def run_loop(bucket: str, mode: str, args: argparse.Namespace, tag: str) -> dict
             step_ends[step] = time.perf_counter()
 
     stall_log = StallLog()
-    loop_logger = logging.getLogger("trainer_core.loop")
+    loop_logger = logging.getLogger("trainer_core.checkpoint.session")
     loop_logger.addHandler(stall_log)
     loop_logger.setLevel(logging.INFO)
     loop_logger.propagate = False
+    session = CheckpointSession(
+        f"s3://{bucket}/loop/{tag}/checkpoints",
+        backend,
+        fingerprint="bench",
+        metrics=MetricsBuffer(printer=step_end),
+        stage="sft",
+        run_id="bench",
+        keep_last=cfg.keep_last_checkpoints,
+        asynchronous=cfg.async_save,
+    )
     loop = TrainLoop(
         model=backend.wrap(build_model()),
         backend=backend,
         objective=SFTObjective(held_out, cfg.eval_max_batches),
         batches=train,
         cfg=cfg,
-        checkpoints_uri=f"s3://{bucket}/loop/{tag}/checkpoints",
-        manifest_fields={"stage": "sft", "run_id": "bench", "config_hash": "bench"},
-        log_metrics=step_end,
+        session=session,
     )
     try:
         t0 = time.perf_counter()
@@ -322,7 +365,7 @@ def print_throughput(tp: dict[str, Any]) -> None:
     for part, rate in tp["load_parts_mb_per_s"].items():
         print(f"  load part: {part:<45} {rate:>13.1f}")
     snap = tp["snapshot_s"]["best"]
-    print(f"  snapshot_train_state (to host bytes, no I/O): {snap:.3f} s = {tp['checkpoint_mb'] / snap:.0f} MB/s")
+    print(f"  snapshot (put_train_state to host bytes, no I/O): {snap:.3f} s = {tp['checkpoint_mb'] / snap:.0f} MB/s")
 
 
 def print_stall(stall: dict[str, Any], steps: int, save_every: int) -> None:

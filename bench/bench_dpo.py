@@ -48,11 +48,14 @@ from common import (
     summarize_steps,
     write_result,
 )
-from trainer_core.stages import dpo, prepare_data
+from trainer_core.data.prepared import load_split, load_tokenizer_from
+from trainer_core.stages import dpo
+from trainer_core.training.supervised import DPOObjective
 
 
 def timed_reference(record: dict[str, float]):
-    """Wrap the stage's ``reference_logprobs`` to add its seconds and pairs to ``record``."""
+    """Wrap ``reference_logprobs`` (``trainer_core.training.supervised``, called by name from the
+    DPO stage module, where it is patched) to add its seconds and pairs to ``record``."""
 
     def make(original):
         def reference_logprobs(model, rows, *args, **kwargs):
@@ -70,17 +73,17 @@ def timed_reference(record: dict[str, float]):
 def run_project(w: Workload, warmup: int, steps: int, round_index: int = 0) -> dict[str, Any]:
     """The project's DPO stage in this process (policy and reference: the shared initial model)."""
     log, reference = StepLog(), {}
-    hooks = probe_stage(log, dpo.DPOObjective, lambda b: int(b["chosen_input_ids"].shape[0]))
+    hooks = probe_stage(log, DPOObjective, lambda b: int(b["chosen_input_ids"].shape[0]))
     spec = stage_spec(w, "dpo", {"model": w.model_dir, "reference": w.model_dir}, run_id=f"round-{round_index}")
     with patched(dpo, "reference_logprobs", timed_reference(reference)):
-        total_s = run_stage_probed(dpo.run, spec, hooks)
+        total_s = run_stage_probed(spec, hooks)
     return {**summarize_steps(log, warmup, steps), **reference, "stage_total_s": total_s}
 
 
 def trl_rows(w: Workload) -> tuple[list[dict], list[tuple[int, int]]]:
     """The project's prepared train pairs as TRL conversational preference examples, with the
     project's (chosen, rejected) sequence lengths (for the equality check)."""
-    rows = prepare_data.load_split(w.data_uri, "preference/train")
+    rows = load_split(w.data_uri, "preference/train")
     examples = [{"prompt": json.loads(r["messages_json"]),
                  "chosen": [{"role": "assistant", "content": r["chosen"]}],
                  "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows]
@@ -102,7 +105,7 @@ def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, precompu
 
     examples, lengths = trl_rows(w)
     log, reference = StepLog(), {}
-    tokenizer = prepare_data.load_tokenizer_from(w.data_uri)
+    tokenizer = load_tokenizer_from(w.data_uri)
     model = AutoModelForCausalLM.from_pretrained(w.model_dir, dtype="float32")
     args = DPOConfig(**trl_args(w, "dpo", warmup, steps, beta=w.config.dpo.beta, loss_type=["sigmoid"],
                                 precompute_ref_log_probs=precompute, precompute_ref_batch_size=MICRO_BATCH_SIZE))

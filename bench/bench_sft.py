@@ -34,8 +34,11 @@ from common import (
     summarize_steps,
     write_result,
 )
-from trainer_core.loop import TrainLoop
-from trainer_core.stages import prepare_data, sft
+from trainer_core.data.prepared import load_split, load_tokenizer_from
+from trainer_core.spec import StageSpec
+from trainer_core.stages.runner import run_spec
+from trainer_core.training.loop import TrainLoop
+from trainer_core.training.supervised import SFTObjective
 
 
 def stage_overrides(stage: str, warmup: int, steps: int) -> dict[str, Any]:
@@ -51,22 +54,25 @@ def stage_overrides(stage: str, warmup: int, steps: int) -> dict[str, Any]:
 def probe_stage(log: StepLog, objective: type, count_examples):
     """Hooks recording each training step's end time, tokens and examples while a stage runs.
 
-    The loop calls its ``log_metrics`` callback once per optimizer step (``log_every=1``) with
-    ``train/*`` metrics; it is wrapped as each ``TrainLoop`` is built. The objective's ``step``
+    The loop emits its metrics through its checkpoint session's ``MetricsBuffer``, whose
+    ``printer`` is called at once, once per optimizer step (``log_every=1``) with ``train/*``
+    metrics; the printer is wrapped as each ``TrainLoop`` is built. The objective's ``step``
     is counted only in training mode (evaluation calls it too).
     """
 
     def on_init(original):
         def __post_init__(self):
             original(self)
-            inner = self.log_metrics
+            buffer = self.metrics  # the session's MetricsBuffer
+            inner = buffer.printer
 
-            def log_metrics(metrics, step):
+            def printer(metrics, step):
                 if "train/loss" in metrics:
                     log.mark_end(sum(metrics.get(f"time/{k}_s", 0.0) for k in ("forward", "backward", "optimizer")))
-                return inner(metrics, step)
+                if inner is not None:
+                    inner(metrics, step)
 
-            self.log_metrics = log_metrics
+            buffer.printer = printer
 
         return __post_init__
 
@@ -84,13 +90,14 @@ def probe_stage(log: StepLog, objective: type, count_examples):
     return [(TrainLoop, "__post_init__", on_init), (objective, "step", on_step)]
 
 
-def run_stage_probed(run, spec, hooks) -> float:
-    """Run a stage entry point in-process with ``hooks`` applied; returns its wall seconds."""
+def run_stage_probed(spec: StageSpec, hooks) -> float:
+    """Run a stage spec in-process (``run_spec``: backend, lease, context, the stage's ``run``)
+    with ``hooks`` applied; returns its wall seconds."""
     t0 = time.perf_counter()
     with captured_stdout() as tail:
         try:
             with patched(*hooks[0]), patched(*hooks[1]):
-                run(spec)
+                run_spec(spec)
         except BaseException:
             print("\n".join(tail))
             raise
@@ -98,18 +105,18 @@ def run_stage_probed(run, spec, hooks) -> float:
 
 
 def run_project(w: Workload, warmup: int, steps: int, round_index: int = 0) -> dict[str, Any]:
-    """The project's SFT stage, in this process; per-step times from the loop's metric callback."""
+    """The project's SFT stage, in this process; per-step times from the loop's metric printer."""
     log = StepLog()
-    hooks = probe_stage(log, sft.SFTObjective, lambda b: int(b["input_ids"].shape[0]))
+    hooks = probe_stage(log, SFTObjective, lambda b: int(b["input_ids"].shape[0]))
     spec = stage_spec(w, "sft", {"model": w.model_dir}, run_id=f"round-{round_index}")
-    total_s = run_stage_probed(sft.run, spec, hooks)
+    total_s = run_stage_probed(spec, hooks)
     return {**summarize_steps(log, warmup, steps), "stage_total_s": total_s}
 
 
 def trl_rows(w: Workload) -> tuple[list[dict], list[int], list[int]]:
     """The project's prepared train rows as TRL conversational prompt-completion examples,
     with the project's sequence and completion token counts (for the equality check)."""
-    rows = prepare_data.load_split(w.data_uri, "sft/train")
+    rows = load_split(w.data_uri, "sft/train")
     examples = [{"prompt": json.loads(r["messages_json"]),
                  "completion": [{"role": "assistant", "content": r["completion"]}]} for r in rows]
     return examples, [len(r["input_ids"]) for r in rows], [sum(r["loss_mask"]) for r in rows]
@@ -174,7 +181,7 @@ def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, packing:
 
     examples, lengths, completion_tokens = trl_rows(w)
     log = StepLog()
-    tokenizer = prepare_data.load_tokenizer_from(w.data_uri)
+    tokenizer = load_tokenizer_from(w.data_uri)
     model = AutoModelForCausalLM.from_pretrained(w.model_dir, dtype="float32")
     args = SFTConfig(**trl_args(w, "sft", warmup, steps, packing=packing, completion_only_loss=True))
     t0 = time.perf_counter()

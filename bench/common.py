@@ -36,15 +36,16 @@ from typing import Any
 
 import torch
 
-from trainer_core.checkpoint.storage import configure
 from trainer_core.config import PipelineConfig, load_config
 from trainer_core.data.formats import to_preference_example, to_sft_example
+from trainer_core.data.prepared import load_tokenizer_from
 from trainer_core.data.synthetic import make_preference_records, make_sft_records
 from trainer_core.data.tokenizer import encode_chat
 from trainer_core.errors import DataError
 from trainer_core.models import count_parameters, load_causal_lm
-from trainer_core.spec import StageSpec, final_uri, stage_uri
-from trainer_core.stages import prepare_data
+from trainer_core.spec import StageSpec, build_spec
+from trainer_core.stages.runner import run_spec
+from trainer_core.storage import StageLayout, configure
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / ".bench"
@@ -174,10 +175,11 @@ def _config(overrides: dict[str, Any]) -> PipelineConfig:
 
 
 def _run_prepare(config: PipelineConfig, run_id: str) -> str:
-    spec = StageSpec(stage="prepare_data", run_id=run_id, config=config, inputs={},
-                     output_uri=stage_uri(config.storage.root, run_id, "prepare_data"))
-    prepare_data.run(spec)
-    return final_uri(spec.output_uri)
+    """Run ``prepare_data`` in this process (output ``<root>/runs/<run_id>/stages/prepare_data``);
+    returns its committed final directory."""
+    spec = build_spec(config, "prepare_data", run_id, {})
+    run_spec(spec)
+    return StageLayout(spec.output_uri).final
 
 
 def _data_overrides(kind: str, uri: str | None, fmt: str, max_length: int) -> dict[str, Any]:
@@ -214,7 +216,7 @@ def prepare_workload(kind: str, *, synthetic: bool, max_length: int, num_example
     common = {"seed": seed, "storage.root": root, "tokenizer.vocab_size": VOCAB_SIZE, "backend.device": "cpu"}
     first = _config({**common, **_data_overrides(kind, tmp_jsonl, fmt, 2048),
                      **{f"model.init.{k}": v for k, v in MODEL_INIT.items()}})
-    tokenizer = prepare_data.load_tokenizer_from(_run_prepare(first, "tokenizer"))
+    tokenizer = load_tokenizer_from(_run_prepare(first, "tokenizer"))
     kept = fitting_records(kind, records, fmt, tokenizer, max_length, num_examples)
     _write_jsonl(tmp_jsonl, kept)
     model_dir = os.path.join(root, "init-model")
@@ -236,10 +238,10 @@ def cleanup(workload: Workload) -> None:
 
 def stage_spec(workload: Workload, stage: str, inputs: dict[str, str], run_id: str) -> StageSpec:
     """A spec running ``stage`` of the workload's config with ``inputs`` (``data`` added); a
-    fresh ``run_id`` gives a fresh output directory (nothing to resume or reuse)."""
-    return StageSpec(stage=stage, run_id=run_id, config=workload.config,
-                     inputs={"data": workload.data_uri, **inputs},
-                     output_uri=stage_uri(workload.config.storage.root, run_id, stage))
+    fresh ``run_id`` gives a fresh output directory (nothing to resume or reuse). Run it with
+    ``trainer_core.stages.runner.run_spec``. Built after the inputs are committed: the spec's
+    fingerprint is computed from their manifests."""
+    return build_spec(workload.config, stage, run_id, {"data": workload.data_uri, **inputs})
 
 
 @dataclass
@@ -433,7 +435,8 @@ def environment() -> dict[str, Any]:
 
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+            done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+            return done.stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
 

@@ -1,37 +1,51 @@
-"""The post-training pipeline flow: prepare_data -> sft -> reward_model -> score -> dpo -> evaluate.
+"""The post-training pipeline flow: the stage graph of one run, as Prefect task futures.
 
-Re-running a run id skips every stage whose committed final output carries the fingerprint
-the stage would produce now (its config and its inputs' hashes: ``trainer_core/fingerprint.py``)
-and resumes the first unfinished stage from its latest checkpoint; a stage whose config
-changed runs again, and so does every stage that consumes its output.
+prepare_data -> sft -> {reward_model, dpo, grpo}; reward_model -> {score, ppo}; all -> evaluate
+(the edges come from the stage registry: ``tasks/plan.py``). The flow submits each stage as soon
+as the stages it reads from have completed, up to ``launch.max_parallel_stages`` at once (and
+each GPU stage holds slots of the GPU concurrency limit, when one is set), so independent stages
+run side by side. A failed stage skips only the stages that depend on it; the others finish.
 
-The flow only sequences stage tasks and passes URIs between them (see :func:`stage_inputs`
-for who reads whose output). Each stage runs in its own trainer process
-(``tasks.stages.run_stage``); the flow writes ``<root>/runs/<run_id>/summary.json`` at the end,
-also when a stage failed, and then re-raises the failure.
+Re-running a run id reuses every stage whose committed final output carries the fingerprint the
+stage would produce now (its config and its inputs' hashes: ``trainer_core/fingerprint.py``) and
+resumes an unfinished one from its latest checkpoint; a stage whose config changed runs again,
+and so does every stage that consumes its output.
+
+The flow writes ``<root>/runs/<run_id>/summary.json`` at the end, also when a stage failed (each
+stage's status, times, metrics, and for a skipped stage the failure that caused it), and then
+re-raises the first failure.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import secrets
 import time
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.futures import PrefectFuture, as_completed, wait
+from prefect.runtime import flow_run as prefect_flow_run
 from pydantic import BaseModel, SecretStr
 
-from tasks.stages import stage_task
-from tasks.runs import completed_result, save_run_config
+from tasks.launch import abort_launches, forget_launch_group
+from tasks.plan import PlannedStage, plan_run
+from tasks.results import PipelineRun, StageResult
+from tasks.runs import save_run_config
+from tasks.stages import GPU_CONCURRENCY_ENV, stage_task
 from tasks.summary import build_summary, write_summary
 from tasks.tracking import finish_pipeline_run, resolve_tracking_uri, start_pipeline_run
-from trainer_core.checkpoint import storage
-from trainer_core.checkpoint.manifest import MANIFEST_NAME
+from trainer_core import storage
 from trainer_core.config import PipelineConfig, load_config, resolve_local_root
 from trainer_core.errors import ConfigError
-from trainer_core.spec import INIT_SOURCE, final_uri, join_uri, stage_uri
+from trainer_core.storage import RunLayout
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+_ABORT_WAIT_S = 60.0
+"""After an interrupt, how long the flow waits for its running stages to kill their trainers."""
 
 
 def new_run_id(config: PipelineConfig) -> str:
@@ -59,112 +73,114 @@ def _reveal(value: Any) -> Any:
 
 
 def resolve_config(
-    config: PipelineConfig | None, config_uri: str | None, overrides: dict[str, Any] | None
+    config: PipelineConfig | dict | None, config_uri: str | None, overrides: dict[str, Any] | None
 ) -> PipelineConfig:
     """``config`` (or the YAML at ``config_uri``, or defaults) with ``overrides``, validated,
     with an absolute local storage root.
 
+    A :class:`PipelineConfig` given without overrides is used as it is (it is already valid);
+    overrides are applied to its data and the result validated once.
+
     Raises:
         ConfigError: unreadable YAML, a bad override or a failed validation (names the field).
     """
+    if isinstance(config, PipelineConfig) and not overrides:
+        return resolve_local_root(config)
     if config is not None:
         base = _reveal(config.model_dump()) if isinstance(config, BaseModel) else dict(config)
-        resolved = load_config(base=base, overrides=overrides)
-    else:
-        resolved = load_config(config_uri, overrides=overrides)
-    return resolve_local_root(resolved)
+        return resolve_local_root(load_config(base=base, overrides=overrides))
+    return resolve_local_root(load_config(config_uri, overrides=overrides))
 
 
-def _committed_final(config: PipelineConfig, run_id: str, stage: str) -> str | None:
-    """The final directory of ``stage`` in this run when it is committed, else None."""
-    uri = final_uri(stage_uri(config.storage.root, run_id, stage))
-    return uri if storage.exists(join_uri(uri, MANIFEST_NAME)) else None
+def max_parallel_stages(config: PipelineConfig) -> int | None:
+    """How many stages of one run may run at once (``launch.max_parallel_stages``).
 
-
-def prior_outputs(config: PipelineConfig, run_id: str) -> dict[str, str]:
-    """Committed final directories of this run's stages that are not in ``config.stages``.
-
-    Raises:
-        ConfigError: ``prepare_data`` is neither in the stage list nor committed in this run.
+    None (no bound of the flow's own) when the config leaves it unset and a GPU concurrency limit
+    is named (its slots bound the GPU stages); 1 when neither is set.
     """
-    found = {
-        stage: uri
-        for stage in ("prepare_data", "sft", "reward_model", "dpo", "ppo", "grpo")
-        if stage not in config.stages and (uri := _committed_final(config, run_id, stage))
-    }
-    if "prepare_data" not in config.stages and "prepare_data" not in found:
-        where = stage_uri(config.storage.root, run_id, "prepare_data")
-        raise ConfigError(
-            f"stages {config.stages} need prepared data: add 'prepare_data' to stages, or pass the "
-            f"--run-id of a run that has {final_uri(where)}/{MANIFEST_NAME}"
-        )
-    return found
+    if config.launch.max_parallel_stages is not None:
+        return config.launch.max_parallel_stages
+    named = (config.launch.gpu_concurrency_limit or os.environ.get(GPU_CONCURRENCY_ENV, "")).strip()
+    return None if named else 1
 
 
-def stage_inputs(stage: str, config: PipelineConfig, outputs: dict[str, str]) -> dict[str, str]:
-    """The input URIs of ``stage``.
+def _ready(stage: PlannedStage, results: dict[str, StageResult]) -> bool:
+    return all(d in results for d in stage.depends_on)
 
-    Args:
-        stage: The stage about to run.
-        config: The pipeline config (its ``*_from`` fields override the defaults).
-        outputs: Stage name -> final directory URI of the stages available so far.
+
+def _failed_dependency(stage: PlannedStage, results: dict[str, StageResult]) -> str | None:
+    """The failed stage that keeps ``stage`` from running (followed back through skipped ones)."""
+    for d in stage.depends_on:
+        result = results.get(d)
+        if result is not None and result.status != "completed":
+            return result.skipped_because or d
+    return None
+
+
+def run_stage_graph(
+    plan: dict[str, PlannedStage], run: PipelineRun, max_parallel: int | None, log: logging.Logger | Any
+) -> tuple[dict[str, StageResult], list[BaseException]]:
+    """Run the stages of ``plan`` as task futures, each once the stages it reads from completed.
+
+    Stages are submitted in pipeline order among those ready, at most ``max_parallel`` running
+    at once (None: no bound). A stage whose dependency failed (or was skipped) is skipped, naming
+    the failure. If the flow itself is interrupted, every running stage's trainer is killed before
+    the interrupt propagates.
 
     Returns:
-        Role -> URI: ``data`` for every stage but prepare_data; ``model`` (and ``reference``,
-        ``reward_model``, ``sft_model``, ``dpo_model``, ``ppo_model``, ``grpo_model``,
-        ``base_model``) per stage. PPO and GRPO get ``reward_model`` only when their reward
-        kind reads one (a missing one fails the stage with a clear error).
+        (stage -> result for every planned stage, the failures in the order they happened).
     """
-    if stage == "prepare_data":
-        return {}
-    source = config.model.name_or_path or INIT_SOURCE
-    sft = outputs.get("sft")
-    inputs = {"data": outputs["prepare_data"]}
-    if stage == "sft":
-        inputs["model"] = config.sft.init_from or source
-    elif stage == "reward_model":
-        inputs["model"] = config.reward_model.init_from or sft or source
-    elif stage == "score":
-        inputs["model"] = config.score.policy_from or sft or source
-        reward_model = config.score.reward_model_from or outputs.get("reward_model")
-        if reward_model:
-            inputs["reward_model"] = reward_model
-    elif stage == "dpo":
-        inputs["model"] = config.dpo.init_from or sft or source
-        inputs["reference"] = config.dpo.reference_from or inputs["model"]
-    elif stage in ("ppo", "grpo"):
-        rl = config.ppo if stage == "ppo" else config.grpo
-        inputs["model"] = rl.init_from or sft or source
-        inputs["reference"] = rl.reference_from or inputs["model"]
-        reward_model = rl.reward.reward_model_from or outputs.get("reward_model")
-        if rl.reward.kind != "verifier" and reward_model:
-            inputs["reward_model"] = reward_model
-    elif stage == "evaluate":
-        roles = {
-            "sft_model": "sft", "reward_model": "reward_model", "dpo_model": "dpo", "ppo_model": "ppo",
-            "grpo_model": "grpo",
-        }
-        inputs.update({role: outputs[name] for role, name in roles.items() if name in outputs})
-        inputs["base_model"] = source
-    return inputs
-
-
-def _failed_record(error: BaseException) -> dict[str, Any]:
-    return {"status": "failed", "error": f"{type(error).__name__}: {error}"[:2000]}
+    results: dict[str, StageResult] = {}
+    failures: list[BaseException] = []
+    running: dict[PrefectFuture, str] = {}
+    waiting = list(plan)
+    try:
+        while waiting or running:
+            for name in list(waiting):
+                planned, cause = plan[name], _failed_dependency(plan[name], results)
+                if cause is not None:
+                    log.info("stage %s: skipped, because %s failed", name, cause)
+                    results[name] = StageResult.skipped(name, cause)
+                    waiting.remove(name)
+                elif _ready(planned, results) and (max_parallel is None or len(running) < max_parallel):
+                    running[stage_task(name, run.config).submit(name, run, planned.inputs)] = name
+                    waiting.remove(name)
+            if not running:
+                continue
+            done = next(as_completed(list(running)))
+            name = running.pop(done)
+            try:
+                results[name] = done.result()
+            except BaseException as e:  # noqa: BLE001 - recorded, summarised, re-raised by the flow
+                failures.append(e)
+                results[name] = StageResult.failed(name, e)
+    except BaseException:
+        abort_launches(prefect_flow_run.id or "")
+        wait(list(running), timeout=_ABORT_WAIT_S)
+        raise
+    return results, failures
 
 
 def flow_run_name() -> str:
-    """The Prefect flow run's name: the ``run_id`` parameter, else ``<pipeline name>-<YYYYmmdd-HHMMSS>``."""
+    """The Prefect flow run's name: the ``run_id`` parameter; the flow renames a run started
+    without one to the run id it picks (one id in Prefect, MLflow and storage)."""
     from prefect.runtime import flow_run
 
-    params = flow_run.parameters
-    if params.get("run_id"):
-        return str(params["run_id"])
+    return str(flow_run.parameters.get("run_id") or f"posttrain-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _name_flow_run(run_id: str) -> None:
+    """Rename the current flow run to ``run_id`` (best effort: the run goes on without it)."""
+    flow_run_id = prefect_flow_run.id
+    if not flow_run_id or prefect_flow_run.name == run_id:
+        return
     try:
-        name = resolve_config(params.get("config"), params.get("config_uri"), params.get("overrides")).name
-    except Exception:  # noqa: BLE001 - the flow body reports a bad config; the name falls back
-        name = "posttrain"
-    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run_id, name=run_id)
+    except Exception as e:  # noqa: BLE001
+        get_run_logger().warning("could not rename the flow run to %s: %s", run_id, e)
 
 
 @flow(name="post-training-pipeline", flow_run_name=flow_run_name)
@@ -174,7 +190,7 @@ def post_training_pipeline(
     overrides: dict[str, Any] | None = None,
     run_id: str | None = None,
 ) -> dict[str, Any]:
-    """Run the configured stages in order, then write and return the run summary.
+    """Run the configured stages as a graph, then write and return the run summary.
 
     Args:
         config: A config object; None: read ``config_uri`` (or use the defaults).
@@ -186,37 +202,34 @@ def post_training_pipeline(
         The summary (see ``tasks.summary.build_summary``) plus ``summary_uri``.
 
     Raises:
-        ConfigError: invalid config, run id, or missing prepared data (before any stage runs).
-        StageFailed: a stage failed (after the summary is written).
+        ConfigError: invalid config, run id, or a stage input that nothing provides (before any
+            stage runs or anything is written).
+        StageFailed: a stage failed (after the summary is written; the first failure).
     """
     log = get_run_logger()
     cfg = resolve_config(config, config_uri, overrides)
     run_id = check_run_id(run_id or new_run_id(cfg))
+    _name_flow_run(run_id)
     storage.configure(cfg.storage)
-    outputs = prior_outputs(cfg, run_id)
-    save_run_config(cfg, run_id)
+    layout = RunLayout(cfg.storage.root, run_id)
+    plan = plan_run(cfg, layout)
+    save_run_config(cfg, layout)
     tracking_uri = resolve_tracking_uri(cfg)
-    parent = start_pipeline_run(cfg, run_id)
-    log.info("run %s: stages %s, MLflow %s (run %s)", run_id, cfg.stages, tracking_uri, parent)
-    results: dict[str, dict[str, Any]] = {}
-    failure: BaseException | None = None
-    for stage in cfg.stages:
-        if failure is not None:
-            results[stage] = {"status": "skipped"}
-            continue
-        try:
-            inputs = stage_inputs(stage, cfg, outputs)
-            reused = completed_result(cfg, run_id, stage, inputs)
-            if reused is not None:
-                log.info("stage %s: committed output %s matches its config and inputs; not re-run", stage, reused["output_uri"])
-            results[stage] = reused or stage_task(stage, cfg)(stage, cfg, run_id, inputs, parent)
-            outputs[stage] = results[stage]["output_uri"]
-        except BaseException as e:  # noqa: BLE001 - recorded, summarised, re-raised below
-            failure, results[stage] = e, _failed_record(e)
-    summary = build_summary(cfg, run_id, results, tracking_uri=tracking_uri, parent_run_id=parent)
-    summary["summary_uri"] = write_summary(cfg, summary)
-    finish_pipeline_run(parent, summary["status"], tracking_uri=tracking_uri)
+    run = PipelineRun(
+        run_id=run_id, config=cfg, tracking_uri=tracking_uri,
+        parent_mlflow_run_id=start_pipeline_run(cfg, run_id, tracking_uri=tracking_uri),
+    )
+    bound = max_parallel_stages(cfg)
+    log.info("run %s: stages %s (at most %s at once), MLflow %s (run %s)", run_id, cfg.stages,
+             bound or "unbounded", tracking_uri, run.parent_mlflow_run_id)
+    try:
+        results, failures = run_stage_graph(plan, run, bound, log)
+    finally:
+        forget_launch_group(prefect_flow_run.id or "")
+    summary = build_summary(run, results)
+    summary["summary_uri"] = write_summary(run, summary)
+    finish_pipeline_run(run.parent_mlflow_run_id, summary["status"], tracking_uri=tracking_uri)
     log.info("run %s %s; summary %s", run_id, summary["status"], summary["summary_uri"])
-    if failure is not None:
-        raise failure
+    if failures:
+        raise failures[0]
     return summary

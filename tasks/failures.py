@@ -1,7 +1,8 @@
 """Why a launched stage failed: the errors it raises, and torchrun's failure summary.
 
 :func:`raise_for_result` turns a finished launch (``tasks/launch.py``) into :class:`StageFailed`
-(a retry may fix it) or :class:`BadStageInput` (never retried). For a torchrun launch it reads
+(a retry may fix it) or :class:`BadStageInput` (never retried); :func:`retry_condition` is the
+Prefect retry rule that tells them apart. For a torchrun launch it reads
 torchrun's error summary (:func:`parse_torchrun_failures`), picks the rank to blame
 (:func:`blamed_failure`, which uses each rank's last lines to tell a cause from a consequence)
 and shows that rank's own last lines rather than the interleaved tail.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainer_core.errors import EXIT_BAD_INPUT
 
@@ -219,3 +220,36 @@ def raise_for_result(result: LaunchResult, stage: str) -> None:
     if result.returncode == EXIT_BAD_INPUT and not result.timed_out:
         raise BadStageInput(message, result.returncode, result.tail)
     raise StageFailed(message, result.returncode, result.tail)
+
+
+class LaunchAborted(Exception):
+    """The launch's group was aborted (:func:`abort_launches`): its flow was interrupted."""
+
+
+def _failure_exception(state: Any) -> BaseException | None:
+    try:
+        value = state.result(raise_on_failure=False)
+    except BaseException:  # noqa: BLE001 - unreadable result: treat as unknown
+        value = None
+    if isinstance(value, BaseException):
+        return value
+    data = getattr(state, "data", None)
+    return data if isinstance(data, BaseException) else None
+
+
+def retry_condition(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect ``retry_condition_fn``: retry any failure except :class:`BadStageInput` and
+    :class:`LaunchAborted` (the flow run itself was interrupted).
+
+    Prefect 3.8 calls it as ``retry_condition(task, task_run, state)`` with a ``Failed`` state
+    whose data is the raised exception; it must be a plain function (``inspect.isfunction``).
+
+    Args:
+        task: The Prefect task.
+        task_run: The failing task run.
+        state: The ``Failed`` state.
+
+    Returns:
+        False when the failure was bad input (a retry cannot fix it) or an abort, else True.
+    """
+    return not isinstance(_failure_exception(state), (BadStageInput, LaunchAborted))

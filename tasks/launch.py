@@ -1,9 +1,14 @@
 """Launch a stage's trainer as a child process, stream its output, and never leak it.
 
 The command lines come from ``tasks/commands.py`` (:func:`trainer_command`); the errors a
-failed launch raises, and the reading of torchrun's error summary, from ``tasks/failures.py``
-(:func:`raise_for_result`, :class:`StageFailed`, :class:`BadStageInput`). Those four are
-re-exported here (``__all__``), so ``from tasks.launch import ...`` keeps working for them.
+failed launch raises, the reading of torchrun's error summary and the retry rule, from
+``tasks/failures.py`` (:func:`raise_for_result`, :class:`StageFailed`, :class:`BadStageInput`,
+:class:`LaunchAborted`, :func:`retry_condition`). Those are re-exported here (``__all__``), so
+``from tasks.launch import ...`` keeps working for them.
+
+Threads: signals reach only a process's main thread, and the flow runs stage tasks in worker
+threads, so an interrupted flow stops their launches through :func:`abort_launches` (each
+launch polls its group's abort flag).
 
 Process tree: the child runs in its own session (``start_new_session=True``), so ``os.killpg``
 reaches it and what it spawned in its group. ``torchrun`` starts each rank in a session of
@@ -44,16 +49,19 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
 from tasks.commands import trainer_command
-from tasks.failures import BadStageInput, StageFailed, raise_for_result
+from tasks.failures import BadStageInput, LaunchAborted, StageFailed, raise_for_result, retry_condition
 from trainer_core.config import BackendConfig
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 
 __all__ = [
     "LAUNCH_ID_ENV",
     "BadStageInput",
+    "LaunchAborted",
     "LaunchResult",
     "LineLogger",
     "StageFailed",
+    "abort_launches",
+    "forget_launch_group",
     "launch_stage_process",
     "main",
     "marked_pids",
@@ -233,16 +241,50 @@ class _Output:
         self.log.info("%s", line)
 
 
+_ABORTS: dict[str, threading.Event] = {}
+_ABORTS_LOCK = threading.Lock()
+
+
+def _abort_event(group: str) -> threading.Event:
+    with _ABORTS_LOCK:
+        return _ABORTS.setdefault(group, threading.Event())
+
+
+def abort_launches(group: str) -> None:
+    """Stop every launch of ``group`` (e.g. one flow run's stages, running in task threads).
+
+    Each such :func:`launch_stage_process` notices within its poll interval, kills its whole
+    process tree and raises :class:`LaunchAborted`. Signals reach only a process's main thread:
+    this is how an interrupted flow (Ctrl-C, Prefect's ``TerminationSignal`` on cancel) stops
+    the trainers that task threads launched. Launches started in the group afterwards are
+    aborted at once, until :func:`forget_launch_group`.
+    """
+    _abort_event(group).set()
+
+
+def forget_launch_group(group: str) -> None:
+    """Drop ``group``'s abort state (when its flow run ends)."""
+    with _ABORTS_LOCK:
+        _ABORTS.pop(group, None)
+
+
 def _forward(
     proc: subprocess.Popen,
     lines: queue.Queue,
     out: _Output,
     deadline: float | None,
     poll_interval_s: float,
+    abort: threading.Event | None = None,
 ) -> bool:
-    """Forward lines until EOF (or the child exited and EOF did not follow); True on timeout."""
+    """Forward lines until EOF (or the child exited and EOF did not follow); True on timeout.
+
+    Raises:
+        LaunchAborted: ``abort`` was set.
+    """
     exited_at: float | None = None
     while True:
+        if abort is not None and abort.is_set():
+            raise LaunchAborted("the stage's flow run was interrupted; its processes are killed")
         try:
             item = lines.get(timeout=poll_interval_s)
         except queue.Empty:
@@ -302,6 +344,7 @@ def launch_stage_process(
     poll_interval_s: float = 0.2,
     tail_lines: int = 50,
     kill_grace_s: float = 10.0,
+    group: str | None = None,
 ) -> LaunchResult:
     """Run ``cmd`` in its own process group, stream its output to ``log``, and reap it.
 
@@ -318,14 +361,15 @@ def launch_stage_process(
         poll_interval_s: Longest time the calling thread blocks before checking the deadline.
         tail_lines: How many last lines to keep in the result (merged, and per rank).
         kill_grace_s: Seconds between SIGTERM and SIGKILL on timeout.
+        group: Abort group (see :func:`abort_launches`); None: none.
 
     Returns:
         The exit status, output tails, wall time and whether the deadline killed it.
 
     Raises:
         BaseException: whatever interrupted the calling thread (``KeyboardInterrupt``,
-            Prefect's ``TerminationSignal``, an exception from ``log``) after the whole
-            process tree was killed with SIGKILL and the child reaped.
+            Prefect's ``TerminationSignal``, an exception from ``log``, :class:`LaunchAborted`)
+            after the whole process tree was killed with SIGKILL and the child reaped.
     """
     start = time.monotonic()
     deadline = None if timeout_s is None else start + timeout_s
@@ -334,7 +378,8 @@ def launch_stage_process(
     out = _Output(log, tail_lines)
     timed_out = False
     try:
-        timed_out = _forward(proc, lines, out, deadline, poll_interval_s)
+        abort = _abort_event(group) if group is not None else None
+        timed_out = _forward(proc, lines, out, deadline, poll_interval_s, abort)
         if timed_out:
             _terminate_group(proc, kill_grace_s)
     except BaseException:
@@ -357,34 +402,6 @@ def launch_stage_process(
         rank_tails={rank: list(t) for rank, t in sorted(out.rank_tails.items())},
         launcher_lines=list(out.launcher_lines),
     )
-
-
-def _failure_exception(state: Any) -> BaseException | None:
-    try:
-        value = state.result(raise_on_failure=False)
-    except BaseException:  # noqa: BLE001 - unreadable result: treat as unknown
-        value = None
-    if isinstance(value, BaseException):
-        return value
-    data = getattr(state, "data", None)
-    return data if isinstance(data, BaseException) else None
-
-
-def retry_condition(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect ``retry_condition_fn``: retry any failure except :class:`BadStageInput`.
-
-    Prefect 3.8 calls it as ``retry_condition(task, task_run, state)`` with a ``Failed`` state
-    whose data is the raised exception; it must be a plain function (``inspect.isfunction``).
-
-    Args:
-        task: The Prefect task.
-        task_run: The failing task run.
-        state: The ``Failed`` state.
-
-    Returns:
-        False when the failure was bad input (a retry cannot fix it), else True.
-    """
-    return not isinstance(_failure_exception(state), BadStageInput)
 
 
 # --------------------------------------------------------------------------- one node of a job

@@ -1,7 +1,8 @@
 """A pipeline run's state on storage: its saved config, which stages are done, where each stands.
 
-Used by the flow (skip stages whose committed output already matches what they would
-produce) and by ``posttrain status`` / ``posttrain resume``. Reads storage only; no MLflow.
+Used by the stage task (reuse a stage whose committed output already carries the fingerprint
+it would produce now) and by ``posttrain status`` / ``posttrain resume``. Reads storage only;
+no MLflow.
 """
 
 from __future__ import annotations
@@ -9,30 +10,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from trainer_core.checkpoint import storage
-from trainer_core.checkpoint.manifest import find_latest, read_manifest
-from trainer_core.config import STAGE_ORDER, PipelineConfig
+from tasks.results import StageResult
+from trainer_core import storage
+from trainer_core.checkpoint.manifest import MANIFEST_NAME, find_latest, read_manifest
+from trainer_core.config import PipelineConfig
 from trainer_core.errors import ConfigError
-from trainer_core.fingerprint import stage_fingerprint
-from trainer_core.spec import checkpoints_uri, final_uri, join_uri, run_uri, stage_uri
+from trainer_core.registry import STAGE_ORDER
+from trainer_core.storage import RunLayout, join_uri
 
 log = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-"""The pipeline config a run was last started with, at ``<root>/runs/<run_id>/config.json``."""
 
-
-def config_uri_of(root: str, run_id: str) -> str:
-    """``<root>/runs/<run_id>/config.json``."""
-    return join_uri(run_uri(root, run_id), CONFIG_NAME)
-
-
-def save_run_config(config: PipelineConfig, run_id: str) -> str:
+def save_run_config(config: PipelineConfig, layout: RunLayout) -> str:
     """Record the config a run is started with (secrets excluded); returns its URI."""
     data = config.model_dump(mode="json", exclude={"storage": {"access_key_id", "secret_access_key"}})
-    uri = config_uri_of(config.storage.root, run_id)
-    storage.write_json(uri, data)
-    return uri
+    storage.write_json(layout.config, data)
+    return layout.config
 
 
 def load_run_config(root: str, run_id: str) -> dict[str, Any]:
@@ -41,40 +34,40 @@ def load_run_config(root: str, run_id: str) -> dict[str, Any]:
     Raises:
         ConfigError: the run has no saved config under ``root``.
     """
-    uri = config_uri_of(root, run_id)
+    uri = RunLayout(root, run_id).config
     try:
         return storage.read_json(uri)
     except FileNotFoundError:
         raise ConfigError(f"no run {run_id!r} under {root}: {uri} does not exist") from None
 
 
-def completed_result(config: PipelineConfig, run_id: str, stage: str, inputs: dict[str, str]) -> dict[str, Any] | None:
-    """The result record of ``stage`` if its committed final output matches its fingerprint.
+def completed_result(layout: RunLayout, stage: str, fingerprint: str) -> StageResult | None:
+    """The result of ``stage`` if its committed final output carries ``fingerprint``.
 
     Returns:
-        ``{"stage", "status": "completed", "reused": True, "output_uri", "manifest_uri",
-        "wall_s": 0.0, "metrics", "mlflow_run_id"}``, or None when the stage must run (no
-        committed output, or one made from another config or other inputs).
+        A completed, ``reused`` result (``wall_s`` 0, the manifest's metrics and MLflow run),
+        or None when the stage must run (no committed output, or one made from another config
+        or other inputs).
     """
-    output = final_uri(stage_uri(config.storage.root, run_id, stage))
+    output = layout.final(stage)
     try:
         manifest = read_manifest(output)
     except (FileNotFoundError, ValueError):
         return None
-    expected = stage_fingerprint(config, stage, inputs)
-    if manifest.config_hash != expected:
-        log.info("stage %s: committed output has fingerprint %s, expected %s: re-running", stage, manifest.config_hash, expected)
+    if manifest.config_hash != fingerprint:
+        log.info("stage %s: committed output has fingerprint %s, expected %s: re-running", stage, manifest.config_hash, fingerprint)
         return None
-    return {
-        "stage": stage,
-        "status": "completed",
-        "reused": True,
-        "output_uri": output,
-        "manifest_uri": join_uri(output, "manifest.json"),
-        "wall_s": 0.0,
-        "metrics": dict(manifest.metrics),
-        "mlflow_run_id": manifest.extra.get("mlflow_run_id"),
-    }
+    return StageResult(
+        stage=stage,
+        status="completed",
+        reused=True,
+        output_uri=output,
+        manifest_uri=join_uri(output, MANIFEST_NAME),
+        fingerprint=fingerprint,
+        wall_s=0.0,
+        metrics=dict(manifest.metrics),
+        mlflow_run_id=manifest.extra.get("mlflow_run_id"),
+    )
 
 
 def stage_status(root: str, run_id: str, stage: str) -> dict[str, Any]:
@@ -84,19 +77,19 @@ def stage_status(root: str, run_id: str, stage: str) -> dict[str, Any]:
         ``{"stage", "state": "completed" | "in progress" | "not started", "latest_step":
         int | None (newest committed checkpoint), "final_step": int | None, "output_uri"}``.
     """
-    base = stage_uri(root, run_id, stage)
-    latest = find_latest(checkpoints_uri(base))
+    paths = RunLayout(root, run_id).stage(stage)
+    latest = find_latest(paths.checkpoints)
     try:
-        final = read_manifest(final_uri(base))
+        final = read_manifest(paths.final)
     except (FileNotFoundError, ValueError):
         final = None
-    state = "completed" if final else "in progress" if latest or storage.exists(base) else "not started"
+    state = "completed" if final else "in progress" if latest or storage.exists(paths.output) else "not started"
     return {
         "stage": stage,
         "state": state,
         "latest_step": latest[1].global_step if latest else None,
         "final_step": final.global_step if final else None,
-        "output_uri": final_uri(base) if final else base,
+        "output_uri": paths.final if final else paths.output,
     }
 
 

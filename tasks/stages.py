@@ -1,11 +1,13 @@
 """The one Prefect task that runs any stage: write its spec, launch its trainer, report it.
 
 ``run_stage`` is thin: the trainer process (``python -m trainer_core.run <spec-uri>``) does
-the work; this task creates the stage's nested MLflow run, writes the
-:class:`~trainer_core.spec.StageSpec`, streams the trainer's output into the Prefect log, reads
-the committed ``final/manifest.json`` and reports it to MLflow and the Prefect UI. Retries come
-from the config, so the flow builds the task with :func:`stage_task`. A retry resumes from the
-stage's latest checkpoint (the trainer's job) and logs into the same MLflow run.
+the work. This task builds the :class:`~trainer_core.spec.StageSpec` (computing the stage
+fingerprint, once), returns at once when the stage's committed output already carries that
+fingerprint, else creates (or reopens) the stage's nested MLflow run, writes the spec, streams
+the trainer's output into the Prefect log, reads the committed ``final/manifest.json`` and
+reports it to MLflow and the Prefect UI. Retries come from the config, so the flow builds the
+task with :func:`stage_task`. A retry resumes from the stage's latest checkpoint (the
+trainer's job) and logs into the same MLflow run.
 
 Secrets never reach storage: the spec's copy of the config has no S3 keys; they travel to the
 trainer in its environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``), which botocore reads.
@@ -24,33 +26,29 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run as prefect_flow_run
 from prefect.runtime import task_run as prefect_task_run
 
 from tasks import tracking
 from tasks.commands import trainer_command
 from tasks.failures import raise_for_result
 from tasks.launch import launch_stage_process, retry_condition
-from trainer_core.checkpoint import storage
+from tasks.results import PipelineRun, StageResult, utc_now
+from tasks.runs import completed_result
+from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
 from trainer_core.config import PipelineConfig
-from trainer_core.fingerprint import stage_fingerprint
-from trainer_core.spec import StageSpec, final_uri, join_uri, run_uri, stage_uri
+from trainer_core.registry import get_stage
+from trainer_core.spec import build_spec
+from trainer_core.storage import join_uri
 
 TAG_FINGERPRINT = "posttrain.fingerprint"
 """MLflow tag of a stage run: the stage fingerprint it trained under (``trainer_core/fingerprint.py``)."""
-
-MODEL_STAGES: frozenset[str] = frozenset({"sft", "reward_model", "dpo", "ppo", "grpo"})
-"""Stages whose final directory is an HF model, logged to MLflow as artifacts."""
 
 GPU_CONCURRENCY_ENV = "POSTTRAIN_GPU_CONCURRENCY_LIMIT"
 """Env var naming a Prefect global concurrency limit (slots = GPUs of one node or pool). When set,
 every stage but prepare_data, unless ``backend.device`` is cpu, holds ``backend.nproc_per_node``
 slots of it while its trainer runs, so pipelines sharing a node queue instead of oversubscribing it."""
-
-
-def spec_uri_for(config: PipelineConfig, run_id: str, stage: str) -> str:
-    """``<root>/runs/<run_id>/specs/<stage>.json``."""
-    return join_uri(run_uri(config.storage.root, run_id), "specs", f"{stage}.json")
 
 
 def artifact_key(stage: str, suffix: str) -> str:
@@ -59,28 +57,26 @@ def artifact_key(stage: str, suffix: str) -> str:
     return "".join(c if c.isalnum() and c.isascii() else "-" for c in raw)
 
 
-def _stage_run_id(
-    config: PipelineConfig, spec_uri: str, parent_mlflow_run_id: str, stage: str, fingerprint: str
-) -> str:
+def _stage_run_id(run: PipelineRun, stage: str, fingerprint: str) -> str:
     """The stage's MLflow run: an earlier attempt's, when it has the same parent and fingerprint.
 
     A retry or a resumed run continues the same nested run (the trainer resumes its steps);
     a stage whose config or inputs changed starts over, so it gets a new run.
     """
-    tracking_uri = tracking.resolve_tracking_uri(config)
-    client = MlflowClient(tracking_uri)
+    client = MlflowClient(run.tracking_uri)
+    spec_uri = run.layout.spec(stage)
     if storage.exists(spec_uri):
         previous = storage.read_json(spec_uri).get("mlflow_run_id")
         if previous:
             try:
-                run = client.get_run(previous)
+                found = client.get_run(previous)
             except Exception:  # noqa: BLE001 - gone or from another store: start a fresh run
-                run = None
-            tags = run.data.tags if run is not None else {}
-            if tags.get(tracking.TAG_PARENT) == parent_mlflow_run_id and tags.get(TAG_FINGERPRINT) == fingerprint:
+                found = None
+            tags = found.data.tags if found is not None else {}
+            if tags.get(tracking.TAG_PARENT) == run.parent_mlflow_run_id and tags.get(TAG_FINGERPRINT) == fingerprint:
                 client.update_run(previous, status="RUNNING")
                 return previous
-    run_id = tracking.start_stage_run(config, parent_mlflow_run_id, stage)
+    run_id = tracking.start_stage_run(run.config, run.parent_mlflow_run_id, stage, tracking_uri=run.tracking_uri)
     client.set_tag(run_id, TAG_FINGERPRINT, fingerprint)
     return run_id
 
@@ -142,7 +138,7 @@ def _metrics_markdown(stage: str, run_id: str, manifest: Manifest, output_uri: s
 def _report(stage: str, run_id: str, output: str, mlflow_run_id: str, tracking_uri: str) -> Manifest:
     """Read the committed manifest and report it to MLflow and the Prefect UI."""
     manifest = read_manifest(output)
-    if stage in MODEL_STAGES:
+    if get_stage(stage).produces_model:
         tracking.log_model_dir(mlflow_run_id, output, tracking_uri=tracking_uri)
     tracking.finish_stage_run(mlflow_run_id, manifest, output, "FINISHED", tracking_uri=tracking_uri)
     create_markdown_artifact(
@@ -162,67 +158,61 @@ def _mark_failed(mlflow_run_id: str, tracking_uri: str, log: Any) -> None:
 
 
 @task(name="run_stage", cache_policy=NO_CACHE, persist_result=False)
-def run_stage(
-    stage: str,
-    config: PipelineConfig,
-    run_id: str,
-    inputs: dict[str, str],
-    parent_mlflow_run_id: str,
-) -> dict[str, Any]:
+def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResult:
     """Run one stage's trainer process and report its committed result.
 
     Args:
-        stage: Stage name (``config.STAGE_ORDER``).
-        config: The validated pipeline config with an absolute local root.
-        run_id: Pipeline run id.
-        inputs: Input role -> URI (see ``StageSpec``).
-        parent_mlflow_run_id: The pipeline's MLflow run.
+        stage: Stage name (``trainer_core.registry.STAGE_ORDER``).
+        run: The pipeline run (config, run id, MLflow tracking URI and parent run).
+        inputs: Input role -> URI (see ``trainer_core.registry``); upstream outputs are committed.
 
     Returns:
-        ``{"stage", "status": "completed", "output_uri", "manifest_uri", "wall_s", "metrics",
-        "mlflow_run_id"}``; ``output_uri`` is the stage's ``final/`` directory.
+        A completed :class:`StageResult`: ``reused`` without launching anything when the stage's
+        committed output already carries the fingerprint it would produce now.
 
     Raises:
         BadStageInput: the trainer exited with code 2 (bad config or data; not retried).
         StageFailed: any other trainer failure or timeout (retried per ``config.launch``).
     """
     log = get_run_logger()
-    tracking_uri = tracking.resolve_tracking_uri(config)
-    spec_uri = spec_uri_for(config, run_id, stage)
-    fingerprint = stage_fingerprint(config, stage, inputs)
-    mlflow_run_id = _stage_run_id(config, spec_uri, parent_mlflow_run_id, stage, fingerprint)
+    config, layout = run.config, run.layout
+    writer_id = f"prefect-task-run:{prefect_task_run.id}" if prefect_task_run.id else None
+    spec = build_spec(config, stage, run.run_id, inputs, tracking_uri=run.tracking_uri, writer_id=writer_id)
+    reused = completed_result(layout, stage, spec.fingerprint)
+    if reused is not None:
+        log.info("stage %s: committed output %s matches its config and inputs; not re-run", stage, reused.output_uri)
+        return reused
+    spec = spec.model_copy(update={"mlflow_run_id": _stage_run_id(run, stage, spec.fingerprint)})
+    spec_uri = layout.spec(stage)
     spec_config, env = _spec_config_and_env(config)
-    spec = StageSpec(
-        stage=stage,
-        run_id=run_id,
-        config=spec_config,
-        inputs=inputs,
-        output_uri=stage_uri(config.storage.root, run_id, stage),
-        tracking_uri=tracking_uri,
-        mlflow_run_id=mlflow_run_id,
-        writer_id=f"prefect-task-run:{prefect_task_run.id}" if prefect_task_run.id else None,
-    )
-    storage.write_json(spec_uri, spec.model_dump(mode="json"))
+    storage.write_json(spec_uri, spec.model_copy(update={"config": spec_config}).model_dump(mode="json"))
     log.info("stage %s: spec %s, inputs %s", stage, spec_uri, inputs)
     try:
-        cmd = trainer_command(spec_uri, config.backend_for(stage), rdzv_id=f"{run_id}-{stage}")
+        cmd = trainer_command(spec_uri, config.backend_for(stage), rdzv_id=f"{run.run_id}-{stage}")
         with gpu_slots(stage, config, log):
-            result = launch_stage_process(cmd, env=env, log=log, timeout_s=config.launch.timeout_s)
+            started_at = utc_now()
+            result = launch_stage_process(
+                cmd, env=env, log=log, timeout_s=config.launch.timeout_s, group=prefect_flow_run.id
+            )
+            ended_at = utc_now()
         raise_for_result(result, stage)
-        output = final_uri(spec.output_uri)
-        manifest = _report(stage, run_id, output, mlflow_run_id, tracking_uri)
+        output = layout.final(stage)
+        manifest = _report(stage, run.run_id, output, spec.mlflow_run_id, run.tracking_uri)
     except BaseException:
-        _mark_failed(mlflow_run_id, tracking_uri, log)
+        _mark_failed(spec.mlflow_run_id, run.tracking_uri, log)
         raise
-    return {
-        "stage": stage,
-        "status": "completed",
-        "output_uri": output,
-        "manifest_uri": join_uri(output, MANIFEST_NAME),
-        "wall_s": result.wall_s,
-        "metrics": dict(manifest.metrics),
-        "mlflow_run_id": mlflow_run_id,
-    }
+    return StageResult(
+        stage=stage,
+        status="completed",
+        output_uri=output,
+        manifest_uri=join_uri(output, MANIFEST_NAME),
+        fingerprint=spec.fingerprint,
+        wall_s=result.wall_s,
+        started_at=started_at,
+        ended_at=ended_at,
+        metrics=dict(manifest.metrics),
+        mlflow_run_id=spec.mlflow_run_id,
+    )
 
 
 def stage_task(stage: str, config: PipelineConfig) -> Task:

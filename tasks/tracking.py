@@ -20,8 +20,9 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from pydantic import BaseModel, SecretStr
 
-from trainer_core.checkpoint import storage
-from trainer_core.config import PipelineConfig, config_hash, stage_config
+from trainer_core import storage
+from trainer_core.config import PipelineConfig, config_hash
+from trainer_core.registry import get_stage
 from trainer_core.tracking import sanitize_metric_name
 
 MAX_PARAM_VALUE_CHARS = 6000
@@ -118,17 +119,18 @@ def _log_params(client: MlflowClient, run_id: str, params: dict[str, str]) -> No
         client.log_batch(run_id, params=items[start : start + _MAX_PARAMS_PER_BATCH])
 
 
-def start_pipeline_run(config: PipelineConfig, run_id: str) -> str:
+def start_pipeline_run(config: PipelineConfig, run_id: str, *, tracking_uri: str) -> str:
     """Create the parent MLflow run of one pipeline run, or reopen it when the run id is resumed.
 
     Args:
         config: The validated pipeline config (local root already absolute).
         run_id: The pipeline run id (also the MLflow run name).
+        tracking_uri: The MLflow tracking URI (:func:`resolve_tracking_uri`).
 
     Returns:
         The MLflow run id.
     """
-    client = MlflowClient(resolve_tracking_uri(config))
+    client = MlflowClient(tracking_uri)
     experiment_id = _experiment_id(client, config)
     tagged = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_RUN_ID}` = '{run_id}'", max_results=1000)
     existing = [r for r in tagged if TAG_PARENT not in r.data.tags]  # stage runs carry the run id too
@@ -147,23 +149,24 @@ def start_pipeline_run(config: PipelineConfig, run_id: str) -> str:
     return run.info.run_id
 
 
-def start_stage_run(config: PipelineConfig, parent_run_id: str, stage: str) -> str:
+def start_stage_run(config: PipelineConfig, parent_run_id: str, stage: str, *, tracking_uri: str) -> str:
     """Create a stage's MLflow run, nested under ``parent_run_id``, with its config as params.
 
     Args:
         config: The pipeline config.
         parent_run_id: The pipeline's MLflow run.
         stage: The stage name; its section (``data`` for ``prepare_data``) becomes params.
+        tracking_uri: The MLflow tracking URI.
 
     Returns:
         The nested MLflow run id.
     """
-    client = MlflowClient(resolve_tracking_uri(config))
+    client = MlflowClient(tracking_uri)
     parent = client.get_run(parent_run_id)
     tags = {TAG_PARENT: parent_run_id, TAG_STAGE: stage, TAG_RUN_ID: parent.data.tags.get(TAG_RUN_ID, "")}
     run = client.create_run(parent.info.experiment_id, tags=tags, run_name=stage)
-    section = "data" if stage == "prepare_data" else stage
-    params = flatten_params(stage_config(config, stage), section)
+    section = get_stage(stage).section
+    params = flatten_params(config.section(stage), section)
     params["seed"] = str(config.seed)
     _log_params(client, run.info.run_id, params)
     return run.info.run_id

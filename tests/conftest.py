@@ -45,7 +45,7 @@ def s3_server() -> Iterator[str]:
 
 def make_bucket(endpoint_url: str) -> str:
     """Create a fresh bucket on the moto server and point the process's S3 settings at it."""
-    from trainer_core.checkpoint import storage
+    from trainer_core import storage
 
     storage.configure(StorageConfig(endpoint_url=endpoint_url, region="us-east-1"))
     bucket = f"test-{uuid.uuid4().hex[:12]}"

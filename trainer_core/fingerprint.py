@@ -1,25 +1,30 @@
 """What a stage's output depends on, as one hash: its config and its inputs' hashes.
 
 ``stage_fingerprint`` hashes the stage's own config section, the settings every stage
-shares (seed, model, tokenizer, data lengths) and, for each input, the ``config_hash`` of
-the input's committed manifest (or the literal source, e.g. ``init`` or a hub id). Inputs
+shares (seed, model, tokenizer), the config fields outside its section that the stage
+registry lists for it (evaluate reads ``dpo.beta``) and, for each input, the ``config_hash``
+of the input's committed manifest (or the literal source, e.g. ``init`` or a hub id). Inputs
 carry their own inputs' hashes, so the chain covers everything upstream: change the SFT
 config and the fingerprints of SFT, reward model, DPO and evaluation all change; change
 only DPO's and only DPO and evaluation change.
 
 The backend and launch settings are not part of it: a checkpoint resumes under another
-backend or world size. The trainer records the fingerprint as ``config_hash`` in every manifest it commits
-(checkpoints and final). A checkpoint with another fingerprint is not resumed from; a final
-output with the expected fingerprint lets a re-run of the same run id skip the stage.
+backend or world size. It is computed once per stage attempt, by whoever writes the
+:class:`~trainer_core.spec.StageSpec` (``trainer_core.spec.build_spec``), and travels in the
+spec; the trainer records it as ``config_hash`` in every manifest it commits (checkpoints and
+final). A checkpoint with another fingerprint is not resumed from; a final output with the
+expected fingerprint lets a re-run of the same run id skip the stage.
 Light on purpose (no torch): the flow process imports it.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from trainer_core.checkpoint.manifest import read_manifest
-from trainer_core.config import PipelineConfig, config_hash, stage_config
+from trainer_core.config import PipelineConfig, config_hash
+from trainer_core.registry import get_stage
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +50,18 @@ def _not_hashed(section) -> set[str]:
     return out
 
 
+def _field(config: PipelineConfig, path: str) -> Any:
+    """The value at dotted ``path`` (e.g. ``dpo.beta``), JSON-ready."""
+    value: Any = config
+    for key in path.split("."):
+        value = getattr(value, key)
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+
+
 def stage_fingerprint(config: PipelineConfig, stage: str, inputs: dict[str, str]) -> str:
     """The hash a stage's committed outputs must carry to be reused.
+
+    Reads the manifest of every input that has one (one GET each on object storage).
 
     Args:
         config: the pipeline config.
@@ -55,16 +70,20 @@ def stage_fingerprint(config: PipelineConfig, stage: str, inputs: dict[str, str]
 
     Returns:
         16 hex characters (see :func:`trainer_core.config.config_hash`).
+
+    Raises:
+        ConfigError: unknown stage.
     """
-    section = stage_config(config, stage)
+    definition = get_stage(stage)
+    section = config.section(stage)
     payload = {
         "stage": stage,
-        "config": section.model_dump(mode="json", exclude=_not_hashed(section)) if section is not None else None,
+        "config": section.model_dump(mode="json", exclude=_not_hashed(section)),
         "seed": config.seed,
         "model": config.model.model_dump(mode="json"),
         "tokenizer": config.tokenizer.model_dump(mode="json"),
         "inputs": {role: input_identity(uri) for role, uri in sorted(inputs.items())},
     }
-    if stage == "evaluate":
-        payload["dpo_beta"] = config.dpo.beta
+    for path in definition.fingerprint_fields:
+        payload[path.replace(".", "_")] = _field(config, path)
     return config_hash(payload)

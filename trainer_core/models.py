@@ -25,7 +25,7 @@ from transformers import (
 
 from trainer_core.config import ModelConfig
 from trainer_core.errors import ConfigError
-from trainer_core.spec import INIT_SOURCE
+from trainer_core.registry import INIT_SOURCE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def local_model_path(source: str) -> str:
     """A path or hub id ``from_pretrained`` accepts: fsspec URIs are materialised locally."""
     if "://" in source and not source.startswith("file://"):
-        from trainer_core.checkpoint.storage import materialize
+        from trainer_core.storage import materialize
 
         return materialize(source)
     return source.removeprefix("file://")

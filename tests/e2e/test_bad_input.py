@@ -1,4 +1,4 @@
-"""Bad input through the real CLI: ``python -m flows.cli run`` (the ``posttrain`` entry point) in
+"""Bad input through the real CLI: ``python -m posttrain run`` (the ``posttrain`` entry point) in
 a child process, against the session's Prefect API.
 
 Bad data fails the ``prepare_data`` trainer with exit code 2: the CLI exits 1, prints the
@@ -31,7 +31,7 @@ def posttrain_run(api_url: str, *args: str, timeout_s: float = 240) -> subproces
     env = {**os.environ, "PREFECT_API_URL": api_url, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", *args],
+        [sys.executable, "-m", "posttrain", "run", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
     )
 

@@ -67,7 +67,7 @@ def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     result = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", *args],
+        [sys.executable, "-m", "posttrain", "run", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stderr[-5000:]

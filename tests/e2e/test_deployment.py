@@ -142,7 +142,7 @@ def stack(tmp_path_factory) -> Iterator[dict]:
 
 
 def posttrain(stack: dict, *args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "flows.cli", *args], env=stack["env"], cwd=stack["tmp"],
+    result = subprocess.run([sys.executable, "-m", "posttrain", *args], env=stack["env"], cwd=stack["tmp"],
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
@@ -234,9 +234,10 @@ def test_runs_from_the_api(stack, deployed):
             for run, name in zip(good, ("a", "b"), strict=True):
                 final = runs[run.id]
                 assert final.state.is_completed(), f"{final.state.message}\n{worker_log.read_text()[-5000:]}"
-                assert re.fullmatch(r"demo-\d{8}-\d{6}", final.name), final.name
                 [summary_path] = (tmp / name / "runs").glob("*/summary.json")
                 summary = json.loads(summary_path.read_text())
+                # one id everywhere: the flow run is named by the pipeline run id storage and MLflow use
+                assert re.fullmatch(r"demo-\d{8}-\d{6}-[0-9a-f]{6}", final.name) and final.name == summary["run_id"]
                 assert summary["status"] == "completed" and list(summary["stages"]) == ["prepare_data", "sft"]
                 tasks = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
                 assert sorted(t.name for t in tasks) == ["prepare_data", "sft"]

@@ -33,7 +33,7 @@ from test_retry_resume import (
 )
 from trainer_core.checkpoint.lease import LEASE_NAME
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, step_dirname
-from trainer_core.spec import stage_uri
+from trainer_core.storage import RunLayout
 
 _RESUMED = re.compile(r"resumed from \S+ at global_step (\d+)")
 _STEP_LINE = re.compile(r"\[sft\] step (\d+): train/")
@@ -69,7 +69,7 @@ def test_one_rank_killed_fails_the_attempt_and_the_retry_resumes(prefect_api, tm
     config = pipeline_config(
         root, ["prepare_data", "sft"], **{"backend.name": "fsdp2", "backend.nproc_per_node": 2, "backend.device": "cpu"}
     )
-    stage_dir = Path(stage_uri(str(root), run_id, "sft"))
+    stage_dir = Path(RunLayout(str(root), run_id).stage("sft").output)
     checkpoint = stage_dir / "checkpoints" / step_dirname(KILL_AT) / MANIFEST_NAME
     done, outcome = threading.Event(), {}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from mlflow import MlflowClient
@@ -12,11 +13,12 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.pipeline import post_training_pipeline, stage_inputs
+from posttrain.cli import app
+from flows.pipeline import post_training_pipeline
 from tasks.launch import BadStageInput
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError
+from trainer_core.registry import stage_inputs
 
 SECRET = "hunter2-not-for-storage"
 
@@ -128,44 +130,54 @@ def test_cli_run_prints_summary_uri_last(prefect_api, tmp_path, monkeypatch):
 def test_stage_inputs_rules():
     cfg = load_config(overrides={"dpo.reference_from": "s3://b/ref"})
     out = {"prepare_data": "D", "sft": "S", "reward_model": "R"}
-    assert stage_inputs("prepare_data", cfg, out) == {}
-    assert stage_inputs("sft", cfg, out) == {"data": "D", "model": "init"}
-    assert stage_inputs("reward_model", cfg, out) == {"data": "D", "model": "S"}
-    assert stage_inputs("score", cfg, out) == {"data": "D", "model": "S", "reward_model": "R"}
-    assert stage_inputs("dpo", cfg, out) == {"data": "D", "model": "S", "reference": "s3://b/ref"}
-    assert stage_inputs("evaluate", cfg, {**out, "dpo": "P"}) == {
+    assert stage_inputs(cfg, "prepare_data", out) == {}
+    assert stage_inputs(cfg, "sft", out) == {"data": "D", "model": "init"}
+    assert stage_inputs(cfg, "reward_model", out) == {"data": "D", "model": "S"}
+    assert stage_inputs(cfg, "score", out) == {"data": "D", "model": "S", "reward_model": "R"}
+    assert stage_inputs(cfg, "dpo", out) == {"data": "D", "model": "S", "reference": "s3://b/ref"}
+    assert stage_inputs(cfg, "evaluate", {**out, "dpo": "P"}) == {
         "data": "D", "sft_model": "S", "reward_model": "R", "dpo_model": "P", "base_model": "init"
     }
     named = load_config(overrides={"model": {"name_or_path": "Qwen/Qwen2.5-0.5B"}, "reward_model.init_from": "X"})
-    assert stage_inputs("reward_model", named, {"prepare_data": "D"}) == {"data": "D", "model": "X"}
-    assert stage_inputs("score", named, {"prepare_data": "D"}) == {"data": "D", "model": "Qwen/Qwen2.5-0.5B"}
-    assert stage_inputs("dpo", named, {"prepare_data": "D"})["reference"] == "Qwen/Qwen2.5-0.5B"
+    assert stage_inputs(named, "reward_model", {"prepare_data": "D"}) == {"data": "D", "model": "X"}
+    assert stage_inputs(named, "score", {"prepare_data": "D"}) == {"data": "D", "model": "Qwen/Qwen2.5-0.5B"}
+    assert stage_inputs(named, "dpo", {"prepare_data": "D"})["reference"] == "Qwen/Qwen2.5-0.5B"
 
 
 def test_a_repeated_stage_attempt_logs_into_the_same_mlflow_run(prefect_api, tmp_path, monkeypatch):
     """What a Prefect retry does: run_stage again for the same run id and parent reuses the
     stage's MLflow run (found through the earlier spec); a new parent gets a new stage run.
-    Resuming a run id reopens its parent instead of creating another."""
+    Resuming a run id reopens its parent instead of creating another. Each attempt finds no
+    committed output (the one before is removed, as if that attempt died before its commit), so
+    it launches the trainer rather than reusing the output."""
     from prefect import flow
 
+    from tasks.results import PipelineRun
     from tasks.stages import run_stage
     from tasks.tracking import start_pipeline_run
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = small_config(tmp_path / "out")
+    uri = f"sqlite:///{tmp_path}/out/mlflow.db"
 
     @flow
     def attempts(parents: list[str]) -> list[str]:
-        return [run_stage(stage="prepare_data", config=config, run_id="plumb-again", inputs={},
-                          parent_mlflow_run_id=p)["mlflow_run_id"] for p in parents]
+        out = []
+        for parent in parents:
+            run = PipelineRun(run_id="plumb-again", config=config, tracking_uri=uri, parent_mlflow_run_id=parent)
+            shutil.rmtree(run.layout.final("prepare_data"), ignore_errors=True)
+            result = run_stage(stage="prepare_data", run=run, inputs={})
+            assert result.status == "completed" and not result.reused
+            out.append(result.mlflow_run_id)
+        return out
 
-    first_parent = start_pipeline_run(config, "plumb-again")
-    assert start_pipeline_run(config, "plumb-again") == first_parent
-    second_parent = start_pipeline_run(config, "plumb-other")
+    first_parent = start_pipeline_run(config, "plumb-again", tracking_uri=uri)
+    assert start_pipeline_run(config, "plumb-again", tracking_uri=uri) == first_parent
+    second_parent = start_pipeline_run(config, "plumb-other", tracking_uri=uri)
     assert second_parent != first_parent
     a, b, c = attempts([first_parent, first_parent, second_parent])
     assert a == b and c != a
-    mlflow = MlflowClient(f"sqlite:///{tmp_path}/out/mlflow.db")
+    mlflow = MlflowClient(uri)
     assert mlflow.get_run(a).info.status == "FINISHED"
     assert mlflow.get_run(c).data.tags["mlflow.parentRunId"] == second_parent
 

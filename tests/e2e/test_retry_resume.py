@@ -33,7 +33,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
 from typer.testing import CliRunner
 
-from flows.cli import app
+from posttrain.cli import app
 from flows.pipeline import post_training_pipeline
 from tests.integration.helpers import (
     DEMO_CONFIG,
@@ -47,7 +47,8 @@ from trainer_core.checkpoint.lease import LEASE_NAME, StageLease
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, step_dirname
 from trainer_core.config import PipelineConfig, load_config
 from trainer_core.errors import EXIT_BAD_INPUT
-from trainer_core.spec import StageSpec, final_uri, stage_uri
+from trainer_core.spec import StageSpec, build_spec
+from trainer_core.storage import RunLayout, StageLayout
 
 ALL_STAGES = ["prepare_data", "sft", "reward_model", "score", "dpo", "evaluate"]
 MAX_STEPS = 12
@@ -136,8 +137,8 @@ def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
 ):
     root, run_id = tmp_path / "out", "retry-sft"
     config = pipeline_config(root, ["prepare_data", "sft"])
-    stage_dir = Path(stage_uri(str(root), run_id, "sft"))
-    data_final = Path(final_uri(stage_uri(str(root), run_id, "prepare_data")))
+    stage_dir = Path(RunLayout(str(root), run_id).stage("sft").output)
+    data_final = Path(RunLayout(str(root), run_id).stage("prepare_data").final)
     checkpoint = stage_dir / "checkpoints" / step_dirname(KILL_AT) / MANIFEST_NAME
 
     done, outcome = threading.Event(), {}
@@ -151,10 +152,7 @@ def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
     def uninterrupted_sft() -> StageSpec:
         """The same SFT run, never killed, on the flow's prepared data (the reference)."""
         wait_for(data_final / MANIFEST_NAME, 300, done)
-        spec = StageSpec(
-            stage="sft", run_id=run_id, config=config, inputs={"data": str(data_final), "model": "init"},
-            output_uri=str(tmp_path / "uninterrupted"),
-        )
+        spec = build_spec(config, "sft", run_id, {"data": str(data_final), "model": "init"}, output_uri=str(tmp_path / "uninterrupted"))
         run = run_stage(write_spec(spec, tmp_path / "uninterrupted.json"))
         assert run.returncode == 0, run.tail()
         return spec
@@ -208,7 +206,7 @@ def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
 def _final_manifests(root: Path, run_id: str) -> dict[str, int]:
     """Stage -> mtime (ns) of its committed ``final/manifest.json``."""
     return {
-        s: (Path(final_uri(stage_uri(str(root), run_id, s))) / MANIFEST_NAME).stat().st_mtime_ns for s in ALL_STAGES
+        s: (Path(RunLayout(str(root), run_id).stage(s).final) / MANIFEST_NAME).stat().st_mtime_ns for s in ALL_STAGES
     }
 
 
@@ -281,14 +279,11 @@ def test_resume_of_a_finished_run_trains_nothing_and_a_changed_dpo_beta_reruns_d
 def test_a_second_writer_of_a_stage_is_refused_while_the_lease_is_live(tmp_path, single_thread_trainers):
     root, run_id = tmp_path / "out", "two-writers"
     config = pipeline_config(root, ["prepare_data"])
-    output_uri = stage_uri(str(root), run_id, "prepare_data")
+    output_uri = RunLayout(str(root), run_id).stage("prepare_data").output
     holder = StageLease(output_uri, owner="test-holder", ttl_s=6.0)
     holder.acquire(wait_s=0)
     try:
-        spec = StageSpec(
-            stage="prepare_data", run_id=run_id, config=config, inputs={}, output_uri=output_uri,
-            writer_id="second-writer",
-        )
+        spec = build_spec(config, "prepare_data", run_id, {}, output_uri=output_uri, writer_id="second-writer")
         run = run_stage(write_spec(spec, tmp_path / "second.json"), timeout_s=180)
         lease = json.loads((Path(output_uri) / LEASE_NAME).read_text())
         assert not holder.lost.is_set()
@@ -298,4 +293,4 @@ def test_a_second_writer_of_a_stage_is_refused_while_the_lease_is_live(tmp_path,
     assert run.returncode == EXIT_BAD_INPUT, run.tail()
     assert f"{Path(output_uri) / LEASE_NAME} is held by test-holder" in run.output, run.tail()
     assert lease["owner"] == "test-holder"
-    assert not Path(final_uri(output_uri)).exists()
+    assert not Path(StageLayout(output_uri).final).exists()

@@ -24,10 +24,12 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, step_dirname
-from trainer_core.config import TRAINING_STAGES, PipelineConfig, load_config
-from trainer_core.spec import StageSpec, checkpoints_uri, final_uri, join_uri
+from trainer_core.config import PipelineConfig, load_config
+from trainer_core.registry import TRAINING_STAGES
+from trainer_core.spec import StageSpec, build_spec
+from trainer_core.storage import StageLayout, join_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
@@ -234,7 +236,7 @@ def run_stage(
 
 def after_checkpoint(output_uri: str, step: int) -> Callable[[list[str]], bool]:
     """Kill condition: the ``step-XXXXXXXX`` checkpoint of ``output_uri`` is committed (manifest on storage)."""
-    manifest = join_uri(checkpoints_uri(output_uri), step_dirname(step), MANIFEST_NAME)
+    manifest = join_uri(StageLayout(output_uri).checkpoints, step_dirname(step), MANIFEST_NAME)
     return lambda _lines: storage.exists(manifest)
 
 
@@ -246,7 +248,7 @@ def after_step(stage: str, step: int) -> Callable[[list[str]], bool]:
 
 def committed_steps(output_uri: str) -> list[int]:
     """Global steps of the checkpoints of ``output_uri`` that have a manifest, ascending."""
-    ckpts = checkpoints_uri(output_uri)
+    ckpts = StageLayout(output_uri).checkpoints
     steps = []
     for name in storage.list_dirs(ckpts):
         if name.startswith("step-") and storage.exists(join_uri(ckpts, name, MANIFEST_NAME)):
@@ -256,12 +258,12 @@ def committed_steps(output_uri: str) -> list[int]:
 
 def checkpoint_uri(output_uri: str, step: int) -> str:
     """``<output_uri>/checkpoints/step-XXXXXXXX``."""
-    return join_uri(checkpoints_uri(output_uri), step_dirname(step))
+    return join_uri(StageLayout(output_uri).checkpoints, step_dirname(step))
 
 
 def final_weights(output_uri: str) -> dict[str, torch.Tensor]:
     """The tensors of ``<output_uri>/final/model.safetensors`` (any storage)."""
-    return safetensors.torch.load(storage.read_bytes(join_uri(final_uri(output_uri), "model.safetensors")))
+    return safetensors.torch.load(storage.read_bytes(join_uri(StageLayout(output_uri).final, "model.safetensors")))
 
 
 def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -296,10 +298,8 @@ class TinyPipeline:
         task run is meant to do), so the dead process's unexpired lease does not refuse it.
         """
         sft = self.baseline_uris.get("sft")
-        inputs = stage_inputs(stage, self.data_uri, final_uri(sft) if sft else None)
-        return StageSpec(
-            stage=stage, run_id=RUN_ID, config=self.config, inputs=inputs, output_uri=output_uri, writer_id=writer_id
-        )
+        inputs = stage_inputs(stage, self.data_uri, StageLayout(sft).final if sft else None)
+        return build_spec(self.config, stage, RUN_ID, inputs, output_uri=output_uri, writer_id=writer_id)
 
     def write_spec(self, stage: str, output_uri: str, path: str, writer_id: str | None = None) -> str:
         """Write :meth:`spec` to the local ``path``; returns the path."""

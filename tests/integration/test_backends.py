@@ -44,8 +44,10 @@ from trainer_core.backends import build_backend
 from trainer_core.checkpoint.manifest import find_latest, read_manifest
 from trainer_core.config import BackendConfig, PipelineConfig, TrainStageConfig, load_config
 from trainer_core.data.batching import BucketedBatchSampler
-from trainer_core.loop import BatchSource, TrainLoop
-from trainer_core.spec import StageSpec, checkpoints_uri, final_uri
+from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
+from trainer_core.training.loop import BatchSource, TrainLoop
+from trainer_core.spec import build_spec
+from trainer_core.storage import StageLayout
 
 from .helpers import (
     REPO_ROOT,
@@ -133,11 +135,8 @@ def write_stage_spec(
     pipeline: TinyPipeline, stage: str, backend: str, nproc: int, output_uri: str, writer_id: str | None = None
 ) -> str:
     """Write the spec of ``stage`` on ``backend`` next to ``output_uri``; returns its path."""
-    sft_model = final_uri(pipeline.baseline_uris["sft"])
-    spec = StageSpec(
-        stage=stage, run_id=RUN_ID, config=stage_config(pipeline, backend, nproc),
-        inputs=stage_inputs(stage, pipeline.data_uri, sft_model), output_uri=output_uri, writer_id=writer_id,
-    )
+    sft_model = StageLayout(pipeline.baseline_uris["sft"]).final
+    spec = build_spec(stage_config(pipeline, backend, nproc), stage, RUN_ID, stage_inputs(stage, pipeline.data_uri, sft_model), output_uri=output_uri, writer_id=writer_id)
     return write_spec(spec, f"{output_uri}.spec.json")
 
 
@@ -156,7 +155,7 @@ def why_failed(run: StageRun) -> str:
     if EXIT_ABORT in run.output and "committed: global_step" in run.output:
         return (
             f"a rank aborted ({EXIT_ABORT!r}, SIGABRT) at process exit after the stage committed: "
-            "trainer_core/run.py destroys the process group while wrapped models kept by reference "
+            "Backend.close destroys the process group while wrapped models kept by reference "
             "cycles still hold it (see test_no_garbage_model_holds_the_process_group_when_it_is_destroyed)\n" + tail
         )
     return tail
@@ -348,7 +347,7 @@ def test_stage_losses_track_single_device(runs, backend, stage):
     assert sorted(expected) == list(range(STEPS + 1))
     assert_close_lines(stages.run(stage).step_metrics(), expected)
     assert all(f"rank {r}/2 on cpu (gloo)" in stages.job.output for r in (0, 1))
-    manifest = read_manifest(final_uri(stages.output_uris[stage]))
+    manifest = read_manifest(StageLayout(stages.output_uris[stage]).final)
     name = BACKENDS[backend]["backend.name"]
     assert (manifest.backend, manifest.world_size, manifest.global_step) == (name, 2, STEPS)
     checkpoint = read_manifest(checkpoint_uri(stages.output_uris[stage], STEPS))
@@ -371,9 +370,10 @@ def single_device_reference(pipeline: TinyPipeline, stage: str, workdir: str) ->
         objective=objective,
         batches=BatchSource(rows, BucketedBatchSampler(lengths, 4, seed=0, drop_last=True), collate, backend.device),
         cfg=cfg,
-        checkpoints_uri=workdir,
-        manifest_fields={},
-        log_metrics=lambda metrics, step: logged.setdefault(step, {}).update({k: float(v) for k, v in metrics.items()}),
+        session=CheckpointSession(
+            workdir, backend,
+            metrics=MetricsBuffer(printer=lambda metrics, step: logged.setdefault(step, {}).update({k: float(v) for k, v in metrics.items()})),
+        ),
     ).run()
     return logged
 
@@ -420,7 +420,7 @@ def test_fsdp2_checkpoint_resumes_at_another_world_size(runs):
         assert (no_rng in resume.run.output) == (world_size == 2)  # a new rank keeps its seeded generator
         after = {step: values for step, values in expected_lines.items() if step > resume.step}
         assert_close_lines(resume.run.step_metrics(), after)
-        final = read_manifest(final_uri(resume.output_uri))
+        final = read_manifest(StageLayout(resume.output_uri).final)
         assert (final.backend, final.world_size, final.global_step) == ("fsdp2", world_size, STEPS)
         weights = final_weights(resume.output_uri)
         assert sorted(weights) == sorted(expected_weights)
@@ -449,7 +449,7 @@ def test_desynchronised_replica_fails_the_save_on_every_rank(runs):
             assert error == outcomes[0][case]  # every rank raised the same error
     assert committed_steps(output) == [1, 4]
     assert not any(os.path.exists(os.path.join(checkpoint_uri(output, step), "manifest.json")) for step in (2, 3))
-    latest = find_latest(checkpoints_uri(output))
+    latest = find_latest(StageLayout(output).checkpoints)
     assert latest is not None and latest[1].global_step == 4
 
 
@@ -486,7 +486,8 @@ AT_DESTROY = re.compile(r"rank (\d+): wrapped models at destroy_process_group: l
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_no_garbage_model_holds_the_process_group_when_it_is_destroyed(runs, backend):
-    """``trainer_core.run`` ends a job by destroying the process group (``_close_process_group``).
+    """A trainer process ends by destroying the process group (``Backend.close``, called by
+    ``run_spec``).
     A wrapped model that is garbage by then (DDP and FSDP2 modules sit in reference cycles) but
     not yet collected still holds the group; finalised at interpreter exit, it aborts the rank
     now and then (``terminate called without an active exception``, SIGABRT after the final

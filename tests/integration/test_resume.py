@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import boto3
 import pytest
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME
 from trainer_core.config import StorageConfig
-from trainer_core.spec import join_uri
+from trainer_core.storage import join_uri
 
 from .helpers import (
     MAX_STEPS,

@@ -11,10 +11,11 @@ import os
 import pytest
 import safetensors.torch
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.manifest import read_manifest
 from trainer_core.config import load_config
-from trainer_core.spec import StageSpec, final_uri, join_uri
+from trainer_core.spec import build_spec
+from trainer_core.storage import StageLayout, join_uri
 
 from .helpers import (
     DEMO_CONFIG,
@@ -66,15 +67,12 @@ def rl_config(pipeline: TinyPipeline, stage: str, **extra: object):
 
 def rl_spec_path(pipeline: TinyPipeline, stage: str, name: str, config=None, model: str | None = None) -> tuple[str, str]:
     """Write the spec of an RL run named ``name``; returns (spec path, output URI)."""
-    sft = final_uri(pipeline.baseline_uris["sft"])
+    sft = StageLayout(pipeline.baseline_uris["sft"]).final
     inputs = {"data": pipeline.data_uri, "model": model or sft, "reference": model or sft}
     if stage == "ppo":
-        inputs["reward_model"] = final_uri(pipeline.baseline_uris["reward_model"])
+        inputs["reward_model"] = StageLayout(pipeline.baseline_uris["reward_model"]).final
     output = os.path.join(pipeline.root, "rl", name)
-    spec = StageSpec(
-        stage=stage, run_id=RUN_ID, config=config or rl_config(pipeline, stage), inputs=inputs, output_uri=output,
-        writer_id=f"writer-{name}",
-    )
+    spec = build_spec(config or rl_config(pipeline, stage), stage, RUN_ID, inputs, output_uri=output, writer_id=f"writer-{name}")
     return write_spec(spec, os.path.join(pipeline.root, "specs", f"rl-{name}.json")), output
 
 
@@ -97,11 +95,11 @@ def test_ppo_runs_end_to_end_and_logs_trl_metrics(rl_baselines):
     for step, metrics in steps.items():
         missing = [k for k in PPO_METRICS if k not in metrics]
         assert not missing, f"step {step} lacks {missing}"
-    manifest = read_manifest(final_uri(output))
+    manifest = read_manifest(StageLayout(output).final)
     assert {"first/reward_mean", "reward_mean", "global_step"} <= set(manifest.metrics)
     assert manifest.metrics["global_step"] == RL_STEPS
     assert all(k in manifest.metrics for k in TIMED)
-    head = safetensors.torch.load(storage.read_bytes(join_uri(final_uri(output), "value_head.safetensors")))
+    head = safetensors.torch.load(storage.read_bytes(join_uri(StageLayout(output).final, "value_head.safetensors")))
     assert head["weight"].shape[0] == 1 and head["weight"].abs().sum() > 0  # trained away from its zero init
     kl_coefs = {float(m["objective/kl_coef"]) for m in steps.values()}
     assert len(kl_coefs) > 1  # the adaptive controller moved
@@ -113,7 +111,7 @@ def test_grpo_runs_and_logs_group_metrics(rl_baselines):
     assert sorted(steps) == list(range(1, RL_STEPS + 1))
     for metrics in steps.values():
         assert {"objective/kl", "policy/clipfrac_avg", "loss/policy_avg", "val/ratio", "reward_mean"} <= set(metrics)
-    assert "value_head.safetensors" not in storage.list_files(final_uri(output))
+    assert "value_head.safetensors" not in storage.list_files(StageLayout(output).final)
 
 
 @pytest.mark.parametrize("stage", ["ppo", "grpo"])
@@ -132,7 +130,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tiny_pipeline, rl_bas
     assert resumed.step_metrics() == want
     assert_same_weights(final_weights(output), final_weights(base_output))
     if stage == "ppo":
-        heads = [storage.read_bytes(join_uri(final_uri(o), "value_head.safetensors")) for o in (output, base_output)]
+        heads = [storage.read_bytes(join_uri(StageLayout(o).final, "value_head.safetensors")) for o in (output, base_output)]
         assert heads[0] == heads[1]
 
 
@@ -166,13 +164,13 @@ _TREND_OVERRIDES = {
 def _trend_rewards(root: str) -> list[float]:
     """prepare_data -> SFT -> GRPO (verifier reward) under ``root``; the GRPO run's per-update mean reward."""
     config = load_config(str(DEMO_CONFIG), overrides={**_TREND_OVERRIDES, "storage.root": root})
-    data = final_uri(os.path.join(root, "data"))
+    data = StageLayout(os.path.join(root, "data")).final
     inputs = {"prepare_data": {}, "sft": {"data": data, "model": "init"},
-              "grpo": {"data": data, "model": final_uri(os.path.join(root, "sft"))}}
+              "grpo": {"data": data, "model": StageLayout(os.path.join(root, "sft")).final}}
     runs = {}
     for stage, stage_inputs in inputs.items():
         output = os.path.join(root, "data" if stage == "prepare_data" else stage)
-        spec = StageSpec(stage=stage, run_id=RUN_ID, config=config, inputs=stage_inputs, output_uri=output)
+        spec = build_spec(config, stage, RUN_ID, stage_inputs, output_uri=output)
         runs[stage] = run_stage(write_spec(spec, os.path.join(root, "specs", f"{stage}.json")), timeout_s=600)
         assert runs[stage].returncode == 0, runs[stage].tail()
     steps = runs["grpo"].step_metrics()

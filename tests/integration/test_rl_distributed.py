@@ -21,7 +21,6 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 import safetensors.torch
@@ -30,15 +29,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tasks.launch import launch_stage_process, trainer_command
 from trainer_core.backends.single import SingleDeviceBackend
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.manifest import read_manifest
 from trainer_core.config import GenerationConfig, GRPOConfig, PPOConfig, load_config
 from trainer_core.errors import ConfigError
 from trainer_core.objectives.ppo import whiten
 from trainer_core.rollout import PolicyAndValue, RolloutBatch, sample_completions, value_head_for
-from trainer_core.spec import StageSpec, final_uri, join_uri
+from trainer_core.spec import StageSpec, build_spec
+from trainer_core.storage import StageLayout, join_uri
 from trainer_core.stages.ppo import PPOAlgorithm, whiten_across_ranks
-from trainer_core.stages.rl_common import RLTrainer, check_rl_config
+from trainer_core.checkpoint.session import CheckpointSession
+from trainer_core.training.rl import RLTrainer, check_rl_config
 
 from .helpers import (
     RUN_ID,
@@ -118,12 +119,11 @@ def case_spec(pipeline: TinyPipeline, case: Case, name: str) -> tuple[str, str, 
     if case.zero_stage is not None:
         overrides["backend.zero_stage"] = case.zero_stage
     config = load_config(base=pipeline.config.model_dump(mode="json"), overrides=overrides)
-    sft = final_uri(pipeline.baseline_uris["sft"])
+    sft = StageLayout(pipeline.baseline_uris["sft"]).final
     inputs = {"data": pipeline.data_uri, "model": sft, "reference": sft,
-              "reward_model": final_uri(pipeline.baseline_uris["reward_model"])}
+              "reward_model": StageLayout(pipeline.baseline_uris["reward_model"]).final}
     output = os.path.join(pipeline.root, "rl-dist", name)
-    spec = StageSpec(stage=case.stage, run_id=RUN_ID, config=config, inputs=inputs, output_uri=output,
-                     writer_id=f"writer-{name}")
+    spec = build_spec(config, case.stage, RUN_ID, inputs, output_uri=output, writer_id=f"writer-{name}")
     return write_spec(spec, os.path.join(pipeline.root, "specs", f"rl-dist-{name}.json")), output, spec
 
 
@@ -161,15 +161,15 @@ def test_two_ranks_commit_an_hf_policy_with_finite_metrics(tiny_pipeline, runs, 
         bad = {k: v for k, v in metrics.items() if not math.isfinite(float(v))}
         assert not bad, f"step {step}: {bad}"
         assert float(metrics["train/consumed_samples"]) == step * 4 * (4 if case.stage == "grpo" else 1)
-    manifest = read_manifest(final_uri(output))
+    manifest = read_manifest(StageLayout(output).final)
     assert (manifest.global_step, manifest.world_size, manifest.backend) == (RL_STEPS, 2, case.backend)
     policy, sft = final_weights(output), final_weights(tiny_pipeline.baseline_uris["sft"])
     assert sorted(policy) == sorted(sft)  # HF names of the policy only: no value head, no wrapper prefix
     assert all(torch.isfinite(t).all() for t in policy.values())
     assert any(not torch.equal(policy[k], sft[k]) for k in sft)  # trained
-    files = storage.list_files(final_uri(output))
+    files = storage.list_files(StageLayout(output).final)
     if case.stage == "ppo":
-        head = safetensors.torch.load(storage.read_bytes(join_uri(final_uri(output), "value_head.safetensors")))
+        head = safetensors.torch.load(storage.read_bytes(join_uri(StageLayout(output).final, "value_head.safetensors")))
         assert head["weight"].shape == (1, tiny_pipeline.config.model.init.hidden_size)
         assert head["weight"].abs().sum() > 0  # trained away from its zero init
         assert len({m["objective/kl_coef"] for m in steps.values()}) > 1  # the adaptive controller moved
@@ -209,7 +209,7 @@ def test_fsdp2_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tiny_p
     want = {s: m for s, m in base_run.step_metrics().items() if s > start}
     assert resumed.step_metrics() == want
     assert_same_weights(final_weights(output), final_weights(base_output))
-    heads = [storage.read_bytes(join_uri(final_uri(o), "value_head.safetensors")) for o in (output, base_output)]
+    heads = [storage.read_bytes(join_uri(StageLayout(o).final, "value_head.safetensors")) for o in (output, base_output)]
     assert heads[0] == heads[1]
 
 
@@ -320,10 +320,9 @@ def ppo_trainers(cfg: PPOConfig):
 
     def make(backend) -> RLTrainer:
         model = copy.deepcopy(initial)
-        ctx = SimpleNamespace(backend=backend, config=SimpleNamespace(seed=0),
-                              spec=SimpleNamespace(output_uri="memory://rl-step"))
-        trainer = RLTrainer(ctx=ctx, cfg=cfg, algo=PPOAlgorithm(cfg), model=model, reference=None, reward_fn=None,
-                            prompts=[])
+        trainer = RLTrainer(backend=backend, tokenizer=None, cfg=cfg, algo=PPOAlgorithm(cfg), model=model,
+                            reference=None, reward_fn=None, prompts=[], seed=0,
+                            session=CheckpointSession("memory://rl-step", backend))
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         return trainer
 

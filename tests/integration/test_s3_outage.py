@@ -2,7 +2,8 @@
 completes once the endpoint is back, and nothing is lost.
 
 A dedicated moto server (``ThreadedMotoServer``) on a fixed loopback port plays S3. The
-checkpoint of a small model is written with the trainer's own ``write_checkpoint``; right
+checkpoint of a small model is written with the trainer's own writer (``put_train_state``
+into a ``RankWriter``, what ``CheckpointSession`` runs in its background thread); right
 after its first file is uploaded the server is stopped and its listening socket closed (so
 connections are refused, as from a dead endpoint), and ~10 s later a new server is started on
 the same port. moto keeps its backend state per process, so the bucket and the first file
@@ -25,11 +26,13 @@ import torch
 from moto.server import ThreadedMotoServer
 from torch import nn
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.manifest import load_verified
-from trainer_core.checkpoint.train_state import TrainProgress, load_train_state, snapshot_train_state, write_checkpoint
+from trainer_core.backends.single import SingleDeviceBackend
+from trainer_core.checkpoint.components import RankWriter, StagedWriter
+from trainer_core.checkpoint.train_state import TrainProgress, load_checkpoint_state, put_train_state
 from trainer_core.config import SFTConfig, StorageConfig
-from trainer_core.loop import build_optimizer, build_scheduler
+from trainer_core.training.loop import build_optimizer, build_scheduler
 
 OUTAGE_S = 10.0
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -101,37 +104,44 @@ def trained_state() -> tuple[nn.Module, torch.optim.Optimizer, object, TrainProg
     return model, optimizer, scheduler, TrainProgress(global_step=1, consumed_samples=4)
 
 
-class OutageAfterFirstFile(dict):
-    """Checkpoint files whose iteration pauses after the first one is written, until
-    ``resume`` is set: the test cuts the endpoint at that moment (``write_checkpoint`` writes
-    the files in ``items()`` order, each before asking for the next)."""
+class OutageAfterFirstFile:
+    """A ``RankWriter`` whose second component waits until ``resume`` is set: the test cuts the
+    endpoint once the first file is written (the writer writes each component as it is put).
 
-    def __init__(self, files: dict[str, bytes]) -> None:
-        super().__init__(files)
+    Attributes:
+        names: the relative paths written, in order.
+    """
+
+    def __init__(self, out: RankWriter) -> None:
+        self.out = out
         self.first_written = threading.Event()
         self.resume = threading.Event()
+        self.names: list[str] = []
 
-    def items(self):
-        for i, item in enumerate(super().items()):
-            if i == 1:
-                self.first_written.set()
-                self.resume.wait(timeout=60)
-            yield item
+    def put(self, name, sharing, data, checksum=None) -> None:
+        if self.names:
+            self.first_written.set()
+            self.resume.wait(timeout=60)
+        self.out.put(name, sharing, data, checksum)
+        self.names.append(name)
 
 
 def test_checkpoint_upload_survives_a_10s_endpoint_outage(s3_endpoint, caplog):
     port, bucket, servers = s3_endpoint
     uri = f"s3://{bucket}/runs/r/stages/sft/checkpoints/step-00000001"
     model, optimizer, scheduler, progress = trained_state()
-    files = OutageAfterFirstFile(
-        snapshot_train_state(model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
-    )
-    total_mb = sum(len(b) for b in files.values()) / 2**20
+    backend = SingleDeviceBackend("cpu")
+    staged = StagedWriter()  # the state serialised in step, as an asynchronous save does
+    put_train_state(staged, backend=backend, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress,
+                    files={})
+    out = RankWriter(uri, backend)
+    files = OutageAfterFirstFile(out)
     outcome: dict[str, object] = {}
 
     def save() -> None:
         try:
-            outcome["manifest"] = write_checkpoint(uri, files, progress, {"stage": "sft", "run_id": "r"})
+            staged.replay(files)
+            outcome["manifest"] = out.commit(kind="checkpoint", stage="sft", run_id="r", global_step=1)
         except BaseException as e:  # noqa: BLE001 - reported by the test thread
             outcome["error"] = e
         outcome["done_at"] = time.monotonic()
@@ -149,6 +159,8 @@ def test_checkpoint_upload_survives_a_10s_endpoint_outage(s3_endpoint, caplog):
     saver.join(timeout=60)
     assert not saver.is_alive(), "the save did not finish within 60 s of the endpoint's return"
     assert "error" not in outcome, f"the save failed: {outcome.get('error')!r}"
+    manifest = load_verified(uri)
+    total_mb = sum(f.size_bytes for f in manifest.files) / 2**20
     print(f"{total_mb:.1f} MB checkpoint; endpoint down {up_at - down_at:.1f}s; save done "
           f"{outcome['done_at'] - up_at:.1f}s after it came back")
 
@@ -159,7 +171,7 @@ def test_checkpoint_upload_survives_a_10s_endpoint_outage(s3_endpoint, caplog):
     assert outcome["done_at"] > up_at
     storage_retries = [
         r.getMessage() for r in caplog.records
-        if r.name == "trainer_core.checkpoint.storage" and r.getMessage().startswith("Retrying ")
+        if r.name == "trainer_core.storage" and r.getMessage().startswith("Retrying ")
     ]
     botocore_retries = [
         r.getMessage() for r in caplog.records
@@ -176,13 +188,14 @@ def test_checkpoint_upload_survives_a_10s_endpoint_outage(s3_endpoint, caplog):
         for o in boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
         .list_objects_v2(Bucket=bucket)["Contents"]
     }
-    assert names == {*files, "manifest.json"}
+    assert names == {*(n.rsplit("/", 1)[-1] for n in files.names), "manifest.json"}
 
     # Nothing lost: every file verifies against the manifest and the state loads back exactly.
-    manifest = load_verified(uri)
-    assert manifest == outcome["manifest"] and {f.path for f in manifest.files} == set(files)
+    assert manifest == outcome["manifest"] and {f.path.rsplit("/", 1)[-1] for f in manifest.files} == set(files.names)
     fresh, fresh_optimizer, fresh_scheduler = training_objects(seed=1)
-    restored = load_train_state(uri, model=fresh, optimizer=fresh_optimizer, scheduler=fresh_scheduler)
+    restored = load_checkpoint_state(
+        uri, manifest, backend=backend, model=fresh, optimizer=fresh_optimizer, scheduler=fresh_scheduler
+    )
     assert restored.global_step == 1
     for name, tensor in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name

@@ -7,7 +7,7 @@
 - Micro-batch x accumulation equivalence: 4 examples x 1 micro-batch, 2 x 2 and 1 x 4 give
   the same per-step losses (the loop normalises by the units counted over the whole step).
   The length-bucketed sampler orders batches differently for different micro-batch sizes, so
-  this runs :class:`~trainer_core.loop.TrainLoop` in-process on a sampler that cuts each
+  this runs :class:`~trainer_core.training.loop.TrainLoop` in-process on a sampler that cuts each
   4-example micro-batch of the real sampler into consecutive pieces.
 """
 
@@ -22,17 +22,24 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from trainer_core.backends import build_backend
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, read_manifest, verify
 from trainer_core.config import BackendConfig, TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, collate_causal, collate_pairs
-from trainer_core.loop import BatchSource, TrainLoop
+from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
+from trainer_core.training.loop import BatchSource, TrainLoop
 from trainer_core.models import load_causal_lm, load_reward_model
-from trainer_core.spec import final_uri, join_uri
-from trainer_core.stages.dpo import DPOObjective, collate_with_reference, reference_logprobs
-from trainer_core.stages.prepare_data import load_split, load_tokenizer_from
-from trainer_core.stages.reward_model import RewardObjective, pair_source
-from trainer_core.stages.sft import SFTObjective, causal_source
+from trainer_core.storage import StageLayout, join_uri
+from trainer_core.data.prepared import load_split, load_tokenizer_from
+from trainer_core.training.supervised import (
+    DPOObjective,
+    RewardObjective,
+    SFTObjective,
+    causal_source,
+    collate_with_reference,
+    pair_source,
+    reference_logprobs,
+)
 
 from .helpers import MAX_STEPS, TinyPipeline, checkpoint_uri, committed_steps, final_weights
 
@@ -50,7 +57,7 @@ def _committed_dir(pipeline: TinyPipeline, name: str) -> str:
     output = pipeline.baseline_uris[stage]
     if what == "checkpoint":
         return checkpoint_uri(output, committed_steps(output)[-1])
-    return final_uri(output) if what == "final" else join_uri(output, what)
+    return StageLayout(output).final if what == "final" else join_uri(output, what)
 
 
 @pytest.mark.parametrize("name", COMMITTED_DIRS)
@@ -79,7 +86,7 @@ def test_manifest_lists_every_file_with_its_sha256(tiny_pipeline, name):
 )
 def test_final_dir_loads_with_auto_classes(tiny_pipeline, stage, auto_class):
     output = tiny_pipeline.baseline_uris[stage]
-    path = storage.materialize(final_uri(output))
+    path = storage.materialize(StageLayout(output).final)
     model, info = auto_class.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -168,9 +175,10 @@ def _train(parts, workdir: str, grad_accum_steps: int):
         objective=objective,
         batches=BatchSource(rows=rows, sampler=sampler, collate=collate, device=torch.device("cpu")),
         cfg=cfg,
-        checkpoints_uri=os.path.join(workdir, f"accum{grad_accum_steps}"),
-        manifest_fields={},
-        log_metrics=lambda metrics, step: logged.setdefault(step, {}).update(metrics),
+        session=CheckpointSession(
+            os.path.join(workdir, f"accum{grad_accum_steps}"), backend,
+            metrics=MetricsBuffer(printer=lambda metrics, step: logged.setdefault(step, {}).update(metrics)),
+        ),
     )
     loop.run()
     return logged, {k: v.detach().clone() for k, v in loop.model.state_dict().items()}

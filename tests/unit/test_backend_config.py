@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from trainer_core.backends.deepspeed_zero import build_ds_config, deep_merge
-from trainer_core.config import TRAINING_STAGES, BackendConfig, PipelineConfig, TrainStageConfig, load_config
+from trainer_core.config import BackendConfig, PipelineConfig, TrainStageConfig, load_config
+from trainer_core.registry import TRAINING_STAGES
 from trainer_core.errors import ConfigError
 
 FSDP2_X2 = {"backend.name": "fsdp2", "backend.nproc_per_node": 2, "backend.device": "cpu"}

@@ -8,7 +8,7 @@ import sys
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import app
+from posttrain.cli import app
 
 runner = CliRunner()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trainer_core.backends.single import SingleDeviceBackend
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.components import (
     RankWriter,
     ReplicaMismatchError,
@@ -23,8 +23,17 @@ from trainer_core.checkpoint.components import (
     state_checksum,
 )
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, read_manifest, verify
-from trainer_core.checkpoint.train_state import TrainProgress, save_distributed_checkpoint
-from trainer_core.spec import join_uri
+from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
+from trainer_core.checkpoint.train_state import TrainProgress
+from trainer_core.storage import join_uri
+
+
+class _NoSink:
+    def log(self, metrics, step):
+        return metrics
+
+    def log_missing(self, batch):
+        return 0
 
 
 def _root() -> str:
@@ -123,21 +132,27 @@ def test_rank_writer_replicas_that_agree_are_written_once_by_rank_0():
     assert storage.list_files(uri) == {}  # rank 0 clears the directory it is about to write
 
 
-def test_save_distributed_checkpoint_world_1_file_list():
-    """What the loop writes at world size 1 with a non-``full`` backend or at several ranks."""
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_checkpoint_session_world_1_file_list(asynchronous):
+    """What every loop writes at world size 1 (in step, or staged and uploaded in the background):
+    the same files as at several ranks."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     uri = _root()
-    manifest = save_distributed_checkpoint(
-        uri, backend=SingleDeviceBackend("cpu"), model=model, optimizer=optimizer, scheduler=scheduler,
-        progress=TrainProgress(global_step=3), global_files={"metrics.json": b"[]"},
-        manifest_fields={"stage": "sft", "run_id": "r1", "extra": {"mlflow_run_id": None}},
+    session = CheckpointSession(
+        uri.rsplit("/", 1)[0], SingleDeviceBackend("cpu"), fingerprint="f1", stage="sft", run_id="r1",
+        metrics=MetricsBuffer(sink=_NoSink(), printer=lambda metrics, step: None), extra={"mlflow_run_id": None},
+        asynchronous=asynchronous,
     )
+    session.save(TrainProgress(global_step=3), model=model, optimizer=optimizer, scheduler=scheduler)
+    session.close()
+    assert session.deferred is asynchronous
+    manifest = read_manifest(uri)
     assert sorted(f.path for f in manifest.files) == [
         "metrics.json", "model.safetensors", "optimizer.pt", "rank-00000/rng.pt", "scheduler.pt", "trainer_state.json",
     ]
-    assert (manifest.backend, manifest.world_size, manifest.global_step) == ("single", 1, 3)
+    assert (manifest.backend, manifest.world_size, manifest.global_step, manifest.config_hash) == ("single", 1, 3, "f1")
     assert manifest.extra == {"mlflow_run_id": None, "checkpoint_format": "full"}
     assert verify(uri) == []

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_core.config import STAGE_ORDER, load_config, parse_override
+from trainer_core.config import load_config, parse_override
+from trainer_core.registry import STAGE_ORDER
 from trainer_core.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))

@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.config import DataSource
 from trainer_core.data.sources import read_records
 from trainer_core.errors import DataError
-from trainer_core.spec import join_uri
+from trainer_core.storage import join_uri
 
 SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
 GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"

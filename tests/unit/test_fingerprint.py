@@ -7,7 +7,7 @@ import uuid
 from trainer_core.checkpoint.manifest import ArtifactWriter
 from trainer_core.config import load_config
 from trainer_core.fingerprint import stage_fingerprint
-from trainer_core.spec import join_uri
+from trainer_core.storage import join_uri
 
 
 def _commit(uri: str, config_hash: str) -> None:

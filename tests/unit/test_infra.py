@@ -227,10 +227,10 @@ def test_multinode_trainer_manifest_renders():
 
 
 def write_stage_spec(path: Path, overrides: list[str]) -> str:
-    from trainer_core.spec import StageSpec
+    from trainer_core.spec import build_spec
 
     config = load_config(overrides=overrides)
-    spec = StageSpec(stage="sft", run_id="run42", config=config, output_uri=str(path.parent / "sft"))
+    spec = build_spec(config, "sft", "run42", {}, output_uri=str(path.parent / "sft"))
     path.write_text(json.dumps(spec.model_dump(mode="json")))
     return str(path)
 
@@ -319,7 +319,7 @@ def test_deploy_needs_an_api_url():
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from posttrain.cli import app
 
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         result = CliRunner().invoke(app, ["deploy"])

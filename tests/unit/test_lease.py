@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.lease import LEASE_NAME, LeaseHeldError, StageLease
-from trainer_core.spec import join_uri
+from trainer_core.storage import join_uri
 
 
 def test_second_writer_is_refused_while_lease_is_live(storage_root):

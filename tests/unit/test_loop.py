@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from trainer_core.backends.single import SingleDeviceBackend
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.manifest import find_latest, read_manifest
 from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler
-from trainer_core.loop import BatchSource, StepOutput, TrainLoop
-from trainer_core.spec import join_uri
+from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
+from trainer_core.storage import join_uri
+from trainer_core.training.loop import BatchSource, StepOutput, TrainLoop
 
 DEVICE = torch.device("cpu")
 
@@ -54,22 +55,41 @@ class Regression:
         return {"loss": float(self._loss_sum(model, self.eval_rows)) / 8}
 
 
-def _loop(root: str, objective=None, committed=None, **cfg) -> TrainLoop:
+class RecordingBuffer(MetricsBuffer):
+    """A metrics buffer that records each batch handed to the tracker, and each re-commit."""
+
+    def __init__(self) -> None:
+        super().__init__(sink=None, printer=lambda metrics, step: None)
+        self.committed: list = []
+        self.recommitted: list = []
+
+    def commit(self, batch):
+        self.committed.append(batch)
+
+    def recommit(self, batch):
+        self.recommitted.extend(batch)
+        return len(batch)
+
+
+def _loop(root: str, objective=None, **cfg) -> TrainLoop:
     torch.manual_seed(0)
     rows = _rows()
     sampler = BucketedBatchSampler([1] * len(rows), micro_batch_size=4, seed=0)
     settings = dict(max_steps=6, save_every=3, eval_every=3, warmup_steps=1, learning_rate=0.05, log_every=1)
     settings.update(cfg)
+    stage_cfg = TrainStageConfig(**settings)
+    backend = SingleDeviceBackend("cpu")
+    session = CheckpointSession(
+        join_uri(root, "checkpoints"), backend, fingerprint="h", metrics=RecordingBuffer(), stage="toy", run_id="r",
+        keep_last=stage_cfg.keep_last_checkpoints, asynchronous=stage_cfg.async_save,
+    )
     return TrainLoop(
         model=nn.Linear(4, 1),
-        backend=SingleDeviceBackend("cpu"),
+        backend=backend,
         objective=objective or Regression(),
         batches=BatchSource(rows=rows, sampler=sampler, collate=_collate, device=DEVICE),
-        cfg=TrainStageConfig(**settings),
-        checkpoints_uri=join_uri(root, "checkpoints"),
-        manifest_fields={"stage": "toy", "run_id": "r", "config_hash": "h"},
-        log_metrics=lambda m, s: None,
-        commit_metrics=(committed.append if committed is not None else (lambda b: None)),
+        cfg=stage_cfg,
+        session=session,
     )
 
 
@@ -96,9 +116,9 @@ def test_async_and_sync_save_write_identical_checkpoints(root):
 
 def test_metrics_are_committed_only_with_their_checkpoint(root):
     """Steps 0-3 go to the tracker when step-3 commits, 4-6 with step-6; nothing twice."""
-    committed: list = []
-    loop = _loop(root, committed=committed, max_steps=7)
+    loop = _loop(root, max_steps=7)
     loop.run()
+    committed = loop.metrics.committed
     batches = [sorted({step for _, step in batch}) for batch in committed]
     assert batches[0] == [0, 1, 2, 3]
     assert batches[1] == [4, 5, 6]
@@ -151,9 +171,8 @@ def test_resume_hands_the_checkpoints_metrics_to_recommit(root):
     """A process killed after committing step-3 but before logging its metrics: the resume logs them."""
     first = _loop(root, max_steps=3)
     first.run()
-    recommitted: list = []
     resumed = _loop(root, max_steps=3)
-    resumed.recommit_metrics = recommitted.extend
     assert resumed.resume()
+    recommitted = resumed.metrics.recommitted
     assert sorted({step for _, step in recommitted}) == [0, 1, 2, 3]
     assert any("train/loss" in metrics for metrics, step in recommitted if step == 3)

@@ -26,8 +26,8 @@ from trainer_core.checkpoint import (
     step_dirname,
     verify,
 )
-from trainer_core.checkpoint import storage
-from trainer_core.spec import join_uri
+from trainer_core import storage
+from trainer_core.storage import join_uri
 
 LOGGER = "trainer_core.checkpoint.manifest"
 

@@ -8,22 +8,20 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import fsspec.config
 import pytest
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.manifest import read_manifest, verify
 from trainer_core.config import load_config
 from trainer_core.data.formats import final_answer
 from trainer_core.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
 from trainer_core.errors import DataError
-from trainer_core.spec import StageSpec, final_uri, join_uri
-from trainer_core.stages.prepare_data import (
-    SPLIT_NAMES,
-    load_split,
-    load_tokenizer_from,
-    run,
-    split_train_eval,
-)
+from trainer_core.spec import StageSpec, build_spec
+from trainer_core.storage import StageLayout, join_uri
+from trainer_core.data.prepared import SPLIT_NAMES, load_split, load_tokenizer_from
+from trainer_core.stages.prepare_data import split_train_eval
+from trainer_core.stages.runner import run_spec as run
 
 SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
 GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
@@ -41,8 +39,11 @@ TINY = {
 
 
 def _spec(root: str, **overrides) -> StageSpec:
+    """A prepare_data spec writing under ``root`` (on S3: the endpoint the test configured)."""
+    if root.startswith("s3://"):
+        overrides.setdefault("storage.endpoint_url", fsspec.config.conf["s3"]["endpoint_url"])
     config = load_config(overrides={**TINY, **overrides})
-    return StageSpec(stage="prepare_data", run_id="run-1", config=config, output_uri=join_uri(root, "prepare_data"))
+    return build_spec(config, "prepare_data", "run-1", {}, output_uri=join_uri(root, "prepare_data"))
 
 
 def _jsonl(path: Path, rows: list[dict]) -> str:
@@ -53,7 +54,7 @@ def _jsonl(path: Path, rows: list[dict]) -> str:
 def test_synthetic_run_writes_committed_splits(storage_root):
     spec = _spec(storage_root)
     manifest = run(spec)
-    out = final_uri(spec.output_uri)
+    out = StageLayout(spec.output_uri).final
     assert read_manifest(out) == manifest and verify(out, hashes=True) == []
     assert (manifest.kind, manifest.stage, manifest.run_id) == ("final", "prepare_data", "run-1")
     paths = {f.path for f in manifest.files}
@@ -69,7 +70,7 @@ def test_synthetic_run_writes_committed_splits(storage_root):
 def test_parquet_columns_and_types(tmp_path):
     spec = _spec(str(tmp_path))
     run(spec)
-    out = final_uri(spec.output_uri)
+    out = StageLayout(spec.output_uri).final
     schema = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "sft/train.parquet"))))
     assert schema.names == ["prompt", "completion", "answer", "messages_json", "input_ids", "loss_mask", "num_tokens"]
     assert schema.field("input_ids").type == pa.list_(pa.int32()) and schema.field("loss_mask").type == pa.list_(pa.int8())
@@ -84,7 +85,7 @@ def test_parquet_columns_and_types(tmp_path):
 def test_rows_decode_to_chat_and_eval_problems_are_held_out_sft(tmp_path):
     spec = _spec(str(tmp_path))
     run(spec)
-    out = final_uri(spec.output_uri)
+    out = StageLayout(spec.output_uri).final
     tok = load_tokenizer_from(out)
     sft_train, sft_eval = load_split(out, "sft/train"), load_split(out, "sft/eval")
     row = sft_train[0]
@@ -105,7 +106,7 @@ def test_deterministic_for_a_seed(tmp_path):
     run(_spec(str(tmp_path / "a")))
     run(_spec(str(tmp_path / "b")))
     run(_spec(str(tmp_path / "c"), seed=6))
-    read = {k: load_split(final_uri(str(tmp_path / k / "prepare_data")), "sft/eval") for k in "abc"}
+    read = {k: load_split(StageLayout(str(tmp_path / k / "prepare_data")).final, "sft/eval") for k in "abc"}
     assert read["a"] == read["b"] != read["c"]
 
 
@@ -113,7 +114,7 @@ def test_rerun_overwrites(tmp_path):
     spec = _spec(str(tmp_path))
     run(spec)
     second = run(spec)
-    assert read_manifest(final_uri(spec.output_uri)) == second
+    assert read_manifest(StageLayout(spec.output_uri).final) == second
 
 
 def test_real_files_with_pretrained_tokenizer_and_eval_source(tmp_path):
@@ -132,7 +133,7 @@ def test_real_files_with_pretrained_tokenizer_and_eval_source(tmp_path):
         "data.preference.uri": pref, "data.preference.max_rows": 30, "data.eval.uri": eval_uri,
         "data.max_eval_rows": 2, "data.max_length_tokens": 96, "data.max_prompt_length_tokens": 64})
     manifest = run(spec)
-    out = final_uri(spec.output_uri)
+    out = StageLayout(spec.output_uri).final
     assert manifest.metrics["num_eval_problems"] == 2
     assert manifest.metrics["vocab_size"] == len(load_tokenizer(str(tok_dir))) == len(load_tokenizer_from(out))
     assert manifest.extra["tokenizer_trained"] is False
@@ -147,7 +148,7 @@ def test_train_rows_with_an_eval_problem_prompt_are_dropped(tmp_path):
     eval_uri = _jsonl(tmp_path / "eval.jsonl", rows[:6])
     spec = _spec(str(tmp_path / "out"), **{"data.sft.uri": sft, "data.eval.uri": eval_uri, "data.max_eval_rows": 10})
     m = run(spec).metrics
-    out = final_uri(spec.output_uri)
+    out = StageLayout(spec.output_uri).final
     held_out_sft = {r["prompt"] for r in load_split(out, "sft/eval")}
     expected = len({r["question"] for r in rows[:6]} - held_out_sft)
     assert expected > 0 and m["num_sft_train_dropped_overlap"] == expected
@@ -180,16 +181,16 @@ def test_bad_data_raises_and_commits_nothing(tmp_path):
     spec = _spec(str(tmp_path / "out"), **{"data.sft.uri": str(bad)})
     with pytest.raises(DataError, match=rf"{bad}:2: missing field 'answer'"):
         run(spec)
-    assert not storage.exists(join_uri(final_uri(spec.output_uri), "manifest.json"))
+    assert not storage.exists(join_uri(StageLayout(spec.output_uri).final, "manifest.json"))
     with pytest.raises(DataError, match="not a committed prepare_data output"):
-        load_split(final_uri(spec.output_uri), "sft/train")
+        load_split(StageLayout(spec.output_uri).final, "sft/train")
 
 
 def test_load_split_unknown_name(tmp_path):
     spec = _spec(str(tmp_path))
     run(spec)
     with pytest.raises(DataError, match="prepared split not found"):
-        load_split(final_uri(spec.output_uri), "sft/test")
+        load_split(StageLayout(spec.output_uri).final, "sft/test")
 
 
 def test_split_train_eval():

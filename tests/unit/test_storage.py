@@ -16,9 +16,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 from pydantic import SecretStr
 from tenacity import wait_none
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.config import StorageConfig
-from trainer_core.spec import join_uri
+from trainer_core.storage import join_uri
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +85,7 @@ def test_remove(storage_root):
 
 
 def test_remove_never_raises(caplog):
-    with caplog.at_level(logging.WARNING, logger="trainer_core.checkpoint.storage"):
+    with caplog.at_level(logging.WARNING, logger="trainer_core.storage"):
         assert storage.remove("nosuchprotocol://bucket/x") is False
     assert "could not remove nosuchprotocol://bucket/x" in caplog.text
 
@@ -246,7 +246,7 @@ def flaky_fs(monkeypatch):
 
 def test_write_retries_transient_errors(flaky_fs, caplog, monkeypatch):
     monkeypatch.setattr(flaky_fs, "fail_times", 2)
-    with caplog.at_level(logging.WARNING, logger="trainer_core.checkpoint.storage"):
+    with caplog.at_level(logging.WARNING, logger="trainer_core.storage"):
         storage.write_bytes("flakymem://retry/a.bin", b"ok")
     assert flaky_fs.calls == 3
     assert storage.read_bytes("flakymem://retry/a.bin") == b"ok"

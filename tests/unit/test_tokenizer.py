@@ -8,7 +8,7 @@ import uuid
 import pytest
 import transformers
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.data.synthetic import make_sft_records
 from trainer_core.data.tokenizer import (
     CHAT_TEMPLATE,

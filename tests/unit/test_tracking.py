@@ -72,7 +72,7 @@ def test_flatten_params_drops_secrets_and_truncates():
 def test_parent_and_nested_stage_runs(config, store):
     _, uri = store
     client = MlflowClient(uri)
-    parent_id = tracking.start_pipeline_run(config, "demo-run-1")
+    parent_id = tracking.start_pipeline_run(config, "demo-run-1", tracking_uri=uri)
     parent = client.get_run(parent_id)
     assert parent.info.run_name == "demo-run-1"
     assert parent.data.tags["posttrain.run_id"] == "demo-run-1"
@@ -81,7 +81,7 @@ def test_parent_and_nested_stage_runs(config, store):
     assert experiment.artifact_location.endswith(os.path.join(store[0], "mlflow-artifacts"))
     assert "do-not-log-me" not in json.dumps(parent.data.params)
 
-    sft_id = tracking.start_stage_run(config, parent_id, "sft")
+    sft_id = tracking.start_stage_run(config, parent_id, "sft", tracking_uri=uri)
     sft = client.get_run(sft_id)
     assert sft.data.tags["mlflow.parentRunId"] == parent_id
     assert sft.data.tags["posttrain.run_id"] == "demo-run-1"
@@ -89,7 +89,7 @@ def test_parent_and_nested_stage_runs(config, store):
     assert sft.data.params["sft.learning_rate"] == "0.0003"
     assert sft.data.params["sft.adam_betas"] == "[0.9, 0.95]"
     assert sft.data.params["sft.init_from"] == "None"
-    data_run = client.get_run(tracking.start_stage_run(config, parent_id, "prepare_data"))
+    data_run = client.get_run(tracking.start_stage_run(config, parent_id, "prepare_data", tracking_uri=uri))
     assert data_run.data.params["data.synthetic.num_problems"] == "3000"
     assert not any("secret" in k for k in {**sft.data.params, **data_run.data.params})
 
@@ -97,8 +97,8 @@ def test_parent_and_nested_stage_runs(config, store):
 def test_finish_stage_run_logs_manifest_metrics_and_status(config, store, tmp_path):
     _, uri = store
     client = MlflowClient(uri)
-    parent_id = tracking.start_pipeline_run(config, "demo-run-2")
-    run_id = tracking.start_stage_run(config, parent_id, "sft")
+    parent_id = tracking.start_pipeline_run(config, "demo-run-2", tracking_uri=uri)
+    run_id = tracking.start_stage_run(config, parent_id, "sft", tracking_uri=uri)
     manifest = Manifest(
         kind="final", stage="sft", run_id="demo-run-2", global_step=7, files=[],
         metrics={"eval/loss": 1.25, "acc@1": 0.5},
@@ -132,7 +132,7 @@ def test_finish_stage_run_logs_manifest_metrics_and_status(config, store, tmp_pa
 def test_metric_logger_logs_batches_with_steps(config, store, caplog):
     _, uri = store
     client = MlflowClient(uri)
-    run_id = tracking.start_stage_run(config, tracking.start_pipeline_run(config, "demo-run-3"), "dpo")
+    run_id = tracking.start_stage_run(config, tracking.start_pipeline_run(config, "demo-run-3", tracking_uri=uri), "dpo", tracking_uri=uri)
     metric_logger = MetricLogger(uri, run_id)
     assert metric_logger.enabled
     metric_logger.log({"train/loss": 0.7, "train/lr": 1e-3}, step=1)

@@ -15,8 +15,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer_core.backends.distributed import ProcessGroupBackend
-from trainer_core.backends.single import full_weights_bytes, load_full_state, place_trainable, torch_bytes, torch_optimizer_step
-from trainer_core.checkpoint.components import Sharing, state_checksum
+from trainer_core.backends.single import load_full_state, place_trainable, put_full_state, torch_optimizer_step
 from trainer_core.config import BackendConfig
 
 
@@ -52,10 +51,7 @@ class DDPBackend(ProcessGroupBackend):
         return self.unwrap(model).state_dict() if self.rank == 0 else None
 
     def save_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Any) -> None:
-        weights = self.unwrap(model).state_dict()
-        out.put("model.safetensors", Sharing.REPLICATED, full_weights_bytes(weights), state_checksum(weights))
-        state = optimizer.state_dict()
-        out.put("optimizer.pt", Sharing.REPLICATED, torch_bytes(state), state_checksum(state))
+        put_full_state(out, self.unwrap(model), optimizer)
 
     def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
         load_full_state(self.unwrap(model), optimizer, uri)

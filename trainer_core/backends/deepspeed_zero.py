@@ -32,9 +32,9 @@ from torch import Tensor, nn
 
 from trainer_core.backends.distributed import ProcessGroupBackend
 from trainer_core.backends.single import place_trainable
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.config import BackendConfig, TrainStageConfig
-from trainer_core.spec import join_uri
+from trainer_core.storage import join_uri
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ environment and the collectives of the :class:`~trainer_core.backends.base.Backe
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 from typing import Any
@@ -86,5 +87,9 @@ class ProcessGroupBackend:
         dist.barrier()
 
     def close(self) -> None:
+        """Leave the process group, so the launcher sees a clean exit."""
         if dist.is_initialized():
+            # FSDP2 modules sit in reference cycles: collect them now, while the group they hold
+            # exists; freed at interpreter exit instead, they can abort the rank after its commit.
+            gc.collect()
             dist.destroy_process_group()

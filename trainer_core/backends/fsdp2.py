@@ -31,10 +31,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from trainer_core.backends.distributed import ProcessGroupBackend
 from trainer_core.backends.single import torch_optimizer_step
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.config import BackendConfig
 from trainer_core.errors import ConfigError
-from trainer_core.spec import join_uri
+from trainer_core.storage import join_uri
 
 log = logging.getLogger(__name__)
 

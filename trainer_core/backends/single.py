@@ -1,4 +1,9 @@
-"""Single-device backend: the numerical reference the distributed backends are tested against."""
+"""Single-device backend: the numerical reference the distributed backends are tested against.
+
+Also the ``full`` checkpoint format (:func:`put_full_state`, :func:`load_full_state`): one copy of
+the weights (``model.safetensors``) and of the optimizer state (``optimizer.pt``), written by
+this backend and by DDP, whose replicas are identical.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,10 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
+from trainer_core import storage
+from trainer_core.checkpoint.components import Sharing, state_checksum, torch_bytes
 from trainer_core.config import TrainStageConfig
+from trainer_core.storage import join_uri
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
@@ -26,13 +34,6 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
             raise RuntimeError("backend.device=cuda but no CUDA device is visible")
         return torch.device("cuda", local_rank)
     return torch.device(device)
-
-
-def torch_bytes(obj: Any) -> bytes:
-    """``torch.save`` to bytes."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 def full_weights_bytes(state_dict: dict[str, Tensor]) -> bytes:
@@ -118,10 +119,7 @@ class SingleDeviceBackend:
         return model.state_dict()
 
     def save_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Any) -> None:
-        from trainer_core.checkpoint.components import Sharing
-
-        out.put("model.safetensors", Sharing.REPLICATED, full_weights_bytes(model.state_dict()))
-        out.put("optimizer.pt", Sharing.REPLICATED, torch_bytes(optimizer.state_dict()))
+        put_full_state(out, model, optimizer)
 
     def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
         load_full_state(model, optimizer, uri)
@@ -133,12 +131,22 @@ class SingleDeviceBackend:
         return None
 
 
+def put_full_state(out: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Put the ``full`` format's two REPLICATED components through ``out`` (a ``RankWriter`` or
+    ``StagedWriter``): ``model.safetensors`` (the plain model's state dict) and ``optimizer.pt``.
+
+    Their checksums over the live state are computed only when ``out`` compares replicas.
+    """
+    validate = getattr(out, "validate", False)
+    weights = model.state_dict()
+    out.put("model.safetensors", Sharing.REPLICATED, full_weights_bytes(weights), state_checksum(weights) if validate else None)
+    state = optimizer.state_dict()
+    out.put("optimizer.pt", Sharing.REPLICATED, torch_bytes(state), state_checksum(state) if validate else None)
+
+
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
     """Load ``model.safetensors`` (strict) and ``optimizer.pt`` of a ``full``-format checkpoint."""
-    from trainer_core.checkpoint.storage import read_bytes
-    from trainer_core.spec import join_uri
-
-    weights = safetensors.torch.load(read_bytes(join_uri(uri, "model.safetensors")))
+    weights = safetensors.torch.load(storage.read_bytes(join_uri(uri, "model.safetensors")))
     device = next(model.parameters()).device
     model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=True)
-    optimizer.load_state_dict(torch.load(io.BytesIO(read_bytes(join_uri(uri, "optimizer.pt"))), weights_only=True))
+    optimizer.load_state_dict(torch.load(io.BytesIO(storage.read_bytes(join_uri(uri, "optimizer.pt"))), weights_only=True))

@@ -1,4 +1,8 @@
-"""Checkpoint storage on any fsspec URI and the manifest commit protocol."""
+"""Committed artifact directories (the manifest protocol), step checkpoints and the writer lease.
+
+Storage I/O itself is the floor below (:mod:`trainer_core.storage`); this package adds what
+makes a directory trustworthy: files first, ``manifest.json`` (sizes and SHA-256) last.
+"""
 
 from trainer_core.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -17,24 +21,6 @@ from trainer_core.checkpoint.manifest import (
     step_dirname,
     verify,
 )
-from trainer_core.checkpoint.storage import (
-    configure,
-    download_dir,
-    exists,
-    is_transient,
-    list_dirs,
-    list_files,
-    materialize,
-    read_bytes,
-    read_json,
-    remove,
-    sha256_uri,
-    upload_file,
-    upload_file_hashed,
-    url_to_fs,
-    write_bytes,
-    write_json,
-)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -44,28 +30,12 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "check_relpath",
-    "configure",
-    "download_dir",
-    "exists",
     "find_latest",
     "get_code_version",
-    "is_transient",
-    "list_dirs",
-    "list_files",
     "load_verified",
-    "materialize",
     "purge_checkpoints",
-    "read_bytes",
-    "read_json",
     "read_manifest",
-    "remove",
     "sha256_file",
-    "sha256_uri",
     "step_dirname",
-    "upload_file",
-    "upload_file_hashed",
-    "url_to_fs",
     "verify",
-    "write_bytes",
-    "write_json",
 ]

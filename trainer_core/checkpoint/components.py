@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import io
 from typing import Any
 
 import torch
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.checkpoint.manifest import ArtifactWriter, FileEntry, Manifest
-from trainer_core.spec import join_uri
+from trainer_core.storage import join_uri
 
 
 class Sharing(str, enum.Enum):
@@ -57,6 +58,13 @@ class ReplicaMismatchError(RuntimeError):
         )
         self.component = component
         self.checksums = checksums
+
+
+def torch_bytes(obj: Any) -> bytes:
+    """``torch.save`` of ``obj`` to bytes (a state component's serialised form)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def per_rank_path(name: str, rank: int) -> str:
@@ -171,3 +179,28 @@ class RankWriter:
             manifest = self._writer.commit(**manifest_fields)
         data = self.backend.broadcast_object(manifest.model_dump(mode="json") if manifest is not None else None)
         return Manifest.model_validate(data)
+
+
+class StagedWriter:
+    """Records :meth:`RankWriter.put` calls in host memory, to be written later.
+
+    What an asynchronous save uses on one process: the state is serialised now (the bytes no
+    longer depend on the live model), and :meth:`replay` writes it through a
+    :class:`RankWriter` in the background. Only ``put`` is offered: formats that write files
+    themselves (DCP, DeepSpeed) are collectives and are saved in step.
+    """
+
+    validate = False
+    """Never compares replicas: a staged save runs on a single process."""
+
+    def __init__(self) -> None:
+        self._puts: list[tuple[str, Sharing, bytes, str | None]] = []
+
+    def put(self, name: str, sharing: Sharing, data: bytes, checksum: str | None = None) -> None:
+        """Keep one component's bytes (see :meth:`RankWriter.put`)."""
+        self._puts.append((name, sharing, bytes(data), checksum))
+
+    def replay(self, out: RankWriter) -> None:
+        """Write every kept component through ``out``, in the order they were put."""
+        for name, sharing, data, checksum in self._puts:
+            out.put(name, sharing, data, checksum)

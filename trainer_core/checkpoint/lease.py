@@ -27,9 +27,9 @@ import threading
 import time
 import uuid
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.errors import PosttrainError
-from trainer_core.spec import join_uri
+from trainer_core.storage import join_uri
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from trainer_core.checkpoint import storage
+from trainer_core import storage
 from trainer_core.errors import PosttrainError
-from trainer_core.spec import join_uri
+from trainer_core.storage import join_uri
 
 logger = logging.getLogger(__name__)
 

@@ -23,12 +23,19 @@ from torch import nn
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.data.formats import answers_match, extract_generated_answer
 from trainer_core.generation import generate_completions, messages_of, prompt_ids, reward_scores
-from trainer_core.models import INIT_SOURCE, load_causal_lm, load_reward_model
-from trainer_core.spec import StageSpec
-from trainer_core.stages.common import StageContext, commit_final, load_rows, open_stage
-from trainer_core.stages.dpo import DPOObjective, collate_with_reference, reference_logprobs
-from trainer_core.stages.reward_model import RewardObjective, evaluate_pairs, pair_source
-from trainer_core.stages.sft import SFTObjective, causal_source
+from trainer_core.models import load_causal_lm, load_reward_model
+from trainer_core.registry import INIT_SOURCE, policy_role, policy_stages
+from trainer_core.stages.context import StageContext, commit_final
+from trainer_core.training.supervised import (
+    DPOObjective,
+    RewardObjective,
+    SFTObjective,
+    causal_source,
+    collate_with_reference,
+    evaluate_pairs,
+    pair_source,
+    reference_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +56,7 @@ def exact_match(ctx: StageContext, policy: nn.Module, problems: list[dict]) -> t
 
 def _sft_metrics(ctx: StageContext, sft: nn.Module) -> dict[str, float]:
     cfg = ctx.config.evaluate
-    rows = load_rows(ctx, "sft/eval")
+    rows = ctx.load_rows("sft/eval")
     source = causal_source(rows, ctx.tokenizer.pad_token_id, cfg.micro_batch_size, ctx.config.seed, ctx.backend.device, shuffle=False)
     m = SFTObjective(source, cfg.eval_max_batches).evaluate(sft)
     return {"sft/eval_loss": m["loss"], "sft/eval_perplexity": m["perplexity"]}
@@ -94,23 +101,27 @@ def _win_rates(ctx: StageContext, rm: nn.Module, policies: dict[str, nn.Module],
     return out
 
 
-def run(spec: StageSpec) -> Manifest:
-    """Compute every available held-out metric and commit them."""
-    ctx = open_stage(spec)
-    problems = load_rows(ctx, "eval_problems")[: ctx.config.evaluate.num_problems]
-    pairs = load_rows(ctx, "preference/eval")
+def run(ctx: StageContext) -> Manifest:
+    """Compute every available held-out metric and commit them.
+
+    The policies compared are the inputs named ``<stage>_model`` for every policy stage of
+    the registry (``trainer_core.registry.policy_stages``) that this run trained.
+    """
+    inputs = ctx.spec.inputs
+    problems = ctx.load_rows("eval_problems")[: ctx.config.evaluate.num_problems]
+    pairs = ctx.load_rows("preference/eval")
     metrics: dict[str, float] = {}
     policies: dict[str, nn.Module] = {}
-    if spec.inputs.get("base_model", INIT_SOURCE) != INIT_SOURCE:
+    if inputs.get("base_model", INIT_SOURCE) != INIT_SOURCE:
         metrics["base/exact_match"], _ = exact_match(ctx, _policy(ctx, "base_model"), problems)
-    for role, name in (("sft_model", "sft"), ("dpo_model", "dpo"), ("ppo_model", "ppo"), ("grpo_model", "grpo")):
-        if role in spec.inputs:
-            policies[name] = _policy(ctx, role)
+    for name in policy_stages():
+        if policy_role(name) in inputs:
+            policies[name] = _policy(ctx, policy_role(name))
             metrics[f"{name}/exact_match"], _ = exact_match(ctx, policies[name], problems)
     if "sft" in policies:
         metrics.update(_sft_metrics(ctx, policies["sft"]))
     rm = None
-    if "reward_model" in spec.inputs:
+    if "reward_model" in inputs:
         rm = ctx.backend.prepare_frozen(load_reward_model(ctx.input("reward_model"), ctx.config.model, ctx.tokenizer, ctx.config.seed))
         metrics.update(_rm_metrics(ctx, rm, pairs))
     if "dpo" in policies and "sft" in policies:

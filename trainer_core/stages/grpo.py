@@ -1,6 +1,6 @@
 """GRPO stage: ``group_size`` samples per prompt, group-normalised advantages, the clipped
 objective with an optional k3 KL to the reference, no critic (see
-:mod:`trainer_core.stages.rl_common` for the loop and :mod:`trainer_core.objectives.grpo`
+:mod:`trainer_core.training.rl` for the loop and :mod:`trainer_core.objectives.grpo`
 for the math).
 
 Default reward: the verifier (exact match of the final number plus a format bonus). The
@@ -19,9 +19,9 @@ from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import GRPOConfig
 from trainer_core.objectives.grpo import group_advantages, grpo_loss
 from trainer_core.rollout import PolicyForward, RolloutBatch
-from trainer_core.spec import StageSpec
-from trainer_core.stages.common import commit_final, open_stage
-from trainer_core.stages.rl_common import masked_sum, run_rl_stage
+from trainer_core.stages.context import StageContext, commit_final
+from trainer_core.stages.rl_common import run_rl_stage
+from trainer_core.training.rl import masked_sum
 
 
 class GRPOAlgorithm:
@@ -63,9 +63,8 @@ class GRPOAlgorithm:
         return loss_sum / num_valid_tokens, metric_sums
 
 
-def run(spec: StageSpec) -> Manifest:
+def run(ctx: StageContext) -> Manifest:
     """Train the GRPO policy and commit it as an HF model directory (collective when distributed)."""
-    ctx = open_stage(spec)
     cfg = ctx.config.grpo
     trainer, metrics = run_rl_stage(ctx, cfg, GRPOAlgorithm(cfg), uses_reference=cfg.kl_coef > 0 or cfg.adaptive_kl)
     return commit_final(ctx, metrics, model=trainer.policy)

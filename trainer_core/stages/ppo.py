@@ -1,6 +1,6 @@
 """PPO stage: a policy with a value head (shared trunk), per-token KL penalty against a frozen
 reference, the score added at the last token, GAE, whitened advantages, clipped policy and
-value losses; several epochs of mini-batches per rollout (see :mod:`trainer_core.stages.rl_common`).
+value losses; several epochs of mini-batches per rollout (see :mod:`trainer_core.training.rl`).
 
 Default reward: the trained reward model (``ppo.reward.kind``). The final directory holds the
 policy as an HF model plus ``value_head.safetensors`` (``weight`` [1, H], ``bias`` [1]).
@@ -31,9 +31,9 @@ from trainer_core.objectives.ppo import (
     penalized_rewards,
 )
 from trainer_core.rollout import PolicyForward, RolloutBatch
-from trainer_core.spec import StageSpec
-from trainer_core.stages.common import commit_final, open_stage
-from trainer_core.stages.rl_common import masked_sum, run_rl_stage, value_head_bytes
+from trainer_core.stages.context import StageContext, commit_final
+from trainer_core.stages.rl_common import run_rl_stage, value_head_bytes
+from trainer_core.training.rl import masked_sum
 
 
 def whiten_across_ranks(
@@ -109,13 +109,12 @@ class PPOAlgorithm:
         return pg_sum / num_valid_tokens + cfg.vf_coef * (vf_sum / num_valid_tokens), metric_sums
 
 
-def run(spec: StageSpec) -> Manifest:
+def run(ctx: StageContext) -> Manifest:
     """Train the PPO policy and value head; commit the policy (HF format) and the value head.
 
     Collective under a distributed backend: the value head and the policy are consolidated
     from every rank (``Backend.full_state_dict``); rank 0 writes them.
     """
-    ctx = open_stage(spec)
     cfg = ctx.config.ppo
     trainer, metrics = run_rl_stage(ctx, cfg, PPOAlgorithm(cfg), uses_reference=True)
     head = ctx.backend.full_state_dict(trainer.value_head)

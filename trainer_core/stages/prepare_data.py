@@ -1,6 +1,7 @@
 """prepare_data stage: read, adapt, split and tokenise every data set; write Parquet + tokenizer.
 
-Output directory (``final_uri(spec.output_uri)``), committed by ``manifest.json`` written last::
+Output directory (``<output_uri>/final``), committed by ``manifest.json`` written last; read by
+:mod:`trainer_core.data.prepared`::
 
     sft/train.parquet, sft/eval.parquet
         prompt str, completion str, answer str|null, messages_json str,
@@ -36,7 +37,6 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trainer_core.checkpoint import storage
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
 from trainer_core.config import DataSource, PipelineConfig
 from trainer_core.data.formats import (
@@ -46,12 +46,12 @@ from trainer_core.data.formats import (
     to_preference_example,
     to_sft_example,
 )
+from trainer_core.data.prepared import SPLIT_NAMES
 from trainer_core.data.sources import read_records
 from trainer_core.data.synthetic import make_preference_records, make_sft_records
 from trainer_core.data.tokenizer import encode_chat, load_tokenizer, render_chat, train_tokenizer
 from trainer_core.errors import DataError
-from trainer_core.fingerprint import stage_fingerprint
-from trainer_core.spec import StageSpec, final_uri, join_uri
+from trainer_core.stages.context import StageContext
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,6 @@ STAGE = "prepare_data"
 MAX_INVALID_FRACTION = 0.05
 """Largest fraction of a data set's records that may fail to parse (and be skipped)."""
 
-SPLIT_NAMES = ("sft/train", "sft/eval", "preference/train", "preference/eval", "eval_problems")
-"""Parquet files (without suffix) of the output directory, for :func:`load_split`."""
 
 _IDS = pa.list_(pa.int32())
 _MASK = pa.list_(pa.int8())
@@ -276,8 +274,8 @@ def _source_names(config: PipelineConfig) -> dict[str, str]:
     }
 
 
-def run(spec: StageSpec) -> Manifest:
-    """Prepare every data set of ``spec.config`` and commit them under ``final_uri(spec.output_uri)``.
+def run(ctx: StageContext) -> Manifest:
+    """Prepare every data set of the config and commit them under ``<output_uri>/final``.
 
     Returns:
         The committed manifest; ``metrics`` hold row counts per split, dropped counts, mean
@@ -288,13 +286,13 @@ def run(spec: StageSpec) -> Manifest:
             split left empty.
         ConfigError: the tokenizer cannot be loaded or its chat template is unusable.
     """
-    config = spec.config
+    config = ctx.config
     metrics: dict[str, float] = {}
     splits = _splits(config, metrics)
     tokenizer = _build_tokenizer(config, splits["sft/train"], splits["preference/train"])
     metrics["vocab_size"] = len(tokenizer)
     tables = _tables(tokenizer, splits, config, metrics)
-    writer = ArtifactWriter(final_uri(spec.output_uri), overwrite=True)
+    writer = ArtifactWriter(ctx.layout.final, overwrite=True)
     for name, table in tables.items():
         writer.write_bytes(f"{name}.parquet", _parquet_bytes(table))
     with tempfile.TemporaryDirectory(prefix="posttrain-tokenizer-") as local:
@@ -309,52 +307,7 @@ def run(spec: StageSpec) -> Manifest:
         "max_length_tokens": config.data.max_length_tokens,
         "max_prompt_length_tokens": config.data.max_prompt_length_tokens,
     }
-    manifest = writer.commit(kind="final", stage=STAGE, run_id=spec.run_id, config_hash=stage_fingerprint(config, STAGE, spec.inputs),
+    manifest = writer.commit(kind="final", stage=STAGE, run_id=ctx.spec.run_id, config_hash=ctx.fingerprint,
                              metrics={k: float(v) for k, v in metrics.items()}, extra=extra)
     logger.info("prepare_data committed %s: %s", writer.uri, {k: v for k, v in metrics.items() if k.startswith("num_")})
     return manifest
-
-
-def _committed(data_uri: str) -> None:
-    if not storage.exists(join_uri(data_uri, "manifest.json")):
-        raise DataError(f"{data_uri} is not a committed prepare_data output (no manifest.json)")
-
-
-def load_split(data_uri: str, name: str) -> list[dict]:
-    """Rows of one prepared Parquet file, e.g. ``load_split(uri, "sft/train")``.
-
-    Args:
-        data_uri: the prepare_data final directory (any fsspec URI).
-        name: one of :data:`SPLIT_NAMES` (``.parquet`` optional).
-
-    Returns:
-        One dict per row; list columns come back as ``list[int]``.
-
-    Raises:
-        DataError: the directory is not committed, or the file is missing or not Parquet.
-    """
-    _committed(data_uri)
-    uri = join_uri(data_uri, name if name.endswith(".parquet") else f"{name}.parquet")
-    try:
-        raw = storage.read_bytes(uri)
-    except FileNotFoundError as e:
-        raise DataError(f"prepared split not found: {uri} (splits: {list(SPLIT_NAMES)})") from e
-    try:
-        return pq.read_table(pa.BufferReader(raw)).to_pylist()
-    except pa.ArrowInvalid as e:
-        raise DataError(f"{uri}: not a readable Parquet file: {e}") from e
-
-
-def load_tokenizer_from(data_uri: str) -> Any:
-    """The tokenizer saved by prepare_data under ``<data_uri>/tokenizer`` (downloaded if remote).
-
-    Raises:
-        DataError: the directory is not committed or has no tokenizer.
-        ConfigError: the tokenizer files cannot be loaded.
-    """
-    _committed(data_uri)
-    try:
-        local = storage.materialize(join_uri(data_uri, "tokenizer"))
-    except (FileNotFoundError, NotADirectoryError) as e:
-        raise DataError(f"{data_uri} has no tokenizer/ directory") from e
-    return load_tokenizer(local)

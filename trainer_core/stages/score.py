@@ -17,13 +17,12 @@ from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.data.formats import answers_match, extract_generated_answer
 from trainer_core.generation import generate_completions, messages_of, prompt_ids, reward_scores
 from trainer_core.models import load_causal_lm, load_reward_model
-from trainer_core.spec import StageSpec
-from trainer_core.stages.common import StageContext, commit_final, load_rows, open_stage
+from trainer_core.stages.context import StageContext, commit_final
 
 
 def _prompts(ctx: StageContext, num_prompts: int) -> list[dict]:
-    problems = load_rows(ctx, "eval_problems")[:num_prompts]
-    pairs = load_rows(ctx, "preference/eval")[:num_prompts]
+    problems = ctx.load_rows("eval_problems")[:num_prompts]
+    pairs = ctx.load_rows("preference/eval")[:num_prompts]
     items = [{"source": "eval_problems", "messages": messages_of(r), "answer": r["answer"]} for r in problems]
     items += [{"source": "preference", "messages": messages_of(r), "answer": None} for r in pairs]
     return items
@@ -60,9 +59,8 @@ def score_metrics(items: list[dict], tokenizer) -> dict[str, float]:
     return metrics
 
 
-def run(spec: StageSpec) -> Manifest:
+def run(ctx: StageContext) -> Manifest:
     """Generate, verify and reward-score completions; commit the table."""
-    ctx = open_stage(spec)
     cfg, data, seed = ctx.config.score, ctx.config.data, ctx.config.seed
     device = ctx.backend.device
     items = _prompts(ctx, cfg.num_prompts)
@@ -74,7 +72,7 @@ def run(spec: StageSpec) -> Manifest:
         item["completion"] = completion
         if item["answer"] is not None:
             item["correct"] = answers_match(extract_generated_answer(completion), item["answer"])
-    if "reward_model" in spec.inputs:
+    if "reward_model" in ctx.spec.inputs:
         rm = ctx.backend.prepare_frozen(
             load_reward_model(ctx.input("reward_model"), ctx.config.model, ctx.tokenizer, seed)
         )

@@ -1,4 +1,7 @@
-"""``posttrain`` command line: run the pipeline flow, or validate a config.
+"""``posttrain`` command line: run, resume and inspect pipeline runs, validate a config, deploy.
+
+It sits above every other package (``posttrain -> deployments -> flows -> tasks ->
+trainer_core``): the flow does not know the CLI exists.
 
 ``posttrain run [CONFIG] [--set key.path=value ...] [--run-id ID]`` validates the config
 before anything runs (exit 2 on a bad one), runs the flow, and prints the output locations;
@@ -106,8 +109,7 @@ def _absolute(root: str) -> str:
 def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
     """Run the flow for ``cfg`` under ``run_id``; print locations; last line: the summary URI."""
     from flows.pipeline import check_run_id, post_training_pipeline
-    from tasks.summary import summary_uri
-    from trainer_core.spec import run_uri
+    from trainer_core.storage import RunLayout
 
     try:
         run_id = check_run_id(run_id)
@@ -115,12 +117,13 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
         _err.print(str(e), style="red", markup=False)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     typer.echo(f"run id: {run_id}")
-    typer.echo(f"outputs: {run_uri(cfg.storage.root, run_id)}")
+    layout = RunLayout(cfg.storage.root, run_id)
+    typer.echo(f"outputs: {layout.uri}")
     try:
         summary = post_training_pipeline(config=cfg, run_id=run_id)
     except Exception as e:  # noqa: BLE001 - reported; the summary says which stage failed
         _err.print(f"pipeline failed: {type(e).__name__}: {e}", style="red", markup=False)
-        typer.echo(summary_uri(cfg, run_id))
+        typer.echo(layout.summary)
         raise typer.Exit(1) from None
     for name, entry in summary["stages"].items():
         reused = " (unchanged, not re-run)" if entry.get("reused") else ""
@@ -134,7 +137,7 @@ app.command("deploy")(deploy)
 
 
 def main() -> None:
-    """Entry point for ``python -m flows.cli``."""
+    """Entry point for ``python -m posttrain``."""
     app()
 
 

@@ -3,7 +3,9 @@
 A stage supplies an :class:`Objective` (how to count, step and evaluate a batch); the loop
 owns optimisation: gradient accumulation normalised by the counted units of the whole
 optimizer step, clipping, the LR schedule, periodic evaluation with early stopping,
-checkpoints every ``save_every`` steps and exact resume from the latest complete one.
+checkpoints every ``save_every`` steps and exact resume from the latest complete one (both
+through a :class:`~trainer_core.checkpoint.session.CheckpointSession`, whose metrics buffer
+takes every logged value).
 
 Units: ``global_step`` counts optimizer steps; a step consumes ``grad_accum_steps``
 micro-batches of ``micro_batch_size`` examples each.
@@ -11,8 +13,6 @@ micro-batches of ``micro_batch_size`` examples each.
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import math
 import resource
@@ -26,21 +26,11 @@ from torch import Tensor, nn
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainer_core.backends.base import Backend
-from trainer_core.checkpoint.manifest import purge_checkpoints, step_dirname
-from trainer_core.checkpoint.train_state import (
-    METRICS_FILE,
-    CheckpointSaver,
-    TrainProgress,
-    checkpoint_metrics,
-    find_resumable,
-    load_checkpoint_state,
-    save_distributed_checkpoint,
-    snapshot_train_state,
-    write_checkpoint,
-)
+from trainer_core.checkpoint.manifest import step_dirname
+from trainer_core.checkpoint.session import CheckpointSession
+from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition, iterate_batches
-from trainer_core.spec import join_uri
 
 log = logging.getLogger(__name__)
 
@@ -148,20 +138,14 @@ class TrainLoop:
     """Runs one stage's optimisation; see the module docstring.
 
     Attributes:
-        model: the wrapped trainable model (from ``backend.wrap``).
+        model: the wrapped trainable model (from ``backend.wrap``); replaced by what
+            ``Backend.setup_optimizer`` returns (a DeepSpeed engine).
         backend: the backend it runs on.
         objective: the stage's loss and evaluation.
         batches: the training split's batch source.
         cfg: the stage's optimisation config.
-        checkpoints_uri: where ``step-XXXXXXXX/`` checkpoints go.
-        manifest_fields: fields recorded in every checkpoint manifest (stage, run_id, ...).
-        log_metrics: callback ``(metrics, global_step)`` called at once (console / task log).
-        commit_metrics: callback ``([(metrics, global_step), ...])`` called once the steps'
-            checkpoint is committed, and at the end (MLflow). A run killed after a checkpoint
-            re-logs the later steps on resume, so the tracker never holds a step twice.
-        recommit_metrics: callback given, on resume, the metrics the checkpoint covers
-            (stored in it as ``metrics.json``): it logs those the tracker lacks, for a process
-            killed between the checkpoint's commit and its ``commit_metrics``.
+        session: checkpoints and metrics (``session.metrics`` takes every logged value: printed
+            at once, sent to the tracker once a committed checkpoint covers its step).
     """
 
     model: nn.Module
@@ -169,11 +153,7 @@ class TrainLoop:
     objective: Objective
     batches: BatchSource
     cfg: TrainStageConfig
-    checkpoints_uri: str
-    manifest_fields: dict[str, Any]
-    log_metrics: Callable[[dict[str, float], int], None]
-    commit_metrics: Callable[[list[tuple[dict[str, float], int]]], None] = lambda batch: None
-    recommit_metrics: Callable[[list[tuple[dict[str, float], int]]], None] = lambda batch: None
+    session: CheckpointSession
 
     def __post_init__(self) -> None:
         self.model, self.optimizer = self.backend.setup_optimizer(
@@ -182,41 +162,31 @@ class TrainLoop:
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.accum_steps = self.cfg.accum_steps(self.backend.world_size)
         self.progress = TrainProgress()
-        # Only one process writing the plain format saves in the background; a checkpoint
-        # written by several ranks (or through DCP / DeepSpeed) is a collective, saved in step.
-        self.distributed_save = self.backend.world_size > 1 or self.backend.checkpoint_format != "full"
-        self.saver = CheckpointSaver(asynchronous=self.cfg.async_save and not self.distributed_save)
-        self._uncommitted: list[tuple[dict[str, float], int]] = []
+        self.metrics = self.session.metrics
 
     def resume(self) -> bool:
-        """Load the latest complete checkpoint, if any; True when one was loaded.
+        """Collective: load the latest complete checkpoint, if any; True when one was loaded.
 
-        A checkpoint written under another config (different ``config_hash``) is not used.
+        A checkpoint written under another fingerprint (config or inputs) is not used.
         """
-        found = find_resumable(self.checkpoints_uri, self.backend, self.manifest_fields.get("config_hash"))
-        if found is None:
+        resumed = self.session.resume(self.model, self.optimizer, self.scheduler)
+        if resumed is None:
             return False
-        uri, manifest = found
-        self.progress = load_checkpoint_state(
-            uri, manifest, backend=self.backend, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
-        )
-        if self.backend.rank == 0:
-            self.recommit_metrics(checkpoint_metrics(uri, manifest))
+        self.progress = resumed.progress
         return True
 
     def run(self) -> TrainProgress:
         """Train until ``max_steps`` or early stopping; returns the final progress.
 
-        Waits for the last checkpoint upload, then hands the remaining metrics to
-        ``commit_metrics``. On an exception the in-flight upload is still awaited (so no
-        thread writes after the process decides to exit) and uncommitted metrics are dropped.
+        Waits for the last checkpoint upload, then sends the remaining metrics to the tracker.
+        On an exception the in-flight upload is still awaited (so no thread writes after the
+        process decides to exit) and uncommitted metrics are dropped.
         """
         try:
             self._train()
         finally:
-            self.saver.close()
-        self.commit_metrics(self._uncommitted)
-        self._uncommitted = []
+            self.session.close()
+        self.metrics.flush()
         return self.progress
 
     def _train(self) -> None:
@@ -307,8 +277,7 @@ class TrainLoop:
 
     def _emit(self, values: dict[str, float]) -> None:
         self._remember(values)
-        self.log_metrics(values, self.progress.global_step)
-        self._uncommitted.append((values, self.progress.global_step))
+        self.metrics.emit(values, self.progress.global_step)
 
     def _remember(self, values: dict[str, float]) -> None:
         """Keep the latest value of each metric, and the first of the loss and eval metrics."""
@@ -337,62 +306,10 @@ class TrainLoop:
         return patience is not None and progress.evals_without_improvement >= patience
 
     def save(self) -> None:
-        """Checkpoint the current state; the upload may overlap the next steps.
-
-        The state is copied to host memory now; writing, the manifest commit, the MLflow
-        flush of the steps it covers and the purge of old checkpoints (keeping the newest
-        ``keep_last_checkpoints`` and the best by ``keep_best_metric``) follow in order.
-        """
-        name = step_dirname(self.progress.global_step)
-        uri = join_uri(self.checkpoints_uri, name)
-        self._track_best(name)
-        if self.distributed_save:
-            self._save_distributed(uri)
-            return
-        t0 = time.perf_counter()
-        files = snapshot_train_state(
-            model=self.backend.unwrap(self.model), optimizer=self.optimizer, scheduler=self.scheduler, progress=self.progress
-        )
-        progress = copy.deepcopy(self.progress)
-        history = progress.history
-        evals = {k: float(v) for k, v in history.items() if k.startswith("eval/") and isinstance(v, (int, float))}
-        fields = {**self.manifest_fields, "metrics": evals}
-        metrics, self._uncommitted = self._uncommitted, []
-        files[METRICS_FILE] = json.dumps(metrics).encode()
-        keep = {progress.best_checkpoint} if progress.best_checkpoint else set()
-        stall_s = time.perf_counter() - t0
-
-        def job() -> None:
-            write_checkpoint(uri, files, progress, fields)
-            self.commit_metrics(metrics)
-            log.info("checkpoint %s committed (step stalled %.3fs)", uri, stall_s)
-            purge_checkpoints(self.checkpoints_uri, keep_last=self.cfg.keep_last_checkpoints, keep=keep)
-
-        self.saver.submit(job)
-
-    def _save_distributed(self, uri: str) -> None:
-        """Collective save by every rank (see ``save_distributed_checkpoint``), then rank 0's follow-ups."""
-        t0 = time.perf_counter()
-        progress = copy.deepcopy(self.progress)
-        evals = {k: float(v) for k, v in progress.history.items() if k.startswith("eval/") and isinstance(v, (int, float))}
-        metrics, self._uncommitted = self._uncommitted, []
-        backend_cfg = getattr(self.backend, "cfg", None)
-        save_distributed_checkpoint(
-            uri,
-            backend=self.backend,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            progress=progress,
-            global_files={METRICS_FILE: json.dumps(metrics).encode()},
-            manifest_fields={**self.manifest_fields, "metrics": evals},
-            validate_replicas=getattr(backend_cfg, "validate_replicas", True),
-        )
-        if self.backend.rank == 0:
-            self.commit_metrics(metrics)
-            log.info("checkpoint %s committed by %d rank(s) in %.3fs", uri, self.backend.world_size, time.perf_counter() - t0)
-            keep = {progress.best_checkpoint} if progress.best_checkpoint else set()
-            purge_checkpoints(self.checkpoints_uri, keep_last=self.cfg.keep_last_checkpoints, keep=keep)
+        """Checkpoint the current state (see :meth:`CheckpointSession.save`); the upload may
+        overlap the next steps on one process."""
+        self._track_best(step_dirname(self.progress.global_step))
+        self.session.save(self.progress, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
 
     def _track_best(self, name: str) -> None:
         """Record ``name`` as the best checkpoint when its latest ``keep_best_metric`` is lowest."""

@@ -1,28 +1,30 @@
-"""What every stage entry point shares: context, logging, batch sources, the final commit."""
+"""What a running stage sees: its spec, backend, tokenizer and metric sinks; and the final commit.
+
+:func:`~trainer_core.stages.runner.run_spec` builds a :class:`StageContext` and hands it to the
+stage module's ``run(ctx)``; stage modules never build backends or loggers themselves.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from trainer_core.backends import Backend, build_backend
+from trainer_core.backends import Backend
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
+from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.config import PipelineConfig, TrainStageConfig
-from trainer_core.data.batching import BucketedBatchSampler, DataPosition
+from trainer_core.data.prepared import load_split
 from trainer_core.errors import ConfigError
-from trainer_core.fingerprint import stage_fingerprint
-from trainer_core.loop import BatchSource, Objective, TrainLoop, summarize
 from trainer_core.models import save_pretrained_to
-from trainer_core.spec import StageSpec, checkpoints_uri, final_uri
-from trainer_core.stages.prepare_data import load_split, load_tokenizer_from
+from trainer_core.spec import StageSpec
+from trainer_core.storage import StageLayout
 from trainer_core.tracking import MetricLogger
+from trainer_core.training.loop import BatchSource, Objective, TrainLoop, summarize
 
 log = logging.getLogger(__name__)
 
@@ -33,23 +35,35 @@ class StageContext:
 
     Attributes:
         spec: the stage spec the task wrote.
-        backend: where models run.
-        tokenizer: the pipeline's tokenizer (from prepare_data's output).
-        metrics: MLflow metric logger of the stage's nested run (no-op without one).
+        backend: where models run (its process group, if any, is joined).
+        tokenizer: the pipeline's tokenizer (from prepare_data's output); None for prepare_data.
+        metrics: the MLflow metric logger of the stage's nested run (rank 0; a no-op elsewhere
+            and without tracking).
     """
 
     spec: StageSpec
     backend: Backend
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None
     metrics: MetricLogger
-    _stage_hash: str | None = None
 
     @property
     def config(self) -> PipelineConfig:
+        """The pipeline config."""
         return self.spec.config
 
     @property
+    def fingerprint(self) -> str:
+        """The stage fingerprint (computed once by whoever built the spec)."""
+        return self.spec.fingerprint
+
+    @property
+    def layout(self) -> StageLayout:
+        """The stage's output directories."""
+        return StageLayout(self.spec.output_uri)
+
+    @property
     def data_uri(self) -> str:
+        """The prepare_data output this stage reads."""
         return self.input("data")
 
     def input(self, role: str) -> str:
@@ -64,12 +78,6 @@ class StageContext:
             raise ConfigError(
                 f"stage {self.spec.stage!r} needs input {role!r}; spec inputs: {sorted(self.spec.inputs)}"
             ) from None
-
-    def stage_hash(self) -> str:
-        """This stage's fingerprint: its config and its inputs' hashes (see ``fingerprint.py``)."""
-        if self._stage_hash is None:
-            self._stage_hash = stage_fingerprint(self.config, self.spec.stage, self.spec.inputs)
-        return self._stage_hash
 
     @property
     def is_main(self) -> bool:
@@ -87,53 +95,37 @@ class StageContext:
         sys.stdout.write(f"[{self.spec.stage}] step {step}: {text}\n")
         sys.stdout.flush()
 
-    def commit_metrics(self, batch: list[tuple[dict[str, float], int]]) -> None:
-        """Send ``(metrics, step)`` pairs to the stage's MLflow run (rank 0 holds the only logger)."""
-        for metrics, step in batch:
-            self.metrics.log(metrics, step)
-
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Print and send to MLflow at once (stages without checkpoints)."""
         self.print_metrics(metrics, step)
-        self.commit_metrics([(metrics, step)])
+        self.metrics.log(metrics, step)
 
+    def checkpoint_session(self, cfg: TrainStageConfig, *, extra: dict[str, Any] | None = None,
+                           asynchronous: bool | None = None) -> CheckpointSession:
+        """The stage's checkpoint session over ``<output>/checkpoints`` with a fresh metrics buffer.
 
-def open_stage(spec: StageSpec) -> StageContext:
-    """Build a stage's context: backend, tokenizer from the prepared data, MLflow logger."""
-    backend = build_backend(spec.config.backend_for(spec.stage))
-    tokenizer = load_tokenizer_from(spec.inputs["data"]) if "data" in spec.inputs else None
-    main = backend.rank == 0
-    metrics = MetricLogger(spec.tracking_uri if main else None, spec.mlflow_run_id if main else None)
-    return StageContext(spec=spec, backend=backend, tokenizer=tokenizer, metrics=metrics)
+        Args:
+            cfg: the stage config (``keep_last_checkpoints``, ``async_save``).
+            extra: more ``extra`` manifest fields (a loop's layout version).
+            asynchronous: override of ``cfg.async_save``.
+        """
+        validate = getattr(getattr(self.backend, "cfg", None), "validate_replicas", True)
+        return CheckpointSession(
+            self.layout.checkpoints,
+            self.backend,
+            fingerprint=self.fingerprint,
+            metrics=MetricsBuffer(self.metrics, self.print_metrics),
+            stage=self.spec.stage,
+            run_id=self.spec.run_id,
+            extra={"mlflow_run_id": self.spec.mlflow_run_id, **(extra or {})},
+            keep_last=cfg.keep_last_checkpoints,
+            asynchronous=cfg.async_save if asynchronous is None else asynchronous,
+            validate_replicas=validate,
+        )
 
-
-def batch_source(
-    rows: list[dict],
-    lengths: list[int],
-    collate: Callable[[list[dict]], dict[str, Tensor]],
-    micro_batch_size: int,
-    seed: int,
-    device: torch.device,
-    shuffle: bool = True,
-) -> BatchSource:
-    """A deterministic, length-bucketed :class:`BatchSource` over ``rows``.
-
-    Raises:
-        ConfigError: ``rows`` is empty.
-    """
-    if not rows:
-        raise ConfigError("a training or eval split is empty: check the data config and max lengths")
-    sampler = BucketedBatchSampler(lengths, micro_batch_size, seed=seed, shuffle=shuffle)
-    return BatchSource(rows=rows, sampler=sampler, collate=collate, device=device)
-
-
-def eval_batches(source: BatchSource, max_batches: int):
-    """The first ``max_batches`` micro-batches of epoch 0 of an unshuffled source."""
-    stream = source.stream(DataPosition(0, 0))
-    count = min(max_batches, len(source.sampler))
-    for _ in range(count):
-        batch, _, _ = next(stream)
-        yield batch
+    def load_rows(self, name: str) -> list[dict]:
+        """Rows of a prepared split (e.g. ``sft/train``)."""
+        return load_split(self.data_uri, name)
 
 
 def train_stage(
@@ -144,25 +136,8 @@ def train_stage(
     cfg: TrainStageConfig,
 ) -> dict[str, float]:
     """Resume from the latest checkpoint if any, train, and return the stage's final metrics."""
-    fields: dict[str, Any] = {
-        "stage": ctx.spec.stage,
-        "run_id": ctx.spec.run_id,
-        "config_hash": ctx.stage_hash(),
-        "backend": ctx.backend.name,
-        "world_size": ctx.backend.world_size,
-        "extra": {"mlflow_run_id": ctx.spec.mlflow_run_id, "checkpoint_format": ctx.backend.checkpoint_format},
-    }
     loop = TrainLoop(
-        model=model,
-        backend=ctx.backend,
-        objective=objective,
-        batches=train,
-        cfg=cfg,
-        checkpoints_uri=checkpoints_uri(ctx.spec.output_uri),
-        manifest_fields=fields,
-        log_metrics=ctx.print_metrics,
-        commit_metrics=ctx.commit_metrics,
-        recommit_metrics=ctx.metrics.log_missing,
+        model=model, backend=ctx.backend, objective=objective, batches=train, cfg=cfg, session=ctx.checkpoint_session(cfg)
     )
     resumed = loop.resume()
     progress = loop.run()
@@ -204,7 +179,7 @@ def commit_final(
 
 
 def _write_final(ctx, metrics, model, weights, files, extra) -> Manifest:
-    writer = ArtifactWriter(final_uri(ctx.spec.output_uri), overwrite=True)
+    writer = ArtifactWriter(ctx.layout.final, overwrite=True)
     if model is not None:
         save_pretrained_to(writer, ctx.backend.unwrap(model), ctx.tokenizer, state_dict=weights)
     for relpath, data in (files or {}).items():
@@ -217,7 +192,7 @@ def _write_final(ctx, metrics, model, weights, files, extra) -> Manifest:
         global_step=int(metrics.get("global_step", 0)),
         consumed_samples=int(metrics.get("consumed_samples", 0)),
         consumed_tokens=int(metrics.get("consumed_tokens", 0)),
-        config_hash=ctx.stage_hash(),
+        config_hash=ctx.fingerprint,
         backend=ctx.backend.name,
         world_size=ctx.backend.world_size,
         metrics=metrics,
@@ -225,8 +200,3 @@ def _write_final(ctx, metrics, model, weights, files, extra) -> Manifest:
     )
     log.info("stage %s committed %s", ctx.spec.stage, writer.uri)
     return manifest
-
-
-def load_rows(ctx: StageContext, name: str) -> list[dict]:
-    """Rows of a prepared split (e.g. ``sft/train``)."""
-    return load_split(ctx.data_uri, name)

@@ -1,12 +1,13 @@
 """Byte-level storage on any fsspec URI: local paths, ``file://``, ``s3://``, ``memory://``.
 
 Every path here is a URI string (a ``pathlib.Path`` would mangle ``s3://``); join parts with
-:func:`trainer_core.spec.join_uri`. Operations that talk to storage retry transient failures
+:func:`trainer_core.storage.layout.join_uri`. Operations that talk to storage retry transient failures
 (connection refused or reset, timeouts, S3 5xx answers) with exponential backoff: up to
 :data:`RETRY_ATTEMPTS` attempts over about :data:`RETRY_MAX_DELAY_S` seconds. Missing files,
 permission errors and other bad input fail at once.
 
-S3 settings come from :func:`configure` (a :class:`~trainer_core.config.StorageConfig`),
+S3 settings come from :func:`configure` (anything shaped like :class:`S3Settings`, e.g. the
+pipeline's ``StorageConfig``),
 falling back to the standard AWS environment variables that botocore reads itself
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``) and to
 ``AWS_ENDPOINT_URL``. Secrets are never logged.
@@ -22,7 +23,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import fsspec
 import fsspec.config
@@ -36,7 +37,17 @@ from tenacity import (
     wait_exponential,
 )
 
-from trainer_core.config import StorageConfig
+
+class S3Settings(Protocol):
+    """What :func:`configure` reads (``trainer_core.config.StorageConfig`` has these fields).
+
+    The storage floor imports nothing of the config: any object with these attributes works.
+    """
+
+    endpoint_url: str | None
+    region: str | None
+    access_key_id: Any  # a pydantic SecretStr or None
+    secret_access_key: Any
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +134,7 @@ def _retrying(func: _F) -> _F:
     )(func)
 
 
-def configure(storage: StorageConfig) -> None:
+def configure(storage: S3Settings) -> None:
     """Set the process-wide S3 defaults used by every ``s3://`` URI (``fsspec.config.conf``).
 
     Fields left ``None`` fall back to the environment: ``AWS_ENDPOINT_URL`` for the endpoint;
@@ -132,7 +143,8 @@ def configure(storage: StorageConfig) -> None:
     to the next call. Secrets are passed to s3fs only, never logged.
 
     Args:
-        storage: the pipeline's storage settings.
+        storage: the pipeline's storage settings (``StorageConfig``); the two keys are
+            ``SecretStr`` values or None.
     """
     s3_conf: dict[str, Any] = {
         k: v for k, v in fsspec.config.conf.get("s3", {}).items() if k not in ("endpoint_url", "key", "secret")

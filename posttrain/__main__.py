@@ -1,0 +1,5 @@
+"""``python -m posttrain``: the command line."""
+
+from posttrain.cli import main
+
+main()

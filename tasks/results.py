@@ -1,0 +1,98 @@
+"""What travels between the flow and the stage tasks: one run's identity, and each stage's result.
+
+:class:`PipelineRun` is resolved once by the flow (config validated, run id checked, MLflow
+tracking URI and parent run opened) and handed to every stage task. :class:`StageResult` is what
+a stage task returns, what the flow records for a failed or skipped stage, and what
+``summary.json`` lists per stage.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer_core.config import PipelineConfig
+from trainer_core.storage import RunLayout
+
+
+class PipelineRun(BaseModel):
+    """One pipeline run, as the flow resolved it.
+
+    Attributes:
+        run_id: the pipeline run id (storage, MLflow run name, Prefect flow run name).
+        config: the validated config, local storage root absolute.
+        tracking_uri: the MLflow tracking URI (resolved once).
+        parent_mlflow_run_id: the pipeline's MLflow run.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    config: PipelineConfig
+    tracking_uri: str
+    parent_mlflow_run_id: str
+
+    @property
+    def layout(self) -> RunLayout:
+        """Where the run's files are."""
+        return RunLayout(self.config.storage.root, self.run_id)
+
+
+def utc_now() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+class StageResult(BaseModel):
+    """The outcome of one stage of one pipeline run.
+
+    Attributes:
+        stage: the stage name.
+        status: ``completed`` (trained now, or reused), ``failed``, or ``skipped`` (a stage it
+            depends on failed or was skipped).
+        reused: completed without running: its committed output already had the fingerprint it
+            would produce now.
+        output_uri: its committed ``final/`` directory (completed only).
+        manifest_uri: that directory's ``manifest.json``.
+        fingerprint: the stage fingerprint it ran (or was reused) under.
+        wall_s: seconds its trainer ran (0 when reused; None when it never started).
+        started_at: when its trainer started (after any GPU slots were acquired), UTC.
+        ended_at: when its trainer ended, UTC.
+        metrics: the final metrics of its manifest.
+        mlflow_run_id: its nested MLflow run.
+        error: ``<ExceptionType>: <message>`` of a failure.
+        skipped_because: for a skipped stage, the failed stage that caused it (followed back
+            through skipped ones).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    stage: str
+    status: Literal["completed", "failed", "skipped"]
+    reused: bool = False
+    output_uri: str | None = None
+    manifest_uri: str | None = None
+    fingerprint: str | None = None
+    wall_s: float | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    error: str | None = None
+    skipped_because: str | None = None
+
+    @classmethod
+    def failed(cls, stage: str, error: BaseException, **fields: Any) -> StageResult:
+        """The record of ``stage`` failing with ``error`` (message cut at 2000 characters)."""
+        return cls(stage=stage, status="failed", error=f"{type(error).__name__}: {error}"[:2000], **fields)
+
+    @classmethod
+    def skipped(cls, stage: str, because: str) -> StageResult:
+        """The record of ``stage`` not run because the stage ``because`` failed."""
+        return cls(stage=stage, status="skipped", skipped_because=because)
+
+    def summary_entry(self) -> dict[str, Any]:
+        """This result as ``summary.json`` lists it (JSON types; the stage name is the key)."""
+        return self.model_dump(mode="json", exclude={"stage"})

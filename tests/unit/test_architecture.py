@@ -1,0 +1,88 @@
+"""The structure the code promises: import layering (import-linter), the stage registry as the one
+list of stages, light orchestration imports, and module sizes."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer_core.config import PipelineConfig, load_config
+from trainer_core.registry import STAGE_ORDER, STAGES, StageOutputs, get_stage, stage_inputs
+from trainer_core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_MODULE_LINES = 500
+
+
+def test_import_contracts_are_kept():
+    """``.importlinter``: packages in one direction, trainer_core's floors, no package cycles, no
+    Prefect in the trainer library, no torch in the flow process."""
+    from importlinter.cli import lint_imports
+
+    assert lint_imports(config_filename=str(ROOT / ".importlinter"), no_cache=True) == 0
+
+
+def test_a_broken_layer_is_reported(tmp_path):
+    """The contracts can fail: with ``trainer_core.registry`` declared above ``trainer_core.config``
+    (which imports it), the floors contract is broken."""
+    from importlinter.cli import lint_imports
+
+    text = (ROOT / ".importlinter").read_text()
+    swapped = text.replace("    trainer_core.config\n    trainer_core.registry\n", "    trainer_core.registry\n    trainer_core.config\n")
+    assert swapped != text
+    config = tmp_path / "importlinter.ini"
+    config.write_text(swapped)
+    assert lint_imports(config_filename=str(config), no_cache=True, limit_to_contracts=("floors",)) == 1
+
+
+def test_orchestration_imports_no_torch():
+    """The flow process (flow, tasks, registry, config, spec) starts without torch or transformers."""
+    code = (
+        "import sys, flows.pipeline, tasks.stages, tasks.plan, trainer_core.registry, trainer_core.spec; "
+        "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_trainer_core_module_over_500_lines():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "trainer_core").rglob("*.py")}
+    assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
+@pytest.mark.parametrize("stage", STAGE_ORDER)
+def test_every_registered_stage_has_a_module_and_a_config_section(stage):
+    definition = get_stage(stage)
+    assert callable(importlib.import_module(definition.module).run)
+    assert definition.section in PipelineConfig.model_fields
+
+
+def test_stage_order_is_a_topological_order_of_the_inputs():
+    """Given every stage's output, each stage reads only outputs of stages before it."""
+    config = load_config(overrides={"ppo.reward.kind": "weighted", "grpo.reward.kind": "weighted"})
+    outputs = {s: f"<{s}>" for s in STAGE_ORDER}
+    for i, stage in enumerate(STAGE_ORDER):
+        read = {uri for uri in stage_inputs(config, stage, outputs).values() if uri.startswith("<")}
+        assert read <= {f"<{s}>" for s in STAGE_ORDER[:i]}, stage
+
+
+def test_lists_of_stages_derive_from_the_registry():
+    """The default stage list, which stages run on the configured backend (the training ones),
+    and the names the config accepts all come from the registry."""
+    config = load_config()
+    assert config.stages == list(STAGE_ORDER)
+    assert [s.name for s in STAGES if s.trains] == [s for s in STAGE_ORDER if config.backend_for(s) is config.backend]
+    with pytest.raises(ConfigError, match="unknown stage 'kto'"):
+        get_stage("kto")
+    with pytest.raises(ValueError, match="unknown stage"):
+        load_config(overrides={"stages": "prepare_data,kto"})
+
+
+def test_a_missing_upstream_output_names_what_to_run():
+    with pytest.raises(ConfigError, match="stage 'dpo' needs the output of 'prepare_data'"):
+        stage_inputs(load_config(), "dpo", {"sft": "S"})
+    assert StageOutputs({"sft": "S"}, "dpo").require("sft") == "S"

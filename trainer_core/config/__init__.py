@@ -1,0 +1,78 @@
+"""Pydantic configuration of a post-training pipeline.
+
+:class:`PipelineConfig` (``pipeline.py``) holds the stage list and every section: the
+pipeline-wide ones (``sections.py``: storage, tracking, data, tokenizer, model, launch), the
+backend (``backend.py``) and each stage's own (``stages.py``). :func:`load_config` reads YAML
+(any fsspec URI), applies ``key.path=value`` overrides and validates once; errors name the
+field path.
+"""
+
+from trainer_core.config.backend import BACKENDS, BackendConfig
+from trainer_core.config.base import ConfigBase, config_hash
+from trainer_core.config.pipeline import (
+    PipelineConfig,
+    apply_overrides,
+    load_config,
+    parse_override,
+    resolve_local_root,
+)
+from trainer_core.config.sections import (
+    DataConfig,
+    DataSource,
+    LaunchConfig,
+    ModelConfig,
+    ModelInit,
+    StorageConfig,
+    SyntheticConfig,
+    TokenizerConfig,
+    TrackingConfig,
+)
+from trainer_core.config.stages import (
+    DPOConfig,
+    EvaluateConfig,
+    GenerationConfig,
+    GRPOConfig,
+    PPOConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RLStageConfig,
+    RolloutGenerationConfig,
+    SampledGenerationConfig,
+    ScoreConfig,
+    SFTConfig,
+    TrainStageConfig,
+)
+
+__all__ = [
+    "BACKENDS",
+    "BackendConfig",
+    "ConfigBase",
+    "DPOConfig",
+    "DataConfig",
+    "DataSource",
+    "EvaluateConfig",
+    "GRPOConfig",
+    "GenerationConfig",
+    "LaunchConfig",
+    "ModelConfig",
+    "ModelInit",
+    "PPOConfig",
+    "PipelineConfig",
+    "RLStageConfig",
+    "RewardConfig",
+    "RewardModelConfig",
+    "RolloutGenerationConfig",
+    "SFTConfig",
+    "SampledGenerationConfig",
+    "ScoreConfig",
+    "StorageConfig",
+    "SyntheticConfig",
+    "TokenizerConfig",
+    "TrackingConfig",
+    "TrainStageConfig",
+    "apply_overrides",
+    "config_hash",
+    "load_config",
+    "parse_override",
+    "resolve_local_root",
+]

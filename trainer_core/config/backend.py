@@ -1,0 +1,72 @@
+"""How a training stage runs its processes: backend, world size, launcher, rendezvous."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from trainer_core.config.base import ConfigBase
+
+BACKENDS: tuple[str, ...] = ("single", "ddp", "fsdp2", "deepspeed")
+"""Training backends; every one but ``single`` runs one process per rank under a launcher."""
+
+
+class BackendConfig(ConfigBase):
+    """How a training stage runs its processes: backend, world size, launcher and rendezvous.
+
+    World size is ``nnodes * nproc_per_node``. ``single`` runs one plain process; the others
+    run under ``torchrun`` (or the ``deepspeed`` launcher) with one process per rank: gloo
+    process groups on CPU, NCCL on GPU. Multi-node: every node's worker runs the same stage
+    command with its own ``node_rank`` and the same ``rdzv_endpoint`` (host:port of node 0).
+    """
+
+    name: Literal["single", "ddp", "fsdp2", "deepspeed"] = Field(
+        "single", description="Training backend: single (one device), ddp, fsdp2 or deepspeed (ZeRO)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device; 'auto' picks cuda when present.")
+    nproc_per_node: int = Field(1, ge=1, description="Processes (ranks) per node; 1 with the single backend.")
+    nnodes: int = Field(1, ge=1, description="Nodes in the job (multi-node: one worker per node).")
+    node_rank: int = Field(0, ge=0, description="This node's rank in [0, nnodes).")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of the c10d rendezvous (node 0); default on one node: 127.0.0.1 and a free port."
+    )
+    rdzv_id: str | None = Field(None, description="Rendezvous id shared by the job's nodes; default: run id + stage.")
+    launcher: Literal["torchrun", "deepspeed"] = Field(
+        "torchrun", description="Launcher of multi-process stages: torchrun, or the deepspeed launcher."
+    )
+    dist_timeout_s: float = Field(600.0, gt=0, description="Collective timeout: a rank that waits longer fails.")
+    mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Compute dtype of fsdp2/deepspeed: auto = bf16 on CUDA, fp32 on CPU."
+    )
+    cpu_offload: bool = Field(False, description="fsdp2: keep parameters, gradients and optimizer state on CPU.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="deepspeed: ZeRO stage.")
+    offload_optimizer: bool = Field(False, description="deepspeed: ZeRO optimizer-state offload to CPU (DeepSpeedCPUAdam).")
+    offload_params: bool = Field(False, description="deepspeed: ZeRO-3 parameter offload to CPU.")
+    ds_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="deepspeed: raw DeepSpeed config merged (recursively) over the generated one, for experts.",
+    )
+    validate_replicas: bool = Field(
+        True, description="At each checkpoint, check by checksum that replicated state is identical on every rank."
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
+        return self.nnodes * self.nproc_per_node
+
+    @model_validator(mode="after")
+    def _check(self) -> BackendConfig:
+        if self.name == "single" and self.world_size != 1:
+            raise ValueError(
+                f"backend.name=single runs one process; got nnodes={self.nnodes}, nproc_per_node={self.nproc_per_node}"
+                " (choose ddp, fsdp2 or deepspeed)"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"backend.node_rank={self.node_rank} must be < backend.nnodes={self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("backend.rdzv_endpoint (host:port of node 0) is required when backend.nnodes > 1")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("backend.offload_params needs backend.zero_stage=3")
+        return self

@@ -1,0 +1,225 @@
+"""The whole pipeline's config (:class:`PipelineConfig`), and loading it from YAML plus overrides.
+
+One :class:`PipelineConfig` holds the stage list and every hyper-parameter. Each field has a
+description: they become the CLI help and the Prefect UI form. YAML files select and
+override; ``--set key.path=value`` overrides one leaf (see :func:`apply_overrides`). Which
+stages exist, and which of them train, comes from the stage registry
+(:mod:`trainer_core.registry`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from trainer_core.config.backend import BackendConfig
+from trainer_core.config.base import ConfigBase
+from trainer_core.config.sections import (
+    DataConfig,
+    LaunchConfig,
+    ModelConfig,
+    ModelInit,
+    StorageConfig,
+    TokenizerConfig,
+    TrackingConfig,
+)
+from trainer_core.config.stages import (
+    DPOConfig,
+    EvaluateConfig,
+    GRPOConfig,
+    PPOConfig,
+    RewardModelConfig,
+    ScoreConfig,
+    SFTConfig,
+)
+from trainer_core.errors import ConfigError
+from trainer_core.registry import STAGE_ORDER, TRAINING_STAGES, get_stage
+
+
+class PipelineConfig(ConfigBase):
+    """The whole pipeline: stage list, data, model, and every stage's hyper-parameters."""
+
+    name: str = Field("posttrain", description="Pipeline name (used in run names).")
+    seed: int = Field(0, description="Global seed: data split, shuffling, init, sampling.")
+    stages: list[str] = Field(
+        default_factory=lambda: list(STAGE_ORDER),
+        description="Stages to run, in pipeline order: " + ", ".join(STAGE_ORDER) + ".",
+    )
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Output storage.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Input data.")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer training.")
+    model: ModelConfig = Field(
+        default_factory=lambda: ModelConfig(init=ModelInit()), description="Base model."
+    )
+    backend: BackendConfig = Field(default_factory=BackendConfig, description="Training backend.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Stage task launching and retries.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="SFT stage.")
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Reward model stage.")
+    score: ScoreConfig = Field(default_factory=ScoreConfig, description="Scoring stage.")
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO stage.")
+    ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO stage.")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO stage.")
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _split_stages(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [s.strip() for s in value.split(",") if s.strip()]
+        return value
+
+    @field_validator("stages")
+    @classmethod
+    def _check_stages(cls, value: list[str]) -> list[str]:
+        unknown = [s for s in value if s not in STAGE_ORDER]
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; known stages: {list(STAGE_ORDER)}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate stage in {value}")
+        if not value:
+            raise ValueError("at least one stage is required")
+        return sorted(value, key=STAGE_ORDER.index)
+
+    def section(self, stage: str) -> BaseModel:
+        """The config section of ``stage`` (``data`` for prepare_data; see the stage registry).
+
+        Raises:
+            ConfigError: unknown stage.
+        """
+        return getattr(self, get_stage(stage).section)
+
+    @model_validator(mode="after")
+    def _check_stage_backends(self) -> PipelineConfig:
+        for stage in TRAINING_STAGES:
+            world_size = self.backend_for(stage).world_size
+            try:
+                self.section(stage).accum_steps(world_size)
+            except ConfigError as e:
+                raise ValueError(f"{stage}: {e}") from None
+        return self
+
+    def backend_for(self, stage: str) -> BackendConfig:
+        """The backend ``stage`` runs on: the pipeline's, with the stage's ``backend`` override merged.
+
+        Stages without an optimizer loop (prepare_data, score, evaluate) run one process on
+        the pipeline's device whatever the backend: they generate and score, they do not train.
+
+        Raises:
+            ValueError: the merged override is not a valid :class:`BackendConfig` (the message
+                names ``<stage>.backend``).
+        """
+        if stage not in TRAINING_STAGES:
+            return BackendConfig(device=self.backend.device)
+        override = self.section(stage).backend
+        if not override:
+            return self.backend
+        try:
+            return BackendConfig.model_validate({**self.backend.model_dump(), **override})
+        except ValidationError as e:
+            raise ValueError(f"{stage}.backend: {e}") from None
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"  {path}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _set_path(data: dict, path: str, value: Any) -> None:
+    keys = path.split(".")
+    node = data
+    for k in keys[:-1]:
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override '{path}': '{k}' is not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``key.path=value``; the value is read as YAML (numbers, booleans, null, lists).
+
+    Raises:
+        ConfigError: when ``text`` has no ``=`` or an empty key.
+    """
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.path=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(data: dict, overrides: dict[str, Any] | None) -> dict:
+    """Return a copy of ``data`` with each ``{key.path: value}`` override set."""
+    out = json.loads(json.dumps(data, default=str))
+    for key, value in (overrides or {}).items():
+        _set_path(out, key, value)
+    return out
+
+
+def load_config(
+    uri: str | None = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    base: dict | None = None,
+) -> PipelineConfig:
+    """Load a YAML config (any fsspec URI), apply overrides and validate.
+
+    Args:
+        uri: YAML file; None: defaults only (or ``base``).
+        overrides: ``{key.path: value}`` or a list of ``key.path=value`` strings.
+        base: a dict to start from instead of reading ``uri``.
+
+    Raises:
+        ConfigError: unreadable YAML, a bad override, or a validation failure; the message
+            names each failing field path.
+    """
+    import fsspec
+
+    data: dict = dict(base or {})
+    source = uri or "defaults"
+    if uri is not None:
+        try:
+            with fsspec.open(uri, "r") as f:
+                loaded = yaml.safe_load(f) or {}
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file not found: {uri}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {uri} is not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {uri}: top level must be a mapping")
+        data = loaded
+    if isinstance(overrides, list):
+        overrides = dict(parse_override(o) for o in overrides)
+    data = apply_overrides(data, overrides)
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def resolve_local_root(config: PipelineConfig) -> PipelineConfig:
+    """Make a relative local ``storage.root`` absolute, so child processes agree on it."""
+    root = config.storage.root
+    if "://" not in root:
+        root = os.path.abspath(root)
+    elif root.startswith("file://"):
+        root = os.path.abspath(root[len("file://") :])
+    if root != config.storage.root:
+        config = config.model_copy(deep=True)
+        config.storage.root = root
+    return config

@@ -1,0 +1,155 @@
+"""The pipeline-wide config sections: storage, tracking, data, tokenizer, model, launch.
+
+Each field has a description: they become the CLI help and the Prefect UI form.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+
+from trainer_core.config.base import ConfigBase
+
+class StorageConfig(ConfigBase):
+    """Where outputs go: any fsspec URI (local directory, ``s3://bucket/prefix``, ``memory://``)."""
+
+    root: str = Field("./outputs", description="Output root URI; runs are written under <root>/runs/<run_id>/.")
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint URL (MinIO, moto); default: AWS_ENDPOINT_URL or AWS itself."
+    )
+    region: str | None = Field(None, description="S3 region; default: AWS_DEFAULT_REGION.")
+    access_key_id: SecretStr | None = Field(None, description="S3 access key id; default: AWS_ACCESS_KEY_ID.")
+    secret_access_key: SecretStr | None = Field(
+        None, description="S3 secret access key; default: AWS_SECRET_ACCESS_KEY. Never logged."
+    )
+
+
+class TrackingConfig(ConfigBase):
+    """MLflow tracking."""
+
+    tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI; default: MLFLOW_TRACKING_URI, else sqlite:///<root>/mlflow.db "
+        "for a local root.",
+    )
+    experiment_name: str = Field("posttrain", description="MLflow experiment holding the pipeline runs.")
+
+
+class DataSource(ConfigBase):
+    """One input data set."""
+
+    uri: str | None = Field(
+        None,
+        description="JSONL / Parquet file URI (any fsspec URI) or 'hf://<dataset id>' for a Hugging Face "
+        "datasets id. None: use the generated synthetic task.",
+    )
+    format: Literal["auto", "prompt_completion", "gsm8k", "hh_rlhf"] = Field(
+        "auto", description="Record format; 'auto' detects it from the first record's keys."
+    )
+    split: str = Field("train", description="Split name, for 'hf://' data set ids only.")
+    max_rows: int | None = Field(None, ge=1, description="Read at most this many rows (None: all).")
+
+
+class SyntheticConfig(ConfigBase):
+    """The offline synthetic task: multi-step arithmetic word problems with worked solutions."""
+
+    num_problems: int = Field(3000, ge=10, description="Number of generated problems (SFT and eval).")
+    num_pairs: int = Field(1500, ge=10, description="Number of generated preference pairs.")
+    max_operand: int = Field(20, ge=2, description="Largest operand in a generated problem.")
+
+
+class DataConfig(ConfigBase):
+    """Input data sets and how they are split and tokenised."""
+
+    sft: DataSource = Field(default_factory=DataSource, description="SFT data (prompt/completion or GSM8K).")
+    preference: DataSource = Field(
+        default_factory=DataSource, description="Preference pairs (HH-RLHF dialogues) for reward model and DPO."
+    )
+    eval: DataSource = Field(
+        default_factory=DataSource,
+        description="Held-out GSM8K-format problems for generation eval; None: a seeded split of the SFT data.",
+    )
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="Synthetic task settings.")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of each data set held out.")
+    max_eval_rows: int = Field(256, ge=1, description="Cap on rows of each held-out split.")
+    max_length_tokens: int = Field(256, ge=8, description="Max tokens of prompt + completion; longer rows are truncated.")
+    max_prompt_length_tokens: int = Field(
+        192, ge=4, description="Max prompt tokens; longer prompts keep their last tokens."
+    )
+
+    @model_validator(mode="after")
+    def _prompt_fits(self) -> DataConfig:
+        if self.max_prompt_length_tokens >= self.max_length_tokens:
+            raise ValueError("max_prompt_length_tokens must be smaller than max_length_tokens")
+        return self
+
+
+class TokenizerConfig(ConfigBase):
+    """BPE tokenizer trained in prepare_data when the model is built from config."""
+
+    vocab_size: int = Field(2048, ge=64, description="Target vocabulary size including special tokens.")
+    min_frequency: int = Field(2, ge=1, description="Minimum pair frequency for a BPE merge.")
+
+
+class ModelInit(ConfigBase):
+    """Architecture and sizes of a model built from config (random init)."""
+
+    architecture: Literal["llama"] = Field("llama", description="Model family (transformers config class).")
+    hidden_size: int = Field(64, ge=8, description="Hidden size.")
+    intermediate_size: int = Field(172, ge=8, description="MLP inner size.")
+    num_hidden_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
+    num_attention_heads: int = Field(4, ge=1, description="Attention heads.")
+    num_key_value_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
+    max_position_embeddings: int = Field(512, ge=16, description="Max sequence length.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base.")
+    tie_word_embeddings: bool = Field(True, description="Tie input and output embeddings.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelInit:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class ModelConfig(ConfigBase):
+    """The base model: a pretrained one by name/path, or one built from config."""
+
+    name_or_path: str | None = Field(
+        None, description="Hugging Face model id, or local / fsspec path of an HF-format model directory."
+    )
+    init: ModelInit | None = Field(None, description="Build a model from these sizes instead of loading one.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub (off unless set).")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelConfig:
+        if (self.name_or_path is None) == (self.init is None):
+            raise ValueError("set exactly one of model.name_or_path and model.init")
+        return self
+
+
+class LaunchConfig(ConfigBase):
+    """How the stage tasks run the trainer processes."""
+
+    retries: int = Field(2, ge=0, description="Prefect retries of a failed stage task (resumes from checkpoint).")
+    retry_delay_s: float = Field(2.0, ge=0, description="Seconds between retries.")
+    timeout_s: float | None = Field(None, gt=0, description="Kill a stage's trainer after this many seconds.")
+    lease_ttl_s: float = Field(
+        30.0, gt=0, description="Lifetime of a stage's writer lease without renewal (renewed every third of it); "
+        "a relaunch after a hard kill waits at most this long for the dead writer's lease.",
+    )
+    max_parallel_stages: int | None = Field(
+        None,
+        ge=1,
+        description="Stages of one run that may run at once (independent branches of the stage graph, e.g. DPO, "
+        "PPO and GRPO after SFT). None: no bound of its own when a GPU concurrency limit is set (its slots "
+        "bound them), else 1 (one stage at a time, in pipeline order).",
+    )
+    gpu_concurrency_limit: str | None = Field(
+        None,
+        description="Prefect global concurrency limit whose slots (one per GPU) a GPU stage holds while it "
+        "trains, so pipelines sharing a node queue; default: $POSTTRAIN_GPU_CONCURRENCY_LIMIT, else none.",
+    )

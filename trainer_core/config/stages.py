@@ -1,0 +1,193 @@
+"""The per-stage config sections: optimisation, generation, rewards, and each stage's own."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from trainer_core.config.base import ConfigBase
+from trainer_core.errors import ConfigError
+
+class TrainStageConfig(ConfigBase):
+    """Optimisation settings shared by every training stage."""
+
+    init_from: str | None = Field(
+        None, description="Model URI to start from; None: the previous stage's output (or model config)."
+    )
+    backend: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Override of the pipeline-wide backend for this stage (e.g. {name: ddp}); merged over `backend`.",
+    )
+    max_steps: int = Field(100, ge=1, description="Optimizer steps (global_step at the end).")
+    micro_batch_size: int = Field(8, ge=1, description="Examples per forward/backward.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per rank per optimizer step.")
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Examples per optimizer step over all ranks. When set, grad_accum_steps is ignored and "
+        "derived as global_batch_size / (micro_batch_size x world size), so a run resumed at another world "
+        "size (elastic) keeps the same batch.",
+    )
+
+    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps, then cosine decay.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global grad norm (None: no clipping).")
+    eval_every: int = Field(25, ge=1, description="Evaluate every N optimizer steps (and at the end).")
+    eval_max_batches: int = Field(8, ge=1, description="Max eval micro-batches per evaluation.")
+    save_every: int = Field(50, ge=1, description="Write a checkpoint every N optimizer steps.")
+    keep_last_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are purged.")
+    keep_best_metric: str | None = Field(
+        "eval/loss", description="Also keep the checkpoint with the lowest value of this metric (None: off)."
+    )
+    async_save: bool = Field(
+        True, description="Upload checkpoints in a background thread (at most one save in flight)."
+    )
+    early_stopping_patience: int | None = Field(
+        None, ge=1, description="Stop after this many evaluations without a better eval loss (None: off)."
+    )
+    log_every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
+
+    def accum_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step at ``world_size`` ranks.
+
+        Raises:
+            ConfigError: ``global_batch_size`` is not a multiple of ``micro_batch_size x world_size``.
+        """
+        if self.global_batch_size is None:
+            return self.grad_accum_steps
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size x world size "
+                f"= {self.micro_batch_size} x {world_size}"
+            )
+        return self.global_batch_size // per_step
+
+
+class SFTConfig(TrainStageConfig):
+    """Supervised fine-tuning: causal-LM loss on completion tokens only."""
+
+
+class RewardModelConfig(TrainStageConfig):
+    """Bradley-Terry reward model on preference pairs."""
+
+    learning_rate: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
+
+
+class DPOConfig(TrainStageConfig):
+    """Direct Preference Optimization (sigmoid loss) against a frozen reference."""
+
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
+    beta: float = Field(0.1, gt=0, description="DPO beta: strength of the implicit KL constraint.")
+    reference_from: str | None = Field(
+        None, description="Reference model URI; None: the policy's starting model (the SFT output)."
+    )
+
+
+class GenerationConfig(ConfigBase):
+    """Sampling settings for generation."""
+
+    max_new_tokens: int = Field(64, ge=1, description="Max generated tokens per completion.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
+
+
+class SampledGenerationConfig(GenerationConfig):
+    """Sampling settings for scoring completions (a YAML override of one field keeps these defaults)."""
+
+    temperature: float = Field(0.7, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling threshold.")
+
+
+class RolloutGenerationConfig(GenerationConfig):
+    """Rollout sampling from the policy: on-policy, so temperature 1 and no truncation by default."""
+
+    max_new_tokens: int = Field(48, ge=1, description="Max generated tokens per completion.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (must be > 0 for RL).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+
+
+class ScoreConfig(ConfigBase):
+    """Sample completions from the SFT policy for held-out prompts and score them."""
+
+    policy_from: str | None = Field(None, description="Policy URI; None: the SFT output.")
+    reward_model_from: str | None = Field(None, description="Reward model URI; None: the reward_model output.")
+    num_prompts: int = Field(
+        64, ge=1, description="Held-out prompts scored from each set (GSM8K-style problems and preference prompts)."
+    )
+    generation: SampledGenerationConfig = Field(
+        default_factory=SampledGenerationConfig, description="Sampling settings."
+    )
+
+
+class EvaluateConfig(ConfigBase):
+    """Held-out evaluation of every trained stage."""
+
+    num_problems: int = Field(64, ge=1, description="Held-out problems for generation exact-match.")
+    num_winrate_prompts: int = Field(64, ge=1, description="Held-out prompts for the reward-model win rate.")
+    eval_max_batches: int = Field(16, ge=1, description="Max micro-batches per loss/accuracy evaluation.")
+    micro_batch_size: int = Field(16, ge=1, description="Examples per forward in loss/accuracy evaluation.")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Generation settings.")
+
+
+class RewardConfig(ConfigBase):
+    """How an online RL stage scores a completion: learned, verifiable, or a weighted sum."""
+
+    kind: Literal["reward_model", "verifier", "weighted"] = Field(
+        "verifier", description="'reward_model': the trained RM's score; 'verifier': exact match of the final "
+        "number (1/0) plus format bonus; 'weighted': weights.reward_model * RM + weights.verifier * verifier."
+    )
+    reward_model_from: str | None = Field(None, description="Reward model URI; None: the reward_model output.")
+    reward_model_weight: float = Field(1.0, description="Weight of the RM score in 'weighted'.")
+    verifier_weight: float = Field(1.0, description="Weight of the verifier score in 'weighted'.")
+    format_bonus: float = Field(
+        0.1, ge=0, description="Verifier: added when the completion has a '#### <number>' final line."
+    )
+
+
+class RLStageConfig(TrainStageConfig):
+    """Settings shared by online RL stages (PPO, GRPO). ``max_steps`` counts rollout-update iterations."""
+
+    learning_rate: float = Field(1e-4, gt=0, description="Peak policy learning rate (AdamW).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay.")
+    reference_from: str | None = Field(None, description="Reference model URI; None: the policy's starting model.")
+    prompts_per_rollout: int = Field(8, ge=1, description="Prompts sampled per rollout-update iteration.")
+    ppo_epochs: int = Field(1, ge=1, description="Optimisation passes over each rollout batch.")
+    num_mini_batches: int = Field(1, ge=1, description="Mini-batches (optimizer steps) per epoch of a rollout batch.")
+    clip_eps: float = Field(0.2, gt=0, description="Policy ratio clip range epsilon.")
+    kl_coef: float = Field(0.05, ge=0, description="KL penalty coefficient (initial value when adaptive).")
+    kl_estimator: Literal["k1", "k3"] = Field("k1", description="Per-token KL estimator (Schulman's k1 or k3).")
+    adaptive_kl: bool = Field(False, description="Adapt kl_coef towards kl_target (Ziegler et al. 2019).")
+    kl_target: float = Field(6.0, gt=0, description="Target KL for the adaptive controller.")
+    kl_horizon: int = Field(10000, ge=1, description="Horizon of the adaptive KL controller.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+    generation: RolloutGenerationConfig = Field(
+        default_factory=RolloutGenerationConfig, description="Rollout sampling settings."
+    )
+
+
+class PPOConfig(RLStageConfig):
+    """PPO with a value head, GAE, and a per-token KL penalty against the reference."""
+
+    reward: RewardConfig = Field(
+        default_factory=lambda: RewardConfig(kind="reward_model"), description="Reward function."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    vf_coef: float = Field(0.1, ge=0, description="Value loss coefficient.")
+    value_clip_eps: float = Field(0.2, gt=0, description="Value prediction clip range.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages to zero mean, unit variance.")
+
+
+class GRPOConfig(RLStageConfig):
+    """GRPO: G samples per prompt, group-normalised advantages, no critic."""
+
+    group_size: int = Field(4, ge=2, description="Completions sampled per prompt (G).")
+    scale_rewards: bool = Field(True, description="Divide group advantages by the group std (False: Dr. GRPO).")
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0: no KL term, no reference).")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="Per-token KL estimator (k3 as in DeepSeekMath).")

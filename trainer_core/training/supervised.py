@@ -1,0 +1,232 @@
+"""The supervised loop's objectives (SFT, reward model, DPO) and their batch sources.
+
+Each objective implements :class:`~trainer_core.training.loop.Objective` from the pure losses of
+:mod:`trainer_core.objectives` and the forwards of :mod:`trainer_core.forward`; the stages
+(``stages/sft.py``, ``reward_model.py``, ``dpo.py``) train with them and ``stages/evaluate.py``
+scores held-out data with them.
+
+Shape legend: B batch (sequences, or pairs for the pairwise objectives), T tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from itertools import islice
+
+import torch
+from torch import Tensor, nn
+
+from trainer_core.data.batching import BucketedBatchSampler, DataPosition, collate_causal, collate_pairs, iterate_batches
+from trainer_core.errors import ConfigError
+from trainer_core.forward import masked_token_logprobs
+from trainer_core.objectives.dpo import dpo_loss
+from trainer_core.objectives.logprobs import sequence_logprobs, shift_mask
+from trainer_core.objectives.reward import bradley_terry_loss
+from trainer_core.objectives.sft import sft_loss
+from trainer_core.training.loop import BatchSource, StepOutput
+
+
+def batch_source(
+    rows: list[dict],
+    lengths: list[int],
+    collate: Callable[[list[dict]], dict[str, Tensor]],
+    micro_batch_size: int,
+    seed: int,
+    device: torch.device,
+    shuffle: bool = True,
+) -> BatchSource:
+    """A deterministic, length-bucketed :class:`BatchSource` over ``rows``.
+
+    Raises:
+        ConfigError: ``rows`` is empty.
+    """
+    if not rows:
+        raise ConfigError("a training or eval split is empty: check the data config and max lengths")
+    sampler = BucketedBatchSampler(lengths, micro_batch_size, seed=seed, shuffle=shuffle)
+    return BatchSource(rows=rows, sampler=sampler, collate=collate, device=device)
+
+
+def eval_batches(source: BatchSource, max_batches: int):
+    """The first ``max_batches`` micro-batches of epoch 0 of an unshuffled source."""
+    stream = source.stream(DataPosition(0, 0))
+    count = min(max_batches, len(source.sampler))
+    for _ in range(count):
+        batch, _, _ = next(stream)
+        yield batch
+
+
+class SFTObjective:
+    """Masked next-token NLL; the count unit is a completion token.
+
+    Args:
+        eval_source: unshuffled held-out batches (``sft/eval``).
+        eval_max_batches: cap on evaluated micro-batches.
+    """
+
+    def __init__(self, eval_source: BatchSource, eval_max_batches: int) -> None:
+        self.eval_source = eval_source
+        self.eval_max_batches = eval_max_batches
+
+    def count(self, batch: dict[str, Tensor]) -> int:
+        return int(batch["loss_mask"][:, 1:].sum())
+
+    def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
+        logprobs = masked_token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+        loss_sum, _ = sft_loss(logprobs, shift_mask(batch["loss_mask"]))
+        return StepOutput(loss_sum=loss_sum, num_tokens=int(batch["attention_mask"].sum()))
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out loss per completion token and its perplexity ``exp(loss)``."""
+        total, count = 0.0, 0
+        for batch in eval_batches(self.eval_source, self.eval_max_batches):
+            out = self.step(model, batch)
+            total += float(out.loss_sum)
+            count += self.count(batch)
+        loss = total / max(count, 1)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+def causal_source(rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True):
+    """Batch source over prepared causal-LM rows (``input_ids``/``loss_mask``)."""
+    lengths = [len(r["input_ids"]) for r in rows]
+    collate = partial(collate_causal, pad_id=pad_id)
+    return batch_source(rows, lengths, collate, micro_batch_size, seed, device, shuffle=shuffle)
+
+
+def pair_source(rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True, collate=None):
+    """Batch source over prepared preference rows, bucketed by the longer of each pair."""
+    lengths = [max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in rows]
+    collate = collate or partial(collate_pairs, pad_id=pad_id)
+    return batch_source(rows, lengths, collate, micro_batch_size, seed, device, shuffle=shuffle)
+
+
+def concat_pairs(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Stack chosen over rejected for one forward pass.
+
+    Args:
+        batch: ``chosen_*`` and ``rejected_*`` tensors, each [B, T] with a common T.
+
+    Returns:
+        (input_ids, attention_mask, loss_mask), each [2B, T]; rows [:B] are chosen.
+    """
+    return tuple(torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "attention_mask", "loss_mask"))
+
+
+def pair_rewards(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Scalar rewards of chosen and rejected completions, each [B] (one concatenated forward)."""
+    input_ids, attention_mask, _ = concat_pairs(batch)
+    rewards = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+    num_pairs = batch["chosen_input_ids"].shape[0]
+    return rewards[:num_pairs], rewards[num_pairs:]
+
+
+class RewardObjective:
+    """Bradley-Terry loss; the count unit is a pair."""
+
+    def __init__(self, eval_source: BatchSource, eval_max_batches: int) -> None:
+        self.eval_source = eval_source
+        self.eval_max_batches = eval_max_batches
+
+    def count(self, batch: dict[str, Tensor]) -> int:
+        return batch["chosen_input_ids"].shape[0]
+
+    def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
+        chosen, rejected = pair_rewards(model, batch)
+        losses, m = bradley_terry_loss(chosen, rejected)
+        num_tokens = int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+        sums = {"accuracy": m["accuracies"].sum(), "margin": m["margins"].sum()}
+        return StepOutput(loss_sum=losses.sum(), num_tokens=num_tokens, metric_sums=sums)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out mean loss, pairwise accuracy (r_chosen > r_rejected) and mean margin."""
+        return evaluate_pairs(self, model, self.eval_source, self.eval_max_batches)
+
+
+def evaluate_pairs(objective, model: nn.Module, source: BatchSource, max_batches: int) -> dict[str, float]:
+    """Mean loss and per-pair metrics of ``objective`` over the first ``max_batches`` batches."""
+    totals: dict[str, float] = {"loss": 0.0}
+    count = 0
+    for batch in eval_batches(source, max_batches):
+        out = objective.step(model, batch)
+        totals["loss"] += float(out.loss_sum)
+        for k, v in out.metric_sums.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+        count += objective.count(batch)
+    return {k: v / max(count, 1) for k, v in totals.items()}
+
+
+def pair_logprobs(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Summed completion log-probs of chosen and rejected, each [B], from one [2B, T] forward."""
+    input_ids, attention_mask, loss_mask = concat_pairs(batch)
+    token_logprobs = masked_token_logprobs(model, input_ids, attention_mask, loss_mask)
+    logprobs = sequence_logprobs(token_logprobs, shift_mask(loss_mask))
+    num_pairs = batch["chosen_input_ids"].shape[0]
+    return logprobs[:num_pairs], logprobs[num_pairs:]
+
+
+def collate_with_reference(rows: list[dict], pad_id: int) -> dict[str, Tensor]:
+    """:func:`collate_pairs` plus ``ref_chosen_logprobs`` / ``ref_rejected_logprobs`` [B] float32."""
+    batch = collate_pairs(rows, pad_id)
+    for key in ("ref_chosen_logprobs", "ref_rejected_logprobs"):
+        batch[key] = torch.tensor([r[key] for r in rows], dtype=torch.float32)
+    return batch
+
+
+class DPOObjective:
+    """Sigmoid DPO loss; the count unit is a pair. Metrics use TRL's names."""
+
+    def __init__(self, beta: float, eval_source: BatchSource, eval_max_batches: int) -> None:
+        self.beta = beta
+        self.eval_source = eval_source
+        self.eval_max_batches = eval_max_batches
+
+    def count(self, batch: dict[str, Tensor]) -> int:
+        return batch["chosen_input_ids"].shape[0]
+
+    def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
+        chosen, rejected = pair_logprobs(model, batch)
+        losses, m = dpo_loss(
+            chosen, rejected, batch["ref_chosen_logprobs"], batch["ref_rejected_logprobs"], beta=self.beta
+        )
+        num_tokens = int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+        sums = {k: v.sum() for k, v in m.items()}
+        sums["logps/chosen"] = chosen.detach().sum()
+        sums["logps/rejected"] = rejected.detach().sum()
+        return StepOutput(loss_sum=losses.sum(), num_tokens=num_tokens, metric_sums=sums)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out mean DPO loss and TRL's reward metrics."""
+        return evaluate_pairs(self, model, self.eval_source, self.eval_max_batches)
+
+
+@torch.no_grad()
+def reference_logprobs(model: nn.Module, rows: list[dict], pad_id: int, batch_size: int, device) -> list[list[float]]:
+    """[chosen, rejected] summed log-probs under ``model`` for each row, in row order.
+
+    Rows are batched in length order to limit padding; results are put back in row order.
+    """
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["chosen_input_ids"]) + len(rows[i]["rejected_input_ids"]))
+    out: list[list[float]] = [[0.0, 0.0] for _ in rows]
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = {k: v.to(device) for k, v in collate_pairs([rows[i] for i in idx], pad_id).items()}
+        chosen, rejected = pair_logprobs(model, batch)
+        for i, c, r in zip(idx, chosen.tolist(), rejected.tolist()):
+            out[i] = [c, r]
+    return out
+
+
+def rows_used(source: BatchSource, num_micro_batches: int) -> list[int]:
+    """Indices of the rows that the first ``num_micro_batches`` micro-batches of ``source`` read.
+
+    The batch order is fully determined by (seed, epoch), so this is exactly what training
+    (or evaluation) will consume, resumed or not; early stopping only reads fewer.
+    """
+    used: set[int] = set()
+    for indices, _ in islice(iterate_batches(source.sampler, DataPosition(0, 0)), num_micro_batches):
+        used.update(indices)
+        if len(used) == len(source.rows):
+            break
+    return sorted(used)
