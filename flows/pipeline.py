@@ -11,6 +11,12 @@ stage would produce now (its config and its inputs' hashes: ``trainer_core/finge
 resumes an unfinished one from its latest checkpoint; a stage whose config changed runs again,
 and so does every stage that consumes its output.
 
+Before anything is written the flow checks the storage root, the data and the model sources
+(``tasks/preflight.py``) and takes the run's lease (``<run>/lease.json``): a second live run or
+resume of the same run id is refused at once, naming the holder. The run's config is recorded
+in ``config.json``; a resume with another config is a re-plan, logged with the changed fields
+(the replaced config kept under ``config-history/``).
+
 The flow writes ``<root>/runs/<run_id>/summary.json`` at the end, also when a stage failed (each
 stage's status, times, metrics, and for a skipped stage the failure that caused it), and then
 re-raises the first failure.
@@ -18,7 +24,6 @@ re-raises the first failure.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import secrets
@@ -30,14 +35,17 @@ from prefect.futures import PrefectFuture, as_completed, wait
 from prefect.runtime import flow_run as prefect_flow_run
 from pydantic import BaseModel, SecretStr
 
+from tasks.console import use_plain_console
 from tasks.launch import abort_launches, forget_launch_group
 from tasks.plan import PlannedStage, plan_run
+from tasks.preflight import preflight
 from tasks.results import PipelineRun, StageResult
 from tasks.runs import save_run_config
 from tasks.stages import GPU_CONCURRENCY_ENV, stage_task
 from tasks.summary import build_summary, write_summary
 from tasks.tracking import finish_pipeline_run, resolve_tracking_uri, start_pipeline_run
 from trainer_core import storage
+from trainer_core.checkpoint.lease import StageLease
 from trainer_core.config import PipelineConfig, load_config, resolve_local_root
 from trainer_core.errors import ConfigError
 from trainer_core.storage import RunLayout
@@ -117,48 +125,61 @@ def _failed_dependency(stage: PlannedStage, results: dict[str, StageResult]) -> 
     return None
 
 
-def run_stage_graph(
-    plan: dict[str, PlannedStage], run: PipelineRun, max_parallel: int | None, log: logging.Logger | Any
-) -> tuple[dict[str, StageResult], list[BaseException]]:
-    """Run the stages of ``plan`` as task futures, each once the stages it reads from completed.
+class StageGraphRun:
+    """The stages of one run's plan as task futures, each submitted once the stages it reads
+    from completed.
 
     Stages are submitted in pipeline order among those ready, at most ``max_parallel`` running
     at once (None: no bound). A stage whose dependency failed (or was skipped) is skipped, naming
     the failure. If the flow itself is interrupted, every running stage's trainer is killed before
-    the interrupt propagates.
+    the interrupt propagates; the stages it cut short are recorded as failed, the others skipped.
 
-    Returns:
-        (stage -> result for every planned stage, the failures in the order they happened).
+    Attributes:
+        results: stage -> result, filled as stages end.
+        failures: the stages' exceptions, in the order they happened.
     """
-    results: dict[str, StageResult] = {}
-    failures: list[BaseException] = []
-    running: dict[PrefectFuture, str] = {}
-    waiting = list(plan)
-    try:
-        while waiting or running:
-            for name in list(waiting):
-                planned, cause = plan[name], _failed_dependency(plan[name], results)
-                if cause is not None:
-                    log.info("stage %s: skipped, because %s failed", name, cause)
-                    results[name] = StageResult.skipped(name, cause)
-                    waiting.remove(name)
-                elif _ready(planned, results) and (max_parallel is None or len(running) < max_parallel):
-                    running[stage_task(name, run.config).submit(name, run, planned.inputs)] = name
-                    waiting.remove(name)
-            if not running:
-                continue
-            done = next(as_completed(list(running)))
-            name = running.pop(done)
-            try:
-                results[name] = done.result()
-            except BaseException as e:  # noqa: BLE001 - recorded, summarised, re-raised by the flow
-                failures.append(e)
-                results[name] = StageResult.failed(name, e)
-    except BaseException:
-        abort_launches(prefect_flow_run.id or "")
-        wait(list(running), timeout=_ABORT_WAIT_S)
-        raise
-    return results, failures
+
+    def __init__(self, plan: dict[str, PlannedStage], run: PipelineRun, max_parallel: int | None, log: Any) -> None:
+        self.plan, self.run_info, self.max_parallel, self.log = plan, run, max_parallel, log
+        self.results: dict[str, StageResult] = {}
+        self.failures: list[BaseException] = []
+
+    def _submit_ready(self, waiting: list[str], running: dict[PrefectFuture, str]) -> None:
+        for name in list(waiting):
+            planned, cause = self.plan[name], _failed_dependency(self.plan[name], self.results)
+            if cause is not None:
+                self.log.info("stage %s: skipped, because %s failed", name, cause)
+                self.results[name] = StageResult.skipped(name, cause)
+                waiting.remove(name)
+            elif _ready(planned, self.results) and (self.max_parallel is None or len(running) < self.max_parallel):
+                task = stage_task(name, self.run_info.config)
+                running[task.submit(name, self.run_info, planned.inputs)] = name
+                waiting.remove(name)
+
+    def run(self) -> None:
+        """Run every stage of the plan (see the class docstring)."""
+        running: dict[PrefectFuture, str] = {}
+        waiting = list(self.plan)
+        try:
+            while waiting or running:
+                self._submit_ready(waiting, running)
+                if not running:
+                    continue
+                done = next(as_completed(list(running)))
+                name = running.pop(done)
+                try:
+                    self.results[name] = done.result()
+                except BaseException as e:  # noqa: BLE001 - recorded, summarised, re-raised by the flow
+                    self.failures.append(e)
+                    self.results[name] = StageResult.failed(name, e)
+        except BaseException as interrupt:
+            abort_launches(prefect_flow_run.id or "")
+            wait(list(running), timeout=_ABORT_WAIT_S)
+            for name in running.values():
+                self.results[name] = StageResult.failed(name, interrupt)
+            for name in waiting:
+                self.results[name] = StageResult.skipped(name, "interrupted")
+            raise
 
 
 def flow_run_name() -> str:
@@ -202,18 +223,46 @@ def post_training_pipeline(
         The summary (see ``tasks.summary.build_summary``) plus ``summary_uri``.
 
     Raises:
-        ConfigError: invalid config, run id, or a stage input that nothing provides (before any
-            stage runs or anything is written).
+        ConfigError: invalid config or run id, a failed pre-flight check (storage root, data,
+            model sources), or a stage input that nothing provides (before anything is written).
+        LeaseHeldError: another live run or resume of this run id holds its lease (refused at
+            once, before anything is written).
         StageFailed: a stage failed (after the summary is written; the first failure).
     """
+    use_plain_console()
     log = get_run_logger()
     cfg = resolve_config(config, config_uri, overrides)
     run_id = check_run_id(run_id or new_run_id(cfg))
     _name_flow_run(run_id)
     storage.configure(cfg.storage)
     layout = RunLayout(cfg.storage.root, run_id)
+    preflight(cfg, {layout.final(s) for s in cfg.stages})
     plan = plan_run(cfg, layout)
-    save_run_config(cfg, layout)
+    lease = StageLease(layout.uri, ttl_s=cfg.launch.lease_ttl_s,
+                       what="another posttrain run or resume of this run id is live")
+    lease.acquire(wait_s=0)
+    try:
+        return _run(cfg, run_id, layout, plan, log)
+    finally:
+        lease.release()
+
+
+def _record_interruption(run: PipelineRun, graph: StageGraphRun, interrupt: BaseException, log: Any) -> None:
+    """Write the summary of an interrupted run (best effort: the interrupt must propagate)."""
+    try:
+        summary = build_summary(run, graph.results, interrupted=f"{type(interrupt).__name__}: {interrupt}")
+        write_summary(run, summary)
+        finish_pipeline_run(run.parent_mlflow_run_id, "KILLED", tracking_uri=run.tracking_uri)
+    except Exception as e:  # noqa: BLE001
+        log.warning("run %s: could not record the interruption: %s", run.run_id, e)
+
+
+def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, PlannedStage], log: Any) -> dict[str, Any]:
+    """The flow's body once it holds the run's lease: record the config, run the graph, summarise."""
+    changes = save_run_config(cfg, layout)
+    if changes:
+        log.info("run %s re-planned: %d config field(s) changed since its last start: %s", run_id, len(changes),
+                 "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()))
     tracking_uri = resolve_tracking_uri(cfg)
     run = PipelineRun(
         run_id=run_id, config=cfg, tracking_uri=tracking_uri,
@@ -222,14 +271,20 @@ def post_training_pipeline(
     bound = max_parallel_stages(cfg)
     log.info("run %s: stages %s (at most %s at once), MLflow %s (run %s)", run_id, cfg.stages,
              bound or "unbounded", tracking_uri, run.parent_mlflow_run_id)
+    graph = StageGraphRun(plan, run, bound, log)
     try:
-        results, failures = run_stage_graph(plan, run, bound, log)
+        graph.run()
+    except BaseException as interrupt:
+        _record_interruption(run, graph, interrupt, log)
+        raise
     finally:
         forget_launch_group(prefect_flow_run.id or "")
-    summary = build_summary(run, results)
+    summary = build_summary(run, graph.results)
+    if changes:
+        summary["config_changes"] = changes
     summary["summary_uri"] = write_summary(run, summary)
     finish_pipeline_run(run.parent_mlflow_run_id, summary["status"], tracking_uri=tracking_uri)
     log.info("run %s %s; summary %s", run_id, summary["status"], summary["summary_uri"])
-    if failures:
-        raise failures[0]
+    if graph.failures:
+        raise graph.failures[0]
     return summary

@@ -3,15 +3,27 @@
 It sits above every other package (``posttrain -> deployments -> flows -> tasks ->
 trainer_core``): the flow does not know the CLI exists.
 
-``posttrain run [CONFIG] [--set key.path=value ...] [--run-id ID]`` validates the config
-before anything runs (exit 2 on a bad one), runs the flow, and prints the output locations;
-the last line on stdout is always the URI of the run's ``summary.json`` (exit 1 when the
-pipeline failed). ``posttrain validate CONFIG [--set ...]`` prints the resolved config as YAML.
+``posttrain run [CONFIG] [--set key.path=value ...] [--run-id ID]`` validates the config, runs
+the flow and prints the output locations. Exit codes follow the error taxonomy
+(``trainer_core/errors.py``):
+
+- 0: every stage completed; the last stdout line is the URI of the run's ``summary.json``;
+- 2: bad input. Before anything ran (a bad config or run id, a failed pre-flight check, the run
+  held by another live ``run``/``resume``) nothing is written and no summary line is printed;
+  a stage that failed on bad input (data, model source, a diverged run) ends with the summary line;
+- 1: any other failure (a crash, an exhausted resource, an interrupt), after the summary line
+  when the run had started.
+
+The error is printed on stderr as plain text (no markup or emoji codes), without a traceback.
+SIGTERM and SIGINT stop the run like Ctrl-C: every trainer is killed, the temporary Prefect API
+server stopped, the run's lease released. ``posttrain validate CONFIG [--set ...]`` prints the
+resolved config as YAML.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import signal
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -19,10 +31,10 @@ from rich.console import Console
 
 from deployments.deploy import deploy
 from trainer_core.config import PipelineConfig, load_config, resolve_local_root
-from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
+from trainer_core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, PosttrainError
 
 app = typer.Typer(help="LLM post-training pipeline (Prefect + MLflow).", no_args_is_help=True, add_completion=False)
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
+_err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False, markup=False)
 
 DEFAULT_CONFIG = "configs/demo.yaml"
 
@@ -31,15 +43,30 @@ SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override one field: key.path=value (YAML value). Repeatable."),
 ]
+RootOpt = Annotated[str, typer.Option("--root", help="storage.root the run was written under.")]
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    """Print ``error: message`` to stderr; the ``typer.Exit`` to raise with ``code``."""
+    _err.print(f"error: {message}", style="red")
+    return typer.Exit(code)
 
 
 def _load_or_exit(config: str, overrides: list[str] | None) -> PipelineConfig:
-    """Load and validate; on a bad config print the message in red to stderr and exit 2."""
+    """Load and validate; on a bad config print the message to stderr and exit 2."""
     try:
         return resolve_local_root(load_config(config, overrides=list(overrides or [])))
     except ConfigError as e:
-        _err.print(str(e), style="red", markup=False)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        raise _fail(str(e), EXIT_BAD_INPUT) from None
+
+
+def _checked_run_id(run_id: str) -> str:
+    from flows.pipeline import check_run_id
+
+    try:
+        return check_run_id(run_id)
+    except ConfigError as e:
+        raise _fail(str(e), EXIT_BAD_INPUT) from None
 
 
 @app.command()
@@ -59,10 +86,7 @@ def run(
     from flows.pipeline import new_run_id
 
     cfg = _load_or_exit(config, overrides)
-    _run_pipeline(cfg, run_id or new_run_id(cfg))
-
-
-RootOpt = Annotated[str, typer.Option("--root", help="storage.root the run was written under.")]
+    _run_pipeline(cfg, _checked_run_id(run_id or new_run_id(cfg)))
 
 
 @app.command()
@@ -71,31 +95,34 @@ def resume(run_id: str, overrides: SetOpt = None, root: RootOpt = "./outputs") -
     inputs are unchanged are skipped; the first unfinished one resumes from its checkpoint."""
     from tasks.runs import load_run_config
 
+    run_id = _checked_run_id(run_id)
     try:
         saved = load_run_config(_absolute(root), run_id)
         cfg = resolve_local_root(load_config(base=saved, overrides=list(overrides or [])))
     except ConfigError as e:
-        _err.print(str(e), style="red", markup=False)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        raise _fail(str(e), EXIT_BAD_INPUT) from None
     _run_pipeline(cfg, run_id)
 
 
 @app.command()
 def status(run_id: str, root: RootOpt = "./outputs") -> None:
-    """List RUN_ID's stages: state, latest committed checkpoint step, output URI."""
+    """List RUN_ID's stages: state (completed, running, interrupted, not started), latest
+    committed checkpoint step, output URI."""
     from rich.table import Table
 
-    from tasks.runs import run_status
+    from tasks.runs import run_holder, run_status
 
+    run_id = _checked_run_id(run_id)
     try:
         rows = run_status(_absolute(root), run_id)
     except ConfigError as e:
-        _err.print(str(e), style="red", markup=False)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        raise _fail(str(e), EXIT_BAD_INPUT) from None
+    holder = run_holder(_absolute(root), run_id)
+    typer.echo(f"run {run_id}: " + (f"running (held by {holder})" if holder else "not running"))
     table = Table("stage", "state", "latest checkpoint step", "final step", "output")
     for r in rows:
         table.add_row(r["stage"], r["state"], _show(r["latest_step"]), _show(r["final_step"]), r["output_uri"])
-    Console(width=200).print(table)
+    Console(width=200, emoji=False).print(table)
 
 
 def _show(value: int | None) -> str:
@@ -106,25 +133,66 @@ def _absolute(root: str) -> str:
     return resolve_local_root(PipelineConfig(storage={"root": root})).storage.root
 
 
-def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
-    """Run the flow for ``cfg`` under ``run_id``; print locations; last line: the summary URI."""
-    from flows.pipeline import check_run_id, post_training_pipeline
-    from trainer_core.storage import RunLayout
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM as Ctrl-C: the flow unwinds (killing its trainers) and exit handlers run."""
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def exit_code_of(error: BaseException) -> int:
+    """The CLI's exit code for a failed pipeline run: 2 for bad input (before any stage, or a
+    stage's :class:`~tasks.failures.BadStageInput`), else 1."""
+    from tasks.failures import BadStageInput
+
+    bad_input = isinstance(error, PosttrainError) and error.exit_code == EXIT_BAD_INPUT
+    return EXIT_BAD_INPUT if bad_input or isinstance(error, BadStageInput) else EXIT_FAILED
+
+
+def _headline(error: BaseException) -> str:
+    """The part of a failure's message a user reads first (a stage error's launch details and
+    output tail follow a blank line; they are in summary.json and the task log)."""
+    return f"{type(error).__name__}: {str(error).split(chr(10) + chr(10), 1)[0]}"
+
+
+def _refuse_if_held(layout: Any) -> None:
+    """Exit 2 at once when a live ``run``/``resume`` holds the run's lease (before starting
+    Prefect; the flow takes the lease itself, so two starting together are still told apart)."""
+    from trainer_core.checkpoint.lease import LEASE_NAME, read_lease
+    from trainer_core.storage import join_uri
 
     try:
-        run_id = check_run_id(run_id)
-    except ConfigError as e:
-        _err.print(str(e), style="red", markup=False)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
-    typer.echo(f"run id: {run_id}")
+        lease = read_lease(layout.uri)
+    except Exception:  # noqa: BLE001 - unreadable storage: the flow's pre-flight reports it
+        return
+    if lease is not None and lease["live"]:
+        where = f" (pid {lease['pid']} on {lease['host']})" if "host" in lease else ""
+        raise _fail(f"{join_uri(layout.uri, LEASE_NAME)} is held by {lease['owner']}{where}: another posttrain run or "
+                    "resume of this run id is live. Wait for it, or use another run id.", EXIT_BAD_INPUT)
+
+
+def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
+    """Run the flow for ``cfg`` under ``run_id``; print locations; last line: the summary URI."""
+    from flows.pipeline import post_training_pipeline
+    from tasks.console import use_plain_console
+    from trainer_core import storage
+    from trainer_core.storage import RunLayout
+
     layout = RunLayout(cfg.storage.root, run_id)
+    _refuse_if_held(layout)
+    typer.echo(f"run id: {run_id}")
     typer.echo(f"outputs: {layout.uri}")
+    use_plain_console()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         summary = post_training_pipeline(config=cfg, run_id=run_id)
-    except Exception as e:  # noqa: BLE001 - reported; the summary says which stage failed
-        _err.print(f"pipeline failed: {type(e).__name__}: {e}", style="red", markup=False)
-        typer.echo(layout.summary)
-        raise typer.Exit(1) from None
+    except BaseException as e:  # noqa: BLE001 - reported; the summary (when written) says which stage failed
+        if isinstance(e, PosttrainError):  # refused before anything ran: nothing written, no summary
+            raise _fail(str(e), exit_code_of(e)) from None
+        _err.print(f"error: pipeline failed: {_headline(e)}", style="red")
+        if storage.exists(layout.summary):
+            typer.echo(layout.summary)
+        raise typer.Exit(exit_code_of(e)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for name, entry in summary["stages"].items():
         reused = " (unchanged, not re-run)" if entry.get("reused") else ""
         typer.echo(f"{name}: {entry['status']}{reused} -> {entry['output_uri']}")

@@ -15,7 +15,7 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from trainer_core.errors import EXIT_BAD_INPUT
+from trainer_core.errors import EXIT_BAD_INPUT, EXIT_RESOURCE
 
 if TYPE_CHECKING:
     from tasks.launch import LaunchResult
@@ -65,7 +65,38 @@ class StageFailed(RuntimeError):
 
 
 class BadStageInput(StageFailed):
-    """The trainer exited with ``EXIT_BAD_INPUT``: bad config or data; never retried."""
+    """The trainer exited with ``EXIT_BAD_INPUT``: bad config, data, model source, credentials,
+    permissions, or a diverged run; never retried."""
+
+
+class StageResourceError(StageFailed):
+    """The trainer exited with ``EXIT_RESOURCE``: disk full or out of memory. Not retried: the
+    same attempt would fail the same way; the message says what to change."""
+
+
+_ERROR_LINE = re.compile(r"^(?:\[\w+\]:)?error: (.*)$")
+"""The line ``python -m trainer_core.run`` prints for a taxonomy error (after torchrun's rank prefix)."""
+
+
+def trainer_error(lines: list[str]) -> str | None:
+    """The trainer's own error message in ``lines`` (from its last ``error: ...`` line to the end), or None."""
+    for i in range(len(lines) - 1, -1, -1):
+        if m := _ERROR_LINE.match(lines[i]):
+            rest = [re.sub(r"^\[\w+\]:", "", line) for line in lines[i + 1 :]]
+            return "\n".join([m[1], *rest]).strip()
+    return None
+
+
+def _lead(stage: str, headline: str | None, message: str) -> str:
+    """``message`` led by the trainer's own error (prefixed with the stage unless it names it)."""
+    if not headline:
+        return message
+    named = headline if headline.startswith(f"stage {stage}") else f"stage {stage!r}: {headline}"
+    return f"{named}\n\n{message}"
+
+
+def _stage_error(code: int) -> type[StageFailed]:
+    return {EXIT_BAD_INPUT: BadStageInput, EXIT_RESOURCE: StageResourceError}.get(code, StageFailed)
 
 
 _FAILURE_FIELD = re.compile(r"^  (time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
@@ -188,9 +219,13 @@ def raise_for_result(result: LaunchResult, stage: str) -> None:
         result: A finished launch.
         stage: The stage name, for the message.
 
+    The trainer's own message (its ``error: ...`` line, see :func:`trainer_error`) leads the
+    exception's message when there is one; the launch details and last lines follow.
+
     Raises:
         BadStageInput: the trainer (or, under torchrun, one of its ranks) exited with
-            ``EXIT_BAD_INPUT`` (bad config or data).
+            ``EXIT_BAD_INPUT`` (bad input).
+        StageResourceError: it exited with ``EXIT_RESOURCE`` (disk full, out of memory).
         StageFailed: any other non-zero exit, or a timeout.
     """
     if result.returncode == 0 and not result.timed_out:
@@ -209,17 +244,17 @@ def raise_for_result(result: LaunchResult, stage: str) -> None:
             message += f"\nrank {failure.rank}'s traceback:\n{failure.traceback}"
         if others := [f"rank {f.rank} {_exit_words(f.exitcode)}" for f in failures if f is not failure]:
             message += "\nalso failed: " + "; ".join(others)
-        error = BadStageInput if failure.exitcode == EXIT_BAD_INPUT else StageFailed
-        raise error(message, failure.exitcode, result.tail, rank=failure.rank)
+        message = _lead(stage, trainer_error(rank_tail), message)
+        raise _stage_error(failure.exitcode)(message, failure.exitcode, result.tail, rank=failure.rank)
     tail = "\n".join(result.tail[-20:])
     if result.timed_out:
         what = f"timed out after {result.wall_s:.0f} s and was killed"
     else:
         what = _exit_words(result.returncode)
     message = f"stage {stage!r} trainer {what}; last output:\n{tail}"
-    if result.returncode == EXIT_BAD_INPUT and not result.timed_out:
-        raise BadStageInput(message, result.returncode, result.tail)
-    raise StageFailed(message, result.returncode, result.tail)
+    message = _lead(stage, None if result.timed_out else trainer_error(result.tail), message)
+    error = StageFailed if result.timed_out else _stage_error(result.returncode)
+    raise error(message, result.returncode, result.tail)
 
 
 class LaunchAborted(Exception):
@@ -238,8 +273,8 @@ def _failure_exception(state: Any) -> BaseException | None:
 
 
 def retry_condition(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect ``retry_condition_fn``: retry any failure except :class:`BadStageInput` and
-    :class:`LaunchAborted` (the flow run itself was interrupted).
+    """Prefect ``retry_condition_fn``: retry any failure except :class:`BadStageInput`,
+    :class:`StageResourceError` and :class:`LaunchAborted` (the flow run itself was interrupted).
 
     Prefect 3.8 calls it as ``retry_condition(task, task_run, state)`` with a ``Failed`` state
     whose data is the raised exception; it must be a plain function (``inspect.isfunction``).
@@ -250,6 +285,7 @@ def retry_condition(task: Any, task_run: Any, state: Any) -> bool:
         state: The ``Failed`` state.
 
     Returns:
-        False when the failure was bad input (a retry cannot fix it) or an abort, else True.
+        False when the failure was bad input or an exhausted resource (a retry cannot fix them)
+        or an abort, else True.
     """
-    return not isinstance(_failure_exception(state), (BadStageInput, LaunchAborted))
+    return not isinstance(_failure_exception(state), (BadStageInput, StageResourceError, LaunchAborted))

@@ -12,6 +12,7 @@ from typing import Any
 
 from tasks.results import StageResult
 from trainer_core import storage
+from trainer_core.checkpoint.lease import read_lease
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, find_latest, read_manifest
 from trainer_core.config import PipelineConfig
 from trainer_core.errors import ConfigError
@@ -21,24 +22,71 @@ from trainer_core.storage import RunLayout, join_uri
 log = logging.getLogger(__name__)
 
 
-def save_run_config(config: PipelineConfig, layout: RunLayout) -> str:
-    """Record the config a run is started with (secrets excluded); returns its URI."""
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: data}
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[Any]]:
+    """``{"dotted.field": [before, after]}`` for every leaf that differs (absent: None)."""
+    old, new = _flat(before), _flat(after)
+    return {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+
+
+def save_run_config(config: PipelineConfig, layout: RunLayout) -> dict[str, list[Any]]:
+    """Record the config a run is (re)started with (secrets excluded) at ``<run>/config.json``.
+
+    The first start writes it. A later start with another config is a re-plan: the config it
+    replaces is kept as ``<run>/config-history/NNNN.json`` (the order of the re-plans), the new
+    one written, and the changed fields returned (and logged by the caller); the fingerprints then
+    decide which stages run again. Only the holder of the run's lease calls this.
+
+    Returns:
+        The changes from the previous config (empty for a first start or an identical config).
+
+    Raises:
+        ConfigError: the existing ``config.json`` is damaged (the message names it).
+    """
     data = config.model_dump(mode="json", exclude={"storage": {"access_key_id", "secret_access_key"}})
+    try:
+        previous = _read_config(layout)
+    except ConfigError as e:
+        if "does not exist" not in str(e):
+            raise
+        previous = None
+    if previous is None or previous == data:
+        storage.write_json(layout.config, data)
+        return {}
+    history = join_uri(layout.uri, "config-history")
+    number = len(storage.list_files(history)) + 1
+    storage.write_json(join_uri(history, f"{number:04d}.json"), previous)
     storage.write_json(layout.config, data)
-    return layout.config
+    return config_changes(previous, data)
+
+
+def _read_config(layout: RunLayout) -> dict[str, Any]:
+    try:
+        data = storage.read_json(layout.config)
+    except FileNotFoundError:
+        raise ConfigError(f"no run {layout.run_id!r} under {layout.root}: {layout.config} does not exist") from None
+    except ValueError as e:
+        raise ConfigError(f"{layout.config} is damaged (not JSON: {e}); restore it or start a new run id") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{layout.config} is damaged (not a JSON object); restore it or start a new run id")
+    return data
 
 
 def load_run_config(root: str, run_id: str) -> dict[str, Any]:
-    """The config dict a run was started with.
+    """The config dict a run was last started with.
 
     Raises:
-        ConfigError: the run has no saved config under ``root``.
+        ConfigError: the run has no saved config under ``root``, or it is damaged (named).
     """
-    uri = RunLayout(root, run_id).config
-    try:
-        return storage.read_json(uri)
-    except FileNotFoundError:
-        raise ConfigError(f"no run {run_id!r} under {root}: {uri} does not exist") from None
+    return _read_config(RunLayout(root, run_id))
 
 
 def completed_result(layout: RunLayout, stage: str, fingerprint: str) -> StageResult | None:
@@ -74,8 +122,11 @@ def stage_status(root: str, run_id: str, stage: str) -> dict[str, Any]:
     """Where one stage of a run stands on storage.
 
     Returns:
-        ``{"stage", "state": "completed" | "in progress" | "not started", "latest_step":
-        int | None (newest committed checkpoint), "final_step": int | None, "output_uri"}``.
+        ``{"stage", "state", "latest_step": int | None (newest committed checkpoint),
+        "final_step": int | None, "output_uri", "holder": str | None}``. ``state`` is
+        ``completed`` (final committed), ``running`` (a live writer holds its lease),
+        ``interrupted`` (started, no final, and no live writer: its holder died or was stopped;
+        ``resume`` continues it from ``latest_step``) or ``not started``.
     """
     paths = RunLayout(root, run_id).stage(stage)
     latest = find_latest(paths.checkpoints)
@@ -83,13 +134,22 @@ def stage_status(root: str, run_id: str, stage: str) -> dict[str, Any]:
         final = read_manifest(paths.final)
     except (FileNotFoundError, ValueError):
         final = None
-    state = "completed" if final else "in progress" if latest or storage.exists(paths.output) else "not started"
+    lease = read_lease(paths.output)
+    if final is not None:
+        state = "completed"
+    elif lease is not None and lease["live"]:
+        state = "running"
+    elif latest or lease is not None or storage.exists(paths.output):
+        state = "interrupted"
+    else:
+        state = "not started"
     return {
         "stage": stage,
         "state": state,
         "latest_step": latest[1].global_step if latest else None,
         "final_step": final.global_step if final else None,
         "output_uri": paths.final if final else paths.output,
+        "holder": lease["owner"] if lease is not None and lease["live"] else None,
     }
 
 
@@ -97,7 +157,13 @@ def run_status(root: str, run_id: str) -> list[dict[str, Any]]:
     """:func:`stage_status` of every stage the run's saved config lists.
 
     Raises:
-        ConfigError: the run has no saved config under ``root``.
+        ConfigError: the run has no saved config under ``root``, or it is damaged.
     """
     stages = load_run_config(root, run_id).get("stages", list(STAGE_ORDER))
     return [stage_status(root, run_id, s) for s in stages]
+
+
+def run_holder(root: str, run_id: str) -> str | None:
+    """The owner of the run's live lease (a ``posttrain run``/``resume`` in progress), or None."""
+    lease = read_lease(RunLayout(root, run_id).uri)
+    return lease["owner"] if lease is not None and lease["live"] else None

@@ -14,12 +14,14 @@ _TABLE_METRICS = 6
 """Metrics shown per stage in the Prefect table (all of them are in summary.json and MLflow)."""
 
 
-def build_summary(run: PipelineRun, results: dict[str, StageResult]) -> dict[str, Any]:
-    """The summary document; ``status`` is ``completed`` only when every stage completed.
+def build_summary(run: PipelineRun, results: dict[str, StageResult], interrupted: str | None = None) -> dict[str, Any]:
+    """The summary document; ``status`` is ``completed`` only when every stage completed,
+    ``interrupted`` when the flow was stopped (``interrupted`` says how), else ``failed``.
 
     Args:
         run: The pipeline run.
         results: Stage name -> result, for the stages of ``run.config.stages``.
+        interrupted: what stopped the flow (e.g. ``KeyboardInterrupt: signal SIGTERM``), if anything.
 
     Returns:
         ``{"run_id", "status", "stages": {stage: StageResult.summary_entry()}, "mlflow":
@@ -27,13 +29,17 @@ def build_summary(run: PipelineRun, results: dict[str, StageResult]) -> dict[str
     """
     stages = {name: results[name].summary_entry() for name in run.config.stages if name in results}
     done = len(stages) == len(run.config.stages) and all(s["status"] == "completed" for s in stages.values())
-    return {
+    status = "interrupted" if interrupted else "completed" if done else "failed"
+    summary: dict[str, Any] = {
         "run_id": run.run_id,
-        "status": "completed" if done else "failed",
+        "status": status,
         "stages": stages,
         "mlflow": {"tracking_uri": run.tracking_uri, "parent_run_id": run.parent_mlflow_run_id},
         "config_hash": config_hash(run.config),
     }
+    if interrupted:
+        summary["interrupted"] = interrupted
+    return summary
 
 
 def _metrics_cell(metrics: dict[str, float]) -> str:
@@ -45,7 +51,8 @@ def _metrics_cell(metrics: dict[str, float]) -> str:
 
 def _status_cell(entry: dict[str, Any]) -> str:
     if entry["status"] == "skipped":
-        return f"skipped ({entry['skipped_because']} failed)"
+        because = entry["skipped_because"]
+        return "skipped (interrupted)" if because == "interrupted" else f"skipped ({because} failed)"
     return "completed (reused)" if entry.get("reused") else entry["status"]
 
 

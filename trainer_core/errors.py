@@ -1,17 +1,37 @@
-"""Errors that mean "bad input": a retry cannot fix them.
+"""The error taxonomy: what went wrong, what it means for a retry, and the exit code that says so.
 
-The trainer process exits with :data:`EXIT_BAD_INPUT` when one of these escapes, so the
-orchestrating task fails at once instead of retrying (see ``tasks/launch.py``).
+Three kinds of failure, one exit code each (a trainer process exits with it; the stage task
+decides on a retry from it; the CLI maps the pipeline's outcome to it):
+
+| kind | exit | retried | examples |
+| --- | --- | --- | --- |
+| bad input (:class:`PosttrainError` and subclasses but :class:`ResourceError`) | 2 | never | a config value, a malformed data file, a missing model, missing credentials, a permission, a diverged run |
+| resource (:class:`ResourceError`) | 3 | never blindly | disk full (with the path), out of memory (with the stage and batch size) |
+| transient (anything else) | 1 | yes | a network error, throttling, a killed process, a crash |
+
+Every message names its input: the file and line, the URI, or the config field. Code that knows
+the input raises one of these itself; :func:`classify` maps the library exceptions that escape
+without one (``ENOSPC``, out of memory, a permission, missing S3 credentials) in one place.
 """
 
 from __future__ import annotations
 
+import errno
+
+EXIT_FAILED = 1
+"""Process exit code of a crash or a transient failure (a retry may fix it)."""
+
 EXIT_BAD_INPUT = 2
-"""Process exit code for bad config or bad data (never retried)."""
+"""Process exit code for bad config, data, model source, credentials or permissions (never retried)."""
+
+EXIT_RESOURCE = 3
+"""Process exit code for an exhausted resource: disk full, out of memory (not retried blindly)."""
 
 
 class PosttrainError(Exception):
-    """Base class of the project's own errors."""
+    """Base class of the project's own errors: bad input unless a subclass says otherwise."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 class ConfigError(PosttrainError, ValueError):
@@ -20,3 +40,63 @@ class ConfigError(PosttrainError, ValueError):
 
 class DataError(PosttrainError, ValueError):
     """An input record or file is malformed; the message names the file and line."""
+
+
+class NonFiniteError(PosttrainError, ArithmeticError):
+    """Training produced NaN or infinity (loss, gradient norm, rewards, advantages, weights).
+
+    The message names the stage, the global step and the metric; nothing of that step is
+    committed. A retry would diverge again from the same checkpoint: it is bad input (usually a
+    learning rate, a warmup, or data), not retried.
+    """
+
+
+class ResourceError(PosttrainError):
+    """A resource ran out: disk space (the message names the path) or memory (the stage and
+    batch size, and what to lower). Retrying the same thing would fail the same way."""
+
+    exit_code = EXIT_RESOURCE
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    name, text = type(exc).__name__, str(exc).lower()
+    return name == "OutOfMemoryError" or (
+        isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+    )
+
+
+def _is_no_credentials(exc: BaseException) -> bool:
+    return type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError")
+
+
+def classify(exc: BaseException, *, where: str = "") -> PosttrainError | None:
+    """The taxonomy error for a library exception that escaped without one, or None (transient).
+
+    Args:
+        exc: the exception.
+        where: what was being done, for the message (e.g. ``"stage sft"``).
+
+    Returns:
+        A :class:`ResourceError` for ``ENOSPC`` / ``EDQUOT`` (naming the file when the OS did)
+        and for out-of-memory errors; a :class:`ConfigError` for a permission error and for
+        missing S3 credentials; None for anything else (a retry may help).
+    """
+    prefix = f"{where}: " if where else ""
+    if isinstance(exc, PosttrainError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        path = exc.filename or "a file"
+        return ResourceError(f"{prefix}disk full (or quota exceeded) writing {path}: free space there, or point "
+                             "storage.root (and TMPDIR) at a larger volume")
+    if _is_oom(exc):
+        return ResourceError(f"{prefix}out of memory ({type(exc).__name__}: {str(exc)[:300]}); lower the stage's "
+                             "micro_batch_size (keep the global batch with grad_accum_steps or global_batch_size), "
+                             "max_length_tokens, or the generation batch size")
+    if isinstance(exc, PermissionError):
+        return ConfigError(f"{prefix}permission denied: {exc.filename or exc}")
+    if _is_no_credentials(exc):
+        return ConfigError(f"{prefix}no S3 credentials ({type(exc).__name__}): set storage.access_key_id and "
+                           "storage.secret_access_key, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+    return None

@@ -11,6 +11,7 @@ All are loaded with the ``Auto*`` classes; ``trust_remote_code`` is off unless c
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import torch
@@ -31,12 +32,43 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def local_model_path(source: str) -> str:
-    """A path or hub id ``from_pretrained`` accepts: fsspec URIs are materialised locally."""
+    """A path or hub id ``from_pretrained`` accepts: fsspec URIs are materialised locally.
+
+    Raises:
+        ConfigError: ``source`` names a local path (absolute, ``./``, ``../``, ``~`` or
+            ``file://``) that does not exist or holds no ``config.json``.
+    """
     if "://" in source and not source.startswith("file://"):
         from trainer_core.storage import materialize
 
         return materialize(source)
-    return source.removeprefix("file://")
+    path = source.removeprefix("file://")
+    if path.startswith(("/", "./", "../", "~")) or os.path.exists(path):
+        local = os.path.expanduser(path)
+        if not os.path.isdir(local):
+            raise ConfigError(f"model source {source!r}: no such directory (a local path, an fsspec URI of an HF "
+                              "model directory, or a hub id is expected)")
+        if not os.path.exists(os.path.join(local, "config.json")):
+            raise ConfigError(f"model source {source!r} is not a Hugging Face model directory (no config.json)")
+        return local
+    return path
+
+
+def _from_pretrained(load, source: str, model: ModelConfig, **kwargs) -> nn.Module:
+    """``load(path, ...)`` with the errors of an unusable source made :class:`ConfigError`\ s naming it."""
+    path = local_model_path(source)
+    try:
+        return load(path, trust_remote_code=model.trust_remote_code, **kwargs)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise ConfigError(f"model source {source!r} needs code from its repository: set "
+                              "model.trust_remote_code: true if you trust it") from e
+        raise
+    except OSError as e:
+        if getattr(e, "errno", None) is not None:
+            raise  # an I/O error (disk, network socket), not a missing model
+        raise ConfigError(f"model source {source!r} cannot be loaded ({str(e).splitlines()[0]}); it must be a "
+                          "model directory (local or fsspec URI) or a hub id reachable from this machine") from e
 
 
 def _init_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, **extra) -> LlamaConfig:
@@ -70,16 +102,15 @@ def load_causal_lm(source: str, model: ModelConfig, tokenizer: PreTrainedTokeniz
         seed: seeds the random init of a model built from config.
 
     Raises:
-        ConfigError: ``source`` is ``"init"`` without ``model.init``.
-        OSError: the model cannot be found or read (from ``transformers``).
+        ConfigError: ``source`` is ``"init"`` without ``model.init``; a local source that does
+            not exist or is no model directory; a hub id that cannot be loaded; a model that
+            needs remote code without ``model.trust_remote_code``.
     """
     dtype = _DTYPES[model.dtype]
     if source == INIT_SOURCE:
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(_init_config(model, tokenizer), dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(
-        local_model_path(source), dtype=dtype, trust_remote_code=model.trust_remote_code
-    )
+    return _from_pretrained(AutoModelForCausalLM.from_pretrained, source, model, dtype=dtype)
 
 
 def load_reward_model(
@@ -91,22 +122,18 @@ def load_reward_model(
     freshly initialised (seeded); from a reward-model directory everything is loaded.
 
     Raises:
-        ConfigError: ``source`` is ``"init"`` without ``model.init``.
-        OSError: the model cannot be found or read.
+        ConfigError: as :func:`load_causal_lm`.
     """
     dtype = _DTYPES[model.dtype]
     torch.manual_seed(seed)
     if source == INIT_SOURCE:
         config = _init_config(model, tokenizer, num_labels=1)
         return AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-    path = local_model_path(source)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+    config = _from_pretrained(AutoConfig.from_pretrained, source, model)
     config.num_labels = 1
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
-    return AutoModelForSequenceClassification.from_pretrained(
-        path, config=config, dtype=dtype, trust_remote_code=model.trust_remote_code
-    )
+    return _from_pretrained(AutoModelForSequenceClassification.from_pretrained, source, model, config=config, dtype=dtype)
 
 
 def save_pretrained_to(

@@ -2,20 +2,34 @@
 
 Reads the :class:`~trainer_core.spec.StageSpec`, runs it with
 :func:`~trainer_core.stages.runner.run_spec` (which owns the backend, the lease and the
-logger) and exits: 0 when the stage's final manifest is committed,
-:data:`~trainer_core.errors.EXIT_BAD_INPUT` (2) for bad config or data, a corrupt input
-manifest or a stage held by another writer (a :class:`~trainer_core.errors.PosttrainError`:
-never worth a retry), 1 for any other failure.
+logger) and exits with the taxonomy's code (``trainer_core/errors.py``): 0 when the stage's
+final manifest is committed; 2 for bad input (config, data, model source, credentials,
+permissions, a stage held by another writer, a diverged run: never worth a retry); 3 for an
+exhausted resource (disk full, out of memory); 1 for anything else. A taxonomy error is printed
+as one ``error: <message>`` line on stderr (the task shows it as the stage's error); anything
+else prints its traceback.
+
+The process watches its parent (the stage task, or the torchrun agent of a rank): when the
+parent dies (``SIGKILL`` of the CLI, a killed agent) the trainer exits within a second, without
+committing anything it had not committed yet, instead of training on as an orphan.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import threading
 import traceback
 
-from trainer_core.errors import EXIT_BAD_INPUT, ConfigError, PosttrainError
+from trainer_core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, classify
+
+PARENT_POLL_S = 0.5
+"""How often the trainer checks that its parent is alive."""
+
+EXIT_PARENT_GONE = 1
+"""Exit code of a trainer whose parent died (a crash from the task's view: a retry resumes it)."""
 
 
 def load_spec(uri: str):
@@ -38,6 +52,38 @@ def load_spec(uri: str):
         raise ConfigError(f"invalid stage spec {uri}: {e}") from e
 
 
+def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Exit this process (code :data:`EXIT_PARENT_GONE`) as soon as its parent process is gone.
+
+    A daemon thread compares ``os.getppid()`` with its value at start: an orphan is re-parented
+    (to init or a subreaper). ``os._exit`` stops at once: no cleanup runs, so nothing half-done
+    is committed (a checkpoint or final directory is committed only by its manifest, written
+    last); the writer lease it held lapses.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        stop = threading.Event()
+        while not stop.wait(poll_s):
+            if os.getppid() != parent:
+                sys.stderr.write(f"error: the trainer's parent process {parent} is gone; exiting without committing\n")
+                sys.stderr.flush()
+                os._exit(EXIT_PARENT_GONE)
+
+    thread = threading.Thread(target=watch, name="parent-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def _where(spec) -> str:
+    """``stage <name>`` with the micro-batch size it ran at (what an out-of-memory message needs)."""
+    if spec is None:
+        return ""
+    section = spec.config.section(spec.stage)
+    micro = getattr(section, "micro_batch_size", None)
+    return f"stage {spec.stage}" + (f" at {spec.stage}.micro_batch_size={micro}" if micro is not None else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the stage named in the spec; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
@@ -45,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m trainer_core.run <stage-spec-uri>", file=sys.stderr)
         return EXIT_BAD_INPUT
+    watch_parent()
+    spec = None
     try:
         from trainer_core.stages.runner import run_spec
 
@@ -52,13 +100,15 @@ def main(argv: list[str] | None = None) -> int:
         manifest = run_spec(spec)
         print(f"stage {spec.stage} committed: global_step={manifest.global_step}", flush=True)
         return 0
-    except PosttrainError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    except Exception:
-        traceback.print_exc()
+    except Exception as e:  # noqa: BLE001 - every failure becomes an exit code
+        error = classify(e, where=_where(spec))
+        if error is None:
+            traceback.print_exc()
+            sys.stdout.flush()
+            return EXIT_FAILED
         sys.stdout.flush()
-        return 1
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return error.exit_code
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Bad input through the real CLI: ``python -m posttrain run`` (the ``posttrain`` entry point) in
 a child process, against the session's Prefect API.
 
-Bad data fails the ``prepare_data`` trainer with exit code 2: the CLI exits 1, prints the
-trainer's error (``file:line`` and the field) on stderr, the stage is not retried although
-``launch.retries`` is 2, and no half-written output carries a ``manifest.json``. A bad config
-is refused before anything runs: exit 2, the field named, nothing under ``storage.root``.
+Bad data fails the ``prepare_data`` trainer with exit code 2: the CLI exits 2 too (bad input),
+prints the trainer's error (``file:line`` and the field) on stderr, the stage is not retried
+although ``launch.retries`` is 2, and no half-written output carries a ``manifest.json``. A bad
+config is refused before anything runs: exit 2, the field named, nothing under ``storage.root``.
 """
 
 from __future__ import annotations
@@ -51,21 +51,19 @@ def task_runs_of(run_id: str) -> list[tuple[str, int]]:
 
 
 def run_with_sft_file(api_url: str, root: Path, run_id: str, sft_file: Path) -> subprocess.CompletedProcess:
-    """The shipped gsm8k-hh config with the SFT data replaced by ``sft_file`` (read first, so
-    the preference file is never opened)."""
+    """The shipped gsm8k-hh config with the SFT data replaced by ``sft_file`` (read first)."""
     return posttrain_run(
         api_url, str(CONFIG), "--run-id", run_id,
         "--set", f"storage.root={root}",
         "--set", f"data.sft.uri={sft_file}",
-        "--set", f"data.preference.uri={root.parent / 'never-read.jsonl'}",
         "--set", "launch.retries=2",
         "--set", "launch.retry_delay_s=0",
     )
 
 
 def assert_failed_once_with(result: subprocess.CompletedProcess, root: Path, run_id: str, *needles: str) -> dict:
-    """Exit 1, each needle in the CLI's failure message, one attempt, nothing committed."""
-    assert result.returncode == 1, result.stderr[-3000:]
+    """Exit 2 (bad input), each needle in the CLI's failure message, one attempt, nothing committed."""
+    assert result.returncode == 2, result.stderr[-3000:]
     run_dir = root / "runs" / run_id
     assert result.stdout.strip().splitlines()[-1] == str(run_dir / "summary.json")
     # The CLI's own message (not only the streamed Prefect log) carries the trainer's error.
@@ -99,6 +97,13 @@ def test_missing_field_names_field_and_line(prefect_api, tmp_path):
     sft = write_lines(tmp_path / "sft.jsonl", [json.dumps(GOOD), json.dumps({"answer": GOOD["answer"]})])
     result = run_with_sft_file(prefect_api, tmp_path / "out", "bad-field", sft)
     assert_failed_once_with(result, tmp_path / "out", "bad-field", f"{sft}:2", "missing field 'question'")
+
+
+def test_corrupt_gzip_names_the_file(prefect_api, tmp_path):
+    sft = tmp_path / "sft.jsonl.gz"
+    sft.write_bytes(b"\x1f\x8b\x08 a truncated gzip stream")
+    result = run_with_sft_file(prefect_api, tmp_path / "out", "bad-gzip", sft)
+    assert_failed_once_with(result, tmp_path / "out", "bad-gzip", f"data.sft.uri: {sft}:1", "corrupt or truncated")
 
 
 def test_empty_file_names_the_file(prefect_api, tmp_path):

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +44,12 @@ from trainer_core.training.supervised import (
     reference_logprobs,
 )
 
-from .helpers import MAX_STEPS, TinyPipeline, checkpoint_uri, committed_steps, final_weights
+from trainer_core.errors import EXIT_RESOURCE
+from trainer_core.spec import build_spec
+
+from .helpers import MAX_STEPS, TinyPipeline, checkpoint_uri, child_env, committed_steps, final_weights, write_spec
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 COMMITTED_DIRS = [
     "prepare_data/final",
@@ -197,3 +205,20 @@ def test_micro_batch_times_accumulation_gives_the_same_steps(tiny_pipeline, tmp_
                 assert actual[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (grad_accum_steps, step, key)
         for name, tensor in reference_weights.items():
             torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_out_of_memory_is_a_resource_error_naming_the_stage_and_batch(tiny_pipeline, tmp_path):
+    """A real allocation failure (the address space capped a little above what torch needs) ends
+    the trainer with exit 3, the message naming the stage, its micro-batch size and what to lower."""
+    config = tiny_pipeline.config.model_copy(deep=True)
+    config.model.init.hidden_size, config.model.init.intermediate_size = 512, 8192
+    config.sft.micro_batch_size = 512
+    spec = build_spec(config, "sft", "oom", {"data": tiny_pipeline.data_uri, "model": "init"},
+                      output_uri=str(tmp_path / "sft"))
+    spec_path = write_spec(spec, tmp_path / "sft.json")
+    out = subprocess.run([sys.executable, str(FIXTURES / "oom_trainer.py"), spec_path, "1500"],
+                         capture_output=True, text=True, timeout=300, env=child_env())
+    assert out.returncode == EXIT_RESOURCE, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "error: stage sft at sft.micro_batch_size=512: out of memory" in out.stderr, out.stderr[-2000:]
+    assert "lower the stage's micro_batch_size" in out.stderr
+    assert not (tmp_path / "sft" / "final").exists()

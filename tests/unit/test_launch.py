@@ -18,6 +18,7 @@ from tasks.failures import (
     BadStageInput,
     RankFailure,
     StageFailed,
+    StageResourceError,
     blamed_failure,
     parse_torchrun_failures,
     raise_for_result,
@@ -340,7 +341,7 @@ def test_parse_multiline_traceback_from_an_error_file():
 @pytest.mark.parametrize(
     ("log", "error", "code", "last"),
     [
-        ("rank1_exit3.log", StageFailed, 3, "rank 1 failing: exit3"),
+        ("rank1_exit3.log", StageResourceError, 3, "rank 1 failing: exit3"),  # 3: EXIT_RESOURCE
         ("rank1_sigkill.log", StageFailed, -9, "rank 1 failing: sigkill"),
         ("rank1_exit2.log", BadStageInput, 2, "rank 1 failing: exit2"),
         ("rank1_raise.log", StageFailed, 1, "rank 1 failing: raise"),

@@ -176,3 +176,40 @@ def test_resume_hands_the_checkpoints_metrics_to_recommit(root):
     recommitted = resumed.metrics.recommitted
     assert sorted({step for _, step in recommitted}) == [0, 1, 2, 3]
     assert any("train/loss" in metrics for metrics, step in recommitted if step == 3)
+
+
+class PoisonedAt(Regression):
+    """The regression loss, but NaN for every micro-batch of the given (1-based) optimizer steps."""
+
+    def __init__(self, steps: set[int]) -> None:
+        super().__init__()
+        self.steps, self.calls = steps, 0
+
+    def step(self, model, batch):
+        self.calls += 1
+        out = super().step(model, batch)
+        if self.calls in self.steps:  # one micro-batch per step here
+            out.loss_sum = out.loss_sum * float("nan")
+        return out
+
+
+def test_a_nonfinite_step_fails_the_stage_before_its_checkpoint(root):
+    """NaN at step 3 (a checkpoint step): NonFiniteError names step 3; step-3 is never written."""
+    from trainer_core.errors import NonFiniteError
+
+    loop = _loop(root, objective=PoisonedAt({3}), async_save=False)
+    with pytest.raises(NonFiniteError, match="stage toy: non-finite train/grad_norm=nan, train/loss=nan at global_step 3"):
+        loop.run()
+    assert storage.list_dirs(join_uri(root, "checkpoints")) == []
+
+
+def test_nonfinite_steps_within_the_budget_are_skipped(root):
+    """max_nonfinite_steps=1: the NaN step 2 leaves weights and moments as after step 1, the run goes on."""
+    clean = _loop(join_uri(root, "clean"), max_steps=1)
+    clean.run()
+    loop = _loop(join_uri(root, "skip"), objective=PoisonedAt({2}), max_steps=2, max_nonfinite_steps=1)
+    loop.run()
+    assert loop.progress.nonfinite_steps == 1 and loop.progress.global_step == 2
+    assert all(torch.equal(v, _weights(clean)[k]) for k, v in _weights(loop).items())
+    logged = [m for batch in loop.metrics.committed for m, step in batch if step == 2 and "train/loss" in m]
+    assert [m["train/nonfinite_steps"] for m in logged] == [1]

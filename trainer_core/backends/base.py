@@ -74,8 +74,15 @@ class Backend(Protocol):
     def backward(self, model: nn.Module, loss: Tensor) -> None:
         """Backward of ``loss`` (already divided by the global count); scaled to undo rank averaging."""
 
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+        skip_nonfinite: bool = False,
+    ) -> Tensor:
         """Clip (when ``max_grad_norm`` is set), step and zero the gradients.
+
+        With ``skip_nonfinite``, a step whose gradient norm is NaN or infinite leaves the weights
+        and the optimizer state as they were (the gradients are zeroed). DeepSpeed's engine steps
+        itself and refuses it (``ConfigError``).
 
         Returns:
             Scalar: the global gradient L2 norm across all shards and ranks, before clipping.

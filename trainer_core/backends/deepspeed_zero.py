@@ -34,6 +34,7 @@ from trainer_core.backends.distributed import ProcessGroupBackend
 from trainer_core.backends.single import place_trainable
 from trainer_core import storage
 from trainer_core.config import BackendConfig, TrainStageConfig
+from trainer_core.errors import ConfigError
 from trainer_core.storage import join_uri
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,13 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def backward(self, model: nn.Module, loss: Tensor) -> None:
         model.backward(loss * self.world_size, scale_wrt_gas=False)
 
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+        skip_nonfinite: bool = False,
+    ) -> Tensor:
+        if skip_nonfinite:
+            raise ConfigError("max_nonfinite_steps: DeepSpeed's engine steps the optimizer itself; skipping a "
+                              "non-finite step needs backend single, ddp or fsdp2")
         model.step()
         norm = model.get_global_grad_norm()
         return torch.as_tensor(float(norm) if norm is not None else float("nan"))

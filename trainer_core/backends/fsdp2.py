@@ -107,8 +107,11 @@ class FSDP2Backend(ProcessGroupBackend):
     def backward(self, model: nn.Module, loss: Tensor) -> None:
         (loss * self.world_size).backward()  # the reduce-scatter averages over ranks
 
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
-        return torch_optimizer_step(model, optimizer, max_grad_norm)
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+        skip_nonfinite: bool = False,
+    ) -> Tensor:
+        return torch_optimizer_step(model, optimizer, max_grad_norm, skip_nonfinite)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard changes the module's class in place: it is still the HF model

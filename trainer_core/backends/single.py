@@ -56,8 +56,17 @@ def place_frozen(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def torch_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
+def torch_optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None, skip_nonfinite: bool = False
+) -> Tensor:
     """Clip to ``max_grad_norm`` (if set), step and zero the gradients of a torch-optimised model.
+
+    Args:
+        model: the (wrapped) model whose gradients to clip.
+        optimizer: its optimizer.
+        max_grad_norm: clip the global L2 norm to this; None: no clipping.
+        skip_nonfinite: when the norm is NaN or infinite, zero the gradients and do not step (the
+            weights and the optimizer state stay as they were). It reads the norm on the host.
 
     Returns:
         Scalar: the L2 norm of all gradients before clipping. For DTensor (FSDP2) gradients
@@ -66,9 +75,11 @@ def torch_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, max
     params = [p for p in model.parameters() if p.grad is not None]
     limit = max_grad_norm if max_grad_norm is not None else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
-    optimizer.step()
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    if not (skip_nonfinite and not torch.isfinite(grad_norm)):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    return grad_norm
 
 
 class SingleDeviceBackend:
@@ -100,8 +111,11 @@ class SingleDeviceBackend:
     def backward(self, model: nn.Module, loss: Tensor) -> None:
         loss.backward()
 
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> Tensor:
-        return torch_optimizer_step(model, optimizer, max_grad_norm)
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+        skip_nonfinite: bool = False,
+    ) -> Tensor:
+        return torch_optimizer_step(model, optimizer, max_grad_norm, skip_nonfinite)
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return tensor

@@ -1,13 +1,15 @@
 """One writer per stage prefix: a lease object with an owner and an expiry.
 
 A trainer takes ``<stage output>/lease.json`` before it writes anything and renews it from a
-heartbeat thread. A second process that finds a live lease held by another owner is refused
+heartbeat thread; the flow takes ``<run>/lease.json`` for a whole pipeline run the same way. A second process that finds a live lease held by another owner is refused
 with :class:`LeaseHeldError`. An expired lease (its holder died without releasing it) is taken
 over: a writer that finds a live lease waits up to one ``ttl_s`` for it to lapse before it is
 refused, so a relaunch after a hard kill (SIGKILL, OOM) goes on once the dead holder's lease
 expires, while a second live writer, which keeps renewing, is refused. The same owner may
 take its own lease again at once: a Prefect retry of a task run passes the same
-``writer_id``, so it does not wait for the attempt it replaces.
+``writer_id``, so it does not wait for the attempt it replaces. A lease records its holder's
+host and pid: on the same host, a lease whose process is gone is stale at once (its holder was
+killed), without waiting for it to expire.
 
 Object stores have no compare-and-swap through fsspec, so acquisition is
 write-then-read-back: two processes starting within the same moment could both believe they
@@ -45,24 +47,63 @@ def default_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def holder_alive(record: dict, now: float | None = None) -> bool:
+    """Whether the lease ``record`` (``lease.json``'s content) is held by a live writer.
+
+    Live: not expired and, when it was written on this host, its process still exists.
+    """
+    now = time.time() if now is None else now
+    if record.get("expires_at", 0) <= now:
+        return False
+    if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
+        return _process_alive(record["pid"])
+    return True
+
+
+def read_lease(prefix_uri: str) -> dict | None:
+    """``<prefix_uri>/lease.json`` with ``live`` (see :func:`holder_alive`) added; None when absent."""
+    try:
+        record = json.loads(storage.read_bytes(join_uri(prefix_uri, LEASE_NAME)))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError):
+        return {"owner": None, "live": False}
+    return {**record, "live": holder_alive(record)}
+
+
 class StageLease:
-    """The writer lease of one stage output prefix.
+    """The writer lease of one output prefix (a stage's output directory, or a whole run's).
 
     Args:
-        prefix_uri: the stage's output directory URI.
+        prefix_uri: the directory the lease guards.
         owner: writer identity; the same string may re-take its own lease.
         ttl_s: seconds a lease lives without renewal.
+        what: what a second writer would be doing, for the refusal message.
 
     Raises:
         ValueError: ``ttl_s`` is not positive.
     """
 
-    def __init__(self, prefix_uri: str, owner: str | None = None, ttl_s: float = 30.0) -> None:
+    def __init__(
+        self, prefix_uri: str, owner: str | None = None, ttl_s: float = 30.0,
+        what: str = "another process is training this stage of this run",
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.uri = join_uri(prefix_uri, LEASE_NAME)
         self.owner = owner or default_owner()
         self.ttl_s = ttl_s
+        self.what = what
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = threading.Event()
@@ -77,16 +118,20 @@ class StageLease:
             return None
 
     def _write(self) -> None:
-        record = {"owner": self.owner, "expires_at": time.time() + self.ttl_s, "pid": os.getpid()}
+        record = {
+            "owner": self.owner, "expires_at": time.time() + self.ttl_s, "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
         storage.write_bytes(self.uri, json.dumps(record).encode())
 
     def _check_free(self) -> None:
         current = self._read()
-        if current and current.get("owner") != self.owner and current.get("expires_at", 0) > time.time():
+        if current and current.get("owner") != self.owner and holder_alive(current):
             left = current["expires_at"] - time.time()
+            where = f" (pid {current['pid']} on {current['host']})" if "host" in current else ""
             raise LeaseHeldError(
-                f"{self.uri} is held by {current['owner']} for another {left:.0f}s: another process is "
-                "training this stage of this run. Wait for it, or use another run id."
+                f"{self.uri} is held by {current['owner']}{where} for another {left:.0f}s: {self.what}. "
+                "Wait for it, or use another run id."
             )
 
     def acquire(self, wait_s: float | None = None) -> None:

@@ -186,6 +186,7 @@ class CheckpointSession:
     ) -> None:
         self.uri = uri
         self.backend = backend
+        self.stage = stage
         self.fingerprint = fingerprint
         self.metrics = metrics if metrics is not None else MetricsBuffer()
         self.keep_last = keep_last

@@ -51,6 +51,7 @@ class TrainProgress:
         evals_without_improvement: evaluations since the best one (early stopping).
         best_checkpoint: directory name of the checkpoint kept as the best one.
         best_checkpoint_metric: its value of ``keep_best_metric``.
+        nonfinite_steps: optimizer steps skipped for a NaN/inf loss or gradient norm.
         history: first and latest values of logged metrics, for the stage summary.
     """
 
@@ -63,6 +64,7 @@ class TrainProgress:
     evals_without_improvement: int = 0
     best_checkpoint: str | None = None
     best_checkpoint_metric: float | None = None
+    nonfinite_steps: int = 0
     history: dict[str, Any] = field(default_factory=dict)
 
 

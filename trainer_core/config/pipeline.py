@@ -96,11 +96,16 @@ class PipelineConfig(ConfigBase):
     @model_validator(mode="after")
     def _check_stage_backends(self) -> PipelineConfig:
         for stage in TRAINING_STAGES:
-            world_size = self.backend_for(stage).world_size
+            backend, section = self.backend_for(stage), self.section(stage)
             try:
-                self.section(stage).accum_steps(world_size)
+                section.accum_steps(backend.world_size)
             except ConfigError as e:
                 raise ValueError(f"{stage}: {e}") from None
+            if backend.name == "deepspeed" and section.max_nonfinite_steps:
+                raise ValueError(
+                    f"{stage}.max_nonfinite_steps={section.max_nonfinite_steps}: skipping non-finite steps needs a "
+                    "backend whose optimizer step posttrain runs (single, ddp, fsdp2); DeepSpeed's engine steps itself"
+                )
         return self
 
     def backend_for(self, stage: str) -> BackendConfig:

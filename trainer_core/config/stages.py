@@ -50,6 +50,12 @@ class TrainStageConfig(ConfigBase):
         None, ge=1, description="Stop after this many evaluations without a better eval loss (None: off)."
     )
     log_every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
+    max_nonfinite_steps: int = Field(
+        0,
+        ge=0,
+        description="Optimizer steps with a NaN/inf loss or gradient norm that are skipped (weights and optimizer "
+        "state left as they were) before the stage fails; 0: the first one fails it. Not with deepspeed.",
+    )
 
     def accum_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step at ``world_size`` ranks.

@@ -10,14 +10,17 @@ Files are opened through ``fsspec``, so any URI works (local path, ``file://``, 
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import lzma
+import zlib
 from typing import Any, Iterator
 
 import fsspec
 
 from trainer_core.config import DataSource
-from trainer_core.errors import DataError
+from trainer_core.errors import DataError, PosttrainError, classify
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,8 @@ _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 _PARQUET_BATCH_ROWS = 4096
+_DECOMPRESSION_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error, lzma.LZMAError)
+"""What a corrupt or truncated compressed file raises while it is read."""
 
 
 def read_records(source: DataSource) -> list[dict]:
@@ -43,9 +48,11 @@ def read_records(source: DataSource) -> list[dict]:
 
     Raises:
         DataError: ``source.uri`` is None, has an unknown extension, does not exist or is a
-            directory; a JSONL
-            line is not valid JSON or not a JSON object (the message names ``file:line``); a
-            Parquet file cannot be read; the source holds no records.
+            directory; a JSONL line is not valid JSON or not a JSON object (the message names
+            ``file:line``); a compressed file is corrupt or truncated; a Parquet file cannot be
+            read; the source holds no records.
+        ConfigError: no permission to read it, or no S3 credentials for an ``s3://`` URI (the
+            message names the URI).
     """
     uri = source.uri
     if uri is None:
@@ -65,6 +72,13 @@ def read_records(source: DataSource) -> list[dict]:
             raise DataError(f"data file not found: {uri}") from e
         except IsADirectoryError as e:
             raise DataError(f"data uri is a directory, not a file: {uri}") from e
+        except PosttrainError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a known kind gets its input named; the rest propagates
+            error = classify(e, where=f"reading {uri}")
+            if error is None:
+                raise
+            raise error from e
     if not records:
         raise DataError(f"{uri}: no records")
     logger.info("read %d records from %s", len(records), uri)
@@ -105,7 +119,17 @@ def _iter_jsonl(uri: str) -> Iterator[dict]:
     """Records of a JSON-lines file, in order; blank lines skipped."""
     with fsspec.open(uri, "rb", compression="infer") as f:
         line_no = 0
-        for raw in f:
+        lines = iter(f)
+        while True:
+            try:
+                raw = next(lines)
+            except StopIteration:
+                return
+            except _DECOMPRESSION_ERRORS as e:
+                raise DataError(
+                    f"{uri}:{line_no + 1}: corrupt or truncated compressed file after {line_no} lines "
+                    f"({type(e).__name__}: {e})"
+                ) from None
             line_no += 1
             try:
                 line = raw.decode("utf-8")

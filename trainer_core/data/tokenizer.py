@@ -166,8 +166,14 @@ def load_tokenizer(local_dir_or_name: str, trust_remote_code: bool = False) -> t
         else:
             path = local_dir_or_name.removeprefix("file://")
             tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise ConfigError(f"tokenizer {local_dir_or_name!r} needs code from its repository: set "
+                              "model.trust_remote_code: true if you trust it") from e
         raise ConfigError(f"cannot load tokenizer from {local_dir_or_name!r}: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"cannot load tokenizer from {local_dir_or_name!r} (model.name_or_path): "
+                          f"{str(e).splitlines()[0]}") from e
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ConfigError(f"tokenizer {local_dir_or_name!r} has neither a pad nor an eos token")

@@ -19,11 +19,12 @@ from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.config import PipelineConfig, TrainStageConfig
 from trainer_core.data.prepared import load_split
-from trainer_core.errors import ConfigError
-from trainer_core.models import save_pretrained_to
+from trainer_core.errors import ConfigError, NonFiniteError
+from trainer_core.models import load_causal_lm, load_reward_model, save_pretrained_to
 from trainer_core.spec import StageSpec
 from trainer_core.storage import StageLayout
 from trainer_core.tracking import MetricLogger
+from trainer_core.training.guard import nonfinite_weights
 from trainer_core.training.loop import BatchSource, Objective, TrainLoop, summarize
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,26 @@ class StageContext:
             validate_replicas=validate,
         )
 
+    def causal_lm(self, role: str) -> nn.Module:
+        """The causal LM of input ``role`` (``load_causal_lm``; seeded by the pipeline seed).
+
+        Raises:
+            ConfigError: the input is missing or cannot be loaded (the message names the stage,
+                the role and the source).
+        """
+        return self._load(load_causal_lm, role)
+
+    def reward_model(self, role: str = "reward_model") -> nn.Module:
+        """The reward model of input ``role`` (``load_reward_model``). Raises as :meth:`causal_lm`."""
+        return self._load(load_reward_model, role)
+
+    def _load(self, load, role: str) -> nn.Module:
+        source = self.input(role)
+        try:
+            return load(source, self.config.model, self.tokenizer, self.config.seed)
+        except ConfigError as e:
+            raise ConfigError(f"stage {self.spec.stage}, input {role!r}: {e}") from e
+
     def load_rows(self, name: str) -> list[dict]:
         """Rows of a prepared split (e.g. ``sft/train``)."""
         return load_split(self.data_uri, name)
@@ -160,7 +181,8 @@ def commit_final(
 
     Collective under a distributed backend: the model is consolidated from every rank's
     shards into one HF-format safetensors state dict on rank 0 (``Backend.full_state_dict``),
-    which alone writes and commits; every rank returns the committed manifest.
+    which alone writes and commits; every rank returns the committed manifest. Weights holding
+    NaN or infinity are never committed.
 
     Args:
         ctx: the stage context.
@@ -168,9 +190,21 @@ def commit_final(
         model: an HF model (possibly wrapped or sharded) to save with the tokenizer.
         files: other files, relative path -> bytes.
         extra: extra manifest fields (inputs, MLflow run id are added).
+
+    Raises:
+        NonFiniteError: a weight of ``model`` is NaN or infinite (on every rank; nothing written).
     """
     backend = ctx.backend
     weights = backend.full_state_dict(model) if model is not None and backend.name != "single" else None
+    bad = None
+    if model is not None and ctx.is_main:
+        bad = nonfinite_weights(weights if weights is not None else backend.unwrap(model).state_dict())
+    bad = backend.broadcast_object(bad) if backend.world_size > 1 else bad
+    if bad:
+        raise NonFiniteError(
+            f"stage {ctx.spec.stage}: the final model has non-finite weights ({len(bad)} tensors, e.g. "
+            f"{', '.join(bad[:3])}); it is not committed"
+        )
     manifest = _write_final(ctx, metrics, model, weights, files, extra) if ctx.is_main else None
     if backend.world_size == 1:
         return manifest

@@ -14,7 +14,6 @@ import logging
 from functools import partial
 
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest, load_verified
-from trainer_core.models import load_causal_lm
 from trainer_core.stages.context import StageContext, commit_final, train_stage
 from trainer_core.storage import join_uri, read_bytes
 from trainer_core.training.supervised import (
@@ -45,7 +44,7 @@ def _load_or_compute_reference(ctx: StageContext, needed: dict[str, list[int]], 
         loaded = {s: json.loads(read_bytes(join_uri(uri, f"{s}.json"))) for s in SPLITS}
         return {s: {int(i): v for i, v in values.items()} for s, values in loaded.items()}
     cfg = ctx.config.dpo
-    reference = load_causal_lm(ctx.input("reference"), ctx.config.model, ctx.tokenizer, ctx.config.seed)
+    reference = ctx.causal_lm("reference")
     reference = ctx.backend.prepare_frozen(reference)
     pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
     batch_size = cfg.micro_batch_size * cfg.accum_steps(ctx.backend.world_size)
@@ -86,6 +85,6 @@ def run(ctx: StageContext) -> Manifest:
     for s, rows in splits.items():
         for i, (c, r) in reference[s].items():
             rows[i]["ref_chosen_logprobs"], rows[i]["ref_rejected_logprobs"] = c, r
-    model = ctx.backend.wrap(load_causal_lm(ctx.input("model"), ctx.config.model, ctx.tokenizer, seed))
+    model = ctx.backend.wrap(ctx.causal_lm("model"))
     metrics = train_stage(ctx, model, DPOObjective(cfg.beta, held_out, cfg.eval_max_batches), train, cfg)
     return commit_final(ctx, metrics, model=model)

@@ -23,7 +23,6 @@ from torch import nn
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.data.formats import answers_match, extract_generated_answer
 from trainer_core.generation import generate_completions, messages_of, prompt_ids, reward_scores
-from trainer_core.models import load_causal_lm, load_reward_model
 from trainer_core.registry import INIT_SOURCE, policy_role, policy_stages
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.training.supervised import (
@@ -41,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def _policy(ctx: StageContext, role: str) -> nn.Module:
-    model = load_causal_lm(ctx.input(role), ctx.config.model, ctx.tokenizer, ctx.config.seed)
+    model = ctx.causal_lm(role)
     return ctx.backend.prepare_frozen(model)
 
 
@@ -122,7 +121,7 @@ def run(ctx: StageContext) -> Manifest:
         metrics.update(_sft_metrics(ctx, policies["sft"]))
     rm = None
     if "reward_model" in inputs:
-        rm = ctx.backend.prepare_frozen(load_reward_model(ctx.input("reward_model"), ctx.config.model, ctx.tokenizer, ctx.config.seed))
+        rm = ctx.backend.prepare_frozen(ctx.reward_model())
         metrics.update(_rm_metrics(ctx, rm, pairs))
     if "dpo" in policies and "sft" in policies:
         metrics.update(_dpo_metrics(ctx, policies["dpo"], policies["sft"], pairs))

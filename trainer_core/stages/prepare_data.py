@@ -50,7 +50,7 @@ from trainer_core.data.prepared import SPLIT_NAMES
 from trainer_core.data.sources import read_records
 from trainer_core.data.synthetic import make_preference_records, make_sft_records
 from trainer_core.data.tokenizer import encode_chat, load_tokenizer, render_chat, train_tokenizer
-from trainer_core.errors import DataError
+from trainer_core.errors import ConfigError, DataError
 from trainer_core.stages.context import StageContext
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,15 @@ def _load(source: DataSource, name: str, config: PipelineConfig, metrics: dict[s
         if source.uri is None:
             records = make_preference_records(syn.num_pairs, config.seed, syn.max_operand)
             return _adapt(records, "prompt_completion", adapter, name, metrics)
-    return _adapt(read_records(source), source.format, adapter, name, metrics)
+    return _adapt(_read(source, name), source.format, adapter, name, metrics)
+
+
+def _read(source: DataSource, name: str) -> list[dict]:
+    """``read_records(source)``, its errors prefixed with the config field (``data.<name>.uri``)."""
+    try:
+        return read_records(source)
+    except (ConfigError, DataError) as e:
+        raise type(e)(f"data.{name}.uri: {e}") from e
 
 
 def split_train_eval(examples: list[dict], seed: int, eval_fraction: float, max_eval_rows: int,
@@ -137,7 +145,7 @@ def _eval_problems(config: PipelineConfig, sft_eval: list[dict], metrics: dict[s
     data = config.data
     if data.eval.uri is None:
         return [{"messages": ex["messages"], "answer": ex["answer"]} for ex in sft_eval if ex["answer"] is not None]
-    records = read_records(data.eval)
+    records = _read(data.eval, "eval")
     fmt = detect_format(records[0]) if data.eval.format == "auto" else data.eval.format
     problems = [to_eval_problem(r, fmt) for r in records[: data.max_eval_rows]]
     metrics["num_eval_problems_read"] = len(records)

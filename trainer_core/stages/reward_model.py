@@ -6,7 +6,6 @@ The objective is :class:`~trainer_core.training.supervised.RewardObjective`.
 from __future__ import annotations
 
 from trainer_core.checkpoint.manifest import Manifest
-from trainer_core.models import load_reward_model
 from trainer_core.stages.context import StageContext, commit_final, train_stage
 from trainer_core.training.supervised import RewardObjective, pair_source
 
@@ -17,6 +16,6 @@ def run(ctx: StageContext) -> Manifest:
     pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
     train = pair_source(ctx.load_rows("preference/train"), pad_id, cfg.micro_batch_size, seed, device)
     held_out = pair_source(ctx.load_rows("preference/eval"), pad_id, cfg.micro_batch_size, seed, device, shuffle=False)
-    model = ctx.backend.wrap(load_reward_model(ctx.input("model"), ctx.config.model, ctx.tokenizer, seed))
+    model = ctx.backend.wrap(ctx.reward_model("model"))
     metrics = train_stage(ctx, model, RewardObjective(held_out, cfg.eval_max_batches), train, cfg)
     return commit_final(ctx, metrics, model=model)

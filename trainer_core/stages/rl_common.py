@@ -13,7 +13,6 @@ from torch import Tensor
 from trainer_core.config import RLStageConfig
 from trainer_core.errors import ConfigError
 from trainer_core.generation import messages_of, prompt_ids
-from trainer_core.models import load_causal_lm, load_reward_model
 from trainer_core.rewards import PromptItem, RewardFunction, RewardModelReward, build_reward, needs_answers, needs_reward_model
 from trainer_core.rollout import PolicyAndValue, value_head_for
 from trainer_core.stages.context import StageContext
@@ -40,7 +39,7 @@ def load_prompts(ctx: StageContext, cfg: RLStageConfig) -> list[PromptItem]:
 
 def _reward_fn(ctx: StageContext, cfg: RLStageConfig) -> RewardFunction:
     def load() -> RewardFunction:
-        rm = load_reward_model(ctx.input("reward_model"), ctx.config.model, ctx.tokenizer, ctx.config.seed)
+        rm = ctx.reward_model()
         rm = ctx.backend.prepare_frozen(rm)
         return RewardModelReward(rm, ctx.tokenizer, ctx.config.data, cfg.generation.batch_size, ctx.backend.device)
 
@@ -67,9 +66,9 @@ def run_rl_stage(
     reward_fn = _reward_fn(ctx, cfg)
     reference = None
     if uses_reference:
-        reference = load_causal_lm(ctx.input("reference"), ctx.config.model, ctx.tokenizer, seed)
+        reference = ctx.causal_lm("reference")
         reference = backend.prepare_frozen(reference)
-    policy = load_causal_lm(ctx.input("model"), ctx.config.model, ctx.tokenizer, seed)
+    policy = ctx.causal_lm("model")
     torch.manual_seed(seed)
     value_head = value_head_for(policy) if algo.uses_values else None
     model = backend.wrap(PolicyAndValue(policy, value_head))

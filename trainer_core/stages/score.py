@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.data.formats import answers_match, extract_generated_answer
 from trainer_core.generation import generate_completions, messages_of, prompt_ids, reward_scores
-from trainer_core.models import load_causal_lm, load_reward_model
 from trainer_core.stages.context import StageContext, commit_final
 
 
@@ -64,7 +63,7 @@ def run(ctx: StageContext) -> Manifest:
     cfg, data, seed = ctx.config.score, ctx.config.data, ctx.config.seed
     device = ctx.backend.device
     items = _prompts(ctx, cfg.num_prompts)
-    policy = ctx.backend.prepare_frozen(load_causal_lm(ctx.input("model"), ctx.config.model, ctx.tokenizer, seed))
+    policy = ctx.backend.prepare_frozen(ctx.causal_lm("model"))
     prompts = [prompt_ids(ctx.tokenizer, i["messages"], data) for i in items]
     completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, device, seed)
     del policy
@@ -74,7 +73,7 @@ def run(ctx: StageContext) -> Manifest:
             item["correct"] = answers_match(extract_generated_answer(completion), item["answer"])
     if "reward_model" in ctx.spec.inputs:
         rm = ctx.backend.prepare_frozen(
-            load_reward_model(ctx.input("reward_model"), ctx.config.model, ctx.tokenizer, seed)
+            ctx.reward_model()
         )
         messages = [i["messages"] for i in items]
         rewards = reward_scores(rm, ctx.tokenizer, messages, completions, data, cfg.generation.batch_size, device)

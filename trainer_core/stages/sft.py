@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from trainer_core.checkpoint.manifest import Manifest
-from trainer_core.models import load_causal_lm
 from trainer_core.stages.context import StageContext, commit_final, train_stage
 from trainer_core.training.supervised import SFTObjective, causal_source
 
@@ -19,7 +18,7 @@ def run(ctx: StageContext) -> Manifest:
     pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
     train = causal_source(ctx.load_rows("sft/train"), pad_id, cfg.micro_batch_size, seed, device)
     held_out = causal_source(ctx.load_rows("sft/eval"), pad_id, cfg.micro_batch_size, seed, device, shuffle=False)
-    model = ctx.backend.wrap(load_causal_lm(ctx.input("model"), ctx.config.model, ctx.tokenizer, seed))
+    model = ctx.backend.wrap(ctx.causal_lm("model"))
     torch.manual_seed(seed)
     metrics = train_stage(ctx, model, SFTObjective(held_out, cfg.eval_max_batches), train, cfg)
     return commit_final(ctx, metrics, model=model)

@@ -23,6 +23,8 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Protocol, TypeVar
 
 import fsspec
@@ -36,6 +38,8 @@ from tenacity import (
     stop_after_delay,
     wait_exponential,
 )
+
+from trainer_core.errors import ResourceError
 
 
 class S3Settings(Protocol):
@@ -134,6 +138,20 @@ def _retrying(func: _F) -> _F:
     )(func)
 
 
+@contextmanager
+def _writing(uri: str) -> Iterator[None]:
+    """Name ``uri`` when a write runs out of space (the OS's ``ENOSPC`` names no file)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ResourceError(
+                f"disk full (or quota exceeded) writing {uri}: free space there, or point storage.root (and "
+                "TMPDIR for local staging) at a larger volume"
+            ) from e
+        raise
+
+
 def configure(storage: S3Settings) -> None:
     """Set the process-wide S3 defaults used by every ``s3://`` URI (``fsspec.config.conf``).
 
@@ -204,23 +222,25 @@ def write_bytes(uri: str, data: bytes) -> None:
     Raises:
         TypeError: ``data`` is not bytes-like.
         PermissionError: the target is not writable.
+        ResourceError: the disk is full (the message names ``uri``).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"write_bytes({uri!r}) needs bytes, got {type(data).__name__}")
     fs, path = url_to_fs(uri)
-    if _is_local(fs):
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        return
-    fs.pipe_file(path, bytes(data))
+    with _writing(uri):
+        if _is_local(fs):
+            parent = os.path.dirname(path)
+            os.makedirs(parent, exist_ok=True)
+            tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+            return
+        fs.pipe_file(path, bytes(data))
     _invalidate(fs, path)
 
 
@@ -315,6 +335,7 @@ def upload_file_hashed(local_path: str, uri: str, chunk_bytes: int = CHUNK_BYTES
     Raises:
         FileNotFoundError: ``local_path`` does not exist.
         IsADirectoryError: ``local_path`` is a directory.
+        ResourceError: the target's disk is full (the message names ``uri``).
     """
     if not os.path.exists(local_path):
         raise FileNotFoundError(f"upload: no local file {local_path}")
@@ -324,7 +345,7 @@ def upload_file_hashed(local_path: str, uri: str, chunk_bytes: int = CHUNK_BYTES
     if _is_local(fs):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     digest, size = hashlib.sha256(), 0
-    with open(local_path, "rb") as src, fs.open(path, "wb") as dst:
+    with _writing(uri), open(local_path, "rb") as src, fs.open(path, "wb") as dst:
         while chunk := src.read(chunk_bytes):
             digest.update(chunk)
             size += len(chunk)
@@ -361,7 +382,8 @@ def sha256_uri(uri: str, chunk_bytes: int = CHUNK_BYTES) -> str:
 @_retrying
 def _download_file(fs: fsspec.AbstractFileSystem, path: str, local_path: str) -> None:
     os.makedirs(os.path.dirname(local_path), exist_ok=True)
-    fs.get_file(path, local_path)
+    with _writing(local_path):
+        fs.get_file(path, local_path)
 
 
 @_retrying

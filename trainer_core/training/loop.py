@@ -31,6 +31,7 @@ from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition, iterate_batches
+from trainer_core.training.guard import step_is_finite
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +240,9 @@ class TrainLoop:
                 metric_sums[k] = metric_sums.get(k, 0.0) + v
         t0 = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]
-        grad_norm = backend.optimizer_step(self.model, self.optimizer, cfg.max_grad_norm)
+        grad_norm = backend.optimizer_step(
+            self.model, self.optimizer, cfg.max_grad_norm, skip_nonfinite=cfg.max_nonfinite_steps > 0
+        )
         self.scheduler.step()
         t_opt = time.perf_counter() - t0
         if backend.world_size > 1:
@@ -258,6 +261,11 @@ class TrainLoop:
         progress.consumed_tokens += num_tokens
         step_s = t_fwd + t_bwd + t_opt
         metrics = {"train/loss": loss_sum / total, "train/grad_norm": grad_norm, "train/lr": lr}
+        step_is_finite(progress, stage=self.session.stage, global_step=progress.global_step,
+                       max_nonfinite_steps=cfg.max_nonfinite_steps,
+                       metrics={k: metrics[k] for k in ("train/loss", "train/grad_norm")})
+        if progress.nonfinite_steps:
+            metrics["train/nonfinite_steps"] = progress.nonfinite_steps
         metrics.update({f"train/{k}": v / total for k, v in metric_sums.items()})
         metrics.update(
             {

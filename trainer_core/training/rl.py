@@ -76,6 +76,7 @@ from trainer_core.rollout import (
     sample_completions,
 )
 from trainer_core.storage import join_uri, read_bytes
+from trainer_core.training.guard import check_finite_tensors, step_is_finite
 from trainer_core.training.loop import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
@@ -255,6 +256,8 @@ class RLTrainer:
             ref_logprobs=ref, values=out.values * c_mask if out.values is not None else None,
         )
         self.algo.prepare(batch, self.kl_ctl.value, backend.all_reduce_sum)
+        check_finite_tensors({"rewards": batch.scores, "advantages": batch.advantages}, stage=self.session.stage,
+                             global_step=self.progress.global_step + 1, all_reduce_sum=backend.all_reduce_sum)
         return batch, texts, items
 
     def rollout_metrics(self, batch: RolloutBatch, texts: list[str], items: list[PromptItem]) -> dict[str, float]:
@@ -339,11 +342,17 @@ class RLTrainer:
             out = self.forward(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
             loss, metric_sums = self.algo.loss(mb, out, num_valid_tokens)
             backend.backward(self.model, loss)
-        grad_norm = backend.optimizer_step(self.model, self.optimizer, self.cfg.max_grad_norm)
+        cfg = self.cfg
+        grad_norm = backend.optimizer_step(
+            self.model, self.optimizer, cfg.max_grad_norm, skip_nonfinite=cfg.max_nonfinite_steps > 0
+        )
         keys = sorted(metric_sums)
         summed = backend.all_reduce_sum(torch.stack([loss.detach().float()] + [metric_sums[k].float() for k in keys]))
         metrics = {k: summed[1 + j] / num_valid_tokens for j, k in enumerate(keys)}
         metrics["train/loss"], metrics["train/grad_norm"] = summed[0], grad_norm
+        step_is_finite(self.progress, stage=self.session.stage, global_step=self.progress.global_step + 1,
+                       max_nonfinite_steps=cfg.max_nonfinite_steps,
+                       metrics={k: metrics[k] for k in ("train/loss", "train/grad_norm")})
         return metrics
 
     # ----- loop --------------------------------------------------------------------

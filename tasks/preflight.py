@@ -1,0 +1,121 @@
+"""Checks before any stage runs: the storage root, the data files and the model sources.
+
+A pipeline run that would fail an hour in (an unwritable storage root, a data URI without
+credentials, a model directory that is not there) fails here instead, in seconds, with a
+:class:`~trainer_core.errors.ConfigError` naming the config field, and nothing of the run written.
+Hub ids (``org/name``) are not checked: whether the hub is reachable is the trainer's concern.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from trainer_core import storage
+from trainer_core.config import PipelineConfig
+from trainer_core.errors import ConfigError, PosttrainError, classify
+from trainer_core.storage import join_uri
+
+_PROBE = ".posttrain-preflight-{}"
+
+
+def _reason(exc: BaseException) -> str:
+    error = classify(exc)
+    return str(error) if error is not None else f"{type(exc).__name__}: {exc}"
+
+
+def check_storage_root(root: str) -> None:
+    """``storage.root`` is a directory (or can be made one) that this process can write.
+
+    Raises:
+        ConfigError: it is a file or under one, not writable, or (``s3://``) unreachable or
+            without credentials.
+    """
+    if "://" not in root:
+        node = root
+        while node and not os.path.exists(node):
+            node = os.path.dirname(node)
+        if node and not os.path.isdir(node):
+            raise ConfigError(f"storage.root {root!r}: {node!r} is a file, not a directory")
+    probe = join_uri(root, _PROBE.format(uuid.uuid4().hex))
+    try:
+        storage.write_bytes(probe, b"ok")
+        storage.remove(probe, recursive=False)
+    except PosttrainError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported with the field it concerns
+        raise ConfigError(f"storage.root {root!r} is not writable: {_reason(e)}") from e
+
+
+def _check_readable(field: str, uri: str) -> None:
+    try:
+        found = storage.exists(uri)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"{field} {uri!r} cannot be read: {_reason(e)}") from e
+    if not found:
+        raise ConfigError(f"{field} {uri!r} does not exist")
+
+
+def check_data(config: PipelineConfig) -> None:
+    """Each ``data.<set>.uri`` prepare_data will read exists and is readable (``hf://`` ids aside).
+
+    Raises:
+        ConfigError: naming ``data.<set>.uri`` and the URI.
+    """
+    if "prepare_data" not in config.stages:
+        return
+    for name in ("sft", "preference", "eval"):
+        uri = getattr(config.data, name).uri
+        if uri is not None and not uri.startswith("hf://"):
+            _check_readable(f"data.{name}.uri", uri)
+            if "://" not in uri and os.path.isdir(uri):
+                raise ConfigError(f"data.{name}.uri {uri!r} is a directory, not a file")
+
+
+def _model_fields(config: PipelineConfig) -> dict[str, str]:
+    """Config field -> model source, for every model source the config names explicitly."""
+    fields = {"model.name_or_path": config.model.name_or_path}
+    for stage in config.stages:
+        section = config.section(stage)
+        for name in ("init_from", "reference_from", "policy_from", "reward_model_from"):
+            fields[f"{stage}.{name}"] = getattr(section, name, None)
+        reward = getattr(section, "reward", None)
+        if reward is not None:
+            fields[f"{stage}.reward.reward_model_from"] = reward.reward_model_from
+    return {k: v for k, v in fields.items() if v}
+
+
+def check_models(config: PipelineConfig, planned: set[str] = frozenset()) -> None:
+    """Each model source named in the config is a model directory (local or fsspec URI); a name
+    that is neither a local path nor a URI is taken for a hub id and not checked, and so is an
+    output this run will produce (``planned``).
+
+    Raises:
+        ConfigError: naming the field and the source.
+    """
+    for field, source in _model_fields(config).items():
+        local = source.removeprefix("file://")
+        if source in planned or not ("://" in local or local.startswith(("/", "./", "../", "~")) or os.path.exists(local)):
+            continue
+        config_json = join_uri(os.path.expanduser(local), "config.json")
+        try:
+            found = storage.exists(config_json)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"{field} {source!r} cannot be read: {_reason(e)}") from e
+        if not found:
+            raise ConfigError(f"{field} {source!r} is not a model directory (no config.json there)")
+
+
+def preflight(config: PipelineConfig, planned_outputs: set[str] = frozenset()) -> None:
+    """Run every check above (storage root first: the others may read from it).
+
+    Args:
+        config: the resolved config.
+        planned_outputs: final URIs this run will commit (model sources pointing there are skipped).
+
+    Raises:
+        ConfigError: the first problem found, naming its config field.
+    """
+    check_storage_root(config.storage.root)
+    check_data(config)
+    check_models(config, planned_outputs)
