@@ -104,8 +104,12 @@ def max_parallel_stages(config: PipelineConfig) -> int | None:
     """How many stages of one run may run at once (``launch.max_parallel_stages``).
 
     None (no bound of the flow's own) when the config leaves it unset and a GPU concurrency limit
-    is named (its slots bound the GPU stages); 1 when neither is set.
+    is named (its slots bound the GPU stages); 1 when neither is set, and always 1 when a stage's
+    backend names its rendezvous (``rdzv_endpoint`` / ``rdzv_id``: multi-node jobs), which two
+    stages at once would share.
     """
+    if any(config.backend_for(s).rdzv_endpoint or config.backend_for(s).rdzv_id for s in config.stages):
+        return 1  # a configured rendezvous is one per job: stages side by side would collide on it
     if config.launch.max_parallel_stages is not None:
         return config.launch.max_parallel_stages
     named = (config.launch.gpu_concurrency_limit or os.environ.get(GPU_CONCURRENCY_ENV, "")).strip()
@@ -166,20 +170,27 @@ class StageGraphRun:
                 if not running:
                     continue
                 done = next(as_completed(list(running)))
-                name = running.pop(done)
-                try:
-                    self.results[name] = done.result()
-                except BaseException as e:  # noqa: BLE001 - recorded, summarised, re-raised by the flow
-                    self.failures.append(e)
-                    self.results[name] = StageResult.failed(name, e)
+                self._record(running.pop(done), done)
         except BaseException as interrupt:
+            # Ctrl-C, SIGTERM, a cancelled flow run (or an error of the scheduling itself): kill
+            # every trainer the task threads launched, give them time to end, record what ended.
             abort_launches(prefect_flow_run.id or "")
             wait(list(running), timeout=_ABORT_WAIT_S)
-            for name in running.values():
-                self.results[name] = StageResult.failed(name, interrupt)
+            for future, name in running.items():
+                if future.state.is_final():
+                    self._record(name, future)
+                else:
+                    self.results[name] = StageResult.failed(name, interrupt)
             for name in waiting:
                 self.results[name] = StageResult.skipped(name, "interrupted")
             raise
+
+    def _record(self, name: str, future: PrefectFuture) -> None:
+        try:
+            self.results[name] = future.result()
+        except Exception as e:  # noqa: BLE001 - recorded, summarised, re-raised by the flow
+            self.failures.append(e)
+            self.results[name] = StageResult.failed(name, e)
 
 
 def flow_run_name() -> str:
@@ -275,10 +286,11 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
     try:
         graph.run()
     except BaseException as interrupt:
+        # The launch group stays aborted: a task thread still on its way to a launch (waiting for
+        # GPU slots, retrying) must not start a trainer once the flow has gone.
         _record_interruption(run, graph, interrupt, log)
         raise
-    finally:
-        forget_launch_group(prefect_flow_run.id or "")
+    forget_launch_group(prefect_flow_run.id or "")
     summary = build_summary(run, graph.results)
     if changes:
         summary["config_changes"] = changes

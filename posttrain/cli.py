@@ -153,6 +153,15 @@ def _headline(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).split(chr(10) + chr(10), 1)[0]}"
 
 
+def _summary_bytes(uri: str) -> bytes | None:
+    from trainer_core import storage
+
+    try:
+        return storage.read_bytes(uri)
+    except Exception:  # noqa: BLE001 - absent or unreadable: not written by this run
+        return None
+
+
 def _refuse_if_held(layout: Any) -> None:
     """Exit 2 at once when a live ``run``/``resume`` holds the run's lease (before starting
     Prefect; the flow takes the lease itself, so two starting together are still told apart)."""
@@ -176,19 +185,22 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
     from trainer_core import storage
     from trainer_core.storage import RunLayout
 
+    storage.configure(cfg.storage)
     layout = RunLayout(cfg.storage.root, run_id)
     _refuse_if_held(layout)
     typer.echo(f"run id: {run_id}")
     typer.echo(f"outputs: {layout.uri}")
     use_plain_console()
+    before = _summary_bytes(layout.summary)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         summary = post_training_pipeline(config=cfg, run_id=run_id)
     except BaseException as e:  # noqa: BLE001 - reported; the summary (when written) says which stage failed
-        if isinstance(e, PosttrainError):  # refused before anything ran: nothing written, no summary
+        written = _summary_bytes(layout.summary) not in (None, before)  # this run wrote it
+        if isinstance(e, PosttrainError) and not written:  # refused before anything ran
             raise _fail(str(e), exit_code_of(e)) from None
         _err.print(f"error: pipeline failed: {_headline(e)}", style="red")
-        if storage.exists(layout.summary):
+        if written:
             typer.echo(layout.summary)
         raise typer.Exit(exit_code_of(e)) from None
     finally:

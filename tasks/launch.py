@@ -80,6 +80,10 @@ _EXIT_DRAIN_S = 2.0
 LAUNCH_ID_ENV = "POSTTRAIN_LAUNCH_ID"
 """Environment variable marking every process of one launch (see the module docstring)."""
 
+WATCH_PID_ENV = "POSTTRAIN_WATCH_PID"
+"""Environment variable naming the launching process: trainers (ranks under torchrun included,
+whose own parent is the launcher agent) exit when it is gone (``trainer_core/run.py``)."""
+
 _KILL_SWEEP_S = 3.0
 """How long the final sweep keeps SIGKILLing marked processes before giving up on them."""
 
@@ -318,6 +322,7 @@ def _spawn(
     """Start ``cmd`` in a session of its own, tagged with ``launch_id``; a thread pumps its output lines."""
     env = dict(os.environ if env is None else env)
     env[LAUNCH_ID_ENV] = ":".join(filter(None, [env.get(LAUNCH_ID_ENV), launch_id]))
+    env[WATCH_PID_ENV] = str(os.getpid())  # every rank exits when this process is gone
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -373,12 +378,14 @@ def launch_stage_process(
     """
     start = time.monotonic()
     deadline = None if timeout_s is None else start + timeout_s
+    abort = _abort_event(group) if group is not None else None
+    if abort is not None and abort.is_set():
+        raise LaunchAborted("the stage's flow run was interrupted before its trainer started; nothing launched")
     launch_id = uuid.uuid4().hex
     proc, lines, reader = _spawn(cmd, env, launch_id)
     out = _Output(log, tail_lines)
     timed_out = False
     try:
-        abort = _abort_event(group) if group is not None else None
         timed_out = _forward(proc, lines, out, deadline, poll_interval_s, abort)
         if timed_out:
             _terminate_group(proc, kill_grace_s)

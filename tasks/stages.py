@@ -47,8 +47,8 @@ TAG_FINGERPRINT = "posttrain.fingerprint"
 
 GPU_CONCURRENCY_ENV = "POSTTRAIN_GPU_CONCURRENCY_LIMIT"
 """Env var naming a Prefect global concurrency limit (slots = GPUs of one node or pool). When set,
-every stage but prepare_data, unless ``backend.device`` is cpu, holds ``backend.nproc_per_node``
-slots of it while its trainer runs, so pipelines sharing a node queue instead of oversubscribing it."""
+every stage but prepare_data, unless its backend's ``device`` is cpu, holds its backend's
+``nproc_per_node`` slots of it while its trainer runs, so pipelines sharing a node queue instead of oversubscribing it."""
 
 
 def artifact_key(stage: str, suffix: str) -> str:
@@ -104,10 +104,11 @@ def gpu_slots(stage: str, config: PipelineConfig, log: Any) -> Iterator[None]:
         ConcurrencySlotAcquisitionError: the named limit does not exist.
     """
     name = (config.launch.gpu_concurrency_limit or os.environ.get(GPU_CONCURRENCY_ENV, "")).strip()
-    if not name or stage == "prepare_data" or config.backend.device == "cpu":
+    backend = config.backend_for(stage)
+    if not name or stage == "prepare_data" or backend.device == "cpu":
         yield
         return
-    slots = config.backend.nproc_per_node
+    slots = backend.nproc_per_node
     log.info("stage %s: waiting for %d slot(s) of concurrency limit %r", stage, slots, name)
     with concurrency(name, occupy=slots, strict=True, raise_on_lease_renewal_failure=False):
         log.info("stage %s: holding %d slot(s) of concurrency limit %r", stage, slots, name)

@@ -41,12 +41,20 @@ def input_identity(uri: str) -> str:
         return uri
 
 
+ADDED_FIELDS: dict[str, object] = {"max_nonfinite_steps": 0}
+"""Fields added to stage sections after runs were committed, with the value that reproduces the
+earlier behaviour: hashed only when set to something else, so that the fingerprints of runs
+committed before them (and their resume) are unchanged."""
+
+
 def _not_hashed(section) -> set[str]:
-    """Fields of a stage section that do not change its result: the backend override, and the
-    accumulation steps when ``global_batch_size`` fixes the batch (they follow the world size)."""
+    """Fields of a stage section that do not change its result: the backend override, the
+    accumulation steps when ``global_batch_size`` fixes the batch (they follow the world size),
+    and :data:`ADDED_FIELDS` at their neutral value."""
     out = {"backend"} if "backend" in type(section).model_fields else set()
     if getattr(section, "global_batch_size", None) is not None:
         out.add("grad_accum_steps")
+    out |= {name for name, neutral in ADDED_FIELDS.items() if getattr(section, name, neutral) == neutral}
     return out
 
 

@@ -63,6 +63,8 @@ def _from_pretrained(load, source: str, model: ModelConfig, **kwargs) -> nn.Modu
         if "trust_remote_code" in str(e):
             raise ConfigError(f"model source {source!r} needs code from its repository: set "
                               "model.trust_remote_code: true if you trust it") from e
+        if "Unrecognized model" in str(e):
+            raise ConfigError(f"model source {source!r} is not a model transformers knows ({str(e).splitlines()[0]})") from e
         raise
     except OSError as e:
         if getattr(e, "errno", None) is not None:

@@ -52,21 +52,39 @@ def load_spec(uri: str):
         raise ConfigError(f"invalid stage spec {uri}: {e}") from e
 
 
-def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
-    """Exit this process (code :data:`EXIT_PARENT_GONE`) as soon as its parent process is gone.
+WATCH_PID_ENV = "POSTTRAIN_WATCH_PID"
+"""Environment variable naming the process that launched the stage (set by ``tasks/launch.py``);
+under torchrun a rank's own parent is the agent, so it watches this one too."""
 
-    A daemon thread compares ``os.getppid()`` with its value at start: an orphan is re-parented
-    (to init or a subreaper). ``os._exit`` stops at once: no cleanup runs, so nothing half-done
-    is committed (a checkpoint or final directory is committed only by its manifest, written
-    last); the writer lease it held lapses.
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Exit this process (code :data:`EXIT_PARENT_GONE`) as soon as its parent, or the process
+    named by ``POSTTRAIN_WATCH_PID`` (the stage task that launched it), is gone.
+
+    A daemon thread compares ``os.getppid()`` with its value at start (an orphan is re-parented
+    to init or a subreaper) and probes the watched pid. ``os._exit`` stops at once: no cleanup
+    runs, so nothing half-done is committed (a checkpoint or final directory is committed only by
+    its manifest, written last); the writer lease it held lapses.
     """
     parent = os.getppid()
+    launcher = int(os.environ[WATCH_PID_ENV]) if os.environ.get(WATCH_PID_ENV, "").isdigit() else None
 
     def watch() -> None:
         stop = threading.Event()
         while not stop.wait(poll_s):
-            if os.getppid() != parent:
-                sys.stderr.write(f"error: the trainer's parent process {parent} is gone; exiting without committing\n")
+            gone = parent if os.getppid() != parent else launcher if launcher and not _alive(launcher) else None
+            if gone is not None:
+                sys.stderr.write(f"error: the trainer's launching process {gone} is gone; exiting without committing\n")
                 sys.stderr.flush()
                 os._exit(EXIT_PARENT_GONE)
 
@@ -79,8 +97,10 @@ def _where(spec) -> str:
     """``stage <name>`` with the micro-batch size it ran at (what an out-of-memory message needs)."""
     if spec is None:
         return ""
-    section = spec.config.section(spec.stage)
-    micro = getattr(section, "micro_batch_size", None)
+    try:
+        micro = getattr(spec.config.section(spec.stage), "micro_batch_size", None)
+    except Exception:  # noqa: BLE001 - an unknown stage: the error being reported says so
+        micro = None
     return f"stage {spec.stage}" + (f" at {spec.stage}.micro_batch_size={micro}" if micro is not None else "")
 
 

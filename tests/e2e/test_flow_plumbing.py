@@ -81,19 +81,20 @@ def test_prepare_data_only_run(prefect_api, tmp_path, monkeypatch):
 
 
 def test_bad_input_fails_once_and_writes_the_summary(prefect_api, tmp_path, monkeypatch):
-    """A missing data file is bad input (trainer exit 2): the task is not retried although
+    """A malformed data file is bad input (trainer exit 2): the task is not retried although
     launch.retries=2, the summary records the failure, MLflow runs are FAILED."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    missing = tmp_path / "missing.jsonl"
+    missing = tmp_path / "malformed.jsonl"
+    missing.write_text('{"prompt": "a", "completion": oops}\n')
     config = small_config(tmp_path / "out", stages=["prepare_data", "sft"], **{"data.sft.uri": str(missing)})
     state = post_training_pipeline(config=config, run_id="plumb-bad", return_state=True)
     assert state.is_failed()
-    with pytest.raises(BadStageInput, match="missing.jsonl"):
+    with pytest.raises(BadStageInput, match="malformed.jsonl:1"):
         state.result()
     summary = json.loads((tmp_path / "out" / "runs" / "plumb-bad" / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert summary["stages"]["prepare_data"]["status"] == "failed"
-    assert "data file not found" in summary["stages"]["prepare_data"]["error"]
+    assert "invalid JSON" in summary["stages"]["prepare_data"]["error"]
     assert summary["stages"]["sft"]["status"] == "skipped"
     mlflow = MlflowClient(summary["mlflow"]["tracking_uri"])
     assert mlflow.get_run(summary["mlflow"]["parent_run_id"]).info.status == "FAILED"
@@ -122,9 +123,13 @@ def test_cli_run_prints_summary_uri_last(prefect_api, tmp_path, monkeypatch):
     assert lines[-1] == str(tmp_path / "out" / "runs" / "cli-1" / "summary.json")
     assert json.loads(open(lines[-1]).read())["status"] == "completed"
 
-    failed = CliRunner().invoke(app, [*args[:-2], "--run-id", "cli-2", "--set", f"data.sft.uri={tmp_path}/nope.jsonl"])
-    assert failed.exit_code == 1
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    failed = CliRunner().invoke(app, [*args[:-2], "--run-id", "cli-2", "--set", f"data.sft.uri={tmp_path}/bad.jsonl"])
+    assert failed.exit_code == 2  # bad input found by a stage: the run's summary is the last line
     assert failed.stdout.strip().splitlines()[-1] == str(tmp_path / "out" / "runs" / "cli-2" / "summary.json")
+    refused = CliRunner().invoke(app, [*args[:-2], "--run-id", "cli-3", "--set", f"data.sft.uri={tmp_path}/nope.jsonl"])
+    assert refused.exit_code == 2  # found before anything ran: nothing written, no summary line
+    assert "summary.json" not in refused.stdout and not (tmp_path / "out" / "runs" / "cli-3").exists()
 
 
 def test_stage_inputs_rules():

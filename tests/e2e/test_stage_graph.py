@@ -85,13 +85,16 @@ def test_independent_stages_overlap_with_two_slots_and_a_failure_skips_only_its_
     print(f"1 slot: dpo/grpo overlap {overlap_s(stages['dpo'], stages['grpo']):.1f}s")
     assert overlap_s(stages["dpo"], stages["grpo"]) <= 0
 
-    broken = {"dpo.reference_from": str(tmp_path / "no-such-model"), "grpo.learning_rate": 2e-4}
+    # a reference that passes the pre-flight check (its config.json exists) and fails to load in DPO
+    (tmp_path / "broken-model").mkdir()
+    (tmp_path / "broken-model" / "config.json").write_text("{}")
+    broken = {"dpo.reference_from": str(tmp_path / "broken-model"), "grpo.learning_rate": 2e-4}
     state = post_training_pipeline(
         config=graph_config(root, concurrency_limit(2), **broken), run_id=run_id, return_state=True
     )
     assert state.is_failed()
     stages = json.loads((root / "runs" / run_id / "summary.json").read_text())["stages"]
-    assert stages["dpo"]["status"] == "failed" and "no-such-model" in stages["dpo"]["error"]
+    assert stages["dpo"]["status"] == "failed" and "broken-model" in stages["dpo"]["error"]
     assert stages["grpo"]["status"] == "completed" and not stages["grpo"]["reused"]
     assert stages["evaluate"]["status"] == "skipped" and stages["evaluate"]["skipped_because"] == "dpo"
     assert stages["evaluate"]["started_at"] is None

@@ -49,21 +49,25 @@ from trainer_core.training.guard import check_finite_tensors, nonfinite_weights,
 
 def test_a_nonfinite_step_fails_at_once_by_default():
     progress = TrainProgress(global_step=7)
-    assert step_is_finite(progress, stage="sft", global_step=7, max_nonfinite_steps=0,
-                          metrics={"train/loss": 1.5, "train/grad_norm": torch.tensor(0.3)})
+    assert step_is_finite(progress, stage="sft", global_step=7, max_nonfinite_steps=0, loss=1.5,
+                          grad_norm=torch.tensor(0.3))
     with pytest.raises(NonFiniteError, match=r"stage sft: non-finite train/grad_norm=nan at global_step 7") as info:
-        step_is_finite(progress, stage="sft", global_step=7, max_nonfinite_steps=0,
-                       metrics={"train/loss": 1.5, "train/grad_norm": torch.tensor(math.nan)})
+        step_is_finite(progress, stage="sft", global_step=7, max_nonfinite_steps=0, loss=1.5,
+                       grad_norm=torch.tensor(math.nan))
     assert "sft.learning_rate" in str(info.value) and "sft.max_nonfinite_steps" in str(info.value)
 
 
 def test_nonfinite_steps_are_skipped_up_to_the_budget():
     progress = TrainProgress()
-    bad = {"train/loss": math.inf, "train/grad_norm": math.nan}
-    assert not step_is_finite(progress, stage="dpo", global_step=1, max_nonfinite_steps=2, metrics=bad)
-    assert not step_is_finite(progress, stage="dpo", global_step=2, max_nonfinite_steps=2, metrics=bad)
+    bad = {"loss": math.inf, "grad_norm": math.nan}
+    assert not step_is_finite(progress, stage="dpo", global_step=1, max_nonfinite_steps=2, **bad)
+    assert not step_is_finite(progress, stage="dpo", global_step=2, max_nonfinite_steps=2, **bad)
     with pytest.raises(NonFiniteError, match="non-finite steps so far: 3, allowed: 2"):
-        step_is_finite(progress, stage="dpo", global_step=3, max_nonfinite_steps=2, metrics=bad)
+        step_is_finite(progress, stage="dpo", global_step=3, max_nonfinite_steps=2, **bad)
+    # a NaN loss with a finite gradient norm was not skipped (the update happened): it always fails
+    with pytest.raises(NonFiniteError, match="train/loss=nan"):
+        step_is_finite(TrainProgress(), stage="dpo", global_step=1, max_nonfinite_steps=2, loss=math.nan,
+                       grad_norm=1.0)
 
 
 def test_rewards_and_advantages_are_checked_over_every_rank():
@@ -220,12 +224,16 @@ def _dead_pid() -> int:
 
 def test_a_lease_whose_process_is_gone_is_stale_at_once(tmp_path):
     prefix = str(tmp_path / "run")
-    record = {"owner": "killed-cli", "expires_at": 4e9, "pid": _dead_pid(), "host": socket.gethostname()}
+    record = {"owner": "killed-cli", "expires_at": 4e9, "pid": _dead_pid(), "host": socket.gethostname(),
+              "pidns": os.readlink("/proc/self/ns/pid")}
     storage.write_json(join_uri(prefix, LEASE_NAME), record)
     assert read_lease(prefix)["live"] is False
     lease = StageLease(prefix, owner="next", ttl_s=30)
     lease.acquire(wait_s=0)  # no wait for the dead holder's expiry
     lease.release()
+    other_container = {**record, "pidns": "pid:[1]"}  # same host name, other pids: trust the expiry
+    storage.write_json(join_uri(prefix, LEASE_NAME), other_container)
+    assert read_lease(prefix)["live"] is True
 
 
 def test_a_live_lease_is_refused_at_once_naming_its_holder(tmp_path):
@@ -273,7 +281,8 @@ def test_stage_states(tmp_path):
     assert (running["state"], running["holder"]) == ("running", "trainer")
     lease.release()
     storage.write_json(join_uri(paths.output, LEASE_NAME), {"owner": "killed", "expires_at": 4e9,
-                                                            "pid": _dead_pid(), "host": socket.gethostname()})
+                                                            "pid": _dead_pid(), "host": socket.gethostname(),
+                                                            "pidns": os.readlink("/proc/self/ns/pid")})
     assert stage_status(root, run_id, "sft")["state"] == "interrupted"
     ArtifactWriter(paths.final).commit(kind="final", stage="sft", run_id=run_id, global_step=4)
     assert stage_status(root, run_id, "sft")["state"] == "completed"

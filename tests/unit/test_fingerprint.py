@@ -51,3 +51,20 @@ def test_backend_is_not_part_of_the_fingerprint():
     b = load_config("configs/demo.yaml", overrides={"backend.device": "cpu"})
     inputs = {"model": "init"}
     assert stage_fingerprint(a, "sft", inputs) == stage_fingerprint(b, "sft", inputs)
+
+
+def test_fingerprints_of_the_demo_config_are_those_runs_were_committed_with():
+    """Hashes computed by the code before the stage registry and the non-finite guard (3fd5023):
+    a run committed then is still matched, skipped and resumed. A new config field must keep them."""
+    from trainer_core.config import load_config
+
+    config = load_config("configs/demo.yaml")
+    inputs = {"data": "/x/prepare_data/final", "model": "/x/sft/final", "reference": "/x/sft/final"}
+    got = {s: stage_fingerprint(config, s, inputs if s != "prepare_data" else {}) for s in config.stages}
+    assert got == {
+        "prepare_data": "5681b97af2fa254d", "sft": "a5f13cabb416981d", "reward_model": "21a64cf870bc4bf0",
+        "score": "af56d1a5ea5c4a77", "dpo": "8570077f3620050b", "ppo": "414e434679d42b68",
+        "grpo": "23a7249ea6b7d513", "evaluate": "76b1eb6ce37612ca",
+    }
+    assert stage_fingerprint(load_config("configs/demo.yaml", overrides={"sft.max_nonfinite_steps": 2}), "sft",
+                             inputs) != got["sft"]

@@ -213,3 +213,14 @@ def test_nonfinite_steps_within_the_budget_are_skipped(root):
     assert all(torch.equal(v, _weights(clean)[k]) for k, v in _weights(loop).items())
     logged = [m for batch in loop.metrics.committed for m, step in batch if step == 2 and "train/loss" in m]
     assert [m["train/nonfinite_steps"] for m in logged] == [1]
+
+
+def test_a_nonfinite_evaluation_fails_the_stage_before_its_checkpoint(root):
+    """eval/loss NaN after step 3's update (a checkpoint step): no step-3 checkpoint, whose manifest
+    would hold a NaN metric."""
+    from trainer_core.errors import NonFiniteError
+
+    loop = _loop(root, objective=Regression(eval_losses=[1.0, float("nan")]), async_save=False)
+    with pytest.raises(NonFiniteError, match=r"non-finite eval/loss=nan at global_step 3 \(held-out evaluation"):
+        loop.run()
+    assert storage.list_dirs(join_uri(root, "checkpoints")) == []

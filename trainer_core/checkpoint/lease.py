@@ -57,15 +57,25 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace (``pid:[inode]``): pids compare only within one."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def holder_alive(record: dict, now: float | None = None) -> bool:
     """Whether the lease ``record`` (``lease.json``'s content) is held by a live writer.
 
-    Live: not expired and, when it was written on this host, its process still exists.
+    Live: not expired and, when it was written on this host in this pid namespace (containers
+    sharing a host name do not share pids), its process still exists.
     """
     now = time.time() if now is None else now
     if record.get("expires_at", 0) <= now:
         return False
-    if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
+    same_pids = record.get("host") == socket.gethostname() and record.get("pidns") == _pid_namespace() != ""
+    if same_pids and isinstance(record.get("pid"), int):
         return _process_alive(record["pid"])
     return True
 
@@ -120,7 +130,7 @@ class StageLease:
     def _write(self) -> None:
         record = {
             "owner": self.owner, "expires_at": time.time() + self.ttl_s, "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "host": socket.gethostname(), "pidns": _pid_namespace(),
         }
         storage.write_bytes(self.uri, json.dumps(record).encode())
 

@@ -5,9 +5,9 @@ the metrics that reach the tracker exactly once.
 (``training/rl.py``) call; neither touches checkpoint files itself. A save puts every state
 component through :func:`~trainer_core.checkpoint.train_state.put_train_state` (the one
 writer, in the backend's format) into a :class:`~trainer_core.checkpoint.components.RankWriter`,
-which commits the manifest last. On one process with the ``full`` format the state is
-serialised in step and uploaded by a background thread (one save in flight); every other
-save is a collective, written in step by all ranks.
+which commits the manifest last. On the single-device backend the state is serialised in step
+and uploaded by a background thread (one save in flight); every other save is a collective,
+written in step by all ranks.
 
 :class:`MetricsBuffer` carries step metrics to the tracker: printed at once, logged to MLflow
 only once a committed checkpoint covers their step (the checkpoint stores them as
@@ -165,8 +165,8 @@ class CheckpointSession:
         run_id: the pipeline run id recorded in every manifest.
         extra: more ``extra`` manifest fields (the MLflow run id, a loop's layout version).
         keep_last: newest checkpoints kept (plus the best, see :meth:`save`).
-        asynchronous: upload in the background where a save is not a collective (one process,
-            ``full`` format); False always writes in step.
+        asynchronous: upload in the background where a save is not a collective (the
+            single-device backend); False always writes in step.
         validate_replicas: compare replicated components' checksums across ranks before writing.
     """
 
@@ -199,7 +199,9 @@ class CheckpointSession:
             "world_size": backend.world_size,
             "extra": {**(extra or {}), "checkpoint_format": backend.checkpoint_format},
         }
-        self.deferred = asynchronous and backend.world_size == 1 and backend.checkpoint_format == "full"
+        # Only a plain single process saves in the background: any process-group backend (DDP at
+        # world size 1 too) runs collectives in a save, which must not race the training thread's.
+        self.deferred = asynchronous and backend.name == "single"
         self._saver = CheckpointSaver(asynchronous=self.deferred)
 
     def resume(

@@ -35,38 +35,66 @@ HINT = (
 
 def step_is_finite(
     progress: TrainProgress, *, stage: str, global_step: int, max_nonfinite_steps: int,
-    metrics: dict[str, float | Tensor],
+    loss: float | Tensor, grad_norm: float | Tensor,
 ) -> bool:
-    """Check one optimizer step's metrics (e.g. ``train/loss``, ``train/grad_norm``).
+    """Check one optimizer step: its loss and its gradient norm (both reduced over ranks).
+
+    A step whose gradient norm is NaN or infinite was skipped by the backend when the stage
+    allows skipping (``Backend.optimizer_step(skip_nonfinite=True)``); a non-finite loss with a
+    finite gradient norm was not skipped (the update happened), so it always fails the stage.
 
     Args:
-        progress: the loop's progress; ``nonfinite_steps`` is incremented for a non-finite step.
+        progress: the loop's progress; ``nonfinite_steps`` is incremented for a skipped step.
         stage: the stage name (for the message).
         global_step: the step the values belong to (for the message; an RL iteration takes
             several optimizer steps).
         max_nonfinite_steps: how many non-finite steps the stage may skip in all.
-        metrics: the step's values reduced over ranks (every rank passes the same ones).
+        loss: the step's loss.
+        grad_norm: its gradient norm before clipping.
 
     Returns:
-        True when every value is finite; False for a skipped step (a warning says so).
+        True when both are finite; False for a skipped step (a warning says so).
 
     Raises:
-        NonFiniteError: a non-finite value beyond ``max_nonfinite_steps`` skipped steps.
+        NonFiniteError: a non-finite value that was not, or may not be, skipped.
     """
-    bad = {k: float(v) for k, v in metrics.items() if not math.isfinite(float(v))}
+    values = {"train/loss": float(loss), "train/grad_norm": float(grad_norm)}
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
     if not bad:
         return True
-    progress.nonfinite_steps += 1
     shown = ", ".join(f"{k}={v}" for k, v in sorted(bad.items()))
-    if progress.nonfinite_steps > max_nonfinite_steps:
+    skipped = "train/grad_norm" in bad and max_nonfinite_steps > 0
+    if skipped:
+        progress.nonfinite_steps += 1
+    if not skipped or progress.nonfinite_steps > max_nonfinite_steps:
         raise NonFiniteError(
             f"stage {stage}: non-finite {shown} at global_step {global_step} (non-finite steps so far: "
-            f"{progress.nonfinite_steps}, allowed: {max_nonfinite_steps}); nothing of this step is checkpointed or "
-            f"committed. " + HINT.format(stage=stage)
+            f"{progress.nonfinite_steps + (not skipped)}, allowed: {max_nonfinite_steps}); nothing of this step is "
+            f"checkpointed or committed. " + HINT.format(stage=stage)
         )
     log.warning("stage %s: non-finite %s at global_step %d: step skipped (%d of at most %d)", stage, shown,
                 global_step, progress.nonfinite_steps, max_nonfinite_steps)
     return False
+
+
+def check_finite_metrics(metrics: dict[str, float], *, stage: str, global_step: int, what: str) -> None:
+    """Fail when a logged metric (e.g. an evaluation's ``eval/loss``) is NaN or infinite.
+
+    Raises:
+        NonFiniteError: naming the metrics, the stage and the step; ``what`` says where they come from.
+    """
+    bad = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not math.isfinite(v)}
+    if bad:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(bad.items()))
+        raise NonFiniteError(
+            f"stage {stage}: non-finite {shown} at global_step {global_step} ({what}); nothing of this step is "
+            f"checkpointed or committed. " + HINT.format(stage=stage)
+        )
+
+
+def finite_only(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` without its NaN and infinite values (what a skipped step leaves out of history)."""
+    return {k: v for k, v in metrics.items() if not isinstance(v, float) or math.isfinite(v)}
 
 
 def check_finite_tensors(

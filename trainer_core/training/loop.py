@@ -31,7 +31,7 @@ from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition, iterate_batches
-from trainer_core.training.guard import step_is_finite
+from trainer_core.training.guard import check_finite_metrics, finite_only, step_is_finite
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +262,7 @@ class TrainLoop:
         step_s = t_fwd + t_bwd + t_opt
         metrics = {"train/loss": loss_sum / total, "train/grad_norm": grad_norm, "train/lr": lr}
         step_is_finite(progress, stage=self.session.stage, global_step=progress.global_step,
-                       max_nonfinite_steps=cfg.max_nonfinite_steps,
-                       metrics={k: metrics[k] for k in ("train/loss", "train/grad_norm")})
+                       max_nonfinite_steps=cfg.max_nonfinite_steps, loss=metrics["train/loss"], grad_norm=grad_norm)
         if progress.nonfinite_steps:
             metrics["train/nonfinite_steps"] = progress.nonfinite_steps
         metrics.update({f"train/{k}": v / total for k, v in metric_sums.items()})
@@ -288,9 +287,10 @@ class TrainLoop:
         self.metrics.emit(values, self.progress.global_step)
 
     def _remember(self, values: dict[str, float]) -> None:
-        """Keep the latest value of each metric, and the first of the loss and eval metrics."""
+        """Keep the latest value of each metric, and the first of the loss and eval metrics (a
+        skipped step's NaN is not kept)."""
         history = self.progress.history
-        for k, v in values.items():
+        for k, v in finite_only(values).items():
             if k == "train/loss" or k.startswith("eval/"):
                 history.setdefault(f"first/{k}", v)
             history[k] = v
@@ -303,6 +303,8 @@ class TrainLoop:
         with torch.no_grad():
             metrics = {f"eval/{k}": float(v) for k, v in self.objective.evaluate(model).items()}
         model.train(was_training)
+        check_finite_metrics(metrics, stage=self.session.stage, global_step=self.progress.global_step,
+                             what="held-out evaluation after that step")
         self._emit(metrics)
         loss = metrics["eval/loss"]
         progress = self.progress

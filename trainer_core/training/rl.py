@@ -76,7 +76,7 @@ from trainer_core.rollout import (
     sample_completions,
 )
 from trainer_core.storage import join_uri, read_bytes
-from trainer_core.training.guard import check_finite_tensors, step_is_finite
+from trainer_core.training.guard import check_finite_metrics, check_finite_tensors, finite_only, step_is_finite
 from trainer_core.training.loop import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
@@ -351,8 +351,7 @@ class RLTrainer:
         metrics = {k: summed[1 + j] / num_valid_tokens for j, k in enumerate(keys)}
         metrics["train/loss"], metrics["train/grad_norm"] = summed[0], grad_norm
         step_is_finite(self.progress, stage=self.session.stage, global_step=self.progress.global_step + 1,
-                       max_nonfinite_steps=cfg.max_nonfinite_steps,
-                       metrics={k: metrics[k] for k in ("train/loss", "train/grad_norm")})
+                       max_nonfinite_steps=cfg.max_nonfinite_steps, loss=summed[0], grad_norm=grad_norm)
         return metrics
 
     # ----- loop --------------------------------------------------------------------
@@ -369,6 +368,8 @@ class RLTrainer:
         self.scheduler.step()
         t2 = time.perf_counter()
         num_sequences = self.cfg.prompts_per_rollout * self.algo.samples_per_prompt
+        check_finite_metrics({k: metrics[k] for k in ("objective/kl", "objective/entropy")}, stage=self.session.stage,
+                             global_step=self.progress.global_step + 1, what="the rollout's log-probs")
         self.kl_ctl.update(metrics["objective/kl"], num_sequences)
         progress = self.progress
         progress.global_step += 1
@@ -397,7 +398,7 @@ class RLTrainer:
         values = {k: float(v) for k, v in metrics.items()}
         values["train/consumed_samples"] = float(self.progress.consumed_samples)
         history = self.progress.history
-        for k, v in values.items():
+        for k, v in finite_only(values).items():
             if k in FIRST_KEYS:
                 history.setdefault(f"first/{k}", v)
             history[k] = v
