@@ -279,7 +279,7 @@ class ThreadDDP:
     def backward(self, model, loss) -> None:
         (loss * self.world_size).backward()
 
-    def optimizer_step(self, model, optimizer, max_grad_norm):
+    def optimizer_step(self, model, optimizer, max_grad_norm, skip_nonfinite=False):
         for param in model.parameters():
             param.grad = self.all_reduce_sum(param.grad) / self.world_size
         grad_norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_grad_norm)
