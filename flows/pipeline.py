@@ -193,6 +193,12 @@ class StageGraphRun:
             self.results[name] = StageResult.failed(name, e)
 
 
+def run_lease(config: PipelineConfig, layout: RunLayout) -> StageLease:
+    """The writer lease of a whole pipeline run (``<run>/lease.json``): one live run or resume per run id."""
+    return StageLease(layout.uri, ttl_s=config.launch.lease_ttl_s,
+                      what="another posttrain run or resume of this run id is live")
+
+
 def flow_run_name() -> str:
     """The Prefect flow run's name: the ``run_id`` parameter; the flow renames a run started
     without one to the run id it picks (one id in Prefect, MLflow and storage)."""
@@ -249,8 +255,7 @@ def post_training_pipeline(
     layout = RunLayout(cfg.storage.root, run_id)
     preflight(cfg, {layout.final(s) for s in cfg.stages})
     plan = plan_run(cfg, layout)
-    lease = StageLease(layout.uri, ttl_s=cfg.launch.lease_ttl_s,
-                       what="another posttrain run or resume of this run id is live")
+    lease = run_lease(cfg, layout)
     lease.acquire(wait_s=0)
     try:
         return _run(cfg, run_id, layout, plan, log)

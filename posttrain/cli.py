@@ -162,20 +162,18 @@ def _summary_bytes(uri: str) -> bytes | None:
         return None
 
 
-def _refuse_if_held(layout: Any) -> None:
+def _refuse_if_held(cfg: PipelineConfig, layout: Any) -> None:
     """Exit 2 at once when a live ``run``/``resume`` holds the run's lease (before starting
     Prefect; the flow takes the lease itself, so two starting together are still told apart)."""
-    from trainer_core.checkpoint.lease import LEASE_NAME, read_lease
-    from trainer_core.storage import join_uri
+    from flows.pipeline import run_lease
+    from trainer_core.checkpoint.lease import LeaseHeldError
 
     try:
-        lease = read_lease(layout.uri)
+        run_lease(cfg, layout).check_free()
+    except LeaseHeldError as e:
+        raise _fail(str(e), EXIT_BAD_INPUT) from None
     except Exception:  # noqa: BLE001 - unreadable storage: the flow's pre-flight reports it
         return
-    if lease is not None and lease["live"]:
-        where = f" (pid {lease['pid']} on {lease['host']})" if "host" in lease else ""
-        raise _fail(f"{join_uri(layout.uri, LEASE_NAME)} is held by {lease['owner']}{where}: another posttrain run or "
-                    "resume of this run id is live. Wait for it, or use another run id.", EXIT_BAD_INPUT)
 
 
 def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
@@ -187,7 +185,7 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
 
     storage.configure(cfg.storage)
     layout = RunLayout(cfg.storage.root, run_id)
-    _refuse_if_held(layout)
+    _refuse_if_held(cfg, layout)
     typer.echo(f"run id: {run_id}")
     typer.echo(f"outputs: {layout.uri}")
     use_plain_console()

@@ -48,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
+from tasks.aborts import abort_event, abort_launches, forget_launch_group
 from tasks.commands import trainer_command
 from tasks.failures import BadStageInput, LaunchAborted, StageFailed, raise_for_result, retry_condition
 from trainer_core.config import BackendConfig
@@ -245,33 +246,6 @@ class _Output:
         self.log.info("%s", line)
 
 
-_ABORTS: dict[str, threading.Event] = {}
-_ABORTS_LOCK = threading.Lock()
-
-
-def _abort_event(group: str) -> threading.Event:
-    with _ABORTS_LOCK:
-        return _ABORTS.setdefault(group, threading.Event())
-
-
-def abort_launches(group: str) -> None:
-    """Stop every launch of ``group`` (e.g. one flow run's stages, running in task threads).
-
-    Each such :func:`launch_stage_process` notices within its poll interval, kills its whole
-    process tree and raises :class:`LaunchAborted`. Signals reach only a process's main thread:
-    this is how an interrupted flow (Ctrl-C, Prefect's ``TerminationSignal`` on cancel) stops
-    the trainers that task threads launched. Launches started in the group afterwards are
-    aborted at once, until :func:`forget_launch_group`.
-    """
-    _abort_event(group).set()
-
-
-def forget_launch_group(group: str) -> None:
-    """Drop ``group``'s abort state (when its flow run ends)."""
-    with _ABORTS_LOCK:
-        _ABORTS.pop(group, None)
-
-
 def _forward(
     proc: subprocess.Popen,
     lines: queue.Queue,
@@ -378,7 +352,7 @@ def launch_stage_process(
     """
     start = time.monotonic()
     deadline = None if timeout_s is None else start + timeout_s
-    abort = _abort_event(group) if group is not None else None
+    abort = abort_event(group) if group is not None else None
     if abort is not None and abort.is_set():
         raise LaunchAborted("the stage's flow run was interrupted before its trainer started; nothing launched")
     launch_id = uuid.uuid4().hex

@@ -14,7 +14,7 @@ import uuid
 from trainer_core import storage
 from trainer_core.config import PipelineConfig
 from trainer_core.errors import ConfigError, PosttrainError, classify
-from trainer_core.storage import join_uri
+from trainer_core.storage import join_uri, names_a_path
 
 _PROBE = ".posttrain-preflight-{}"
 
@@ -47,13 +47,14 @@ def check_storage_root(root: str) -> None:
         raise ConfigError(f"storage.root {root!r} is not writable: {_reason(e)}") from e
 
 
-def _check_readable(field: str, uri: str) -> None:
+def _check_exists(field: str, source: str, uri: str, missing: str) -> None:
+    """``uri`` exists; else a :class:`ConfigError` naming ``field`` and ``source``, ending in ``missing``."""
     try:
         found = storage.exists(uri)
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"{field} {uri!r} cannot be read: {_reason(e)}") from e
+        raise ConfigError(f"{field} {source!r} cannot be read: {_reason(e)}") from e
     if not found:
-        raise ConfigError(f"{field} {uri!r} does not exist")
+        raise ConfigError(f"{field} {source!r} {missing}")
 
 
 def check_data(config: PipelineConfig) -> None:
@@ -67,7 +68,7 @@ def check_data(config: PipelineConfig) -> None:
     for name in ("sft", "preference", "eval"):
         uri = getattr(config.data, name).uri
         if uri is not None and not uri.startswith("hf://"):
-            _check_readable(f"data.{name}.uri", uri)
+            _check_exists(f"data.{name}.uri", uri, uri, "does not exist")
             if "://" not in uri and os.path.isdir(uri):
                 raise ConfigError(f"data.{name}.uri {uri!r} is a directory, not a file")
 
@@ -94,16 +95,10 @@ def check_models(config: PipelineConfig, planned: set[str] = frozenset()) -> Non
         ConfigError: naming the field and the source.
     """
     for field, source in _model_fields(config).items():
-        local = source.removeprefix("file://")
-        if source in planned or not ("://" in local or local.startswith(("/", "./", "../", "~")) or os.path.exists(local)):
+        if source in planned or not names_a_path(source):
             continue
-        config_json = join_uri(os.path.expanduser(local), "config.json")
-        try:
-            found = storage.exists(config_json)
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"{field} {source!r} cannot be read: {_reason(e)}") from e
-        if not found:
-            raise ConfigError(f"{field} {source!r} is not a model directory (no config.json there)")
+        config_json = join_uri(os.path.expanduser(source.removeprefix("file://")), "config.json")
+        _check_exists(field, source, config_json, "is not a model directory (no config.json there)")
 
 
 def preflight(config: PipelineConfig, planned_outputs: set[str] = frozenset()) -> None:

@@ -27,6 +27,7 @@ from transformers import (
 from trainer_core.config import ModelConfig
 from trainer_core.errors import ConfigError
 from trainer_core.registry import INIT_SOURCE
+from trainer_core.storage import names_a_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,7 +44,7 @@ def local_model_path(source: str) -> str:
 
         return materialize(source)
     path = source.removeprefix("file://")
-    if path.startswith(("/", "./", "../", "~")) or os.path.exists(path):
+    if names_a_path(path):
         local = os.path.expanduser(path)
         if not os.path.isdir(local):
             raise ConfigError(f"model source {source!r}: no such directory (a local path, an fsspec URI of an HF "

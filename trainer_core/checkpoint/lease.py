@@ -134,7 +134,8 @@ class StageLease:
         }
         storage.write_bytes(self.uri, json.dumps(record).encode())
 
-    def _check_free(self) -> None:
+    def check_free(self) -> None:
+        """Raise :class:`LeaseHeldError` (naming the holder) when another live writer holds the lease."""
         current = self._read()
         if current and current.get("owner") != self.owner and holder_alive(current):
             left = current["expires_at"] - time.time()
@@ -159,7 +160,7 @@ class StageLease:
         deadline = time.time() + (self.ttl_s + 5 if wait_s is None else wait_s)
         while True:
             try:
-                self._check_free()
+                self.check_free()
                 break
             except LeaseHeldError:
                 if time.time() >= deadline:

@@ -192,6 +192,13 @@ def configure(storage: S3Settings) -> None:
     logger.debug("S3 configured: endpoint=%s region=%s", endpoint or "<aws default>", region or "<default>")
 
 
+def names_a_path(source: str) -> bool:
+    """Whether a model or data source names a location (a URI, or a local path: absolute, ``./``,
+    ``../``, ``~``, or one that exists) rather than a hub id such as ``org/name``."""
+    local = source.removeprefix("file://")
+    return "://" in local or local.startswith(("/", "./", "../", "~")) or os.path.exists(local)
+
+
 def url_to_fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem of ``uri`` and the path within it.
 

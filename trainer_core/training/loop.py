@@ -246,14 +246,7 @@ class TrainLoop:
         self.scheduler.step()
         t_opt = time.perf_counter() - t0
         if backend.world_size > 1:
-            keys = sorted(metric_sums)
-            local = torch.stack(
-                [loss_sum.float(), torch.tensor(float(num_tokens), device=backend.device)]
-                + [torch.as_tensor(metric_sums[k], device=backend.device).float() for k in keys]
-            )
-            summed = backend.all_reduce_sum(local)
-            loss_sum, num_tokens = summed[0], int(summed[1].item())
-            metric_sums = {k: summed[2 + j] for j, k in enumerate(keys)}
+            loss_sum, num_tokens, metric_sums = self._sum_over_ranks(loss_sum, num_tokens, metric_sums)
         _, last_position, _ = drawn[-1]
         progress.global_step += 1
         progress.epoch, progress.batch_index = last_position.epoch, last_position.batch_index
@@ -275,6 +268,18 @@ class TrainLoop:
             }
         )
         return metrics
+
+    def _sum_over_ranks(
+        self, loss_sum: Tensor, num_tokens: int, metric_sums: dict[str, Tensor]
+    ) -> tuple[Tensor, int, dict[str, Tensor]]:
+        """Collective: a step's loss sum, token count and metric sums summed over every rank (one all-reduce)."""
+        device, keys = self.backend.device, sorted(metric_sums)
+        local = torch.stack(
+            [loss_sum.float(), torch.tensor(float(num_tokens), device=device)]
+            + [torch.as_tensor(metric_sums[k], device=device).float() for k in keys]
+        )
+        summed = self.backend.all_reduce_sum(local)
+        return summed[0], int(summed[1].item()), {k: summed[2 + j] for j, k in enumerate(keys)}
 
     def _log(self, metrics: dict[str, Any]) -> None:
         values = {k: float(v) for k, v in metrics.items()}
