@@ -47,11 +47,16 @@ earlier behaviour: hashed only when set to something else, so that the fingerpri
 committed before them (and their resume) are unchanged."""
 
 
+POST_HOC_FIELDS = ("gates",)
+"""Fields judged by the flow after a stage committed (evaluate's quality gates): never hashed."""
+
+
 def _not_hashed(section) -> set[str]:
     """Fields of a stage section that do not change its result: the backend override, the
-    accumulation steps when ``global_batch_size`` fixes the batch (they follow the world size),
-    and :data:`ADDED_FIELDS` at their neutral value."""
+    :data:`POST_HOC_FIELDS`, the accumulation steps when ``global_batch_size`` fixes the batch
+    (they follow the world size), and :data:`ADDED_FIELDS` at their neutral value."""
     out = {"backend"} if "backend" in type(section).model_fields else set()
+    out |= {name for name in POST_HOC_FIELDS if name in type(section).model_fields}
     if getattr(section, "global_batch_size", None) is not None:
         out.add("grad_accum_steps")
     out |= {name for name, neutral in ADDED_FIELDS.items() if getattr(section, name, neutral) == neutral}

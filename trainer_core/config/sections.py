@@ -34,6 +34,21 @@ class TrackingConfig(ConfigBase):
         "for a local root.",
     )
     experiment_name: str = Field("posttrain", description="MLflow experiment holding the pipeline runs.")
+    ui_url: str | None = Field(
+        None,
+        description="Base URL of the MLflow UI that shows this store (e.g. http://mlflow.internal:5000), used for "
+        "links from Prefect artifacts. Default: the tracking URI when it is http(s); no links for a sqlite store.",
+    )
+    log_models: bool = Field(
+        True,
+        description="Log the final model of every training stage as an MLflow transformers model (weights, "
+        "tokenizer and task) in its stage run; the flow process loads each model once to do so.",
+    )
+    registered_model_name: str | None = Field(
+        None,
+        description="Register the pipeline's final policy as a new version of this MLflow registered model, "
+        "with alias 'champion' when every evaluate gate passes, else 'candidate'. None: register nothing.",
+    )
 
 
 class DataSource(ConfigBase):

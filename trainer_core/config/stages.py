@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trainer_core.config.base import ConfigBase
 from trainer_core.errors import ConfigError
@@ -131,6 +131,29 @@ class ScoreConfig(ConfigBase):
     )
 
 
+class QualityGate(ConfigBase):
+    """A condition on one evaluate metric that a run's final policy must meet to become the champion.
+
+    The metric is compared with ``threshold``, with the registered model's current champion's value
+    of the same metric (``vs_champion``: at least the champion's value minus ``tolerance`` for
+    ``>=``/``>``, at most the champion's value plus ``tolerance`` for ``<=``/``<``), or with both.
+    """
+
+    metric: str = Field(description="An evaluate metric, e.g. dpo/exact_match or dpo_vs_sft/win_rate.")
+    op: Literal[">=", ">", "<=", "<"] = Field(">=", description="How the run's value must compare.")
+    threshold: float | None = Field(None, description="A fixed bound; None: no fixed bound.")
+    vs_champion: bool = Field(
+        False, description="Also compare with the champion's value of the metric (passes when there is no champion)."
+    )
+    tolerance: float = Field(0.0, ge=0, description="Slack allowed against the champion's value.")
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> QualityGate:
+        if self.threshold is None and not self.vs_champion:
+            raise ValueError(f"gate on {self.metric!r}: set threshold, vs_champion, or both")
+        return self
+
+
 class EvaluateConfig(ConfigBase):
     """Held-out evaluation of every trained stage."""
 
@@ -139,6 +162,11 @@ class EvaluateConfig(ConfigBase):
     eval_max_batches: int = Field(16, ge=1, description="Max micro-batches per loss/accuracy evaluation.")
     micro_batch_size: int = Field(16, ge=1, description="Examples per forward in loss/accuracy evaluation.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Generation settings.")
+    gates: list[QualityGate] = Field(
+        default_factory=list,
+        description="Quality gates the final policy must pass to get the registered model's 'champion' alias; "
+        "a failed gate ends the flow run Failed, naming it. They do not change evaluate's own result.",
+    )
 
 
 class RewardConfig(ConfigBase):
