@@ -5,13 +5,15 @@ Against the Prefect API at ``$PREFECT_API_URL`` it
 1. reads the file and fills its ``{{ $VAR }}`` placeholders from the environment, with
    ``$POSTTRAIN_PROJECT_DIR`` defaulting to this checkout (the local pool's working directory);
 2. resolves each selected deployment's default parameters as a flow run would, so a broken
-   config is never registered;
+   config is never registered, and fills its ``settings`` parameter with the config's values
+   (and ``overrides`` with a no-op example), so the UI's Custom run form opens on the values a
+   run will use (``flows/settings.py``);
 3. creates the work pools (``posttrain.work_pools``) and global concurrency limits
    (``posttrain.concurrency_limits``) that the selected deployments use, when missing; existing
    ones are left as they are (they may have been tuned in the UI);
-4. creates or updates each deployment with the flow's parameter schema: the UI's Run form is the
-   typed :class:`~trainer_core.config.PipelineConfig` with its field descriptions and defaults,
-   and the API rejects a run whose parameters do not match it.
+4. creates or updates each deployment with the flow's parameter schema, less the Python-only
+   ``config`` parameter: the form is ``config_uri``, the typed ``settings``, ``overrides`` and
+   ``run_id``, and the API rejects a run whose parameters do not match it.
 
 Schedules are registered as the file declares them (inactive) unless ``--enable-schedule``.
 """
@@ -117,27 +119,71 @@ def used_resources(spec: dict[str, Any], entries: list[dict[str, Any]]) -> tuple
     return pools, limits
 
 
-def check_parameters(flow: Flow, entry: dict[str, Any]) -> None:
-    """Resolve the deployment's default parameters as a flow run would; a relative
-    ``config_uri`` is read from the pool's ``working_dir`` (else this checkout, laid out as the image).
+OVERRIDES_EXAMPLE_KEY = "evaluate.generation.max_new_tokens"
+"""The key of the example that ``overrides`` opens with in a deployment's form (the config's own
+value, so the example changes nothing)."""
+
+UI_HIDDEN_PARAMETERS = ("config",)
+"""Flow parameters for Python callers only: left out of a deployment's form and schema."""
+
+
+def deployment_parameters(flow: Flow, entry: dict[str, Any]) -> dict[str, Any]:
+    """The deployment's default parameters: the file's, resolved as a flow run would resolve them
+    (a relative ``config_uri`` is read from the pool's ``working_dir``, else this checkout, laid
+    out as the image), plus ``settings`` holding the config's values and an ``overrides`` example,
+    so that the Custom run form opens on the values a run will use.
 
     Raises:
         ConfigError: a parameter the flow does not take, or a config that does not validate.
     """
     from flows.pipeline import resolve_config
+    from flows.settings import settings_of
 
     params = dict(entry.get("parameters") or {})
     unknown = sorted(set(params) - set(inspect.signature(flow.fn).parameters))
     if unknown:
         raise ConfigError(f"deployment {entry['name']!r}: the flow takes no parameter(s) {unknown}")
+    hidden = sorted(set(params) & set(UI_HIDDEN_PARAMETERS))
+    if hidden:
+        raise ConfigError(f"deployment {entry['name']!r}: parameter(s) {hidden} are for Python callers; "
+                          "use config_uri, settings and overrides")
     uri = params.get("config_uri")
     if uri and "://" not in uri and not os.path.isabs(uri):
         job_variables = (entry.get("work_pool") or {}).get("job_variables") or {}
         uri = os.path.join(job_variables.get("working_dir") or PROJECT_DIR, uri)
     try:
-        resolve_config(params.get("config"), uri, params.get("overrides"))
+        config = resolve_config(None, uri, params.get("overrides"), params.get("settings"))
     except ConfigError as e:
         raise ConfigError(f"deployment {entry['name']!r}: {e}") from None
+    params["settings"] = settings_of(config).model_dump(mode="json")
+    if params.get("overrides") is None:
+        params["overrides"] = {OVERRIDES_EXAMPLE_KEY: config.evaluate.generation.max_new_tokens}
+    return params
+
+
+def _referenced(node: Any) -> set[str]:
+    """The names of the ``#/definitions/<name>`` references inside a JSON-schema node."""
+    if isinstance(node, dict):
+        refs = {node["$ref"].rsplit("/", 1)[-1]} if isinstance(node.get("$ref"), str) else set()
+        return refs.union(*(_referenced(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_referenced(v) for v in node))
+    return set()
+
+
+def hide_parameters(schema: Any, names: tuple[str, ...] = UI_HIDDEN_PARAMETERS) -> None:
+    """Drop ``names`` from a deployment's parameter schema (``ParameterSchema``) and the
+    definitions only they used, in place."""
+    for name in names:
+        schema.properties.pop(name, None)
+    schema.required = [r for r in schema.required if r not in names]
+    keep, todo = set(), _referenced(schema.properties)
+    while todo:
+        name = todo.pop()
+        if name not in keep and name in schema.definitions:
+            keep.add(name)
+            todo |= _referenced(schema.definitions[name])
+    schema.definitions = {k: v for k, v in schema.definitions.items() if k in keep}
 
 
 def schedule_of(item: dict[str, Any], enable: bool) -> Schedule:
@@ -150,8 +196,11 @@ def schedule_of(item: dict[str, Any], enable: bool) -> Schedule:
     return Schedule(**fields, active=enable or bool(item.get("active", True)))
 
 
-def build_deployment(flow: Flow, entry: dict[str, Any], enable_schedule: bool) -> RunnerDeployment:
-    """The ``RunnerDeployment`` of one file entry (module-path entrypoint, no pull steps).
+def build_deployment(
+    flow: Flow, entry: dict[str, Any], enable_schedule: bool, parameters: dict[str, Any] | None = None
+) -> RunnerDeployment:
+    """The ``RunnerDeployment`` of one file entry (module-path entrypoint, no pull steps), with
+    ``parameters`` (default: the entry's) and a schema without :data:`UI_HIDDEN_PARAMETERS`.
 
     Raises:
         ConfigError: the entry's ``entrypoint`` is not the module path of ``flow``.
@@ -165,7 +214,7 @@ def build_deployment(flow: Flow, entry: dict[str, Any], enable_schedule: bool) -
         name=entry["name"],
         description=entry.get("description"),
         tags=list(entry.get("tags") or []),
-        parameters=dict(entry.get("parameters") or {}),
+        parameters=dict(parameters if parameters is not None else entry.get("parameters") or {}),
         schedules=[schedule_of(s, enable_schedule) for s in entry.get("schedules") or []],
         concurrency_limit=entry.get("concurrency_limit"),
         enforce_parameter_schema=entry.get("enforce_parameter_schema", True),
@@ -174,6 +223,9 @@ def build_deployment(flow: Flow, entry: dict[str, Any], enable_schedule: bool) -
         job_variables=dict(pool.get("job_variables") or {}),
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
+    # No public API narrows a deployment's schema: the form would otherwise show the whole
+    # PipelineConfig, opened on the class defaults (see flows/settings.py).
+    hide_parameters(deployment._parameter_openapi_schema)
     if deployment.entrypoint != entry["entrypoint"]:
         raise ConfigError(f"deployment {entry['name']!r}: entrypoint must be {deployment.entrypoint!r}")
     return deployment
@@ -251,9 +303,10 @@ def deploy(
         entries = select_deployments(spec, names)
         pools, limits = used_resources(spec, entries)
         flows = {e["entrypoint"]: load_flow_from_entrypoint(e["entrypoint"]) for e in entries}
-        for entry in entries:
-            check_parameters(flows[entry["entrypoint"]], entry)
-        deployments = [build_deployment(flows[e["entrypoint"]], e, enable_schedule) for e in entries]
+        deployments = [
+            build_deployment(flows[e["entrypoint"]], e, enable_schedule, deployment_parameters(flows[e["entrypoint"]], e))
+            for e in entries
+        ]
     except ConfigError as e:
         _fail(str(e))
     with get_client(sync_client=True) as client:

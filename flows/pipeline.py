@@ -33,8 +33,9 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed, wait
 from prefect.runtime import flow_run as prefect_flow_run
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, SecretStr, ValidationError
 
+from flows.settings import RunSettings, settings_overrides
 from tasks.console import use_plain_console
 from tasks.launch import abort_launches, forget_launch_group
 from tasks.plan import PlannedStage, plan_run
@@ -81,17 +82,27 @@ def _reveal(value: Any) -> Any:
 
 
 def resolve_config(
-    config: PipelineConfig | dict | None, config_uri: str | None, overrides: dict[str, Any] | None
+    config: PipelineConfig | dict | None,
+    config_uri: str | None,
+    overrides: dict[str, Any] | None,
+    settings: RunSettings | dict | None = None,
 ) -> PipelineConfig:
-    """``config`` (or the YAML at ``config_uri``, or defaults) with ``overrides``, validated,
-    with an absolute local storage root.
+    """``config`` (or the YAML at ``config_uri``, or defaults) with ``settings`` and then
+    ``overrides`` applied, validated, with an absolute local storage root.
 
-    A :class:`PipelineConfig` given without overrides is used as it is (it is already valid);
-    overrides are applied to its data and the result validated once.
+    A :class:`PipelineConfig` given without settings or overrides is used as it is (it is already
+    valid); otherwise they are applied to its data and the result validated once.
 
     Raises:
-        ConfigError: unreadable YAML, a bad override or a failed validation (names the field).
+        ConfigError: unreadable YAML, bad settings, a bad override or a failed validation (names
+            the field).
     """
+    if settings is not None:
+        try:
+            settings = RunSettings.model_validate(settings)
+        except ValidationError as e:
+            raise ConfigError(f"settings: {e}") from None
+        overrides = {**settings_overrides(settings), **(overrides or {})}
     if isinstance(config, PipelineConfig) and not overrides:
         return resolve_local_root(config)
     if config is not None:
@@ -223,18 +234,26 @@ def _name_flow_run(run_id: str) -> None:
 
 @flow(name="post-training-pipeline", flow_run_name=flow_run_name)
 def post_training_pipeline(
-    config: PipelineConfig | None = None,
     config_uri: str | None = None,
+    settings: RunSettings | None = None,
     overrides: dict[str, Any] | None = None,
     run_id: str | None = None,
+    config: PipelineConfig | None = None,
 ) -> dict[str, Any]:
     """Run the configured stages as a graph, then write and return the run summary.
 
     Args:
-        config: A config object; None: read ``config_uri`` (or use the defaults).
-        config_uri: YAML config URI, used when ``config`` is None.
-        overrides: ``{key.path: value}`` applied on top.
-        run_id: Pipeline run id; reuse one to resume it. Default: :func:`new_run_id`.
+        config_uri: The YAML config file of the run: a path relative to the run's working
+            directory (for example configs/demo.yaml), or any fsspec URI.
+        settings: The commonly changed settings, applied on top of the config file. A
+            deployment's form opens on the file's values.
+        overrides: Any other config keys, applied last, as a JSON object of dotted keys, for
+            example {"evaluate.generation.max_new_tokens": 64, "launch.retries": 1}.
+        run_id: Reuse the id of an earlier run to resume it (its finished stages are reused).
+            Empty: a new id made of the config name, the time and 6 hex digits; the flow run is
+            renamed to it.
+        config: A whole config object instead of config_uri (Python callers; deployments do
+            not show it).
 
     Returns:
         The summary (see ``tasks.summary.build_summary``) plus ``summary_uri``.
@@ -248,7 +267,7 @@ def post_training_pipeline(
     """
     use_plain_console()
     log = get_run_logger()
-    cfg = resolve_config(config, config_uri, overrides)
+    cfg = resolve_config(config, config_uri, overrides, settings)
     run_id = check_run_id(run_id or new_run_id(cfg))
     _name_flow_run(run_id)
     storage.configure(cfg.storage)

@@ -285,10 +285,14 @@ def test_prefect_file_deployments_resolve():
     for entry in entries:
         flow = load_flow_from_entrypoint(entry["entrypoint"])
         assert flow.name == "post-training-pipeline"
-        deploy.check_parameters(flow, entry)
-        deployment = deploy.build_deployment(flow, entry, enable_schedule=False)
+        params = deploy.deployment_parameters(flow, entry)
+        deployment = deploy.build_deployment(flow, entry, enable_schedule=False, parameters=params)
         assert deployment.entrypoint == "flows.pipeline.post_training_pipeline"
         assert all(s.active is False for s in deployment.schedules or [])
+        schema = deployment._parameter_openapi_schema
+        assert set(schema.properties) == {"config_uri", "settings", "overrides", "run_id"}
+        assert "PipelineConfig" not in schema.definitions and "SFTSettings" in schema.definitions
+        assert deployment.parameters == params
     [nightly] = deploy.build_deployment(flow, entries[1], enable_schedule=True).schedules
     assert nightly.active is True and nightly.schedule.cron == "0 2 * * *" and nightly.slug == "nightly"
 
@@ -308,9 +312,11 @@ def test_prefect_file_errors_name_the_problem(tmp_path, monkeypatch):
     entry = {"name": "x", "work_pool": {"name": "posttrain-local"},
              "parameters": {"config_uri": "configs/demo.yaml", "overrides": {"sft.learning_rate": -1}}}
     with pytest.raises(ConfigError, match=r"sft\.learning_rate"):
-        deploy.check_parameters(flow, entry)
+        deploy.deployment_parameters(flow, entry)
     with pytest.raises(ConfigError, match="confg"):
-        deploy.check_parameters(flow, {**entry, "parameters": {"confg": {}}})
+        deploy.deployment_parameters(flow, {**entry, "parameters": {"confg": {}}})
+    with pytest.raises(ConfigError, match="Python callers"):
+        deploy.deployment_parameters(flow, {**entry, "parameters": {"config": {}}})
     with pytest.raises(ConfigError, match="posttrain-nowhere"):
         deploy.used_resources(spec, [{"name": "x", "work_pool": {"name": "posttrain-nowhere"}}])
 
