@@ -17,9 +17,12 @@ resume of the same run id is refused at once, naming the holder. The run's confi
 in ``config.json``; a resume with another config is a re-plan, logged with the changed fields
 (the replaced config kept under ``config-history/``).
 
-The flow writes ``<root>/runs/<run_id>/summary.json`` at the end, also when a stage failed (each
-stage's status, times, metrics, and for a skipped stage the failure that caused it), and then
-re-raises the first failure.
+At the end the flow logs the run's headline metrics on its parent MLflow run; when every stage
+completed it judges ``evaluate.gates`` and registers the final policy as a new model version
+(alias ``champion`` only when every gate passed: ``tasks/release.py``). It writes
+``<root>/runs/<run_id>/summary.json``, also when a stage failed (each stage's status, times,
+metrics, and for a skipped stage the failure that caused it; each gate's result), and then
+re-raises the first failure, or ends in the ``GateFailed`` state naming the failed gates.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed, wait
 from prefect.runtime import flow_run as prefect_flow_run
+from prefect.states import Failed
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from flows.settings import RunSettings, settings_overrides
 from tasks.console import use_plain_console
+from tasks.gates import QualityGateFailed
 from tasks.launch import abort_launches, forget_launch_group
 from tasks.plan import PlannedStage, plan_run
 from tasks.preflight import preflight
@@ -44,7 +49,8 @@ from tasks.results import PipelineRun, StageResult
 from tasks.runs import save_run_config
 from tasks.stages import GPU_CONCURRENCY_ENV, stage_task
 from tasks.summary import build_summary, write_summary
-from tasks.tracking import finish_pipeline_run, resolve_tracking_uri, start_pipeline_run
+from tasks.release import release
+from tasks.tracking import finish_pipeline_run, log_pipeline_metrics, resolve_tracking_uri, start_pipeline_run
 from trainer_core import storage
 from trainer_core.checkpoint.lease import StageLease
 from trainer_core.config import PipelineConfig, load_config, resolve_local_root
@@ -264,6 +270,10 @@ def post_training_pipeline(
         LeaseHeldError: another live run or resume of this run id holds its lease (refused at
             once, before anything is written).
         StageFailed: a stage failed (after the summary is written; the first failure).
+
+    A run whose stages all completed but whose final policy failed a quality gate ends in the
+    Failed state named ``GateFailed`` with the gate's message (calling the flow raises
+    :class:`~tasks.gates.QualityGateFailed`).
     """
     use_plain_console()
     log = get_run_logger()
@@ -299,9 +309,10 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
         log.info("run %s re-planned: %d config field(s) changed since its last start: %s", run_id, len(changes),
                  "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()))
     tracking_uri = resolve_tracking_uri(cfg)
+    flow_run_url = prefect_flow_run.ui_url
     run = PipelineRun(
-        run_id=run_id, config=cfg, tracking_uri=tracking_uri,
-        parent_mlflow_run_id=start_pipeline_run(cfg, run_id, tracking_uri=tracking_uri),
+        run_id=run_id, config=cfg, tracking_uri=tracking_uri, flow_run_url=flow_run_url,
+        parent_mlflow_run_id=start_pipeline_run(cfg, run_id, tracking_uri=tracking_uri, flow_run_url=flow_run_url),
     )
     bound = max_parallel_stages(cfg)
     log.info("run %s: stages %s (at most %s at once), MLflow %s (run %s)", run_id, cfg.stages,
@@ -318,9 +329,20 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
     summary = build_summary(run, graph.results)
     if changes:
         summary["config_changes"] = changes
+    log_pipeline_metrics(run.parent_mlflow_run_id, summary["headline"], tracking_uri=tracking_uri)
+    gate_failure = None
+    if not graph.failures:
+        summary["release"] = release(run, graph.results, summary["headline"])
+        gate_failure = summary["release"]["failure"]
+        if gate_failure:
+            summary["status"] = "gate_failed"
     summary["summary_uri"] = write_summary(run, summary)
-    finish_pipeline_run(run.parent_mlflow_run_id, summary["status"], tracking_uri=tracking_uri)
+    finish_pipeline_run(run.parent_mlflow_run_id, "FAILED" if gate_failure else summary["status"],
+                        tracking_uri=tracking_uri)
     log.info("run %s %s; summary %s", run_id, summary["status"], summary["summary_uri"])
     if graph.failures:
         raise graph.failures[0]
+    if gate_failure:
+        log.error("run %s: %s; the new version is not the champion", run_id, gate_failure)
+        return Failed(name="GateFailed", message=gate_failure, data=QualityGateFailed(gate_failure))
     return summary

@@ -140,9 +140,12 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def exit_code_of(error: BaseException) -> int:
     """The CLI's exit code for a failed pipeline run: 2 for bad input (before any stage, or a
-    stage's :class:`~tasks.failures.BadStageInput`), else 1."""
+    stage's :class:`~tasks.failures.BadStageInput`), 4 for a failed quality gate, else 1."""
     from tasks.failures import BadStageInput
+    from tasks.gates import QualityGateFailed
 
+    if isinstance(error, QualityGateFailed):
+        return error.exit_code
     bad_input = isinstance(error, PosttrainError) and error.exit_code == EXIT_BAD_INPUT
     return EXIT_BAD_INPUT if bad_input or isinstance(error, BadStageInput) else EXIT_FAILED
 

@@ -45,6 +45,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
@@ -227,14 +228,17 @@ def _terminate_group(proc: subprocess.Popen, grace_s: float) -> None:
 
 
 class _Output:
-    """Where each output line goes: the merged tail, its rank's tail, or the launcher's lines."""
+    """Where each output line goes: the merged tail, its rank's tail, or the launcher's lines;
+    then the log and the ``on_line`` callback (whose errors are logged once and never raised)."""
 
-    def __init__(self, log: LineLogger, tail_lines: int) -> None:
+    def __init__(self, log: LineLogger, tail_lines: int, on_line: Callable[[str], None] | None = None) -> None:
         self.log = log
         self.tail: deque[str] = deque(maxlen=tail_lines)
         self.rank_tails: dict[int, deque[str]] = {}
         self.launcher_lines: deque[str] = deque(maxlen=max(tail_lines, _LAUNCHER_LINES))
         self._tail_lines = tail_lines
+        self._on_line = on_line
+        self._on_line_failed = False
 
     def add(self, line: str) -> None:
         self.tail.append(line)
@@ -244,6 +248,14 @@ class _Output:
         else:
             self.launcher_lines.append(line)
         self.log.info("%s", line)
+        try:
+            if self._on_line is not None:
+                self._on_line(line)
+        except Exception as e:  # noqa: BLE001 - a line consumer never stops the stage
+            if not self._on_line_failed:
+                self._on_line_failed = True
+                warn = getattr(self.log, "warning", self.log.info)
+                warn("on_line callback failed (later failures not logged): %s: %s", type(e).__name__, e)
 
 
 def _forward(
@@ -324,6 +336,7 @@ def launch_stage_process(
     tail_lines: int = 50,
     kill_grace_s: float = 10.0,
     group: str | None = None,
+    on_line: Callable[[str], None] | None = None,
 ) -> LaunchResult:
     """Run ``cmd`` in its own process group, stream its output to ``log``, and reap it.
 
@@ -341,6 +354,8 @@ def launch_stage_process(
         tail_lines: How many last lines to keep in the result (merged, and per rank).
         kill_grace_s: Seconds between SIGTERM and SIGKILL on timeout.
         group: Abort group (see :func:`abort_launches`); None: none.
+        on_line: Called with every output line after ``log`` (e.g. a progress tracker); an
+            exception from it is logged once and otherwise ignored.
 
     Returns:
         The exit status, output tails, wall time and whether the deadline killed it.
@@ -357,7 +372,7 @@ def launch_stage_process(
         raise LaunchAborted("the stage's flow run was interrupted before its trainer started; nothing launched")
     launch_id = uuid.uuid4().hex
     proc, lines, reader = _spawn(cmd, env, launch_id)
-    out = _Output(log, tail_lines)
+    out = _Output(log, tail_lines, on_line)
     timed_out = False
     try:
         timed_out = _forward(proc, lines, out, deadline, poll_interval_s, abort)

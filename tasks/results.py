@@ -25,6 +25,7 @@ class PipelineRun(BaseModel):
         config: the validated config, local storage root absolute.
         tracking_uri: the MLflow tracking URI (resolved once).
         parent_mlflow_run_id: the pipeline's MLflow run.
+        flow_run_url: the Prefect UI page of the flow run (tagged on every MLflow run), if known.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -33,6 +34,7 @@ class PipelineRun(BaseModel):
     config: PipelineConfig
     tracking_uri: str
     parent_mlflow_run_id: str
+    flow_run_url: str | None = None
 
     @property
     def layout(self) -> RunLayout:
@@ -62,6 +64,8 @@ class StageResult(BaseModel):
         ended_at: when its trainer ended, UTC.
         metrics: the final metrics of its manifest.
         mlflow_run_id: its nested MLflow run.
+        model_uri: its final model as an MLflow model (``mlflow.transformers.load_model`` reads
+            it), when one was logged.
         error: ``<ExceptionType>: <message>`` of a failure.
         skipped_because: for a skipped stage, the failed stage that caused it (followed back
             through skipped ones).
@@ -80,6 +84,7 @@ class StageResult(BaseModel):
     ended_at: datetime | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
     mlflow_run_id: str | None = None
+    model_uri: str | None = None
     error: str | None = None
     skipped_because: str | None = None
 

@@ -4,8 +4,9 @@
 the work. This task builds the :class:`~trainer_core.spec.StageSpec` (computing the stage
 fingerprint, once), returns at once when the stage's committed output already carries that
 fingerprint, else creates (or reopens) the stage's nested MLflow run, writes the spec, streams
-the trainer's output into the Prefect log, reads the committed ``final/manifest.json`` and
-reports it to MLflow and the Prefect UI. Retries come from the config, so the flow builds the
+the trainer's output into the Prefect log (a training stage's step lines also move its progress
+artifact), reads the committed ``final/manifest.json`` and reports it to MLflow (curves image
+included) and the Prefect UI (``tasks/reports.py``). Retries come from the config, so the flow builds the
 task with :func:`stage_task`. A retry resumes from the stage's latest checkpoint (the
 trainer's job) and logs into the same MLflow run.
 
@@ -33,6 +34,7 @@ from tasks import tracking
 from tasks.commands import trainer_command
 from tasks.failures import raise_for_result
 from tasks.launch import launch_stage_process, retry_condition
+from tasks.reports import StageProgress, artifact_key, log_curves, mlflow_ui_url, png_markdown, run_link_markdown
 from tasks.results import PipelineRun, StageResult, utc_now
 from tasks.runs import completed_result
 from trainer_core import storage
@@ -49,12 +51,6 @@ GPU_CONCURRENCY_ENV = "POSTTRAIN_GPU_CONCURRENCY_LIMIT"
 """Env var naming a Prefect global concurrency limit (slots = GPUs of one node or pool). When set,
 every stage but prepare_data, unless its backend's ``device`` is cpu, holds its backend's
 ``nproc_per_node`` slots of it while its trainer runs, so pipelines sharing a node queue instead of oversubscribing it."""
-
-
-def artifact_key(stage: str, suffix: str) -> str:
-    """A Prefect artifact key (lowercase letters, digits, dashes): ``reward_model`` -> ``reward-model-<suffix>``."""
-    raw = f"{stage}-{suffix}".lower()
-    return "".join(c if c.isalnum() and c.isascii() else "-" for c in raw)
 
 
 def _stage_run_id(run: PipelineRun, stage: str, fingerprint: str) -> str:
@@ -76,7 +72,8 @@ def _stage_run_id(run: PipelineRun, stage: str, fingerprint: str) -> str:
             if tags.get(tracking.TAG_PARENT) == run.parent_mlflow_run_id and tags.get(TAG_FINGERPRINT) == fingerprint:
                 client.update_run(previous, status="RUNNING")
                 return previous
-    run_id = tracking.start_stage_run(run.config, run.parent_mlflow_run_id, stage, tracking_uri=run.tracking_uri)
+    run_id = tracking.start_stage_run(run.config, run.parent_mlflow_run_id, stage, tracking_uri=run.tracking_uri,
+                                      flow_run_url=run.flow_run_url)
     client.set_tag(run_id, TAG_FINGERPRINT, fingerprint)
     return run_id
 
@@ -118,36 +115,60 @@ def gpu_slots(stage: str, config: PipelineConfig, log: Any) -> Iterator[None]:
             log.info("stage %s: releasing %d slot(s) of concurrency limit %r", stage, slots, name)
 
 
-def mlflow_run_markdown(tracking_uri: str, mlflow_run_id: str) -> str:
-    """The MLflow run id, as a link to its page in the MLflow UI when the tracking URI is http(s)."""
-    if not tracking_uri.startswith(("http://", "https://")):
-        return f"`{mlflow_run_id}`"
-    experiment_id = MlflowClient(tracking_uri).get_run(mlflow_run_id).info.experiment_id
-    return f"[`{mlflow_run_id}`]({tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{mlflow_run_id})"
+def mlflow_run_markdown(config: PipelineConfig, tracking_uri: str, mlflow_run_id: str) -> str:
+    """The MLflow run id, as a link to its page in the MLflow UI when a UI URL is known
+    (``tracking.ui_url``, else an http(s) tracking URI: see :func:`tasks.reports.mlflow_ui_url`)."""
+    ui_url = mlflow_ui_url(config, tracking_uri)
+    experiment_id = MlflowClient(tracking_uri).get_run(mlflow_run_id).info.experiment_id if ui_url else None
+    return run_link_markdown(ui_url, experiment_id, mlflow_run_id)
 
 
-def _metrics_markdown(stage: str, run_id: str, manifest: Manifest, output_uri: str, mlflow_run: str) -> str:
+def _metrics_markdown(
+    stage: str, run_id: str, manifest: Manifest, output_uri: str, mlflow_run: str, curves_png: bytes | None = None
+) -> str:
     rows = "\n".join(f"| `{k}` | {v:.6g} |" for k, v in sorted(manifest.metrics.items()))
+    curves = f"{png_markdown(curves_png, f'{stage} curves')}\n\n" if curves_png else ""
     return (
         f"# {stage} ({run_id})\n\n"
         f"- output: `{output_uri}`\n- global_step: {manifest.global_step}\n"
         f"- MLflow run: {mlflow_run}\n\n"
+        f"{curves}"
         f"| metric | value |\n|---|---|\n{rows}\n"
     )
 
 
-def _report(stage: str, run_id: str, output: str, mlflow_run_id: str, tracking_uri: str) -> Manifest:
-    """Read the committed manifest and report it to MLflow and the Prefect UI."""
+def _curves(stage: str, mlflow_run_id: str, tracking_uri: str, log: Any) -> bytes | None:
+    """Log the stage's curves image into its MLflow run (training stages); None when there is
+    none or it failed (logged as a warning: a picture never fails a committed stage)."""
+    if not get_stage(stage).trains:
+        return None
+    try:
+        return log_curves(tracking_uri, mlflow_run_id, stage)
+    except Exception as e:  # noqa: BLE001
+        log.warning("stage %s: curves not logged to MLflow run %s: %s: %s", stage, mlflow_run_id, type(e).__name__, e)
+        return None
+
+
+def _report(stage: str, run: PipelineRun, output: str, mlflow_run_id: str, log: Any) -> tuple[Manifest, str | None]:
+    """Read the committed manifest and report it to MLflow (the final model as an MLflow
+    transformers model, curves, manifest) and the Prefect UI (a markdown artifact with the curves
+    image and a link to the MLflow run); returns the manifest and the MLflow model URI (None when
+    no model was logged)."""
+    tracking_uri = run.tracking_uri
     manifest = read_manifest(output)
-    if get_stage(stage).produces_model:
-        tracking.log_model_dir(mlflow_run_id, output, tracking_uri=tracking_uri)
+    model_uri = None
+    if get_stage(stage).produces_model and run.config.tracking.log_models:
+        model_uri = tracking.log_transformers_model(mlflow_run_id, output, task=tracking.model_task(stage),
+                                                    tracking_uri=tracking_uri, step=manifest.global_step)
+    curves_png = _curves(stage, mlflow_run_id, tracking_uri, log)
     tracking.finish_stage_run(mlflow_run_id, manifest, output, "FINISHED", tracking_uri=tracking_uri)
+    mlflow_run = mlflow_run_markdown(run.config, tracking_uri, mlflow_run_id)
     create_markdown_artifact(
-        _metrics_markdown(stage, run_id, manifest, output, mlflow_run_markdown(tracking_uri, mlflow_run_id)),
+        _metrics_markdown(stage, run.run_id, manifest, output, mlflow_run, curves_png),
         key=artifact_key(stage, "metrics"),
         description=f"{stage} final metrics",
     )
-    return manifest
+    return manifest, model_uri
 
 
 def _mark_failed(mlflow_run_id: str, tracking_uri: str, log: Any) -> None:
@@ -190,15 +211,21 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
     log.info("stage %s: spec %s, inputs %s", stage, spec_uri, inputs)
     try:
         cmd = trainer_command(spec_uri, config.backend_for(stage), rdzv_id=f"{run.run_id}-{stage}")
+        progress = StageProgress(stage, config.section(stage).max_steps, log=log) if get_stage(stage).trains else None
         with gpu_slots(stage, config, log):
+            if progress is not None:
+                progress.start()
             started_at = utc_now()
             result = launch_stage_process(
-                cmd, env=env, log=log, timeout_s=config.launch.timeout_s, group=prefect_flow_run.id
+                cmd, env=env, log=log, timeout_s=config.launch.timeout_s, group=prefect_flow_run.id,
+                on_line=progress.on_line if progress is not None else None,
             )
             ended_at = utc_now()
         raise_for_result(result, stage)
+        if progress is not None:
+            progress.complete()
         output = layout.final(stage)
-        manifest = _report(stage, run.run_id, output, spec.mlflow_run_id, run.tracking_uri)
+        manifest, model_uri = _report(stage, run, output, spec.mlflow_run_id, log)
     except BaseException:
         _mark_failed(spec.mlflow_run_id, run.tracking_uri, log)
         raise
@@ -213,6 +240,7 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
         ended_at=ended_at,
         metrics=dict(manifest.metrics),
         mlflow_run_id=spec.mlflow_run_id,
+        model_uri=model_uri,
     )
 
 

@@ -1,17 +1,78 @@
-"""The pipeline run's summary: ``<root>/runs/<run_id>/summary.json`` and a Prefect table artifact."""
+"""The pipeline run's summary: ``<root>/runs/<run_id>/summary.json`` and a Prefect table artifact.
+
+The table has one row per stage and one column per headline metric (:data:`COLUMNS`), so
+stages compare at a glance; evaluate's metrics go into the row of the model they measure
+(``dpo/exact_match`` -> row ``dpo``, column ``exact_match``). Every metric stays in
+summary.json and MLflow. :func:`headline_metrics` flattens the same numbers into
+``{"<stage>/<metric>": value}`` for the MLflow parent run and quality gates.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from mlflow import MlflowClient
 from prefect.artifacts import create_table_artifact
 
+from tasks.reports import mlflow_run_url, mlflow_ui_url
 from tasks.results import PipelineRun, StageResult
 from trainer_core import storage
 from trainer_core.config import config_hash
 
-_TABLE_METRICS = 6
-"""Metrics shown per stage in the Prefect table (all of them are in summary.json and MLflow)."""
+COLUMNS: dict[str, dict[str, str]] = {
+    "sft": {"train_loss": "train/loss", "eval_loss": "eval/loss"},
+    "reward_model": {"train_loss": "train/loss", "eval_loss": "eval/loss", "accuracy": "eval/accuracy"},
+    "dpo": {"train_loss": "train/loss", "eval_loss": "eval/loss", "accuracy": "eval/rewards/accuracies"},
+    "ppo": {"train_loss": "train/loss", "reward": "reward_mean", "kl": "objective/kl", "accuracy": "verifier_accuracy"},
+    "grpo": {"train_loss": "train/loss", "reward": "reward_mean", "kl": "objective/kl", "accuracy": "verifier_accuracy"},
+    "score": {"reward": "reward_mean", "accuracy": "verifier_accuracy"},
+}
+"""Stage -> table column -> the key of its final metric (its manifest's ``metrics``: the last
+value the trainer logged; see ``training/loop.py`` and ``training/rl.py``)."""
+
+EVALUATE_STAGE = "evaluate"
+
+_EVALUATE_CELLS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^(?P<row>[a-z0-9_]+)/exact_match$"), "exact_match"),
+    (re.compile(r"^(?P<row>[a-z0-9_]+)_vs_sft/win_rate$"), "win_rate_vs_sft"),
+    (re.compile(r"^(?P<row>sft)/eval_loss$"), "eval_loss"),
+    (re.compile(r"^(?P<row>reward_model)/eval_accuracy$"), "accuracy"),
+    (re.compile(r"^(?P<row>dpo)/eval_reward_accuracy$"), "accuracy"),
+)
+"""Evaluate metric name -> (row, column) of the table (``trainer_core/stages/evaluate.py``). Its
+held-out numbers replace the training stage's own ``eval_loss`` / ``accuracy`` in that row:
+evaluate measures the final model on more held-out data."""
+
+TABLE_COLUMNS: tuple[str, ...] = (
+    "stage", "status", "wall_s", "train_loss", "eval_loss", "accuracy", "reward", "kl", "exact_match",
+    "win_rate_vs_sft", "mlflow_run", "output_uri",
+)
+"""The table's columns, in order (a stage without a metric has an empty cell)."""
+
+
+def headline_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """A run's headline numbers, flat: ``{"<stage>/<metric>": value}``.
+
+    Args:
+        summary: A summary from :func:`build_summary` (its ``stages`` entries' ``metrics``).
+
+    Returns:
+        For each training (or scoring) stage, its final :data:`COLUMNS` metrics under
+        ``<stage>/<manifest key>`` (``sft/train/loss``, ``dpo/eval/rewards/accuracies``,
+        ``ppo/reward_mean``); every evaluate metric under its own name (``dpo/exact_match``,
+        ``dpo_vs_sft/win_rate``, ``sft/eval_loss``), as quality gates name them.
+    """
+    out: dict[str, float] = {}
+    for stage, entry in summary["stages"].items():
+        metrics = entry.get("metrics") or {}
+        if stage == EVALUATE_STAGE:
+            out.update({k: float(v) for k, v in metrics.items()})
+            continue
+        for key in COLUMNS.get(stage, {}).values():
+            if key in metrics:
+                out[f"{stage}/{key}"] = float(metrics[key])
+    return out
 
 
 def build_summary(run: PipelineRun, results: dict[str, StageResult], interrupted: str | None = None) -> dict[str, Any]:
@@ -24,8 +85,9 @@ def build_summary(run: PipelineRun, results: dict[str, StageResult], interrupted
         interrupted: what stopped the flow (e.g. ``KeyboardInterrupt: signal SIGTERM``), if anything.
 
     Returns:
-        ``{"run_id", "status", "stages": {stage: StageResult.summary_entry()}, "mlflow":
-        {"tracking_uri", "parent_run_id"}, "config_hash"}``, stages in pipeline order.
+        ``{"run_id", "status", "stages": {stage: StageResult.summary_entry()}, "headline":
+        headline_metrics(...), "mlflow": {"tracking_uri", "parent_run_id"}, "config_hash"}``,
+        stages in pipeline order.
     """
     stages = {name: results[name].summary_entry() for name in run.config.stages if name in results}
     done = len(stages) == len(run.config.stages) and all(s["status"] == "completed" for s in stages.values())
@@ -37,16 +99,10 @@ def build_summary(run: PipelineRun, results: dict[str, StageResult], interrupted
         "mlflow": {"tracking_uri": run.tracking_uri, "parent_run_id": run.parent_mlflow_run_id},
         "config_hash": config_hash(run.config),
     }
+    summary["headline"] = headline_metrics(summary)
     if interrupted:
         summary["interrupted"] = interrupted
     return summary
-
-
-def _metrics_cell(metrics: dict[str, float]) -> str:
-    shown = sorted(metrics.items())[:_TABLE_METRICS]
-    more = len(metrics) - len(shown)
-    text = ", ".join(f"{k}={v:.4g}" for k, v in shown)
-    return f"{text}, +{more} more" if more > 0 else text
 
 
 def _status_cell(entry: dict[str, Any]) -> str:
@@ -56,19 +112,68 @@ def _status_cell(entry: dict[str, Any]) -> str:
     return "completed (reused)" if entry.get("reused") else entry["status"]
 
 
+def _number(value: float) -> float:
+    """Four significant digits: a table to read, not to compute with (summary.json has them all)."""
+    return float(f"{value:.4g}")
+
+
+def _run_cell(run_id: str | None, ui_url: str | None, experiment_id: str | None) -> str | None:
+    if run_id is None:
+        return None
+    if ui_url is None or experiment_id is None:
+        return run_id
+    return f"[{run_id}]({mlflow_run_url(ui_url, experiment_id, run_id)})"
+
+
+def _experiment_id(run: PipelineRun, ui_url: str | None) -> str | None:
+    """The experiment of the run's MLflow runs (one read of the parent run), when links are made."""
+    if ui_url is None:
+        return None
+    try:
+        return MlflowClient(run.tracking_uri).get_run(run.parent_mlflow_run_id).info.experiment_id
+    except Exception:  # noqa: BLE001 - no links rather than no summary
+        return None
+
+
+def summary_rows(summary: dict[str, Any], ui_url: str | None = None, experiment_id: str | None = None) -> list[dict]:
+    """The table artifact's rows: one per stage (a ``base`` row first when evaluate measured the
+    base model), columns :data:`TABLE_COLUMNS`.
+
+    Args:
+        summary: A summary from :func:`build_summary`.
+        ui_url: The MLflow UI base URL; None: the ``mlflow_run`` column holds bare run ids.
+        experiment_id: The experiment of the stage runs (needed for links).
+
+    Returns:
+        Rows as dicts, every column present (None where a stage has no value).
+    """
+    rows: dict[str, dict[str, Any]] = {}
+    for name, entry in summary["stages"].items():
+        metrics = entry.get("metrics") or {}
+        row = dict.fromkeys(TABLE_COLUMNS)
+        wall_s = entry.get("wall_s")
+        row.update(stage=name, status=_status_cell(entry), wall_s=round(wall_s, 1) if wall_s is not None else None,
+                   mlflow_run=_run_cell(entry.get("mlflow_run_id"), ui_url, experiment_id),
+                   output_uri=entry.get("output_uri"))
+        row.update({col: _number(metrics[key]) for col, key in COLUMNS.get(name, {}).items() if key in metrics})
+        rows[name] = row
+    for key, value in (summary["stages"].get(EVALUATE_STAGE, {}).get("metrics") or {}).items():
+        for pattern, column in _EVALUATE_CELLS:
+            if m := pattern.match(key):
+                target = m.group("row")
+                if target not in rows:  # the base model, or a stage reused from another run
+                    rows[target] = {**dict.fromkeys(TABLE_COLUMNS), "stage": target, "status": "evaluated only"}
+                rows[target][column] = _number(value)
+                break
+    order = {name: i for i, name in enumerate(["base", *summary["stages"]])}
+    return sorted(rows.values(), key=lambda r: order.get(r["stage"], len(order)))
+
+
 def write_summary(run: PipelineRun, summary: dict[str, Any]) -> str:
     """Write ``summary.json``, publish a Prefect table artifact of the stages; return the URI."""
     uri = run.layout.summary
     storage.write_json(uri, summary)
-    rows = [
-        {
-            "stage": name,
-            "status": _status_cell(entry),
-            "wall_s": round(entry["wall_s"], 1) if entry.get("wall_s") is not None else None,
-            "metrics": _metrics_cell(entry["metrics"]),
-            "output_uri": entry["output_uri"],
-        }
-        for name, entry in summary["stages"].items()
-    ]
+    ui_url = mlflow_ui_url(run.config, run.tracking_uri)
+    rows = summary_rows(summary, ui_url, _experiment_id(run, ui_url))
     create_table_artifact(rows, key="pipeline-summary", description=f"{summary['run_id']}: {summary['status']}")
     return uri

@@ -8,6 +8,7 @@ decides on a retry from it; the CLI maps the pipeline's outcome to it):
 | bad input (:class:`PosttrainError` and subclasses but :class:`ResourceError`) | 2 | never | a config value, a malformed data file, a missing model, missing credentials, a permission, a diverged run |
 | resource (:class:`ResourceError`) | 3 | never blindly | disk full (with the path), out of memory (with the stage and batch size) |
 | transient (anything else) | 1 | yes | a network error, throttling, a killed process, a crash |
+| quality gate (``tasks.gates.QualityGateFailed``) | 4 | no (the run completed) | the final policy scored below a gate: not made champion |
 
 Every message names its input: the file and line, the URI, or the config field. Code that knows
 the input raises one of these itself; :func:`classify` maps the library exceptions that escape
@@ -26,6 +27,9 @@ EXIT_BAD_INPUT = 2
 
 EXIT_RESOURCE = 3
 """Process exit code for an exhausted resource: disk full, out of memory (not retried blindly)."""
+
+EXIT_GATE_FAILED = 4
+"""``posttrain run`` exit code when every stage completed but a quality gate failed."""
 
 
 class PosttrainError(Exception):

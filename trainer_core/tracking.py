@@ -151,6 +151,23 @@ class MetricLogger:
         except Exception as e:  # noqa: BLE001
             logger.warning("MLflow log_dict(%s) failed: %s", artifact_file, e)
 
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Log ``rows`` (one dict per row, the same keys) as the MLflow table ``artifact_file``
+        (shown in the run's Artifacts and the experiment's evaluation view).
+
+        Args:
+            rows: The table's rows; an empty list logs nothing.
+            artifact_file: Run-relative JSON path, e.g. ``"eval/samples.json"``.
+        """
+        if not self.enabled or not rows:
+            return
+        try:
+            columns = list(dict.fromkeys(k for row in rows for k in row))
+            self._client.log_table(self.run_id, data={c: [row.get(c) for row in rows] for c in columns},
+                                   artifact_file=artifact_file)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("MLflow log_table(%s) failed: %s", artifact_file, e)
+
     def close(self) -> None:
         """Drop the client. The run itself is terminated by the orchestrator, not here."""
         self._client = None

@@ -382,7 +382,9 @@ def test_gpu_slots_limit_from_config_wins_over_env(monkeypatch):
     assert calls == ["from-config"]
 
 
-def test_mlflow_link_only_for_a_tracking_server():
+def test_mlflow_link_only_when_a_ui_url_is_known():
+    """A sqlite store without ``tracking.ui_url`` has no UI to link (and no store is read);
+    links themselves: tests/unit/test_reports.py."""
     from tasks.stages import mlflow_run_markdown
 
-    assert mlflow_run_markdown("sqlite:////tmp/mlflow.db", "abc123") == "`abc123`"
+    assert mlflow_run_markdown(load_config(), "sqlite:////tmp/mlflow.db", "abc123") == "`abc123`"

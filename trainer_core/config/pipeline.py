@@ -108,6 +108,20 @@ class PipelineConfig(ConfigBase):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _check_gates(self) -> PipelineConfig:
+        for i, gate in enumerate(self.evaluate.gates):
+            if gate.vs_champion and not self.tracking.registered_model_name:
+                raise ValueError(f"evaluate.gates[{i}] ({gate.metric}): vs_champion needs "
+                                 "tracking.registered_model_name (the registered model whose champion it compares with)")
+        if self.tracking.registered_model_name and not self.tracking.log_models:
+            raise ValueError("tracking.registered_model_name needs tracking.log_models (the version is the logged model)")
+        chosen = self.tracking.registered_stage
+        if chosen is not None and (chosen not in self.stages or not get_stage(chosen).produces_model):
+            raise ValueError(f"tracking.registered_stage={chosen!r}: must be a stage of this run that produces a "
+                             f"model ({[s for s in self.stages if get_stage(s).produces_model]})")
+        return self
+
     def backend_for(self, stage: str) -> BackendConfig:
         """The backend ``stage`` runs on: the pipeline's, with the stage's ``backend`` override merged.
 

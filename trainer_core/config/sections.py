@@ -49,6 +49,11 @@ class TrackingConfig(ConfigBase):
         description="Register the pipeline's final policy as a new version of this MLflow registered model, "
         "with alias 'champion' when every evaluate gate passes, else 'candidate'. None: register nothing.",
     )
+    registered_stage: str | None = Field(
+        None,
+        description="The stage whose final model is registered. Default: the last policy stage the run trains, "
+        "in pipeline order (grpo, else ppo, else dpo, else sft).",
+    )
 
 
 class DataSource(ConfigBase):

@@ -12,10 +12,15 @@ Metrics (each present when its models were trained in this run):
 - ``<policy>_vs_sft/win_rate`` (``dpo``, ``ppo``, ``grpo``): fraction of held-out preference
   prompts where the reward model scores the policy's completion above the SFT policy's (ties
   count one half).
+
+Sample generations: ``final/samples.jsonl`` (and the MLflow table ``eval/samples.json``), one
+row per held-out problem: the question, the reference answer, and per policy its greedy
+completion, the verifier's verdict on it, and the reward model's score when one was trained.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 from torch import nn
@@ -100,8 +105,28 @@ def _win_rates(ctx: StageContext, rm: nn.Module, policies: dict[str, nn.Module],
     return out
 
 
+def sample_rows(
+    problems: list[dict], completions: dict[str, list[str]], verdicts: dict[str, list[bool]],
+    rewards: dict[str, list[float]],
+) -> list[dict]:
+    """The sample-generation table: per problem its question (the last user message), reference
+    answer, and per policy ``<policy>`` (completion), ``<policy>_correct`` (verifier verdict) and,
+    where scored, ``<policy>_reward`` (reward-model score)."""
+    rows = []
+    for i, problem in enumerate(problems):
+        user = [m["content"] for m in messages_of(problem) if m.get("role") == "user"]
+        row: dict = {"prompt": user[-1] if user else "", "answer": problem["answer"]}
+        for name, texts in completions.items():
+            row[name] = texts[i]
+            row[f"{name}_correct"] = verdicts[name][i]
+            if name in rewards:
+                row[f"{name}_reward"] = rewards[name][i]
+        rows.append(row)
+    return rows
+
+
 def run(ctx: StageContext) -> Manifest:
-    """Compute every available held-out metric and commit them.
+    """Compute every available held-out metric and the sample-generation table, and commit them.
 
     The policies compared are the inputs named ``<stage>_model`` for every policy stage of
     the registry (``trainer_core.registry.policy_stages``) that this run trained.
@@ -111,21 +136,39 @@ def run(ctx: StageContext) -> Manifest:
     pairs = ctx.load_rows("preference/eval")
     metrics: dict[str, float] = {}
     policies: dict[str, nn.Module] = {}
+    completions: dict[str, list[str]] = {}
     if inputs.get("base_model", INIT_SOURCE) != INIT_SOURCE:
-        metrics["base/exact_match"], _ = exact_match(ctx, _policy(ctx, "base_model"), problems)
+        metrics["base/exact_match"], completions["base"] = exact_match(ctx, _policy(ctx, "base_model"), problems)
     for name in policy_stages():
         if policy_role(name) in inputs:
             policies[name] = _policy(ctx, policy_role(name))
-            metrics[f"{name}/exact_match"], _ = exact_match(ctx, policies[name], problems)
+            metrics[f"{name}/exact_match"], completions[name] = exact_match(ctx, policies[name], problems)
     if "sft" in policies:
         metrics.update(_sft_metrics(ctx, policies["sft"]))
     rm = None
+    rewards: dict[str, list[float]] = {}
     if "reward_model" in inputs:
         rm = ctx.backend.prepare_frozen(ctx.reward_model())
         metrics.update(_rm_metrics(ctx, rm, pairs))
+        messages = [messages_of(p) for p in problems]
+        for name, texts in completions.items():
+            rewards[name] = reward_scores(rm, ctx.tokenizer, messages, texts, ctx.config.data,
+                                          ctx.config.evaluate.micro_batch_size, ctx.backend.device)
     if "dpo" in policies and "sft" in policies:
         metrics.update(_dpo_metrics(ctx, policies["dpo"], policies["sft"], pairs))
     if rm is not None and "sft" in policies and len(policies) > 1:
         metrics.update(_win_rates(ctx, rm, policies, pairs))
+    verdicts = {
+        name: [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(texts, problems)]
+        for name, texts in completions.items()
+    }
+    samples = sample_rows(problems, completions, verdicts, rewards)
     ctx.log_metrics(metrics, 0)
-    return commit_final(ctx, metrics)
+    if ctx.is_main:
+        ctx.metrics.log_table(samples, "eval/samples.json")
+    blob = "".join(json.dumps(row) + "\n" for row in samples).encode()
+    return commit_final(ctx, metrics, files={SAMPLES_FILE: blob})
+
+
+SAMPLES_FILE = "samples.jsonl"
+"""The sample-generation table in evaluate's final directory (JSON lines)."""

@@ -1,0 +1,102 @@
+"""Quality gates: does a run's final policy meet ``evaluate.gates`` and so become the champion?
+
+A gate compares one headline metric of the run (``tasks.summary.headline_metrics``: evaluate's
+metrics under their own names, e.g. ``dpo/exact_match``) with a fixed threshold, with the
+registered model's current champion's value of the same metric (less a tolerance), or both. A
+metric the run did not produce fails its gate; a champion comparison passes when there is no
+champion yet or the champion's run lacks the metric (nothing to fall below).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trainer_core.config.stages import QualityGate
+from trainer_core.errors import EXIT_GATE_FAILED, PosttrainError
+
+_OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+_NEGATED = {">=": "<", ">": "<=", "<=": ">", "<": ">="}
+
+
+class QualityGateFailed(PosttrainError):
+    """Every stage completed, but the final policy failed a quality gate: it was not made champion."""
+
+    exit_code = EXIT_GATE_FAILED
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """One gate's verdict.
+
+    Attributes:
+        metric: The metric judged.
+        op: The comparison the run's value had to satisfy.
+        value: The run's value (None: the run did not produce the metric).
+        bound: The bound it was compared with (threshold, or champion's value -/+ tolerance).
+        against: ``threshold`` or ``champion v<N>``.
+        passed: Whether the comparison held.
+    """
+
+    metric: str
+    op: str
+    value: float | None
+    bound: float | None
+    against: str
+    passed: bool
+
+    def describe(self) -> str:
+        """``dpo/exact_match 0.041 < champion v3 0.047`` (failed) or ``... >= ...`` (passed)."""
+        if self.value is None:
+            return f"{self.metric} missing (the run did not produce it)"
+        op = self.op if self.passed else _NEGATED[self.op]
+        return f"{self.metric} {self.value:.4g} {op} {self.against} {self.bound:.4g}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, with ``describe``'s text as ``result``."""
+        return {**asdict(self), "result": self.describe()}
+
+
+def _bound(gate: QualityGate, champion_value: float) -> float:
+    """The champion's value loosened by the tolerance in the direction the gate allows."""
+    return champion_value - gate.tolerance if gate.op in (">=", ">") else champion_value + gate.tolerance
+
+
+def check_gates(
+    gates: list[QualityGate], metrics: dict[str, float], champion: tuple[str, dict[str, float]] | None
+) -> list[GateResult]:
+    """Judge ``gates`` against a run's headline ``metrics``.
+
+    Args:
+        gates: ``evaluate.gates``.
+        metrics: The run's headline metrics, ``{"dpo/exact_match": 0.047, ...}``.
+        champion: The registered model's champion version and its run's metrics, or None.
+
+    Returns:
+        One result per comparison: a gate with both a threshold and ``vs_champion`` gives two.
+    """
+    results = []
+    for gate in gates:
+        value = metrics.get(gate.metric)
+        if value is not None and not math.isfinite(value):
+            value = None
+        compare = _OPS[gate.op]
+        if gate.threshold is not None:
+            passed = value is not None and compare(value, gate.threshold)
+            results.append(GateResult(gate.metric, gate.op, value, gate.threshold, "threshold", passed))
+        if gate.vs_champion and champion is not None and gate.metric in champion[1]:
+            version, champion_metrics = champion
+            bound = _bound(gate, champion_metrics[gate.metric])
+            passed = value is not None and compare(value, bound)
+            results.append(GateResult(gate.metric, gate.op, value, bound, f"champion v{version}", passed))
+        elif gate.vs_champion and value is None:
+            results.append(GateResult(gate.metric, gate.op, None, None, "champion", False))
+    return results
+
+
+def gate_failure_message(results: list[GateResult]) -> str | None:
+    """``gate: <failed gate>; <failed gate>`` naming every failed gate, or None when all passed."""
+    failed = [r.describe() for r in results if not r.passed]
+    return f"gate: {'; '.join(failed)}" if failed else None

@@ -1,0 +1,59 @@
+"""Quality gates (``tasks/gates.py``): thresholds, the champion comparison with its tolerance,
+missing metrics, and the message a failed gate ends the flow with."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.gates import check_gates, gate_failure_message
+from trainer_core.config import load_config
+from trainer_core.config.stages import QualityGate
+from trainer_core.errors import ConfigError
+
+
+def gate(**fields) -> QualityGate:
+    return QualityGate(metric="dpo/exact_match", **fields)
+
+
+def test_threshold_gates():
+    [ok] = check_gates([gate(threshold=0.04)], {"dpo/exact_match": 0.047}, None)
+    assert ok.passed and ok.describe() == "dpo/exact_match 0.047 >= threshold 0.04"
+    [low] = check_gates([gate(threshold=0.05)], {"dpo/exact_match": 0.047}, None)
+    assert not low.passed
+    assert gate_failure_message([ok, low]) == "gate: dpo/exact_match 0.047 < threshold 0.05"
+    [loss] = check_gates([QualityGate(metric="sft/eval_loss", op="<=", threshold=0.5)], {"sft/eval_loss": 0.6}, None)
+    assert loss.describe() == "sft/eval_loss 0.6 > threshold 0.5"
+
+
+def test_champion_gates_with_tolerance():
+    champion = ("3", {"dpo/exact_match": 0.047})
+    [worse] = check_gates([gate(vs_champion=True)], {"dpo/exact_match": 0.041}, champion)
+    assert gate_failure_message([worse]) == "gate: dpo/exact_match 0.041 < champion v3 0.047"
+    [within] = check_gates([gate(vs_champion=True, tolerance=0.01)], {"dpo/exact_match": 0.041}, champion)
+    assert within.passed and within.bound == pytest.approx(0.037)
+    lower_better = QualityGate(metric="sft/eval_loss", op="<=", vs_champion=True, tolerance=0.1)
+    [loss] = check_gates([lower_better], {"sft/eval_loss": 0.65}, ("1", {"sft/eval_loss": 0.6}))
+    assert loss.passed and loss.bound == pytest.approx(0.7)
+
+
+def test_first_version_and_missing_metrics():
+    # No champion yet: nothing to fall below; a threshold still applies.
+    results = check_gates([gate(vs_champion=True, threshold=0.01)], {"dpo/exact_match": 0.02}, None)
+    assert [r.against for r in results] == ["threshold"] and results[0].passed
+    # A metric the run did not produce (or a NaN) fails its gate, naming it.
+    for metrics in ({}, {"dpo/exact_match": float("nan")}):
+        [missing] = check_gates([gate(threshold=0.0)], metrics, None)
+        assert not missing.passed and "missing" in gate_failure_message([missing])
+    assert gate_failure_message([]) is None
+
+
+def test_gate_config_is_validated():
+    with pytest.raises(ValueError, match="threshold, vs_champion"):
+        QualityGate(metric="dpo/exact_match")
+    with pytest.raises(ConfigError, match="registered_model_name"):
+        load_config(overrides={"evaluate.gates": [{"metric": "dpo/exact_match", "vs_champion": True}]})
+    with pytest.raises(ConfigError, match="registered_stage"):
+        load_config(overrides={"stages": "prepare_data,sft", "tracking.registered_stage": "dpo"})
+    config = load_config(overrides={"tracking.registered_model_name": "m",
+                                    "evaluate.gates": [{"metric": "dpo/exact_match", "vs_champion": True}]})
+    assert config.evaluate.gates[0].op == ">="
