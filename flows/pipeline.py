@@ -329,19 +329,25 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
     summary = build_summary(run, graph.results)
     if changes:
         summary["config_changes"] = changes
-    log_pipeline_metrics(run.parent_mlflow_run_id, summary["headline"], tracking_uri=tracking_uri)
-    gate_failure = None
-    if not graph.failures:
-        summary["release"] = release(run, graph.results, summary["headline"])
-        gate_failure = summary["release"]["failure"]
-        if gate_failure:
-            summary["status"] = "gate_failed"
+    gate_failure, release_error = None, None
+    try:
+        log_pipeline_metrics(run.parent_mlflow_run_id, summary["headline"], tracking_uri=tracking_uri)
+        if not graph.failures:
+            summary["release"] = release(run, graph.results, summary["headline"])
+            gate_failure = summary["release"]["failure"]
+    except Exception as e:  # noqa: BLE001 - the summary is written first, then it is raised
+        release_error = e
+        summary["release"] = {"error": f"{type(e).__name__}: {e}"}
+    if gate_failure or release_error:
+        summary["status"] = "gate_failed" if gate_failure else "failed"
     summary["summary_uri"] = write_summary(run, summary)
     finish_pipeline_run(run.parent_mlflow_run_id, "FAILED" if gate_failure else summary["status"],
                         tracking_uri=tracking_uri)
     log.info("run %s %s; summary %s", run_id, summary["status"], summary["summary_uri"])
     if graph.failures:
         raise graph.failures[0]
+    if release_error is not None:
+        raise release_error
     if gate_failure:
         log.error("run %s: %s; the new version is not the champion", run_id, gate_failure)
         return Failed(name="GateFailed", message=gate_failure, data=QualityGateFailed(gate_failure))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks import tracking
+from tasks import mlflow_models, tracking
 from tasks.gates import GateResult, check_gates, gate_failure_message
 from tasks.results import PipelineRun, StageResult
 from trainer_core.config import config_hash
@@ -66,7 +66,7 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     """
     config = run.config
     name = config.tracking.registered_model_name
-    champion = tracking.champion_metrics(name, tracking_uri=run.tracking_uri) if name else None
+    champion = mlflow_models.champion_metrics(name, tracking_uri=run.tracking_uri) if name else None
     gates: list[GateResult] = check_gates(config.evaluate.gates, headline, champion)
     failure = gate_failure_message(gates)
     outcome: dict[str, Any] = {
@@ -76,13 +76,13 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     if not name or stage is None:
         return outcome
     result = results[stage]
-    model_uri = result.model_uri or tracking.run_model_uri(result.mlflow_run_id)
-    version = tracking.register_model_version(
+    model_uri = result.model_uri or mlflow_models.run_model_uri(result.mlflow_run_id)
+    version = mlflow_models.register_model_version(
         name, model_uri, run_id=result.mlflow_run_id, tags=_version_tags(run, stage, results),
         tracking_uri=run.tracking_uri,
     )
     alias = CHAMPION if failure is None else CANDIDATE
-    tracking.set_model_alias(name, alias, version, tracking_uri=run.tracking_uri)
+    mlflow_models.set_model_alias(name, alias, version, tracking_uri=run.tracking_uri)
     outcome["registered_model"] = {
         "name": name, "version": version, "alias": alias, "stage": stage, "model_uri": model_uri,
         "previous_champion": champion[0] if champion else None,

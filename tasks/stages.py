@@ -17,7 +17,8 @@ trainer in its environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``), w
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,7 +31,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.runtime import task_run as prefect_task_run
 
-from tasks import tracking
+from tasks import mlflow_models, tracking
 from tasks.commands import trainer_command
 from tasks.failures import raise_for_result
 from tasks.launch import launch_stage_process, retry_condition
@@ -149,17 +150,35 @@ def _curves(stage: str, mlflow_run_id: str, tracking_uri: str, log: Any) -> byte
         return None
 
 
-def _report(stage: str, run: PipelineRun, output: str, mlflow_run_id: str, log: Any) -> tuple[Manifest, str | None]:
-    """Read the committed manifest and report it to MLflow (the final model as an MLflow
-    transformers model, curves, manifest) and the Prefect UI (a markdown artifact with the curves
-    image and a link to the MLflow run); returns the manifest and the MLflow model URI (None when
-    no model was logged)."""
+def _model_logger(stage: str, spec_uri: str, env: dict[str, str], config: PipelineConfig, log: Any) -> Callable[[], None]:
+    """What logs a committed stage's final model into its MLflow run when its trainer did not:
+    ``python -m trainer_core.mlflow_model <spec-uri>`` (loading a model needs torch, which the
+    flow process never imports), launched like a trainer (own process group, killed on abort).
+
+    Raises (when called):
+        StageFailed: the process failed (its last lines in the message).
+    """
+
+    def log_missing() -> None:
+        log.info("stage %s: final model not in MLflow yet; logging it from %s", stage, spec_uri)
+        cmd = [sys.executable, "-m", "trainer_core.mlflow_model", spec_uri]
+        result = launch_stage_process(cmd, env=env, log=log, timeout_s=config.launch.timeout_s, group=prefect_flow_run.id)
+        raise_for_result(result, f"{stage} (MLflow model)")
+
+    return log_missing
+
+
+def _report(
+    stage: str, run: PipelineRun, output: str, mlflow_run_id: str, log: Any, log_missing: Callable[[], None]
+) -> tuple[Manifest, str | None]:
+    """Read the committed manifest and report it to MLflow (curves, manifest; the final model
+    is the trainer's to log, else ``log_missing``'s) and the Prefect UI (a markdown artifact with
+    the curves image and a link to the MLflow run); returns the manifest and the stage's MLflow
+    model URI (None when it logs no model)."""
     tracking_uri = run.tracking_uri
     manifest = read_manifest(output)
-    model_uri = None
-    if get_stage(stage).produces_model and run.config.tracking.log_models:
-        model_uri = tracking.log_transformers_model(mlflow_run_id, output, task=tracking.model_task(stage),
-                                                    tracking_uri=tracking_uri, step=manifest.global_step)
+    model_uri = mlflow_models.stage_model_uri(stage, run.config, mlflow_run_id, tracking_uri=tracking_uri,
+                                              log_missing=log_missing)
     curves_png = _curves(stage, mlflow_run_id, tracking_uri, log)
     tracking.finish_stage_run(mlflow_run_id, manifest, output, "FINISHED", tracking_uri=tracking_uri)
     mlflow_run = mlflow_run_markdown(run.config, tracking_uri, mlflow_run_id)
@@ -200,13 +219,17 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
     config, layout = run.config, run.layout
     writer_id = f"prefect-task-run:{prefect_task_run.id}" if prefect_task_run.id else None
     spec = build_spec(config, stage, run.run_id, inputs, tracking_uri=run.tracking_uri, writer_id=writer_id)
+    spec_uri = layout.spec(stage)
+    spec_config, env = _spec_config_and_env(config)
     reused = completed_result(layout, stage, spec.fingerprint)
     if reused is not None:
         log.info("stage %s: committed output %s matches its config and inputs; not re-run", stage, reused.output_uri)
+        if reused.mlflow_run_id:  # its model may predate model logging, or its trainer died before it
+            model_uri = mlflow_models.stage_model_uri(stage, config, reused.mlflow_run_id, tracking_uri=run.tracking_uri,
+                                                      log_missing=_model_logger(stage, spec_uri, env, config, log))
+            reused = reused.model_copy(update={"model_uri": model_uri})
         return reused
     spec = spec.model_copy(update={"mlflow_run_id": _stage_run_id(run, stage, spec.fingerprint)})
-    spec_uri = layout.spec(stage)
-    spec_config, env = _spec_config_and_env(config)
     storage.write_json(spec_uri, spec.model_copy(update={"config": spec_config}).model_dump(mode="json"))
     log.info("stage %s: spec %s, inputs %s", stage, spec_uri, inputs)
     try:
@@ -225,7 +248,8 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
         if progress is not None:
             progress.complete()
         output = layout.final(stage)
-        manifest, model_uri = _report(stage, run, output, spec.mlflow_run_id, log)
+        manifest, model_uri = _report(stage, run, output, spec.mlflow_run_id, log,
+                                      _model_logger(stage, spec_uri, env, config, log))
     except BaseException:
         _mark_failed(spec.mlflow_run_id, run.tracking_uri, log)
         raise

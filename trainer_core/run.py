@@ -16,40 +16,19 @@ committing anything it had not committed yet, instead of training on as an orpha
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import threading
 import traceback
 
-from trainer_core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, classify
+from trainer_core.errors import EXIT_BAD_INPUT, EXIT_FAILED, classify
 
 PARENT_POLL_S = 0.5
 """How often the trainer checks that its parent is alive."""
 
 EXIT_PARENT_GONE = 1
 """Exit code of a trainer whose parent died (a crash from the task's view: a retry resumes it)."""
-
-
-def load_spec(uri: str):
-    """Read and validate a stage spec (any fsspec URI).
-
-    Raises:
-        ConfigError: the spec is missing, not JSON, or fails validation.
-    """
-    import fsspec
-    from pydantic import ValidationError
-
-    from trainer_core.spec import StageSpec
-
-    try:
-        with fsspec.open(uri, "r") as f:
-            return StageSpec.model_validate(json.load(f))
-    except FileNotFoundError as e:
-        raise ConfigError(f"stage spec not found: {uri}") from e
-    except (json.JSONDecodeError, ValidationError) as e:
-        raise ConfigError(f"invalid stage spec {uri}: {e}") from e
 
 
 WATCH_PID_ENV = "POSTTRAIN_WATCH_PID"
@@ -114,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()
     spec = None
     try:
+        from trainer_core.spec import read_spec
         from trainer_core.stages.runner import run_spec
 
-        spec = load_spec(argv[0])
+        spec = read_spec(argv[0])
         manifest = run_spec(spec)
         print(f"stage {spec.stage} committed: global_step={manifest.global_step}", flush=True)
         return 0

@@ -10,11 +10,14 @@ in ``final/``, each committed by a ``manifest.json`` written last (layout:
 
 from __future__ import annotations
 
+import json
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME
 from trainer_core.config import PipelineConfig
+from trainer_core.errors import ConfigError
 from trainer_core.fingerprint import stage_fingerprint
 from trainer_core.registry import STAGE_ORDER
 from trainer_core.storage import RunLayout, join_uri
@@ -84,3 +87,21 @@ def committed_outputs(layout: RunLayout, stages: tuple[str, ...] | list[str] = S
     A final directory counts when its ``manifest.json`` exists (one existence check per stage).
     """
     return {s: layout.final(s) for s in stages if storage.exists(join_uri(layout.final(s), MANIFEST_NAME))}
+
+
+def read_spec(uri: str) -> StageSpec:
+    """Read and validate a stage spec (any fsspec URI).
+
+    Raises:
+        ConfigError: the spec is missing, not JSON, or fails validation.
+    """
+    import fsspec
+    from pydantic import ValidationError
+
+    try:
+        with fsspec.open(uri, "r") as f:
+            return StageSpec.model_validate(json.load(f))
+    except FileNotFoundError as e:
+        raise ConfigError(f"stage spec not found: {uri}") from e
+    except (json.JSONDecodeError, ValidationError) as e:
+        raise ConfigError(f"invalid stage spec {uri}: {e}") from e

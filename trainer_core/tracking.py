@@ -171,3 +171,35 @@ class MetricLogger:
     def close(self) -> None:
         """Drop the client. The run itself is terminated by the orchestrator, not here."""
         self._client = None
+
+
+MODEL_NAME = "model"
+"""The LoggedModel name of a stage's final model (``runs:/<stage run>/model``)."""
+
+
+def logged_model_uri(client: Any, run_id: str, name: str = MODEL_NAME) -> str | None:
+    """``models:/<model_id>`` of the newest READY LoggedModel called ``name`` of run ``run_id``.
+
+    Args:
+        client: An ``mlflow.MlflowClient``.
+        run_id: The MLflow run (a stage run).
+        name: The LoggedModel's name.
+
+    Returns:
+        The URI, or None when the run logged no such model (or only failed attempts).
+
+    Raises:
+        MlflowException: the run does not exist or the store fails.
+    """
+    from mlflow.entities import LoggedModelStatus
+
+    experiment_id = client.get_run(run_id).info.experiment_id
+    found = client.search_logged_models(
+        [experiment_id],
+        filter_string=f"source_run_id = '{run_id}' AND name = '{name}'",
+        order_by=[{"field_name": "creation_timestamp", "ascending": False}],
+        max_results=20,
+    )
+    ready = [m for m in found if m.status == LoggedModelStatus.READY]
+    return f"models:/{ready[0].model_id}" if ready else None
+

@@ -79,7 +79,7 @@ def test_stage_report_embeds_curves_and_links_the_run(prefect_api, tmp_path, mon
 
     @flow
     def report():
-        _report("sft", run, output, stage_run, logging.getLogger("test-report"))
+        _report("sft", run, output, stage_run, logging.getLogger("test-report"), log_missing=lambda: None)
 
     state = report(return_state=True)
     assert state.is_completed(), state.message

@@ -17,7 +17,8 @@ from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus, Metric
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
-from tasks import tracking
+from tasks import mlflow_models, tracking
+from trainer_core import mlflow_model
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import load_config
@@ -84,12 +85,12 @@ def _pipeline_with_stage(config, uri, run_id, stage, flow_run_url=None):
 
 
 def test_model_task_follows_the_stage_registry():
-    assert [tracking.model_task(s) for s in ("sft", "dpo", "ppo", "grpo")] == ["text-generation"] * 4
-    assert tracking.model_task("reward_model") == "text-classification"
+    assert [mlflow_model.model_task(s) for s in ("sft", "dpo", "ppo", "grpo")] == ["text-generation"] * 4
+    assert mlflow_model.model_task("reward_model") == "text-classification"
     with pytest.raises(ValueError, match="produces no model"):
-        tracking.model_task("evaluate")
+        mlflow_model.model_task("evaluate")
     with pytest.raises(ConfigError):
-        tracking.model_task("nope")
+        mlflow_model.model_task("nope")
 
 
 def test_experiment_kind_and_flow_run_url_tags(config, store):
@@ -121,8 +122,8 @@ def test_policy_logged_as_transformers_model_loads_and_generates(config, store, 
     parent, stage = _pipeline_with_stage(config, uri, "policy-run", "sft")
     client.log_batch(stage, metrics=[Metric("eval/loss", v, 0, s) for s, v in ((5, 2.0), (9, 1.5))])
 
-    model_uri = tracking.log_transformers_model(
-        stage, model_dirs["policy"], task=tracking.model_task("sft"), tracking_uri=uri, step=9
+    model_uri = mlflow_model.log_transformers_model(
+        stage, model_dirs["policy"], task=mlflow_model.model_task("sft"), tracking_uri=uri, step=9
     )
     manifest = Manifest(kind="final", stage="sft", run_id="policy-run", global_step=9, files=[], metrics={"eval/loss": 1.5})
     tracking.finish_stage_run(stage, manifest, model_dirs["policy"], "completed", tracking_uri=uri)
@@ -157,8 +158,8 @@ def test_reward_model_from_a_remote_dir_logs_as_text_classification(config, stor
         storage.upload_file(os.path.join(model_dirs["reward_model"], name), f"{remote}/{name}")
     _, stage = _pipeline_with_stage(config, uri, "rm-run", "reward_model")
 
-    model_uri = tracking.log_transformers_model(
-        stage, remote, task=tracking.model_task("reward_model"), tracking_uri=uri
+    model_uri = mlflow_model.log_transformers_model(
+        stage, remote, task=mlflow_model.model_task("reward_model"), tracking_uri=uri
     )
 
     pipe = _load(monkeypatch, uri, model_uri)
@@ -175,7 +176,7 @@ def test_models_log_from_threads_side_by_side(config, store, model_dirs, monkeyp
     stages = [_pipeline_with_stage(config, uri, f"thread-run-{i}", "sft")[1] for i in range(2)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         jobs = [
-            pool.submit(tracking.log_transformers_model, s, model_dirs["policy"], task="text-generation", tracking_uri=uri)
+            pool.submit(mlflow_model.log_transformers_model, s, model_dirs["policy"], task="text-generation", tracking_uri=uri)
             for s in stages
         ]
         model_uris = [job.result() for job in jobs]
@@ -188,9 +189,9 @@ def test_log_transformers_model_rejects_bad_input(config, store, tmp_path, model
     _, uri = store
     _, stage = _pipeline_with_stage(config, uri, "bad-run", "sft")
     with pytest.raises(FileNotFoundError):
-        tracking.log_transformers_model(stage, str(tmp_path / "missing"), task="text-generation", tracking_uri=uri)
+        mlflow_model.log_transformers_model(stage, str(tmp_path / "missing"), task="text-generation", tracking_uri=uri)
     with pytest.raises(ValueError, match="unsupported model task"):
-        tracking.log_transformers_model(stage, model_dirs["policy"], task="fill-mask", tracking_uri=uri)
+        mlflow_model.log_transformers_model(stage, model_dirs["policy"], task="fill-mask", tracking_uri=uri)
     assert MlflowClient(uri).get_run(stage).outputs.model_outputs == []
 
 
@@ -198,18 +199,18 @@ def test_pipeline_metrics_and_champion_of_the_registry(config, store, model_dirs
     _, uri = store
     client = MlflowClient(uri)
     name = "posttrain-policy"
-    assert tracking.model_version_by_alias(name, "champion", tracking_uri=uri) is None
-    assert tracking.champion_metrics(name, tracking_uri=uri) is None
+    assert mlflow_models.model_version_by_alias(name, "champion", tracking_uri=uri) is None
+    assert mlflow_models.champion_metrics(name, tracking_uri=uri) is None
 
     versions = []
     for i, run_id in enumerate(("reg-run-1", "reg-run-2")):
         parent, stage = _pipeline_with_stage(config, uri, run_id, "dpo")
-        model_uri = tracking.log_transformers_model(stage, model_dirs["policy"], task="text-generation", tracking_uri=uri)
+        model_uri = mlflow_model.log_transformers_model(stage, model_dirs["policy"], task="text-generation", tracking_uri=uri)
         headline = {"eval/dpo/win_rate": 0.5 + i / 10, "acc@1": 0.25, "bad": math.nan, "worse": -math.inf}
         tracking.log_pipeline_metrics(parent, headline, tracking_uri=uri)
         tags = {"posttrain.run_id": run_id, "posttrain.stage": "dpo"}
-        source = model_uri if i == 0 else tracking.run_model_uri(stage)  # the run's LoggedModel either way
-        versions.append(tracking.register_model_version(name, source, run_id=stage, tags=tags, tracking_uri=uri))
+        source = model_uri if i == 0 else mlflow_models.run_model_uri(stage)  # the run's LoggedModel either way
+        versions.append(mlflow_models.register_model_version(name, source, run_id=stage, tags=tags, tracking_uri=uri))
     assert versions == ["1", "2"]
     assert client.get_run(parent).data.metrics == {"eval/dpo/win_rate": 0.6, "acc_1": 0.25}
     v2 = client.get_model_version(name, "2")
@@ -217,12 +218,12 @@ def test_pipeline_metrics_and_champion_of_the_registry(config, store, model_dirs
     logged = client.get_logged_model(model_uri.removeprefix("models:/"))
     assert json.loads(logged.tags["mlflow.modelVersions"]) == [{"name": name, "version": 2}]
     assert v2.source == logged.artifact_location  # a sqlite registry: see register_model_version
-    assert tracking.model_version_by_alias(name, "champion", tracking_uri=uri) is None  # model, no alias
+    assert mlflow_models.model_version_by_alias(name, "champion", tracking_uri=uri) is None  # model, no alias
 
-    tracking.set_model_alias(name, "champion", versions[0], tracking_uri=uri)
-    tracking.set_model_alias(name, "candidate", versions[1], tracking_uri=uri)
-    assert str(tracking.model_version_by_alias(name, "candidate", tracking_uri=uri).version) == "2"
-    assert tracking.champion_metrics(name, tracking_uri=uri) == ("1", {"eval/dpo/win_rate": 0.5, "acc_1": 0.25})
+    mlflow_models.set_model_alias(name, "champion", versions[0], tracking_uri=uri)
+    mlflow_models.set_model_alias(name, "candidate", versions[1], tracking_uri=uri)
+    assert str(mlflow_models.model_version_by_alias(name, "candidate", tracking_uri=uri).version) == "2"
+    assert mlflow_models.champion_metrics(name, tracking_uri=uri) == ("1", {"eval/dpo/win_rate": 0.5, "acc_1": 0.25})
     champion = _load(monkeypatch, uri, f"models:/{name}@champion")
     assert type(champion.model).__name__ == "LlamaForCausalLM"
 
@@ -230,12 +231,51 @@ def test_pipeline_metrics_and_champion_of_the_registry(config, store, model_dirs
 def test_register_races_to_create_the_registered_model(config, store, model_dirs):
     _, uri = store
     _, stage = _pipeline_with_stage(config, uri, "race-run", "sft")
-    model_uri = tracking.run_model_uri(stage)  # plain run artifacts, no LoggedModel: passed on as the source
+    model_uri = mlflow_models.run_model_uri(stage)  # plain run artifacts, no LoggedModel: passed on as the source
     MlflowClient(uri).log_artifact(stage, os.path.join(model_dirs["policy"], "config.json"), "model")
     with ThreadPoolExecutor(max_workers=2) as pool:
         jobs = [
-            pool.submit(tracking.register_model_version, "raced", model_uri, run_id=stage, tags={}, tracking_uri=uri)
+            pool.submit(mlflow_models.register_model_version, "raced", model_uri, run_id=stage, tags={}, tracking_uri=uri)
             for _ in range(2)
         ]
         assert sorted(job.result() for job in jobs) == ["1", "2"]
     assert MlflowClient(uri).get_model_version("raced", "1").source == model_uri
+
+
+def test_a_stage_model_the_trainer_did_not_log_is_logged_once_by_the_task_side_process(config, store, model_dirs, tmp_path):
+    """A committed stage whose trainer died before logging its model (or one committed before
+    models were logged): ``stage_model_uri`` runs ``python -m trainer_core.mlflow_model
+    <spec-uri>`` as the stage task does, and a second call finds the model without logging again."""
+    import subprocess
+    import sys
+
+    from trainer_core.checkpoint.manifest import ArtifactWriter
+    from trainer_core.spec import build_spec
+
+    _, uri = store
+    _, stage_run = _pipeline_with_stage(config, uri, "crashed-before-logging", "sft")
+    spec = build_spec(config, "sft", "crashed-before-logging", {"data": "unused"}, tracking_uri=uri,
+                      mlflow_run_id=stage_run, output_uri=str(tmp_path / "stages" / "sft"))
+    writer = ArtifactWriter(str(tmp_path / "stages" / "sft" / "final"))
+    for name in os.listdir(model_dirs["policy"]):
+        with open(os.path.join(model_dirs["policy"], name), "rb") as f:
+            writer.write_bytes(name, f.read())
+    writer.commit(kind="final", stage="sft", run_id="crashed-before-logging", global_step=3, metrics={})
+    spec_uri = str(tmp_path / "sft.json")
+    storage.write_json(spec_uri, spec.model_dump(mode="json"))
+    calls = []
+
+    def log_missing() -> None:
+        calls.append(1)
+        done = subprocess.run([sys.executable, "-m", "trainer_core.mlflow_model", spec_uri],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "MLFLOW_TRACKING_URI": ""})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip().splitlines()[-1].startswith("models:/")
+
+    model_uri = mlflow_models.stage_model_uri("sft", config, stage_run, tracking_uri=uri, log_missing=log_missing)
+    again = mlflow_models.stage_model_uri("sft", config, stage_run, tracking_uri=uri, log_missing=log_missing)
+    assert model_uri == again and model_uri.startswith("models:/") and calls == [1]
+    assert mlflow_models.stage_model_uri("evaluate", config, stage_run, tracking_uri=uri, log_missing=log_missing) is None
+    with pytest.raises(RuntimeError, match="no MLflow model"):
+        _, other = _pipeline_with_stage(config, uri, "never-logged", "dpo")
+        mlflow_models.stage_model_uri("dpo", config, other, tracking_uri=uri, log_missing=lambda: None)

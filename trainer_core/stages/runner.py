@@ -22,6 +22,7 @@ from trainer_core.checkpoint.lease import StageLease
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import PipelineConfig, resolve_local_root
 from trainer_core.data.prepared import load_tokenizer_from
+from trainer_core.mlflow_model import ensure_stage_model
 from trainer_core.registry import get_stage, stage_inputs
 from trainer_core.spec import StageSpec, build_spec, committed_outputs
 from trainer_core.stages.context import StageContext
@@ -40,6 +41,10 @@ def run_spec(spec: StageSpec, backend: Backend | None = None) -> Manifest:
             stages in one job; None: build one from ``spec`` and close it at the end, leaving the
             process group.
 
+    Once the stage committed, rank 0 logs a model-producing stage's final model into the stage's
+    MLflow run as an MLflow ``transformers`` model (``trainer_core.mlflow_model``; when the spec
+    names a run and ``tracking.log_models`` is on).
+
     Returns:
         The stage's committed final manifest (on every rank).
 
@@ -47,7 +52,8 @@ def run_spec(spec: StageSpec, backend: Backend | None = None) -> Manifest:
         ConfigError: unknown stage, a missing input, or a bad config value found by the stage.
         DataError: bad input data.
         LeaseHeldError: another live writer holds the stage's lease.
-        Exception: anything else the stage raises (a crash: worth a retry).
+        Exception: anything else the stage raises (a crash: worth a retry), or MLflow refusing
+            the model after the commit (the retry finds the stage committed; its task logs it).
     """
     stage = get_stage(spec.stage)
     storage.configure(spec.config.storage)
@@ -63,7 +69,10 @@ def run_spec(spec: StageSpec, backend: Backend | None = None) -> Manifest:
             lease = StageLease(spec.output_uri, owner=spec.writer_id, ttl_s=spec.config.launch.lease_ttl_s)
             with lease if main else contextlib.nullcontext():
                 tokenizer = load_tokenizer_from(spec.inputs["data"]) if "data" in spec.inputs else None
-                return module.run(StageContext(spec=spec, backend=backend, tokenizer=tokenizer, metrics=metrics))
+                manifest = module.run(StageContext(spec=spec, backend=backend, tokenizer=tokenizer, metrics=metrics))
+            if main:  # committed: the final model as an MLflow model of the stage run (when tracked)
+                ensure_stage_model(spec, manifest.global_step)
+            return manifest
         finally:
             metrics.close()
     finally:
