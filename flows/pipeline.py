@@ -262,7 +262,7 @@ def post_training_pipeline(
             not show it).
 
     Returns:
-        The summary (see ``tasks.summary.build_summary``) plus ``summary_uri``.
+        The summary (tasks.summary.build_summary) plus summary_uri.
 
     Raises:
         ConfigError: invalid config or run id, a failed pre-flight check (storage root, data,
@@ -270,10 +270,8 @@ def post_training_pipeline(
         LeaseHeldError: another live run or resume of this run id holds its lease (refused at
             once, before anything is written).
         StageFailed: a stage failed (after the summary is written; the first failure).
-
-    A run whose stages all completed but whose final policy failed a quality gate ends in the
-    Failed state named ``GateFailed`` with the gate's message (calling the flow raises
-    :class:`~tasks.gates.QualityGateFailed`).
+        QualityGateFailed: every stage completed but the final policy failed a quality gate;
+            the flow run ends Failed, in the state named GateFailed, with the gate's message.
     """
     use_plain_console()
     log = get_run_logger()

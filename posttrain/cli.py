@@ -209,6 +209,13 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
     for name, entry in summary["stages"].items():
         reused = " (unchanged, not re-run)" if entry.get("reused") else ""
         typer.echo(f"{name}: {entry['status']}{reused} -> {entry['output_uri']}")
+    release = summary.get("release") or {}
+    for gate in release.get("gates", []):
+        verdict = "not judged" if not gate.get("judged", True) else "passed" if gate["passed"] else "failed"
+        typer.echo(f"gate {verdict}: {gate['result']}")
+    registered = release.get("registered_model")
+    if registered:
+        typer.echo(f"registered: {registered['name']} version {registered['version']} ({registered['alias']})")
     mlflow = summary["mlflow"]
     typer.echo(f"mlflow: {mlflow['tracking_uri']} (run {mlflow['parent_run_id']})")
     typer.echo(summary["summary_uri"])

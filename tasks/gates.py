@@ -5,6 +5,10 @@ metrics under their own names, e.g. ``dpo/exact_match``) with a fixed threshold,
 registered model's current champion's value of the same metric (less a tolerance), or both. A
 metric the run did not produce fails its gate; a champion comparison passes when there is no
 champion yet or the champion's run lacks the metric (nothing to fall below).
+
+A gate on a stage the run does not include (``grpo/exact_match`` in a run of prepare_data and
+sft) is not judged: the run completes, but its version cannot become the champion
+(``tasks/release.py`` registers it as a candidate).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ class GateResult:
         value: The run's value (None: the run did not produce the metric).
         bound: The bound it was compared with (threshold, or champion's value -/+ tolerance).
         against: ``threshold`` or ``champion v<N>``.
-        passed: Whether the comparison held.
+        passed: Whether the comparison held (True for a gate not judged).
+        judged: False when the run does not include the stage the metric describes.
     """
 
     metric: str
@@ -46,11 +51,16 @@ class GateResult:
     bound: float | None
     against: str
     passed: bool
+    judged: bool = True
 
     def describe(self) -> str:
         """``dpo/exact_match 0.041 < champion v3 0.047`` (failed) or ``... >= ...`` (passed)."""
+        if not self.judged:
+            return f"{self.metric} not judged (its stage is not in this run)"
         if self.value is None:
             return f"{self.metric} missing (the run did not produce it)"
+        if self.bound is None:
+            return f"{self.metric} {self.value:.4g} ({self.against})"
         op = self.op if self.passed else _NEGATED[self.op]
         return f"{self.metric} {self.value:.4g} {op} {self.against} {self.bound:.4g}"
 
@@ -64,8 +74,18 @@ def _bound(gate: QualityGate, champion_value: float) -> float:
     return champion_value - gate.tolerance if gate.op in (">=", ">") else champion_value + gate.tolerance
 
 
+def metric_stage(metric: str) -> str:
+    """The stage a headline metric describes: ``dpo/exact_match`` and ``dpo_vs_sft/win_rate`` ->
+    ``dpo``; ``base/exact_match`` -> ``evaluate`` (the base model is only ever evaluated)."""
+    prefix = metric.split("/", 1)[0].removesuffix("_vs_sft")
+    return "evaluate" if prefix == "base" else prefix
+
+
 def check_gates(
-    gates: list[QualityGate], metrics: dict[str, float], champion: tuple[str, dict[str, float]] | None
+    gates: list[QualityGate],
+    metrics: dict[str, float],
+    champion: tuple[str, dict[str, float]] | None,
+    stages: list[str] | None = None,
 ) -> list[GateResult]:
     """Judge ``gates`` against a run's headline ``metrics``.
 
@@ -73,12 +93,17 @@ def check_gates(
         gates: ``evaluate.gates``.
         metrics: The run's headline metrics, ``{"dpo/exact_match": 0.047, ...}``.
         champion: The registered model's champion version and its run's metrics, or None.
+        stages: The run's stages; a gate on a metric of another stage (:func:`metric_stage`) is
+            not judged. None: every gate is judged.
 
     Returns:
         One result per comparison: a gate with both a threshold and ``vs_champion`` gives two.
     """
     results = []
     for gate in gates:
+        if stages is not None and metric_stage(gate.metric) not in stages:
+            results.append(GateResult(gate.metric, gate.op, None, None, "", True, judged=False))
+            continue
         value = metrics.get(gate.metric)
         if value is not None and not math.isfinite(value):
             value = None
@@ -91,8 +116,8 @@ def check_gates(
             bound = _bound(gate, champion_metrics[gate.metric])
             passed = value is not None and compare(value, bound)
             results.append(GateResult(gate.metric, gate.op, value, bound, f"champion v{version}", passed))
-        elif gate.vs_champion and value is None:
-            results.append(GateResult(gate.metric, gate.op, None, None, "champion", False))
+        elif gate.vs_champion:  # no champion (or one without the metric): nothing to fall below
+            results.append(GateResult(gate.metric, gate.op, value, None, "no champion yet", value is not None))
     return results
 
 

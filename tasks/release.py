@@ -57,8 +57,11 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
         results: Every stage's result, all completed.
         headline: The run's headline metrics (``tasks.summary.headline_metrics``).
 
+    A run with a gate it could not judge (its stage not in the run) is registered as a candidate:
+    the champion moves only on a run every gate judged and passed.
+
     Returns:
-        ``{"gates": [GateResult.as_dict()...], "passed": bool, "failure": message or None,
+        ``{"gates": [GateResult.as_dict()...], "passed": bool, "judged": bool, "failure": message or None,
         "registered_model": {"name", "version", "alias", "stage", "model_uri"} or None}``.
 
     Raises:
@@ -67,10 +70,12 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     config = run.config
     name = config.tracking.registered_model_name
     champion = mlflow_models.champion_metrics(name, tracking_uri=run.tracking_uri) if name else None
-    gates: list[GateResult] = check_gates(config.evaluate.gates, headline, champion)
+    gates: list[GateResult] = check_gates(config.evaluate.gates, headline, champion, list(config.stages))
     failure = gate_failure_message(gates)
+    judged = all(g.judged for g in gates)
     outcome: dict[str, Any] = {
-        "gates": [g.as_dict() for g in gates], "passed": failure is None, "failure": failure, "registered_model": None,
+        "gates": [g.as_dict() for g in gates], "passed": failure is None, "judged": judged, "failure": failure,
+        "registered_model": None,
     }
     stage = registered_stage(run)
     if not name or stage is None:
@@ -81,7 +86,7 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
         name, model_uri, run_id=result.mlflow_run_id, tags=_version_tags(run, stage, results),
         tracking_uri=run.tracking_uri,
     )
-    alias = CHAMPION if failure is None else CANDIDATE
+    alias = CHAMPION if failure is None and judged else CANDIDATE
     mlflow_models.set_model_alias(name, alias, version, tracking_uri=run.tracking_uri)
     outcome["registered_model"] = {
         "name": name, "version": version, "alias": alias, "stage": stage, "model_uri": model_uri,

@@ -38,6 +38,15 @@ TAG_STAGE = "posttrain.stage"
 TAG_OUTPUT_URI = "posttrain.output_uri"
 TAG_PARENT = "mlflow.parentRunId"
 TAG_FLOW_RUN_URL = "prefect.flow_run_url"
+TAG_NOTE = "mlflow.note.content"
+"""The run description MLflow's UI shows (markdown): a link back to the Prefect flow run."""
+
+
+def _flow_run_tags(flow_run_url: str | None) -> dict[str, str]:
+    """The URL tag and a description linking the Prefect flow run (none without a URL)."""
+    if not flow_run_url:
+        return {}
+    return {TAG_FLOW_RUN_URL: flow_run_url, TAG_NOTE: f"Prefect flow run: [{flow_run_url}]({flow_run_url})"}
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 """The experiment kind MLflow 3's UI opens as "Machine learning" (runs, metrics, models) rather
@@ -155,13 +164,12 @@ def start_pipeline_run(
     if existing:
         parent = existing[0].info.run_id
         client.update_run(parent, status="RUNNING")
-        if flow_run_url:
-            client.set_tag(parent, TAG_FLOW_RUN_URL, flow_run_url)
+        for key, value in _flow_run_tags(flow_run_url).items():
+            client.set_tag(parent, key, value)
         client.log_dict(parent, config.model_dump(mode="json"), "config.json")
         return parent
     tags = {TAG_RUN_ID: run_id, "posttrain.config_hash": config_hash(config), "posttrain.name": config.name}
-    if flow_run_url:
-        tags[TAG_FLOW_RUN_URL] = flow_run_url
+    tags.update(_flow_run_tags(flow_run_url))
     run = client.create_run(experiment_id, tags=tags, run_name=run_id)
     params = {"stages": ",".join(config.stages), "seed": str(config.seed)}
     params.update(flatten_params(config.model, "model"))
@@ -199,8 +207,7 @@ def start_stage_run(
     client = MlflowClient(tracking_uri)
     parent = client.get_run(parent_run_id)
     tags = {TAG_PARENT: parent_run_id, TAG_STAGE: stage, TAG_RUN_ID: parent.data.tags.get(TAG_RUN_ID, "")}
-    if flow_run_url:
-        tags[TAG_FLOW_RUN_URL] = flow_run_url
+    tags.update(_flow_run_tags(flow_run_url))
     run = client.create_run(parent.info.experiment_id, tags=tags, run_name=stage)
     section = get_stage(stage).section
     params = flatten_params(config.section(stage), section)

@@ -39,7 +39,8 @@ def test_champion_gates_with_tolerance():
 def test_first_version_and_missing_metrics():
     # No champion yet: nothing to fall below; a threshold still applies.
     results = check_gates([gate(vs_champion=True, threshold=0.01)], {"dpo/exact_match": 0.02}, None)
-    assert [r.against for r in results] == ["threshold"] and results[0].passed
+    assert [r.against for r in results] == ["threshold", "no champion yet"] and all(r.passed for r in results)
+    assert results[1].describe() == "dpo/exact_match 0.02 (no champion yet)"
     # A metric the run did not produce (or a NaN) fails its gate, naming it.
     for metrics in ({}, {"dpo/exact_match": float("nan")}):
         [missing] = check_gates([gate(threshold=0.0)], metrics, None)
@@ -57,3 +58,12 @@ def test_gate_config_is_validated():
     config = load_config(overrides={"tracking.registered_model_name": "m",
                                     "evaluate.gates": [{"metric": "dpo/exact_match", "vs_champion": True}]})
     assert config.evaluate.gates[0].op == ">="
+
+
+def test_gates_on_stages_the_run_does_not_include_are_not_judged():
+    gates = [gate(vs_champion=True), QualityGate(metric="grpo_vs_sft/win_rate", threshold=0.5),
+             QualityGate(metric="sft/eval_loss", op="<=", threshold=9.0)]
+    results = check_gates(gates, {"sft/eval_loss": 1.0}, ("1", {"dpo/exact_match": 0.5}), ["prepare_data", "sft"])
+    assert [r.judged for r in results] == [False, False, True] and all(r.passed for r in results)
+    assert gate_failure_message(results) is None
+    assert results[0].describe() == "dpo/exact_match not judged (its stage is not in this run)"
