@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/demo.yaml
 ARGS ?=
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast test-ui bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit $(ARGS)
+
+# The Custom run form in a browser: needs a chromium binary (Debian: apt-get install chromium;
+# or POSTTRAIN_CHROMIUM=/path/to/chrome), skipped without one; .ci/run installs it on CI.
+test-ui: $(STAMP)
+	$(PY) -m pytest tests/e2e/test_ui_form.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

@@ -5,26 +5,20 @@ and flow runs created through the API as the UI's Run button does
 
 Two good runs of the tiny demo take the same one-slot GPU concurrency limit and must not hold it
 at the same time; a run with a bad override fails before any stage starts, naming the field; a
-run with a bad typed ``config`` is refused by the API, naming the field.
+run with a bad typed ``settings`` value is refused by the API, naming the field. (The UI's own
+Custom run form is driven by a browser in ``test_ui_form.py``, on the same servers.)
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from prefect.client.orchestration import SyncPrefectClient, get_client
+import yaml
+from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
@@ -35,16 +29,14 @@ from prefect.client.schemas.filters import (
     LogFilterFlowRunId,
 )
 from prefect.exceptions import PrefectHTTPStatusError
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from tests.e2e.stack import PROJECT_DIR, client, posttrain, start_worker, stop
 from trainer_core.config import PipelineConfig
 
 pytestmark = pytest.mark.slow
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
 DEPLOYMENT = "post-training-pipeline/demo"
 GPU_LIMIT = "posttrain-gpu-local"
-STARTUP_TIMEOUT_S = 120
 RUN_TIMEOUT_S = 300
 
 
@@ -72,89 +64,6 @@ def tiny_demo(root: Path, tracking_uri: str) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(cmd: list[str], env: dict, log_path: Path, cwd: Path) -> subprocess.Popen:
-    """Start ``cmd`` in its own process group, output to ``log_path``."""
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group (a Prefect worker shuts down gracefully), SIGKILL it after 10 s."""
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"{proc.args[:3]} exited:\n{log_path.read_text()[-3000:]}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not healthy after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[dict]:
-    """A Prefect server and an MLflow server on free loopback ports, started in parallel."""
-    tmp = tmp_path_factory.mktemp("stack")
-    prefect_port, mlflow_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "POSTTRAIN_"))}
-    env.update(
-        PREFECT_HOME=str(tmp / "prefect-home"),
-        PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
-    )
-    bin_dir = Path(sys.executable).parent
-    procs = {
-        "prefect": start([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                          str(prefect_port)], env, tmp / "prefect-server.log", tmp),
-        "mlflow": start([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
-                         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db"],
-                        env, tmp / "mlflow-server.log", tmp),
-    }
-    try:
-        wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", procs["prefect"], tmp / "prefect-server.log")
-        wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", procs["mlflow"], tmp / "mlflow-server.log")
-        yield {"env": env, "tmp": tmp, "api_url": env["PREFECT_API_URL"], "mlflow": f"http://127.0.0.1:{mlflow_port}"}
-    finally:
-        for proc in procs.values():
-            stop(proc)
-
-
-def posttrain(stack: dict, *args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "posttrain", *args], env=stack["env"], cwd=stack["tmp"],
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
-
-
-@contextmanager
-def client(stack: dict) -> Iterator[SyncPrefectClient]:
-    """A client of the stack's Prefect API (whatever API the rest of the session uses)."""
-    with temporary_settings(updates={PREFECT_API_URL: stack["api_url"]}), get_client(sync_client=True) as api:
-        yield api
-
-
 @pytest.fixture(scope="module")
 def deployed(stack) -> str:
     return posttrain(stack, "deploy")
@@ -170,14 +79,27 @@ def test_deploy_registers_typed_deployments(stack, deployed):
         assert api.read_global_concurrency_limit_by_name(GPU_LIMIT).limit == 1
     assert demo.work_pool_name == "posttrain-local" and demo.entrypoint == "flows.pipeline.post_training_pipeline"
     assert demo.job_variables == {"working_dir": str(PROJECT_DIR)}
-    assert demo.parameters == {"config_uri": "configs/demo.yaml"} and demo.enforce_parameter_schema
-    assert {"posttrain", "demo"} <= set(demo.tags)
+    assert demo.enforce_parameter_schema and {"posttrain", "demo"} <= set(demo.tags)
+    # The Custom run form: config_uri, the short typed settings opened on demo.yaml's values, an
+    # overrides example, run_id; the whole-config parameter is for Python callers only.
+    demo_yaml = yaml.safe_load((PROJECT_DIR / "configs" / "demo.yaml").read_text())
+    assert set(demo.parameters) == {"config_uri", "settings", "overrides"}
+    assert demo.parameters["config_uri"] == "configs/demo.yaml"
+    settings = demo.parameters["settings"]
+    assert settings["sft"]["max_steps"] == demo_yaml["sft"]["max_steps"] == 300
+    assert settings["sft"]["learning_rate"] == demo_yaml["sft"]["learning_rate"]
+    assert settings["stages"] == demo_yaml["stages"]
     schema = demo.parameter_openapi_schema
-    assert {"config", "config_uri", "overrides", "run_id"} <= set(schema["properties"])
-    learning_rate = schema["definitions"]["SFTConfig"]["properties"]["learning_rate"]
+    assert list(schema["properties"]) == ["config_uri", "settings", "overrides", "run_id"]
+    settings_ref = schema["properties"]["settings"]["anyOf"][0]["$ref"].rsplit("/", 1)[-1]
+    sft_ref = schema["definitions"][settings_ref]["properties"]["sft"]["$ref"].rsplit("/", 1)[-1]
+    sft_form = schema["definitions"][sft_ref]
+    assert sft_form["title"] == "SFT" and sft_form["properties"]["max_steps"]["title"] == "Max steps"
+    learning_rate = sft_form["properties"]["learning_rate"]
     sft_fields = PipelineConfig.model_fields["sft"].annotation.model_fields
     assert learning_rate["description"] == sft_fields["learning_rate"].description
-    assert learning_rate["exclusiveMinimum"] == 0 and learning_rate["default"] == 1e-3
+    assert learning_rate["exclusiveMinimum"] == 0
+    assert not any("PipelineConfig" in name or name.endswith("Config") for name in schema["definitions"])
     [schedule] = nightly.schedules
     assert schedule.schedule.cron == "0 2 * * *" and schedule.active is False
 
@@ -210,14 +132,15 @@ def slot_intervals(api: SyncPrefectClient, flow_run_id) -> list[tuple[float, flo
 
 def test_runs_from_the_api(stack, deployed):
     tmp, worker_log = stack["tmp"], stack["tmp"] / "worker.log"
-    worker = start([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", "posttrain-local"],
-                   {**stack["env"], "PREFECT_WORKER_QUERY_SECONDS": "1"}, worker_log, tmp)
+    worker = start_worker(stack, worker_log)
     gpu_env = {"env": {"POSTTRAIN_GPU_CONCURRENCY_LIMIT": GPU_LIMIT}}
     try:
         with client(stack) as api:
             demo = api.read_deployment_by_name(DEPLOYMENT)
-            with pytest.raises(PrefectHTTPStatusError, match=r"config\.sft\.learning_rate") as refused:
-                api.create_flow_run_from_deployment(demo.id, parameters={"config": {"sft": {"learning_rate": -1}}})
+            bad_settings = json.loads(json.dumps(demo.parameters["settings"]))
+            bad_settings["sft"]["learning_rate"] = -1
+            with pytest.raises(PrefectHTTPStatusError, match=r"settings\.sft\.learning_rate") as refused:
+                api.create_flow_run_from_deployment(demo.id, parameters={"settings": bad_settings})
             assert refused.value.response.status_code == 409
             good = [api.create_flow_run_from_deployment(
                 demo.id, parameters={"overrides": tiny_demo(tmp / name, stack["mlflow"])}, job_variables=gpu_env)

@@ -1,0 +1,182 @@
+"""The demo deployment's Custom run form, driven in a real browser (Debian's chromium, headless,
+through Playwright) against a real ``prefect server start`` on loopback (the session's ``stack``).
+
+``posttrain deploy --name demo`` registers the demo with ``$POSTTRAIN_PROJECT_DIR`` a temporary
+project directory holding a copy of ``configs/demo.yaml`` (the run's ``./outputs`` and its SQLite
+MLflow store land there), and a process worker serves the pool. In the default UI (the server's
+root redirects to the V2 UI) the test goes Deployments -> demo -> Run -> Custom run, finds the
+form opened on the demo's values (SFT "Max steps" 300), changes that one field and submits. The
+flow run completes and the resolved config it recorded has the typed value. The V1 UI's form of
+the same deployment must render too; in both, descriptions are plain text (no reST markup).
+
+Needs a chromium binary (``$POSTTRAIN_CHROMIUM``, else ``chromium`` on PATH): skipped, saying so,
+without one; CI installs Debian's ``chromium`` (``.ci/run``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+from prefect.states import Cancelled
+
+from tests.e2e.stack import PROJECT_DIR, client, posttrain, start_worker, stop
+
+CHROMIUM = os.environ.get("POSTTRAIN_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not CHROMIUM, reason="no chromium binary: apt-get install chromium, or set POSTTRAIN_CHROMIUM"),
+]
+DEPLOYMENT = "post-training-pipeline/demo"
+TYPED_MAX_STEPS = 30
+RUN_TIMEOUT_S = 480
+UI_TIMEOUT_MS = 60_000
+MARKUP = ("``", ":func:", ":class:", ":meth:")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    from playwright.sync_api import sync_playwright
+
+    args = ["--no-sandbox"] if os.geteuid() == 0 else []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def demo_project(stack, tmp_path_factory) -> Path:
+    """A project directory with a copy of ``configs/demo.yaml``; the demo deployment registered
+    to run there (its ./outputs and MLflow store land in it), its form opened on the demo's values."""
+    project = tmp_path_factory.mktemp("project")
+    (project / "configs").mkdir()
+    shutil.copy(PROJECT_DIR / "configs" / "demo.yaml", project / "configs" / "demo.yaml")
+    out = posttrain(stack, "deploy", "--name", "demo", env={"POSTTRAIN_PROJECT_DIR": str(project)})
+    assert f"deployment {DEPLOYMENT}:" in out
+    return project
+
+
+def demo_settings() -> dict:
+    """The form's values for the repository's demo.yaml (what ``posttrain deploy`` fills in)."""
+    from flows.pipeline import resolve_config
+    from flows.settings import settings_of
+
+    return settings_of(resolve_config(None, str(PROJECT_DIR / "configs" / "demo.yaml"), None)).model_dump(mode="json")
+
+
+@contextmanager
+def evidence(page, where: Path, worker_log: Path) -> Iterator[None]:
+    """On a failure: a screenshot and the HTML of ``page`` under ``where``, named (with the worker
+    log's tail) in the re-raised assertion."""
+    try:
+        yield
+    except Exception as e:
+        shot, html = where / "failure.png", where / "failure.html"
+        try:
+            page.screenshot(path=str(shot), full_page=True)
+            html.write_text(page.content())
+        except Exception as capture_error:  # noqa: BLE001
+            shot = html = f"(not captured: {capture_error})"
+        tail = worker_log.read_text()[-4000:] if worker_log.exists() else "(no worker log)"
+        raise AssertionError(f"{type(e).__name__}: {e}\npage {page.url}\nscreenshot {shot}\nhtml {html}\n"
+                             f"worker log tail ({worker_log}):\n{tail}") from e
+
+
+def form_text(page) -> str:
+    return page.locator("main").inner_text() if page.locator("main").count() else page.inner_text("body")
+
+
+def assert_plain_text(text: str, ui: str) -> None:
+    found = [m for m in MARKUP if m in text]
+    assert not found, f"the {ui} form shows raw markup {found}:\n{text}"
+
+
+def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
+    from playwright.sync_api import expect
+
+    ui, worker_log = stack["ui"], tmp_path / "worker.log"
+    with client(stack) as api:
+        deployment = api.read_deployment_by_name(DEPLOYMENT)
+        earlier_runs = {r.id for r in runs_of(api, deployment.id)}
+    assert deployment.parameters["settings"] == demo_settings(), "the form does not open on the demo's values"
+    worker = start_worker(stack, worker_log)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(UI_TIMEOUT_MS)
+    flow_run_id = None
+    try:
+        with evidence(page, tmp_path, worker_log):
+            # The V1 UI (still served, one click away) renders the same form, in plain text.
+            page.goto(f"{ui}/deployments/deployment/{deployment.id}/run")
+            expect(page.get_by_text("Max steps", exact=True).first).to_be_visible()
+            assert_plain_text(form_text(page), "V1")
+
+            # The default UI, as a person gets there: root -> Deployments -> demo -> Run -> Custom run.
+            page.goto(f"{ui}/")
+            expect(page).to_have_url(re.compile(r"/v2/"))
+            page.get_by_role("link", name="Deployments", exact=True).click()
+            page.get_by_role("link", name="demo", exact=True).click()
+            expect(page).to_have_url(re.compile(rf"/deployments/deployment/{deployment.id}"))
+            page.get_by_role("button", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Custom run").click()
+            expect(page).to_have_url(re.compile(rf"/deployments/deployment/{deployment.id}/run"))
+
+            # settings -> SFT -> Max steps: the field group whose own label is "SFT", then the input
+            # labelled "Max steps" inside it (every training section has a "Max steps").
+            sft = page.locator("xpath=//label[normalize-space()='SFT']/ancestor::div[contains(@class,'group')][1]")
+            max_steps = sft.get_by_label("Max steps", exact=True)
+            expect(max_steps).to_have_value(str(deployment.parameters["settings"]["sft"]["max_steps"]))
+            assert_plain_text(form_text(page), "V2")
+            max_steps.fill(str(TYPED_MAX_STEPS))
+            expect(max_steps).to_have_value(str(TYPED_MAX_STEPS))
+
+            with page.expect_response(lambda r: r.url.endswith(f"/deployments/{deployment.id}/create_flow_run")
+                                      and r.request.method == "POST") as created:
+                page.get_by_role("button", name="Submit", exact=True).click()
+            response = created.value
+            assert response.ok, f"create_flow_run answered {response.status}: {response.text()}"
+            flow_run_id = response.json()["id"]
+            assert response.json()["parameters"]["settings"]["sft"]["max_steps"] == TYPED_MAX_STEPS
+
+            with client(stack) as api:
+                run = wait_final(api, flow_run_id)
+                new_runs = [r.id for r in runs_of(api, deployment.id) if r.id not in earlier_runs]
+            assert run.state.is_completed(), f"flow run {run.name}: {run.state.type}: {run.state.message}"
+            assert new_runs == [run.id], "the form did not create exactly one flow run"
+            # the flow renames its run to the pipeline run id; the run recorded its resolved config there
+            config = json.loads((demo_project / "outputs" / "runs" / run.name / "config.json").read_text())
+            assert config["sft"]["max_steps"] == TYPED_MAX_STEPS
+            assert config["sft"]["learning_rate"] == deployment.parameters["settings"]["sft"]["learning_rate"]
+            summary = json.loads((demo_project / "outputs" / "runs" / run.name / "summary.json").read_text())
+            assert summary["status"] == "completed", summary
+    finally:
+        page.close()
+        if flow_run_id is not None:
+            with client(stack) as api:  # never leave a run for the next worker of this pool
+                if not api.read_flow_run(flow_run_id).state.is_final():
+                    api.set_flow_run_state(flow_run_id, Cancelled(), force=True)
+        stop(worker)
+
+
+def runs_of(api, deployment_id) -> list:
+    return api.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id])))
+
+
+def wait_final(api, flow_run_id):
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        run = api.read_flow_run(flow_run_id)
+        if run.state is not None and run.state.is_final():
+            return run
+        assert time.monotonic() < deadline, f"flow run {run.name} is {run.state_type} after {RUN_TIMEOUT_S} s"
+        time.sleep(2)
