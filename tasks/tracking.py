@@ -221,8 +221,10 @@ def finish_stage_run(
 ) -> None:
     """Log a stage's outcome and terminate its MLflow run.
 
-    The manifest becomes the artifact ``manifests/<kind>.json``; its metrics are not copied into
-    run metrics (the trainer logged their per-step history into this run already).
+    The manifest becomes the artifact ``manifests/<kind>.json``. A training stage's manifest
+    metrics are not copied into run metrics (the trainer logged their per-step history into this
+    run already: no ``final/*`` duplicates); a stage without an optimizer loop (prepare_data,
+    score, evaluate) gets the manifest metrics it did not log itself, under their own names.
 
     Args:
         run_id: The stage's MLflow run.
@@ -239,6 +241,10 @@ def finish_stage_run(
     status = _mlflow_status(status)
     if manifest is not None:
         client.log_dict(run_id, manifest.model_dump(mode="json"), f"manifests/{manifest.kind}.json")
+        if not get_stage(manifest.stage).trains:  # no step history: its numbers are these
+            logged = set(client.get_run(run_id).data.metrics)
+            missing = {k: v for k, v in manifest.metrics.items() if sanitize_metric_name(k) not in logged}
+            log_pipeline_metrics(run_id, missing, tracking_uri=tracking_uri, step=int(manifest.global_step or 0))
     if output_uri:
         client.set_tag(run_id, TAG_OUTPUT_URI, output_uri)
     client.set_terminated(run_id, status=status)

@@ -73,6 +73,7 @@ def test_prepare_data_only_run(prefect_api, tmp_path, monkeypatch):
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert child.data.params["data.synthetic.num_problems"] == "60"
     assert not [k for k in child.data.metrics if k.startswith("final/")]  # final numbers: summary, parent run
+    assert child.data.metrics["vocab_size"] == stage["metrics"]["vocab_size"]  # no step history: its own numbers
     assert parent.data.metrics == summary["headline"]
     assert [a.path for a in mlflow.list_artifacts(child.info.run_id, "manifests")] == ["manifests/final.json"]
 
