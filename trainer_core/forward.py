@@ -1,43 +1,62 @@
-"""Causal-LM forward that computes logits only where the loss needs them.
+"""Causal-LM forwards that score counted tokens only, the LM head in chunks, inside any wrapper.
 
 SFT and DPO need log-probabilities of completion tokens only. A plain forward materialises
 logits [B, T, V] for every position, prompts and padding included; here the decoder runs on
-the whole sequence and the LM head only on the hidden states of counted positions, so the
-head's matmul and the softmax cost O(N V) for N counted tokens instead of O(B T V).
+the whole sequence and the LM head only on the N hidden states of counted positions, a chunk
+at a time (:mod:`trainer_core.objectives.chunked`): the head's matmul costs O(N V) instead of
+O(B T V), and its extra memory O(chunk_size V) instead of O(N V) float32.
+
+Wrapped models (DDP, FSDP2, a DeepSpeed engine) run the same computation inside the wrapper's
+forward call, so that DDP's forward bookkeeping, FSDP2's all-gather of the root's parameters
+(the LM head's weight is one of them) with its pre-backward hook on the output, and ZeRO-3's
+parameter fetch happen as for a plain forward. Like Liger-Kernel's model patches
+(``liger_kernel.transformers.model.llama.lce_forward`` replaces ``LlamaForCausalLM.forward``
+so that the wrapped module's forward computes the loss), the causal LM's ``forward`` is
+replaced; here only on the instance and only for the duration of one call
+(:func:`_forward_replaced`), and ``loss_mask`` travels through the wrapper's forward as a
+keyword argument. The class, the parameters and the state dict stay those of the HF model,
+and nothing stays on the instance afterwards (no reference cycle keeps a freed model alive).
 
 Shape legend: B batch, T tokens, H hidden, V vocabulary, N counted tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from functools import partial
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformers import PreTrainedModel
 
+from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS, NLL_SUM_KERNELS, chunked_linear_logprobs, nll_sum_kernel
 from trainer_core.objectives.logprobs import compute_logprobs, shift_mask
 
-
-def _is_fsdp(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(model, FSDPModule)
+HeadFn = Callable[[Tensor, Tensor, "Tensor | None", Tensor, int], Tensor]
+"""(hidden [N, H], weight [V, H], bias [V] | None, targets [N] long, chunk_size) -> a tensor."""
 
 
-def _head_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    """(decoder, lm_head) when the logits are exactly ``lm_head(decoder(x))``, else None.
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The HF model inside a DDP module or a DeepSpeed engine (``.module``); FSDP2 shards in place."""
+    while not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
 
-    None also for a wrapped or sharded model (DDP, FSDP2, a DeepSpeed engine): their
-    gradient and all-gather hooks run on the wrapper's forward, which calling the decoder and
-    the head directly would skip.
+
+def _head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """(decoder, lm_head) of an unwrapped model whose logits are exactly ``lm_head(decoder(x))``, else None.
+
+    None for models that transform the logits after the head (Gemma-2's soft-capping,
+    Cohere's ``logit_scale``, Granite's ``logits_scaling``) and for non-HF modules.
     """
-    if not isinstance(model, PreTrainedModel) or _is_fsdp(model):
+    if not isinstance(model, PreTrainedModel):
         return None
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+    if config is None or getattr(config, "final_logit_softcapping", None) is not None:
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in ("logit_scale", "logits_scaling")):
         return None
     get_decoder = getattr(model, "get_decoder", None)
     get_head = getattr(model, "get_output_embeddings", None)
@@ -49,33 +68,121 @@ def _head_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return decoder, head
 
 
-def masked_token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor) -> Tensor:
+@contextlib.contextmanager
+def _forward_replaced(module: nn.Module, forward: Callable[..., Tensor]) -> Iterator[None]:
+    """``module.forward`` is ``forward`` inside the block (an instance attribute shadowing the class's)."""
+    previous = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+
+
+def _counted_head_forward(
+    decoder: nn.Module, head: nn.Linear, head_fn: HeadFn, chunk_size: int,
+    input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor,
+) -> Tensor:
+    """The causal LM's forward for one call: the decoder on the whole batch, ``head_fn`` on counted positions.
+
+    Args:
+        decoder: the model's decoder (returns ``last_hidden_state`` [B, T, H]).
+        head: the LM head; its weight and bias go to ``head_fn`` (the module itself is not
+            called, so no per-chunk hook or collective runs, whatever each rank's N).
+        head_fn: see :data:`HeadFn`.
+        chunk_size: tokens per chunk of the head.
+        input_ids: [B, T] long.
+        attention_mask: [B, T] long, 1 = real token.
+        loss_mask: [B, T] long, 1 = token counted (aligned with ``input_ids``).
+
+    Returns:
+        What ``head_fn`` returns for the N counted next-token predictions.
+    """
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    counted = loss_mask[:, 1:].bool()
+    selected = hidden[:, :-1][counted]  # [N, H]
+    targets = input_ids[:, 1:][counted]  # [N]
+    return head_fn(selected, head.weight, head.bias, targets, chunk_size)
+
+
+def _through_wrapper(
+    model: nn.Module, head_fn: HeadFn, chunk_size: int, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor
+) -> Tensor | None:
+    """``head_fn`` on the counted positions, computed by one call of ``model`` (wrapped or not).
+
+    Returns None when the unwrapped model's logits are not a plain linear head (the caller
+    then takes the full-logits path).
+    """
+    inner = unwrap_causal_lm(model)
+    parts = _head_parts(inner)
+    if parts is None:
+        return None
+    forward = partial(_counted_head_forward, *parts, head_fn, chunk_size)
+    with _forward_replaced(inner, forward):
+        return model(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+
+
+def _full_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor) -> Tensor:
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
+    return compute_logprobs(logits, input_ids) * shift_mask(loss_mask)
+
+
+def masked_token_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, *,
+    chunk_size: int = CHUNK_SIZE_TOKENS,
+) -> Tensor:
     """Next-token log-probs at counted positions, zero elsewhere.
 
     Equal (up to float rounding) to ``compute_logprobs(model(...).logits, input_ids) *
-    shift_mask(loss_mask)``; models whose logits are not a plain linear head over the
-    decoder's last hidden state (soft-capping, logit scaling) take that full path.
+    shift_mask(loss_mask)``, without the [B, T, V] logits: the LM head runs on the counted
+    positions, ``chunk_size`` at a time (:func:`~trainer_core.objectives.chunked.chunked_linear_logprobs`).
+    Models whose logits are not a plain linear head over the decoder's last hidden state
+    (soft-capping, logit scaling) take that full path.
 
     Args:
-        model: an HF causal LM (unwrapped: the decoder is called directly).
+        model: an HF causal LM, plain or as a backend wrapped it (DDP, FSDP2, DeepSpeed engine).
         input_ids: [B, T] long.
         attention_mask: [B, T] long, 1 = real token.
         loss_mask: [B, T] long, 1 = token counted in the loss (aligned with ``input_ids``).
+        chunk_size: tokens per chunk of the LM head (the extra memory is O(chunk_size x V)).
 
     Returns:
         [B, T - 1] float32; position t holds log p(input_ids[:, t + 1]) where
         ``loss_mask[:, t + 1] == 1``, else 0.
     """
-    mask = shift_mask(loss_mask)
-    parts = _head_parts(model)
-    if parts is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        return compute_logprobs(logits, input_ids) * mask
-    decoder, head = parts
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
-    counted = mask.bool()
-    selected = hidden[:, :-1][counted]  # [N, H]
-    logits = head(selected).float()  # [N, V]
-    logprobs = -F.cross_entropy(logits, input_ids[:, 1:][counted], reduction="none")  # [N]
+    logprobs = _through_wrapper(model, chunked_linear_logprobs, chunk_size, input_ids, attention_mask, loss_mask)  # [N]
+    if logprobs is None:
+        return _full_logprobs(model, input_ids, attention_mask, loss_mask)
+    counted = loss_mask[:, 1:].bool()
     out = torch.zeros(counted.shape, dtype=logprobs.dtype, device=logprobs.device)
     return out.masked_scatter(counted, logprobs)
+
+
+def masked_nll_sum(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, *,
+    chunk_size: int = CHUNK_SIZE_TOKENS,
+) -> Tensor:
+    """Summed next-token NLL of the counted tokens: SFT's ``loss_sum``.
+
+    Equal (up to float rounding) to ``sft_loss(masked_token_logprobs(...), shift_mask(loss_mask))[0]``.
+    On CUDA with ``liger-kernel`` installed, Liger's fused linear cross-entropy computes it
+    (:data:`~trainer_core.objectives.chunked.NLL_SUM_KERNELS`); elsewhere the chunked head.
+
+    Args:
+        model: as :func:`masked_token_logprobs`.
+        input_ids: [B, T] long.
+        attention_mask: [B, T] long, 1 = real token.
+        loss_mask: [B, T] long, 1 = token counted in the loss.
+        chunk_size: tokens per chunk of the torch implementation.
+
+    Returns:
+        Scalar float32 sum of ``-log p`` over the counted next tokens.
+    """
+    kernel = NLL_SUM_KERNELS[nll_sum_kernel(input_ids.device)]
+    loss_sum = _through_wrapper(model, kernel, chunk_size, input_ids, attention_mask, loss_mask)
+    if loss_sum is None:
+        return -_full_logprobs(model, input_ids, attention_mask, loss_mask).sum()
+    return loss_sum

@@ -276,6 +276,9 @@ class ThreadDDP:
     def grad_sync(self, model, is_last_micro_batch: bool):
         return contextlib.nullcontext()
 
+    def autocast(self):
+        return contextlib.nullcontext()
+
     def backward(self, model, loss) -> None:
         (loss * self.world_size).backward()
 

@@ -118,7 +118,7 @@ def _stage(**fields) -> TrainStageConfig:
 
 def test_ds_config_from_the_stage_config():
     """train_batch_size = micro_batch_size x grad_accum_steps x world_size = 2 x 3 x 4 = 24."""
-    config = build_ds_config(BackendConfig(name="deepspeed", zero_stage=2), _stage(max_grad_norm=0.5), 4, bf16=False)
+    config = build_ds_config(BackendConfig(name="deepspeed", zero_stage=2), _stage(max_grad_norm=0.5), 4, "fp32")
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert config["gradient_accumulation_steps"] == 3
     assert config["train_batch_size"] == 24
@@ -130,7 +130,7 @@ def test_ds_config_from_the_stage_config():
 
 def test_ds_config_follows_global_batch_size_and_no_clipping():
     cfg = TrainStageConfig(micro_batch_size=2, global_batch_size=16, max_grad_norm=None)
-    config = build_ds_config(BackendConfig(name="deepspeed"), cfg, 2, bf16=True)
+    config = build_ds_config(BackendConfig(name="deepspeed"), cfg, 2, "bf16-mixed")
     assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (4, 16)
     assert config["gradient_clipping"] == 0.0  # DeepSpeed's "off"
     assert config["bf16"] == {"enabled": True}
@@ -138,12 +138,12 @@ def test_ds_config_follows_global_batch_size_and_no_clipping():
 
 def test_ds_config_offload_sections():
     backend = BackendConfig(name="deepspeed", zero_stage=3, offload_optimizer=True, offload_params=True)
-    config = build_ds_config(backend, _stage(), 1, bf16=False)
+    config = build_ds_config(backend, _stage(), 1, "fp32")
     assert config["zero_optimization"] == {
         "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
     }
     only_optimizer = BackendConfig(name="deepspeed", zero_stage=1, offload_optimizer=True)
-    assert build_ds_config(only_optimizer, _stage(), 1, bf16=False)["zero_optimization"] == {
+    assert build_ds_config(only_optimizer, _stage(), 1, "fp32")["zero_optimization"] == {
         "stage": 1, "offload_optimizer": {"device": "cpu"},
     }
 
@@ -156,7 +156,7 @@ def test_raw_ds_config_is_deep_merged_over_the_generated_one():
         "communication_data_type": "fp32",
     }
     backend = BackendConfig(name="deepspeed", zero_stage=3, offload_params=True, ds_config=raw)
-    config = build_ds_config(backend, _stage(), 2, bf16=True)
+    config = build_ds_config(backend, _stage(), 2, "bf16-mixed")
     assert config["zero_optimization"] == {
         "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}, "stage3_max_live_parameters": 1000,
     }
@@ -177,3 +177,83 @@ def test_pipeline_config_round_trips_with_a_backend():
     config = load_config(overrides={**FSDP2_X2, "sft.backend": {"name": "deepspeed", "zero_stage": 3}})
     again = PipelineConfig.model_validate(config.model_dump(mode="json"))
     assert again.backend_for("sft") == config.backend_for("sft")
+
+
+# --- precision, activation checkpointing, compile -------------------------------------------------
+
+
+def test_memory_features_default_off_and_precision_auto_resolves_per_device():
+    """auto = bf16-mixed on CUDA, fp32 on CPU (a ``torch.device`` needs no GPU to exist)."""
+    import torch
+
+    from trainer_core.backends.memory import resolve_precision
+
+    backend = BackendConfig()
+    assert (backend.precision, backend.activation_checkpointing, backend.compile) == ("auto", False, False)
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    assert resolve_precision("auto", torch.device("cuda", 0)) == "bf16-mixed"
+    assert [resolve_precision(p, torch.device("cuda", 0)) for p in ("fp32", "bf16", "bf16-mixed")] == ["fp32", "bf16", "bf16-mixed"]
+
+
+@pytest.mark.parametrize(("old", "new"), [("auto", "auto"), ("fp32", "fp32"), ("bf16", "bf16-mixed")])
+def test_deprecated_mixed_precision_is_read_as_precision(old, new):
+    """The old field's bf16 (FSDP2's bf16 compute over fp32 shards) is bf16-mixed; it warns."""
+    with pytest.warns(FutureWarning, match=f"mixed_precision is deprecated: read as backend.precision={new}"):
+        backend = BackendConfig(name="fsdp2", mixed_precision=old)
+    assert backend.precision == new
+    assert "mixed_precision" not in backend.model_dump() and "mixed_precision" not in BackendConfig.model_json_schema()["properties"]
+
+
+def test_deprecated_mixed_precision_in_a_stage_override_wins_and_bad_values_fail():
+    with pytest.warns(FutureWarning):
+        config = load_config(overrides={"backend.precision": "bf16", "sft.backend": {"mixed_precision": "fp32"}})
+    with pytest.warns(FutureWarning):
+        sft = config.backend_for("sft")
+    assert sft.precision == "fp32"
+    assert config.backend.precision == config.backend_for("dpo").precision == "bf16"
+    with pytest.raises(ValidationError, match=r"mixed_precision \(deprecated, use backend.precision\): 'fp16'"):
+        BackendConfig(mixed_precision="fp16")
+    with pytest.raises(ValidationError, match="precision"):
+        BackendConfig(precision="fp16")
+
+
+def test_stage_override_sets_memory_features_for_that_stage_only():
+    overrides = {**FSDP2_X2, "sft.backend": {"activation_checkpointing": True, "compile": True, "precision": "bf16"}}
+    config = load_config(overrides=overrides)
+    sft, dpo = config.backend_for("sft"), config.backend_for("dpo")
+    assert (sft.activation_checkpointing, sft.compile, sft.precision, sft.name) == (True, True, "bf16", "fsdp2")
+    assert (dpo.activation_checkpointing, dpo.compile, dpo.precision) == (False, False, "auto")
+
+
+def test_memory_features_do_not_change_stage_fingerprints():
+    """The backend (pipeline-wide or a stage's override) is not hashed: a checkpoint resumes
+    with checkpointing, compile or another precision."""
+    from trainer_core.fingerprint import stage_fingerprint
+
+    inputs = {"data": "memory://no-manifest/data", "model": "init"}
+    plain = load_config()
+    tuned = load_config(overrides={
+        "backend.precision": "bf16", "backend.activation_checkpointing": True, "backend.compile": True,
+        "sft.backend": {"precision": "fp32", "compile": False},
+    })
+    assert stage_fingerprint(plain, "sft", inputs) == stage_fingerprint(tuned, "sft", inputs)
+
+
+def test_deepspeed_pure_bf16_needs_a_zero_stage():
+    """No fp32 master copy (``bf16_master_weights_and_grads``) exists in DeepSpeed without ZeRO."""
+    with pytest.raises(ValidationError, match="precision=bf16 .* needs backend.zero_stage 1-3"):
+        BackendConfig(name="deepspeed", zero_stage=0, precision="bf16")
+    BackendConfig(name="deepspeed", zero_stage=1, precision="bf16")
+    BackendConfig(name="fsdp2", zero_stage=0, precision="bf16")  # zero_stage is DeepSpeed's only
+
+
+@pytest.mark.parametrize(
+    ("precision", "section"),
+    [
+        ("fp32", {"enabled": False}),
+        ("bf16-mixed", {"enabled": True}),
+        ("bf16", {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
+    ],
+)
+def test_ds_config_precision_sections(precision, section):
+    assert build_ds_config(BackendConfig(name="deepspeed"), _stage(), 2, precision)["bf16"] == section

@@ -215,6 +215,29 @@ def test_nonfinite_steps_within_the_budget_are_skipped(root):
     assert [m["train/nonfinite_steps"] for m in logged] == [1]
 
 
+def test_a_nonfinite_step_read_later_still_fails_before_its_checkpoint(root):
+    """The loop reads a step's loss and gradient norm when it next needs a number (here the
+    checkpoint of step 3, logging being every 4 steps): NaN at step 2 fails the stage there, naming
+    step 2, and no checkpoint is written."""
+    from trainer_core.errors import NonFiniteError
+
+    loop = _loop(root, objective=PoisonedAt({2}), log_every=4, async_save=False)
+    with pytest.raises(NonFiniteError, match="non-finite train/grad_norm=nan, train/loss=nan at global_step 2 "):
+        loop.run()
+    assert loop.progress.global_step == 3
+    assert storage.list_dirs(join_uri(root, "checkpoints")) == []
+
+
+def test_a_skipped_step_between_logs_is_counted_at_the_next_log(root):
+    """max_nonfinite_steps=1, NaN at step 2, logged every 3: step 3's metrics carry the skip."""
+    loop = _loop(root, objective=PoisonedAt({2}), max_nonfinite_steps=1, log_every=3)
+    loop.run()
+    logged = {step: m for batch in loop.metrics.committed for m, step in batch if "train/loss" in m}
+    assert sorted(logged) == [3, 6]
+    assert logged[3]["train/nonfinite_steps"] == 1 and logged[6]["train/nonfinite_steps"] == 1
+    assert loop.progress.nonfinite_steps == 1 and loop.progress.consumed_tokens == 6 * 4
+
+
 def test_a_nonfinite_evaluation_fails_the_stage_before_its_checkpoint(root):
     """eval/loss NaN after step 3's update (a checkpoint step): no step-3 checkpoint, whose manifest
     would hold a NaN metric."""

@@ -18,7 +18,7 @@ def build_backend(config: BackendConfig) -> Backend:
     if config.name == "single":
         from trainer_core.backends.single import SingleDeviceBackend
 
-        return SingleDeviceBackend(config.device)
+        return SingleDeviceBackend(config)
     if config.name == "ddp":
         from trainer_core.backends.ddp import DDPBackend
 

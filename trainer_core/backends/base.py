@@ -6,7 +6,8 @@ all-reduced gradients), ``fsdp2`` (``fully_shard`` per transformer block, then t
 
     for i, batch in enumerate(micro_batches):            # this rank's share
         with backend.grad_sync(model, is_last_micro_batch=i == last):
-            loss = objective(model, batch) / global_count # count summed over micro-batches and ranks
+            with backend.autocast():                      # bf16-mixed on single/DDP; else nothing
+                loss = objective(model, batch) / global_count # count summed over micro-batches and ranks
             backend.backward(model, loss)
     grad_norm = backend.optimizer_step(model, optimizer, max_grad_norm)
     scheduler.step()
@@ -14,6 +15,10 @@ all-reduced gradients), ``fsdp2`` (``fully_shard`` per transformer block, then t
 so a step's gradient is the gradient of the loss summed over every counted unit (token or
 pair) of the global batch divided by their number, whatever the world size: the backends
 that average gradients over ranks (DDP, FSDP2, DeepSpeed) scale the loss by ``world_size``.
+
+Every backend applies ``backend.precision``, ``backend.activation_checkpointing`` and
+``backend.compile`` to the models it wraps (:mod:`trainer_core.backends.memory`); state-dict
+keys stay those of the plain Hugging Face model with any of them on.
 
 Checkpoint formats (``checkpoint_format``): ``full`` (single, ddp: one copy of the weights and
 optimizer state, a REPLICATED state component written by rank 0), ``dcp`` (fsdp2:
@@ -44,6 +49,7 @@ class Backend(Protocol):
         checkpoint_format: ``full``, ``dcp`` or ``deepspeed`` (see the module docstring).
         sharded_forward: True when a forward needs every rank (FSDP2, ZeRO-3): generation then
             runs in lockstep (``synced_gpus``) and every rank must run the same number of forwards.
+        precision: the resolved ``backend.precision``: ``bf16-mixed``, ``bf16`` or ``fp32``.
     """
 
     rank: int
@@ -52,6 +58,7 @@ class Backend(Protocol):
     name: str
     checkpoint_format: str
     sharded_forward: bool
+    precision: str
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Place (and shard, if the backend does) a trainable model; returns the model to call."""
@@ -67,6 +74,11 @@ class Backend(Protocol):
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         """Place a frozen model (reference, reward model): eval mode, no grads, no optimizer."""
+
+    def autocast(self) -> AbstractContextManager:
+        """Context to run forwards in (training and evaluation; not the backward): bf16 autocast
+        under ``bf16-mixed`` on the single-device and DDP backends, nothing otherwise (FSDP2's
+        policy and DeepSpeed's engine cast themselves)."""
 
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> AbstractContextManager:
         """Context around one micro-batch's forward and backward: gradients sync only on the last."""

@@ -1,5 +1,9 @@
 """DDP backend: the model replicated on every rank, gradients all-reduced (averaged) in backward.
 
+Precision, activation checkpointing and compile as on one device (:mod:`trainer_core.backends.memory`):
+the parameters are cast, layers checkpointed and blocks compiled before ``DistributedDataParallel``
+wraps the model (its hooks then see fp32 gradients under ``bf16-mixed``).
+
 Weights and optimizer state are REPLICATED state components: rank 0 writes one copy (the
 ``full`` format, the same files as the single-device backend), after the ranks' checksums
 are compared when ``backend.validate_replicas`` is on.
@@ -14,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer_core.backends import memory
 from trainer_core.backends.distributed import ProcessGroupBackend
 from trainer_core.backends.single import load_full_state, place_trainable, put_full_state, torch_optimizer_step
 from trainer_core.config import BackendConfig
@@ -29,9 +34,14 @@ class DDPBackend(ProcessGroupBackend):
         super().__init__(cfg)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        place_trainable(model, self.device)
+        place_trainable(model, self.device, self.cfg)
+        if self.cfg.compile:
+            memory.compile_blocks(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return memory.autocast(self.precision, self.device)
 
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if is_last_micro_batch or not isinstance(model, DistributedDataParallel):

@@ -1,8 +1,13 @@
 """DeepSpeed backend: ZeRO stage 0-3 with optional optimizer / parameter offload.
 
 The DeepSpeed config is generated from the pydantic config (micro-batch size, gradient
-accumulation, clipping, ZeRO stage, offload, bf16) and ``backend.ds_config`` is merged over
-it recursively, for settings this project does not model. The engine takes the loop's own
+accumulation, clipping, ZeRO stage, offload, precision) and ``backend.ds_config`` is merged over
+it recursively, for settings this project does not model. ``backend.precision``: ``bf16-mixed``
+is DeepSpeed's ``bf16`` section (bf16 module, fp32 master weights and optimizer state in the
+ZeRO optimizer), ``bf16`` adds ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``
+(no fp32 copy; ZeRO 1-3), ``fp32`` disables it. Activation checkpointing and ``torch.compile``
+per block are applied to the module before ``deepspeed.initialize``
+(:mod:`trainer_core.backends.memory`). The engine takes the loop's own
 AdamW (``zero_allow_untested_optimizer``) or, with optimizer offload, a ``DeepSpeedCPUAdam``
 with the same groups; the loop's LR schedule drives the optimizer's groups as on one device.
 
@@ -30,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from trainer_core.backends import memory
 from trainer_core.backends.distributed import ProcessGroupBackend
 from trainer_core.backends.single import place_trainable
 from trainer_core import storage
@@ -54,14 +60,21 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def build_ds_config(backend: BackendConfig, cfg: TrainStageConfig, world_size: int, bf16: bool) -> dict[str, Any]:
+def bf16_section(precision: str) -> dict[str, Any]:
+    """DeepSpeed's ``bf16`` section for a resolved precision (see the module docstring)."""
+    if precision == "bf16":
+        return {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    return {"enabled": precision == "bf16-mixed"}
+
+
+def build_ds_config(backend: BackendConfig, cfg: TrainStageConfig, world_size: int, precision: str) -> dict[str, Any]:
     """The DeepSpeed config of a training stage.
 
     Args:
         backend: ZeRO stage, offload and the raw ``ds_config`` override.
         cfg: micro-batch size, gradient accumulation and clipping of the stage.
         world_size: data-parallel ranks.
-        bf16: compute in bf16.
+        precision: the resolved precision (``bf16-mixed``, ``bf16`` or ``fp32``).
 
     Returns:
         A DeepSpeed config dict (``train_batch_size = micro_batch_size x grad_accum_steps x world_size``).
@@ -77,7 +90,7 @@ def build_ds_config(backend: BackendConfig, cfg: TrainStageConfig, world_size: i
         "train_batch_size": cfg.micro_batch_size * cfg.accum_steps(world_size) * world_size,
         "gradient_clipping": cfg.max_grad_norm or 0.0,
         "zero_optimization": zero,
-        "bf16": {"enabled": bf16},
+        "bf16": bf16_section(precision),
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
@@ -96,12 +109,14 @@ class DeepSpeedBackend(ProcessGroupBackend):
 
         super().__init__(cfg)
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-        self.bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type == "cuda")
         self.sharded_forward = cfg.zero_stage == 3
         self._engines: dict[int, Any] = {}  # id(module) -> its engine, for callers holding the module
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return place_trainable(model, self.device)  # the engine is built in setup_optimizer
+        model = place_trainable(model, self.device, self.cfg)  # the engine is built in setup_optimizer
+        if self.cfg.compile:
+            memory.compile_blocks(model)
+        return model
 
     def setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
@@ -114,7 +129,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in optimizer.param_groups]
             defaults = optimizer.defaults
             optimizer = DeepSpeedCPUAdam(groups, lr=defaults["lr"], betas=defaults["betas"], adamw_mode=True)
-        config = build_ds_config(self.cfg, cfg, self.world_size, self.bf16)
+        config = build_ds_config(self.cfg, cfg, self.world_size, self.precision)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         self._engines[id(engine.module)] = engine
         return engine, optimizer
@@ -138,13 +153,15 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         model.requires_grad_(False)
         model.eval()
+        if self.precision == "bf16":
+            memory.cast_parameters(model, torch.bfloat16)
         if self.cfg.zero_stage == 3:
             import deepspeed
 
             config = {
                 "train_micro_batch_size_per_gpu": 1,
                 "zero_optimization": {"stage": 3},
-                "bf16": {"enabled": self.bf16},
+                "bf16": {"enabled": self.precision != "fp32"},
                 "steps_per_print": 2**31 - 1,
             }
             engine, _, _, _ = deepspeed.initialize(model=model, config=deep_merge(config, self.cfg.ds_config))
@@ -152,6 +169,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
             return engine
         model.to(self.device)
         return model
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the engine's bf16 module computes in bf16
 
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if hasattr(model, "set_gradient_accumulation_boundary"):

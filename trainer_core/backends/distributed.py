@@ -3,6 +3,7 @@ environment and the collectives of the :class:`~trainer_core.backends.base.Backe
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import logging
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from trainer_core.backends import memory
 from trainer_core.backends.single import place_frozen, resolve_device
 from trainer_core.config import BackendConfig, TrainStageConfig
 from trainer_core.errors import ConfigError
@@ -59,6 +61,11 @@ class ProcessGroupBackend:
     def __init__(self, cfg: BackendConfig) -> None:
         self.cfg = cfg
         self.rank, self.world_size, self.device = init_process_group(cfg)
+        self.precision = memory.resolve_precision(cfg.precision, self.device)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Nothing: FSDP2's policy and DeepSpeed's engine cast themselves (DDP overrides it)."""
+        return contextlib.nullcontext()
 
     def setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
@@ -66,7 +73,7 @@ class ProcessGroupBackend:
         return model, optimizer
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
-        return place_frozen(model, self.device)
+        return place_frozen(model, self.device, self.cfg)
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         out = tensor.clone()

@@ -1,10 +1,19 @@
 """FSDP2 backend: ``fully_shard`` on every transformer block, then on the root.
 
 Parameters, gradients and optimizer state are sharded across ranks as DTensors; each block's
-parameters are all-gathered for its forward and backward and freed after. On CUDA the
-compute dtype is bf16 with fp32 gradient reduction (``MixedPrecisionPolicy``) unless
-``backend.mixed_precision=fp32``; ``backend.cpu_offload`` keeps the shards on the host
-(``CPUOffloadPolicy``). Reference: torchtitan's ``apply_fsdp`` and the FSDP2 tutorial.
+parameters are all-gathered for its forward and backward and freed after. ``backend.precision``
+(:mod:`trainer_core.backends.memory`): ``bf16-mixed`` (the default on CUDA) shards fp32
+parameters and computes in bf16 with fp32 gradient reduction (``MixedPrecisionPolicy(
+param_dtype=bf16, reduce_dtype=fp32)``); ``bf16`` shards bf16 parameters; ``fp32`` neither.
+``backend.cpu_offload`` keeps the shards on the host (``CPUOffloadPolicy``). Reference:
+torchtitan's ``apply_fsdp`` and the FSDP2 tutorial.
+
+Activation checkpointing (per decoder layer) is applied before ``fully_shard``, as in torchtitan's
+``parallelize_llama`` (``apply_ac``, ``apply_compile``, ``apply_fsdp``). ``torch.compile`` comes
+after it here (torchtitan compiles first and shards the compiled wrapper): it replaces the block's
+``forward``, bound to the class ``fully_shard`` gives the block. Either way FSDP2's hooks
+(all-gather, reduce-scatter) stay outside the graph and the recomputed region. Parameter names,
+hence DCP and full state-dict keys, are those of the plain model.
 
 Checkpoints use ``torch.distributed.checkpoint`` (format ``dcp``): each rank writes its own
 shards under ``dcp/`` and rank 0 the metadata; a checkpoint written at one world size loads
@@ -29,7 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from trainer_core.backends import memory
 from trainer_core.backends.distributed import ProcessGroupBackend
+from trainer_core.backends.memory import transformer_blocks
 from trainer_core.backends.single import torch_optimizer_step
 from trainer_core import storage
 from trainer_core.config import BackendConfig
@@ -42,21 +53,6 @@ DCP_DIR = "dcp"
 """Sub-directory of a checkpoint holding the DCP shards and metadata."""
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: modules whose class is in ``_no_split_modules``.
-
-    Falls back to the children of the first ``nn.ModuleList`` found (``model.layers``).
-    """
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
-    if blocks:
-        return blocks
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList):
-            return list(m)
-    return []
-
-
 class FSDP2Backend(ProcessGroupBackend):
     """Fully sharded data parallel (per-parameter DTensor sharding, ``torch.distributed.fsdp``)."""
 
@@ -66,9 +62,9 @@ class FSDP2Backend(ProcessGroupBackend):
 
     def __init__(self, cfg: BackendConfig) -> None:
         super().__init__(cfg)
-        bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type == "cuda")
         self.mp_policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.precision == "bf16-mixed" else MixedPrecisionPolicy()
         )
         if cfg.cpu_offload and self.device.type != "cuda":
             raise ConfigError(
@@ -89,15 +85,24 @@ class FSDP2Backend(ProcessGroupBackend):
         return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """Cast to the weights dtype, checkpoint layers (before sharding), shard, compile blocks."""
+        memory.prepare_trainable(model, self.precision, self.cfg.activation_checkpointing)
         model = self._shard(model)
+        if self.cfg.compile:
+            memory.compile_blocks(model)  # after fully_shard: see the module docstring
         model.train()
         return model
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         model.requires_grad_(False)
+        if self.precision == "bf16":
+            memory.cast_parameters(model, torch.bfloat16)
         model = self._shard(model)
         model.eval()
         return model
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the MixedPrecisionPolicy casts
 
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if isinstance(model, FSDPModule):

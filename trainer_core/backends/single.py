@@ -16,8 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from trainer_core import storage
+from trainer_core.backends import memory
 from trainer_core.checkpoint.components import Sharing, state_checksum, torch_bytes
-from trainer_core.config import TrainStageConfig
+from trainer_core.config import BackendConfig, TrainStageConfig
 from trainer_core.storage import join_uri
 
 
@@ -41,15 +42,29 @@ def full_weights_bytes(state_dict: dict[str, Tensor]) -> bytes:
     return safetensors.torch.save({k: v.detach().to("cpu").clone().contiguous() for k, v in state_dict.items()})
 
 
-def place_trainable(model: nn.Module, device: torch.device) -> nn.Module:
-    """A trainable model on ``device``, in train mode (what every backend does before wrapping)."""
+def place_trainable(model: nn.Module, device: torch.device, cfg: BackendConfig | None = None) -> nn.Module:
+    """A trainable model on ``device``, in train mode (what every backend does before wrapping).
+
+    With ``cfg``: parameters cast to the precision's weights dtype (float32, or bf16 for pure
+    ``bf16``) and activation checkpointing enabled if asked (:mod:`trainer_core.backends.memory`).
+    """
+    if cfg is not None:
+        precision = memory.resolve_precision(cfg.precision, device)
+        memory.prepare_trainable(model, precision, cfg.activation_checkpointing)
     model.to(device)
     model.train()
     return model
 
 
-def place_frozen(model: nn.Module, device: torch.device) -> nn.Module:
-    """A frozen model on ``device``: eval mode, ``requires_grad`` off (no optimizer ever sees it)."""
+def place_frozen(model: nn.Module, device: torch.device, cfg: BackendConfig | None = None) -> nn.Module:
+    """A frozen model on ``device``: eval mode, ``requires_grad`` off (no optimizer ever sees it).
+
+    With ``cfg`` and precision ``bf16``: parameters cast to bf16. Otherwise they keep the dtype
+    they were loaded in (``model.dtype``); under ``bf16-mixed`` a forward in :meth:`autocast`
+    computes in bf16 all the same.
+    """
+    if cfg is not None and memory.resolve_precision(cfg.precision, device) == "bf16":
+        memory.cast_parameters(model, torch.bfloat16)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -83,19 +98,32 @@ def torch_optimizer_step(
 
 
 class SingleDeviceBackend:
-    """Everything on one device; all collectives are identities."""
+    """Everything on one device; all collectives are identities.
+
+    Args:
+        cfg: the backend config, or only a device name (``auto``, ``cpu``, ``cuda``: the other
+            settings at their defaults).
+    """
 
     name = "single"
     checkpoint_format = "full"
     sharded_forward = False
 
-    def __init__(self, device: str = "auto") -> None:
-        self.device = resolve_device(device)
+    def __init__(self, cfg: BackendConfig | str = "auto") -> None:
+        self.cfg = BackendConfig(device=cfg) if isinstance(cfg, str) else cfg
+        self.device = resolve_device(self.cfg.device)
+        self.precision = memory.resolve_precision(self.cfg.precision, self.device)
         self.rank = 0
         self.world_size = 1
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return place_trainable(model, self.device)
+        model = place_trainable(model, self.device, self.cfg)
+        if self.cfg.compile:
+            memory.compile_blocks(model)
+        return model
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return memory.autocast(self.precision, self.device)
 
     def setup_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
@@ -103,7 +131,7 @@ class SingleDeviceBackend:
         return model, optimizer
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
-        return place_frozen(model, self.device)
+        return place_frozen(model, self.device, self.cfg)
 
     def grad_sync(self, model: nn.Module, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -19,6 +20,8 @@ class BackendConfig(ConfigBase):
     run under ``torchrun`` (or the ``deepspeed`` launcher) with one process per rank: gloo
     process groups on CPU, NCCL on GPU. Multi-node: every node's worker runs the same stage
     command with its own ``node_rank`` and the same ``rdzv_endpoint`` (host:port of node 0).
+    ``precision``, ``activation_checkpointing`` and ``compile`` apply to every backend (their
+    semantics per backend: :mod:`trainer_core.backends.memory`).
     """
 
     name: Literal["single", "ddp", "fsdp2", "deepspeed"] = Field(
@@ -36,8 +39,19 @@ class BackendConfig(ConfigBase):
         "torchrun", description="Launcher of multi-process stages: torchrun, or the deepspeed launcher."
     )
     dist_timeout_s: float = Field(600.0, gt=0, description="Collective timeout: a rank that waits longer fails.")
-    mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="Compute dtype of fsdp2/deepspeed: auto = bf16 on CUDA, fp32 on CPU."
+    precision: Literal["auto", "bf16-mixed", "bf16", "fp32"] = Field(
+        "auto",
+        description="Training precision on every backend: bf16-mixed (fp32 master weights, gradients and optimizer "
+        "state, bf16 compute), bf16 (all bf16, no master copy), fp32; auto = bf16-mixed on CUDA, fp32 on CPU. "
+        "Replaces mixed_precision (still read: bf16 -> bf16-mixed).",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each transformer block's activations in the backward instead of keeping them: "
+        "activation memory of one block instead of all, for about one more forward of compute.",
+    )
+    compile: bool = Field(
+        False, description="torch.compile each transformer block's training forward (inductor; CPU needs a C++ compiler)."
     )
     cpu_offload: bool = Field(False, description="fsdp2: keep parameters, gradients and optimizer state on CPU.")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="deepspeed: ZeRO stage.")
@@ -56,6 +70,22 @@ class BackendConfig(ConfigBase):
         """Ranks in the job."""
         return self.nnodes * self.nproc_per_node
 
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_mixed_precision(cls, data: Any) -> Any:
+        """Read the deprecated ``mixed_precision`` (auto | fp32 | bf16, fsdp2 and deepspeed only) as
+        ``precision``: its ``bf16`` was already bf16 compute over fp32 master weights, i.e. ``bf16-mixed``.
+        Where both are given (a stage's override of one over the pipeline's other) it wins."""
+        if isinstance(data, dict) and "mixed_precision" in data:
+            data = dict(data)
+            old = data.pop("mixed_precision")
+            mapped = {"auto": "auto", "fp32": "fp32", "bf16": "bf16-mixed"}.get(old)
+            if mapped is None:
+                raise ValueError(f"backend.mixed_precision (deprecated, use backend.precision): {old!r} is not auto, fp32 or bf16")
+            warnings.warn(f"backend.mixed_precision is deprecated: read as backend.precision={mapped}", FutureWarning, stacklevel=2)
+            data["precision"] = mapped
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> BackendConfig:
         if self.name == "single" and self.world_size != 1:
@@ -69,4 +99,6 @@ class BackendConfig(ConfigBase):
             raise ValueError("backend.rdzv_endpoint (host:port of node 0) is required when backend.nnodes > 1")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("backend.offload_params needs backend.zero_stage=3")
+        if self.name == "deepspeed" and self.precision == "bf16" and self.zero_stage == 0:
+            raise ValueError("backend.precision=bf16 (no fp32 master copy) on deepspeed needs backend.zero_stage 1-3")
         return self

@@ -50,7 +50,8 @@ def _load_or_compute_reference(ctx: StageContext, needed: dict[str, list[int]], 
     batch_size = cfg.micro_batch_size * cfg.accum_steps(ctx.backend.world_size)
     values: dict[str, dict[int, list[float]]] = {}
     for s, indices in needed.items():
-        computed = reference_logprobs(reference, [splits[s][i] for i in indices], pad_id, batch_size, device)
+        with ctx.backend.autocast():  # the policy's compute precision: an unchanged policy's margin is 0
+            computed = reference_logprobs(reference, [splits[s][i] for i in indices], pad_id, batch_size, device)
         values[s] = dict(zip(indices, computed))
         log.info("reference log-probs: %d of %d %s pairs (the ones this run reads)", len(indices), len(splits[s]), s)
     del reference

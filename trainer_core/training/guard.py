@@ -1,13 +1,17 @@
 """The non-finite guard: NaN or infinity never reaches a checkpoint or a committed model.
 
-Every loop checks, after each optimizer step, that the step's loss and gradient norm are finite
-(values already reduced over the ranks, so every rank decides alike); the RL loop also checks
-each rollout's rewards and advantages. A non-finite step is skipped (the backend left weights
-and optimizer state untouched, see ``Backend.optimizer_step(skip_nonfinite=True)``) while the
-stage's ``max_nonfinite_steps`` allows, and otherwise fails the stage with
-:class:`~trainer_core.errors.NonFiniteError` naming the stage, the global step and the metric,
-before any checkpoint of that step is written. ``stages/context.py`` checks the final weights
-before it commits them.
+Every loop checks each optimizer step's loss and gradient norm (values already reduced over the
+ranks, so every rank decides alike) with :func:`step_is_finite`; the RL loop also checks each
+rollout's rewards and advantages. The RL loop checks after each step; the supervised loop
+(``training/loop.py``) keeps a step's values on the device and checks every step, in step order,
+when it next reads the device (logging every ``log_every`` steps, evaluation, a checkpoint, the
+end), so the check adds no host synchronisation to a step. A non-finite step is skipped (the
+backend left weights and optimizer state untouched, see
+``Backend.optimizer_step(skip_nonfinite=True)``) while the stage's ``max_nonfinite_steps`` allows,
+and otherwise fails the stage with :class:`~trainer_core.errors.NonFiniteError` naming the stage,
+the global step and the metric, before any checkpoint of that step is written (the supervised
+loop may have run up to ``log_every`` - 1 more steps by then; none of them is checkpointed
+either). ``stages/context.py`` checks the final weights before it commits them.
 
 The skip follows Megatron-LM's and DeepSpeed's overflow handling of mixed precision (the
 iteration is skipped, the batch consumed); unlike them the LR schedule advances as for any step.
@@ -37,7 +41,8 @@ def step_is_finite(
     progress: TrainProgress, *, stage: str, global_step: int, max_nonfinite_steps: int,
     loss: float | Tensor, grad_norm: float | Tensor,
 ) -> bool:
-    """Check one optimizer step: its loss and its gradient norm (both reduced over ranks).
+    """Check one optimizer step: its loss and its gradient norm (both reduced over ranks), given as
+    host floats (a tensor is read here, which waits for the device).
 
     A step whose gradient norm is NaN or infinite was skipped by the backend when the stage
     allows skipping (``Backend.optimizer_step(skip_nonfinite=True)``); a non-finite loss with a

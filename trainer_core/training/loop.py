@@ -9,6 +9,20 @@ takes every logged value).
 
 Units: ``global_step`` counts optimizer steps; a step consumes ``grad_accum_steps``
 micro-batches of ``micro_batch_size`` examples each.
+
+Host synchronisation (kept out of the step as torchtitan's train step keeps it out): within an
+optimizer step the loop never makes the host wait for the device. Counts come from the collated
+micro-batches on the host (:meth:`Objective.count`, and ``Objective.num_tokens`` where the
+objective has it) before they are copied to the device without blocking; the step's loss, gradient norm and metric sums stay device tensors in a
+:class:`StepRecord`. The loop reads them in ONE device-to-host copy (:func:`read_scalars`) when
+it next needs a number: logging (every ``log_every`` steps), evaluation, a checkpoint, the end.
+That read also runs the non-finite guard over every step since the previous read, in step order,
+so a non-finite step still fails the stage before any checkpoint of it is written (a NaN step the
+stage may not skip is reported up to ``log_every - 1`` steps later). Timings use CUDA events on
+CUDA (:mod:`~trainer_core.training.timing`), read at logging time. What may still wait within a
+step lies outside the loop: the objective's forward (an ``int(tensor)``, boolean-mask indexing,
+transformers' padding-mask check) and the backend's ``optimizer_step(skip_nonfinite=True)``
+decision.
 """
 
 from __future__ import annotations
@@ -16,10 +30,9 @@ from __future__ import annotations
 import logging
 import math
 import resource
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +45,7 @@ from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition, iterate_batches
 from trainer_core.training.guard import check_finite_metrics, finite_only, step_is_finite
+from trainer_core.training.timing import PhaseTimer, phase_timer
 
 log = logging.getLogger(__name__)
 
@@ -43,21 +57,30 @@ class StepOutput:
     Attributes:
         loss_sum: scalar, the loss summed over the micro-batch's counted units (tokens for
             SFT, pairs for reward model and DPO); the loop divides by the step's total count.
-        num_tokens: non-padding tokens processed (for throughput).
-        metric_sums: per-unit metrics summed over the micro-batch (detached); the loop
-            reports them divided by the step's total count.
+        num_tokens: non-padding tokens processed (for throughput): a host int, or a device
+            scalar (summed on the device, read at logging time). Not used (may be None) when the
+            objective has ``num_tokens(batch)``, which counts them on the host batch; an
+            ``int(mask.sum())`` of a device tensor here makes the host wait for the device.
+        metric_sums: per-unit metrics summed over the micro-batch (detached, on the device); the
+            loop reports them divided by the step's total count.
     """
 
     loss_sum: Tensor
-    num_tokens: int
+    num_tokens: int | Tensor | None = None
     metric_sums: dict[str, Tensor] = field(default_factory=dict)
 
 
 class Objective(Protocol):
-    """What a training stage plugs into the loop."""
+    """What a training stage plugs into the loop.
+
+    An objective may also define ``num_tokens(batch) -> int``: the non-padding tokens of a
+    micro-batch, called like :meth:`count` on the host batch; the loop then ignores
+    ``StepOutput.num_tokens``.
+    """
 
     def count(self, batch: dict[str, Tensor]) -> int:
-        """Counted units (loss tokens or pairs) in a micro-batch."""
+        """Counted units (loss tokens or pairs) in a micro-batch; the loop calls it on the collated
+        batch on the host (CPU tensors), before the batch is copied to the device."""
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         """Forward one micro-batch; returns the summed loss with its graph."""
@@ -82,10 +105,11 @@ class BatchSource:
     collate: Callable[[list[dict]], dict[str, Tensor]]
     device: torch.device
 
-    def stream(
+    def host_stream(
         self, position: DataPosition, rank: int = 0, world_size: int = 1
     ) -> Iterator[tuple[dict[str, Tensor] | None, DataPosition, int]]:
-        """Yield (batch, position after it, number of examples) forever, from ``position``.
+        """Yield (collated batch on the host, position after it, number of examples) forever, from
+        ``position``.
 
         With ``world_size`` > 1 the i-th micro-batch from ``position`` belongs to rank
         ``i % world_size``: only this rank's are collated; the others come as ``None`` (their
@@ -95,8 +119,20 @@ class BatchSource:
             if i % world_size != rank:
                 yield None, after, len(indices)
                 continue
-            batch = self.collate([self.rows[i] for i in indices])
-            yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}, after, len(indices)
+            yield self.collate([self.rows[i] for i in indices]), after, len(indices)
+
+    def to_device(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``batch`` copied to :attr:`device` without making the host wait (pinned first on CUDA)."""
+        if self.device.type == "cuda":
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def stream(
+        self, position: DataPosition, rank: int = 0, world_size: int = 1
+    ) -> Iterator[tuple[dict[str, Tensor] | None, DataPosition, int]]:
+        """As :meth:`host_stream`, with each batch on :attr:`device`."""
+        for batch, after, size in self.host_stream(position, rank, world_size):
+            yield (None if batch is None else self.to_device(batch)), after, size
 
 
 def build_optimizer(model: nn.Module, cfg: TrainStageConfig) -> torch.optim.AdamW:
@@ -134,6 +170,45 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def scalar_on(value: float | Tensor, device: torch.device) -> Tensor:
+    """``value`` as a float32 scalar on ``device``, copied without making the host wait
+    (``torch.tensor(x, device=cuda)`` copies synchronously: it waits for the stream)."""
+    value = value if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float32)
+    return value.to(device=device, dtype=torch.float32, non_blocking=True)
+
+
+def read_scalars(values: list[float | int | Tensor], device: torch.device) -> list[float]:
+    """Host floats of ``values`` (numbers, or scalar tensors), in order.
+
+    The tensors on ``device``'s type come back in ONE device-to-host copy (the one place the loop
+    waits for the device); each is converted to float64 on the device first, which is exact for
+    every floating dtype up to float64 and integers below 2**53, so each value equals ``float(t)``.
+    Tensors elsewhere (a CPU scalar from DeepSpeed on a CUDA run) are host values, read directly.
+    """
+    on_device = [isinstance(v, Tensor) and v.device.type == device.type for v in values]
+    stacked = [v.detach().reshape(()).to(torch.float64) for v, d in zip(values, on_device) if d]
+    read = iter(torch.stack(stacked).tolist() if stacked else [])
+    return [next(read) if d else float(v) for v, d in zip(values, on_device)]
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step's results, kept on the device until the loop next reads it.
+
+    Attributes:
+        global_step: the step.
+        metrics: name -> scalar (a device tensor, or a host number), in logging order; always
+            ``train/loss`` and ``train/grad_norm`` (the non-finite guard reads them).
+        num_tokens: the step's non-padding tokens over every rank (host int, or device scalar).
+        timer: the step's phase timer (records nothing on a step that does not log).
+    """
+
+    global_step: int
+    metrics: dict[str, float | Tensor]
+    num_tokens: int | Tensor
+    timer: PhaseTimer
+
+
 @dataclass
 class TrainLoop:
     """Runs one stage's optimisation; see the module docstring.
@@ -164,6 +239,7 @@ class TrainLoop:
         self.accum_steps = self.cfg.accum_steps(self.backend.world_size)
         self.progress = TrainProgress()
         self.metrics = self.session.metrics
+        self._unread: list[StepRecord] = []
 
     def resume(self) -> bool:
         """Collective: load the latest complete checkpoint, if any; True when one was loaded.
@@ -195,11 +271,13 @@ class TrainLoop:
         if progress.global_step == 0 and "eval/loss" not in progress.history:
             self._evaluate()
         backend = self.backend
-        stream = self.batches.stream(DataPosition(progress.epoch, progress.batch_index), backend.rank, backend.world_size)
+        stream = self.batches.host_stream(DataPosition(progress.epoch, progress.batch_index), backend.rank,
+                                          backend.world_size)
         while progress.global_step < cfg.max_steps:
-            metrics = self._optimizer_step(stream)
-            if progress.global_step % cfg.log_every == 0 or progress.global_step == cfg.max_steps:
-                self._log(metrics)
+            logs = self._logs_at(progress.global_step + 1)
+            self._unread.append(self._optimizer_step(stream, phase_timer(backend.device, enabled=logs)))
+            if logs:
+                self._log()
             stop = False
             if progress.global_step % cfg.eval_every == 0 or progress.global_step == cfg.max_steps:
                 stop = self._evaluate()
@@ -209,80 +287,114 @@ class TrainLoop:
                 log.info("early stopping at global_step %d", progress.global_step)
                 progress.history["stopped_early"] = 1.0
                 break
+        self._read()
 
-    def _optimizer_step(self, stream: Iterator) -> dict[str, float]:
+    def _logs_at(self, global_step: int) -> bool:
+        """Whether the metrics of ``global_step`` are logged."""
+        return global_step % self.cfg.log_every == 0 or global_step == self.cfg.max_steps
+
+    def _optimizer_step(self, stream: Iterator, timer: PhaseTimer) -> StepRecord:
         """One optimizer step over ``grad_accum_steps`` micro-batches on every rank.
 
         The loss is summed over every counted unit of the global batch (all micro-batches of
         all ranks) and divided by their number, so the step equals one taken on a single
-        device over ``grad_accum_steps x world_size`` micro-batches.
+        device over ``grad_accum_steps x world_size`` micro-batches. Nothing here waits for the
+        device (see the module docstring); the step's numbers come back as a :class:`StepRecord`.
+
+        Args:
+            stream: :meth:`BatchSource.host_stream` of this rank.
+            timer: times the forward, backward and optimizer phases.
         """
-        cfg, progress, backend = self.cfg, self.progress, self.backend
+        cfg, progress, backend, objective = self.cfg, self.progress, self.backend, self.objective
         drawn = [next(stream) for _ in range(self.accum_steps * backend.world_size)]
-        micro = [batch for batch, _, _ in drawn if batch is not None]
-        count = sum(self.objective.count(batch) for batch in micro)
-        total = backend.all_reduce_sum(torch.tensor(float(count), device=backend.device)).clamp(min=1.0)
-        t_fwd = t_bwd = 0.0
+        hosts = [batch for batch, _, _ in drawn if batch is not None]
+        count = sum(objective.count(batch) for batch in hosts)
+        counts_tokens = getattr(objective, "num_tokens", None)
+        num_tokens: int | Tensor = sum(counts_tokens(batch) for batch in hosts) if counts_tokens else 0
+        micro = [self.batches.to_device(batch) for batch in hosts]
+        total = backend.all_reduce_sum(scalar_on(count, backend.device)).clamp(min=1.0)
         loss_sum = torch.zeros((), device=backend.device)
         metric_sums: dict[str, Tensor] = {}
-        num_tokens = 0
         for i, batch in enumerate(micro):
             with backend.grad_sync(self.model, is_last_micro_batch=i == len(micro) - 1):
-                t0 = time.perf_counter()
-                out = self.objective.step(self.model, batch)
-                t1 = time.perf_counter()
-                backend.backward(self.model, out.loss_sum / total)
-                t_bwd += time.perf_counter() - t1
-                t_fwd += t1 - t0
+                with timer.phase("forward"), backend.autocast():
+                    out = objective.step(self.model, batch)
+                with timer.phase("backward"):
+                    backend.backward(self.model, out.loss_sum / total)
             loss_sum += out.loss_sum.detach()
-            num_tokens += out.num_tokens
+            if not counts_tokens:
+                if out.num_tokens is None:
+                    raise TypeError(f"{type(objective).__name__} has no num_tokens(batch) and its step gave none")
+                num_tokens = num_tokens + out.num_tokens
             for k, v in out.metric_sums.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + v
-        t0 = time.perf_counter()
-        lr = self.scheduler.get_last_lr()[0]
-        grad_norm = backend.optimizer_step(
-            self.model, self.optimizer, cfg.max_grad_norm, skip_nonfinite=cfg.max_nonfinite_steps > 0
-        )
-        self.scheduler.step()
-        t_opt = time.perf_counter() - t0
+        with timer.phase("optimizer"):
+            lr = self.scheduler.get_last_lr()[0]
+            grad_norm = backend.optimizer_step(
+                self.model, self.optimizer, cfg.max_grad_norm, skip_nonfinite=cfg.max_nonfinite_steps > 0
+            )
+            self.scheduler.step()
         if backend.world_size > 1:
             loss_sum, num_tokens, metric_sums = self._sum_over_ranks(loss_sum, num_tokens, metric_sums)
         _, last_position, _ = drawn[-1]
         progress.global_step += 1
         progress.epoch, progress.batch_index = last_position.epoch, last_position.batch_index
         progress.consumed_samples += sum(n for _, _, n in drawn)
-        progress.consumed_tokens += num_tokens
-        step_s = t_fwd + t_bwd + t_opt
         metrics = {"train/loss": loss_sum / total, "train/grad_norm": grad_norm, "train/lr": lr}
-        step_is_finite(progress, stage=self.session.stage, global_step=progress.global_step,
-                       max_nonfinite_steps=cfg.max_nonfinite_steps, loss=metrics["train/loss"], grad_norm=grad_norm)
-        if progress.nonfinite_steps:
-            metrics["train/nonfinite_steps"] = progress.nonfinite_steps
         metrics.update({f"train/{k}": v / total for k, v in metric_sums.items()})
-        metrics.update(
+        return StepRecord(progress.global_step, metrics, num_tokens, timer)
+
+    def _sum_over_ranks(
+        self, loss_sum: Tensor, num_tokens: int | Tensor, metric_sums: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Collective: a step's loss sum, token count and metric sums summed over every rank (one
+        all-reduce; the results stay on the device)."""
+        device, keys = self.backend.device, sorted(metric_sums)
+        local = torch.stack([scalar_on(v, device) for v in [loss_sum, num_tokens] + [metric_sums[k] for k in keys]])
+        summed = self.backend.all_reduce_sum(local)
+        return summed[0], summed[1], {k: summed[2 + j] for j, k in enumerate(keys)}
+
+    def _read(self) -> StepRecord | None:
+        """Read every step not read yet in one device-to-host copy: the non-finite guard checks each
+        in step order and its tokens join ``progress.consumed_tokens``. Returns the latest step's
+        record with host floats (None when nothing was unread).
+
+        Raises:
+            NonFiniteError: a non-finite step the stage may not skip (see :mod:`.guard`).
+        """
+        records, self._unread = self._unread, []
+        if not records:
+            return None
+        values = [v for r in records for v in (*r.metrics.values(), r.num_tokens)]
+        floats = iter(read_scalars(values, self.backend.device))
+        read = [StepRecord(r.global_step, {k: next(floats) for k in r.metrics}, int(next(floats)), r.timer)
+                for r in records]
+        cfg, progress = self.cfg, self.progress
+        for r in read:
+            progress.consumed_tokens += r.num_tokens
+            step_is_finite(progress, stage=self.session.stage, global_step=r.global_step,
+                           max_nonfinite_steps=cfg.max_nonfinite_steps, loss=r.metrics["train/loss"],
+                           grad_norm=r.metrics["train/grad_norm"])
+        return read[-1]
+
+    def _log(self) -> None:
+        """Log the latest step (read with every unread one: the step's one wait for the device)."""
+        record = self._read()
+        metrics = dict(record.metrics)
+        values = {k: metrics.pop(k) for k in ("train/loss", "train/grad_norm", "train/lr")}
+        if self.progress.nonfinite_steps:
+            values["train/nonfinite_steps"] = float(self.progress.nonfinite_steps)
+        values.update(metrics)
+        seconds = record.timer.seconds()
+        t_fwd, t_bwd, t_opt = (seconds.get(phase, 0.0) for phase in ("forward", "backward", "optimizer"))
+        values.update(
             {
-                "train/tokens_per_s": num_tokens / max(step_s, 1e-9),
+                "train/tokens_per_s": record.num_tokens / max(t_fwd + t_bwd + t_opt, 1e-9),
                 "time/forward_s": t_fwd,
                 "time/backward_s": t_bwd,
                 "time/optimizer_s": t_opt,
             }
         )
-        return metrics
-
-    def _sum_over_ranks(
-        self, loss_sum: Tensor, num_tokens: int, metric_sums: dict[str, Tensor]
-    ) -> tuple[Tensor, int, dict[str, Tensor]]:
-        """Collective: a step's loss sum, token count and metric sums summed over every rank (one all-reduce)."""
-        device, keys = self.backend.device, sorted(metric_sums)
-        local = torch.stack(
-            [loss_sum.float(), torch.tensor(float(num_tokens), device=device)]
-            + [torch.as_tensor(metric_sums[k], device=device).float() for k in keys]
-        )
-        summed = self.backend.all_reduce_sum(local)
-        return summed[0], int(summed[1].item()), {k: summed[2 + j] for j, k in enumerate(keys)}
-
-    def _log(self, metrics: dict[str, Any]) -> None:
-        values = {k: float(v) for k, v in metrics.items()}
         values["memory/peak_bytes"] = float(_peak_memory_bytes(self.backend.device))
         values["train/consumed_samples"] = float(self.progress.consumed_samples)
         self._emit(values)
@@ -301,11 +413,15 @@ class TrainLoop:
             history[k] = v
 
     def _evaluate(self) -> bool:
-        """Evaluate, log, update early-stopping state; True when training should stop."""
+        """Evaluate, log, update early-stopping state; True when training should stop.
+
+        The steps not read yet are read first (their non-finite guard runs before evaluating).
+        """
+        self._read()
         model = self.model
         was_training = model.training
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.backend.autocast():
             metrics = {f"eval/{k}": float(v) for k, v in self.objective.evaluate(model).items()}
         model.train(was_training)
         check_finite_metrics(metrics, stage=self.session.stage, global_step=self.progress.global_step,
@@ -322,7 +438,9 @@ class TrainLoop:
 
     def save(self) -> None:
         """Checkpoint the current state (see :meth:`CheckpointSession.save`); the upload may
-        overlap the next steps on one process."""
+        overlap the next steps on one process. The steps not read yet are read first, so a
+        non-finite one fails the stage before its checkpoint and the progress saved is complete."""
+        self._read()
         self._track_best(step_dirname(self.progress.global_step))
         self.session.save(self.progress, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
 

@@ -237,18 +237,21 @@ class RLTrainer:
         items = [self.prompts[i] for i in picked[backend.rank :: backend.world_size] for _ in range(group)]
         padded = collate_prompts_left([{"input_ids": p.input_ids} for p in items], tok.pad_token_id)
         p_ids, p_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device).float()
-        c_ids, c_mask = sample_completions(
-            self.module, p_ids, p_mask, cfg.generation, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-            generator=self.generator, sync=backend.all_reduce_sum if backend.sharded_forward else None,
-        )
+        # Sampling, old and reference log-probs in the training forward's precision (an
+        # on-policy ratio is 1 only when both compute alike).
+        with backend.autocast():
+            c_ids, c_mask = sample_completions(
+                self.module, p_ids, p_mask, cfg.generation, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                generator=self.generator, sync=backend.all_reduce_sum if backend.sharded_forward else None,
+            )
+            out = self.forward(self.module, p_ids, p_mask, c_ids, c_mask)
+            ref = None
+            if self.reference is not None:
+                ref, _, _ = forward_completions(
+                    self.reference, p_ids, p_mask, c_ids, c_mask, temperature=cfg.generation.temperature
+                )
         decoded = tok.batch_decode(c_ids.masked_fill(c_mask == 0, tok.pad_token_id), skip_special_tokens=True)
         texts = [t.strip() for t in decoded]
-        out = self.forward(self.module, p_ids, p_mask, c_ids, c_mask)
-        ref = None
-        if self.reference is not None:
-            ref, _, _ = forward_completions(
-                self.reference, p_ids, p_mask, c_ids, c_mask, temperature=cfg.generation.temperature
-            )
         batch = RolloutBatch(
             prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask, logprobs=out.logprobs,
             scores=self.reward_fn(items, texts).to(device),
@@ -339,8 +342,9 @@ class RLTrainer:
         backend = self.backend
         num_valid_tokens = backend.all_reduce_sum(mb.completion_mask.sum()).clamp(min=1.0)
         with backend.grad_sync(self.model, is_last_micro_batch=True):
-            out = self.forward(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
-            loss, metric_sums = self.algo.loss(mb, out, num_valid_tokens)
+            with backend.autocast():
+                out = self.forward(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
+                loss, metric_sums = self.algo.loss(mb, out, num_valid_tokens)
             backend.backward(self.model, loss)
         cfg = self.cfg
         grad_norm = backend.optimizer_step(

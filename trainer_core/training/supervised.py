@@ -20,11 +20,11 @@ from torch import Tensor, nn
 
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition, collate_causal, collate_pairs, iterate_batches
 from trainer_core.errors import ConfigError
-from trainer_core.forward import masked_token_logprobs
+from trainer_core.forward import masked_nll_sum, masked_token_logprobs
+from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS
 from trainer_core.objectives.dpo import dpo_loss
 from trainer_core.objectives.logprobs import sequence_logprobs, shift_mask
 from trainer_core.objectives.reward import bradley_terry_loss
-from trainer_core.objectives.sft import sft_loss
 from trainer_core.training.loop import BatchSource, StepOutput
 
 
@@ -60,22 +60,33 @@ def eval_batches(source: BatchSource, max_batches: int):
 class SFTObjective:
     """Masked next-token NLL; the count unit is a completion token.
 
+    The loss sum comes from :func:`~trainer_core.forward.masked_nll_sum` (the LM head on
+    completion positions only, in chunks or Liger's fused kernel), equal to
+    ``sft_loss(masked_token_logprobs(...), mask)``.
+
     Args:
         eval_source: unshuffled held-out batches (``sft/eval``).
         eval_max_batches: cap on evaluated micro-batches.
+        chunk_size: tokens per chunk of the LM head.
     """
 
-    def __init__(self, eval_source: BatchSource, eval_max_batches: int) -> None:
+    def __init__(self, eval_source: BatchSource, eval_max_batches: int, chunk_size: int = CHUNK_SIZE_TOKENS) -> None:
         self.eval_source = eval_source
         self.eval_max_batches = eval_max_batches
+        self.chunk_size = chunk_size
 
     def count(self, batch: dict[str, Tensor]) -> int:
         return int(batch["loss_mask"][:, 1:].sum())
 
+    def num_tokens(self, batch: dict[str, Tensor]) -> int:
+        """Non-padding tokens of a host micro-batch (the loop calls it before the copy to the device)."""
+        return int(batch["attention_mask"].sum())
+
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
-        logprobs = masked_token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-        loss_sum, _ = sft_loss(logprobs, shift_mask(batch["loss_mask"]))
-        return StepOutput(loss_sum=loss_sum, num_tokens=int(batch["attention_mask"].sum()))
+        loss_sum = masked_nll_sum(
+            model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], chunk_size=self.chunk_size
+        )
+        return StepOutput(loss_sum=loss_sum)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Held-out loss per completion token and its perplexity ``exp(loss)``."""
@@ -132,12 +143,15 @@ class RewardObjective:
     def count(self, batch: dict[str, Tensor]) -> int:
         return batch["chosen_input_ids"].shape[0]
 
+    def num_tokens(self, batch: dict[str, Tensor]) -> int:
+        """Non-padding tokens of both sides of a host micro-batch (counted before the copy to the device)."""
+        return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         chosen, rejected = pair_rewards(model, batch)
         losses, m = bradley_terry_loss(chosen, rejected)
-        num_tokens = int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
         sums = {"accuracy": m["accuracies"].sum(), "margin": m["margins"].sum()}
-        return StepOutput(loss_sum=losses.sum(), num_tokens=num_tokens, metric_sums=sums)
+        return StepOutput(loss_sum=losses.sum(), metric_sums=sums)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Held-out mean loss, pairwise accuracy (r_chosen > r_rejected) and mean margin."""
@@ -157,10 +171,16 @@ def evaluate_pairs(objective, model: nn.Module, source: BatchSource, max_batches
     return {k: v / max(count, 1) for k, v in totals.items()}
 
 
-def pair_logprobs(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Summed completion log-probs of chosen and rejected, each [B], from one [2B, T] forward."""
+def pair_logprobs(
+    model: nn.Module, batch: dict[str, Tensor], chunk_size: int = CHUNK_SIZE_TOKENS
+) -> tuple[Tensor, Tensor]:
+    """Summed completion log-probs of chosen and rejected, each [B] float32, from one [2B, T] forward.
+
+    ``model`` is an HF causal LM, plain or wrapped by a backend; its LM head runs on completion
+    positions only, ``chunk_size`` tokens at a time (:func:`~trainer_core.forward.masked_token_logprobs`).
+    """
     input_ids, attention_mask, loss_mask = concat_pairs(batch)
-    token_logprobs = masked_token_logprobs(model, input_ids, attention_mask, loss_mask)
+    token_logprobs = masked_token_logprobs(model, input_ids, attention_mask, loss_mask, chunk_size=chunk_size)
     logprobs = sequence_logprobs(token_logprobs, shift_mask(loss_mask))
     num_pairs = batch["chosen_input_ids"].shape[0]
     return logprobs[:num_pairs], logprobs[num_pairs:]
@@ -175,26 +195,39 @@ def collate_with_reference(rows: list[dict], pad_id: int) -> dict[str, Tensor]:
 
 
 class DPOObjective:
-    """Sigmoid DPO loss; the count unit is a pair. Metrics use TRL's names."""
+    """Sigmoid DPO loss; the count unit is a pair. Metrics use TRL's names.
 
-    def __init__(self, beta: float, eval_source: BatchSource, eval_max_batches: int) -> None:
+    Args:
+        beta: DPO's beta.
+        eval_source: unshuffled held-out pairs with their reference log-probs.
+        eval_max_batches: cap on evaluated micro-batches.
+        chunk_size: tokens per chunk of the LM head (:func:`pair_logprobs`).
+    """
+
+    def __init__(
+        self, beta: float, eval_source: BatchSource, eval_max_batches: int, chunk_size: int = CHUNK_SIZE_TOKENS
+    ) -> None:
         self.beta = beta
         self.eval_source = eval_source
         self.eval_max_batches = eval_max_batches
+        self.chunk_size = chunk_size
 
     def count(self, batch: dict[str, Tensor]) -> int:
         return batch["chosen_input_ids"].shape[0]
 
+    def num_tokens(self, batch: dict[str, Tensor]) -> int:
+        """Non-padding tokens of both sides of a host micro-batch (counted before the copy to the device)."""
+        return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
-        chosen, rejected = pair_logprobs(model, batch)
+        chosen, rejected = pair_logprobs(model, batch, self.chunk_size)
         losses, m = dpo_loss(
             chosen, rejected, batch["ref_chosen_logprobs"], batch["ref_rejected_logprobs"], beta=self.beta
         )
-        num_tokens = int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
         sums = {k: v.sum() for k, v in m.items()}
         sums["logps/chosen"] = chosen.detach().sum()
         sums["logps/rejected"] = rejected.detach().sum()
-        return StepOutput(loss_sum=losses.sum(), num_tokens=num_tokens, metric_sums=sums)
+        return StepOutput(loss_sum=losses.sum(), metric_sums=sums)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Held-out mean DPO loss and TRL's reward metrics."""
@@ -202,17 +235,22 @@ class DPOObjective:
 
 
 @torch.no_grad()
-def reference_logprobs(model: nn.Module, rows: list[dict], pad_id: int, batch_size: int, device) -> list[list[float]]:
+def reference_logprobs(
+    model: nn.Module, rows: list[dict], pad_id: int, batch_size: int, device, chunk_size: int = CHUNK_SIZE_TOKENS
+) -> list[list[float]]:
     """[chosen, rejected] summed log-probs under ``model`` for each row, in row order.
 
-    Rows are batched in length order to limit padding; results are put back in row order.
+    ``model`` is the frozen reference, plain or as ``Backend.prepare_frozen`` placed it (an
+    FSDP2 module, a ZeRO-3 engine); its LM head runs on completion positions only, in chunks
+    of ``chunk_size`` tokens (:func:`pair_logprobs`). Rows are batched in length order to
+    limit padding; results are put back in row order.
     """
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["chosen_input_ids"]) + len(rows[i]["rejected_input_ids"]))
     out: list[list[float]] = [[0.0, 0.0] for _ in rows]
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = {k: v.to(device) for k, v in collate_pairs([rows[i] for i in idx], pad_id).items()}
-        chosen, rejected = pair_logprobs(model, batch)
+        chosen, rejected = pair_logprobs(model, batch, chunk_size)
         for i, c, r in zip(idx, chosen.tolist(), rejected.tolist()):
             out[i] = [c, r]
     return out

@@ -1,0 +1,183 @@
+"""Log-probabilities of target tokens through the output projection, a chunk of tokens at a time.
+
+The LM head maps N hidden states to [N, V] logits; at N = 2.5k tokens and V = 152k words those
+logits and their log-softmax take ~1.5 GB each in float32. Here the projection and the
+log-softmax run on at most ``chunk_size`` tokens at once, and the backward recomputes each
+chunk's logits instead of keeping them: the extra memory of forward and backward is
+O(chunk_size x V), and nothing larger than [N] float32 is saved for the backward (besides the
+hidden states and the weight, which exist anyway).
+
+Shape legend: N tokens (the counted positions of a batch, flattened), H hidden, V vocabulary,
+C chunk (``chunk_size`` tokens or fewer).
+
+Sources: torchtune's chunked output loss (``CEWithChunkedOutputLoss``, and
+``LinearCrossEntropyLoss``, which also chunks the output projection) and Liger-Kernel's fused
+linear cross-entropy (``liger_kernel/ops/fused_linear_cross_entropy.py``: the logits gradient
+``softmax - onehot`` formed chunk by chunk and projected at once onto the hidden states and the
+weight). Departures: torchtune keeps every chunk's log-softmax for the backward (O(N V) in
+total); Liger's ``mean``/``sum`` path computes the gradients during the forward, so an
+evaluation forward pays for them too. This one recomputes in the backward, as Liger's
+``reduction="none"`` path does, so a forward under ``torch.no_grad`` costs one projection.
+On CUDA with ``liger-kernel`` installed (the ``gpu`` extra), the summed NLL of SFT uses Liger's
+Triton kernel instead (:data:`NLL_SUM_KERNELS`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+CHUNK_SIZE_TOKENS = 1024
+"""Default chunk: at V = 152k its float32 logits take 0.62 GB (the backward holds about two such)."""
+
+
+def _compute_dtype(weight: Tensor) -> torch.dtype:
+    """The head's matmul dtype: autocast's where the caller enabled it (bf16-mixed), else the weight's."""
+    device_type = weight.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """[C, V] float32 logits of [C, H] hidden states; the matmul in ``weight``'s dtype (the compute dtype)."""
+    return F.linear(hidden.to(weight.dtype), weight, bias).float()
+
+
+def _add_matmul_(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` where ``out`` may be wider than ``a`` and ``b`` (the fp32 weight gradient of
+    bf16 matmuls under autocast: then a [V, H] bf16 product is added per chunk)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(a @ b)
+
+
+class _ChunkedLinearLogprobs(torch.autograd.Function):
+    """``log_softmax(hidden @ weight.T + bias)[i, targets[i]]`` chunk by chunk; see the module docstring.
+
+    Under autocast (bf16-mixed) the matmuls run in the autocast dtype in the forward and in the
+    backward alike (the backward runs outside the caller's autocast region, so the dtype is
+    kept on ``ctx``); softmax and log-sum-exp are float32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int) -> Tensor:
+        ctx.compute_dtype = _compute_dtype(weight)
+        ctx.chunk_size = chunk_size
+        num_tokens = hidden.shape[0]
+        logprobs = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)  # log-sum-exp per token
+        with torch.autocast(weight.device.type, enabled=False):
+            weight_c, bias_c = _cast(weight, bias, ctx.compute_dtype)
+            for start in range(0, num_tokens, chunk_size):
+                rows = slice(start, start + chunk_size)
+                logits = _chunk_logits(hidden[rows], weight_c, bias_c)  # [C, V]
+                lse[rows] = torch.logsumexp(logits, dim=-1)
+                logprobs[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - lse[rows]
+                del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        return logprobs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprobs: Tensor):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros_like(weight) if needs_weight else None
+        grad_bias = torch.zeros_like(bias) if needs_bias else None
+        grad_logprobs = grad_logprobs.float()
+        weight_c, bias_c = _cast(weight, bias, ctx.compute_dtype)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            g = grad_logprobs[rows, None]  # [C, 1]
+            # d logprob / d logits = onehot(target) - softmax(logits), built in place in one [C, V] buffer.
+            grad_logits = _chunk_logits(hidden[rows], weight_c, bias_c).sub_(lse[rows, None]).exp_().mul_(-g)
+            grad_logits.scatter_add_(1, targets[rows, None], g)
+            if needs_bias:
+                grad_bias += grad_logits.sum(dim=0)
+            grad_logits = grad_logits.to(weight_c.dtype)
+            if needs_hidden:
+                grad_hidden[rows] = grad_logits @ weight_c
+            if needs_weight:
+                _add_matmul_(grad_weight, grad_logits.t(), hidden[rows].to(weight_c.dtype))
+            del grad_logits
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def _cast(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """``weight`` and ``bias`` in ``dtype`` (no copy when they already are)."""
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def chunked_linear_logprobs(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int = CHUNK_SIZE_TOKENS
+) -> Tensor:
+    """Log-probability of each target under a linear head, never holding more than [C, V] logits.
+
+    Equal (up to float rounding) to
+    ``torch.log_softmax((hidden @ weight.T + bias).float(), -1).gather(1, targets[:, None])[:, 0]``;
+    differentiable in ``hidden``, ``weight`` and ``bias`` (once: no double backward).
+
+    Args:
+        hidden: [N, H] float, the decoder's hidden states at the scored positions.
+        weight: [V, H] the head's weight; the matmuls run in its dtype, or in autocast's where
+            the caller enabled autocast (bf16-mixed: fp32 weight, bf16 matmuls, fp32 gradient).
+        bias: [V] the head's bias, or None.
+        targets: [N] long, the token scored at each position.
+        chunk_size: tokens per chunk (> 0); the extra memory is O(chunk_size x V).
+
+    Returns:
+        [N] float32 log-probabilities.
+
+    Raises:
+        ValueError: ``chunk_size`` is not positive, or the shapes disagree.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if hidden.ndim != 2 or targets.shape != hidden.shape[:1] or weight.shape[1:] != hidden.shape[1:]:
+        raise ValueError(
+            f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    return _ChunkedLinearLogprobs.apply(hidden, weight, bias, targets, chunk_size)
+
+
+def chunked_nll_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int) -> Tensor:
+    """Scalar float32 ``-sum(chunked_linear_logprobs(...))``: the SFT loss sum (shapes as there)."""
+    return -chunked_linear_logprobs(hidden, weight, bias, targets, chunk_size).sum()
+
+
+def liger_nll_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int) -> Tensor:
+    """Scalar float32 summed NLL from Liger-Kernel's fused linear cross-entropy (CUDA, Triton).
+
+    ``liger_kernel.transformers.functional.liger_fused_linear_cross_entropy`` with
+    ``reduction="sum"``: it sizes its own chunks (``chunk_size`` is not used) so that a chunk's
+    logits take about as much memory as ``hidden``, and computes the gradients in the forward
+    (when ``hidden`` requires grad). Shapes as :func:`chunked_linear_logprobs`.
+    """
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(hidden, weight, targets, bias=bias, reduction="sum").float()
+
+
+NllSum = Callable[[Tensor, Tensor, "Tensor | None", Tensor, int], Tensor]
+
+NLL_SUM_KERNELS: dict[str, NllSum] = {"torch": chunked_nll_sum, "liger": liger_nll_sum}
+"""Implementations of the summed next-token NLL through the LM head, by name (:func:`nll_sum_kernel`)."""
+
+
+@cache
+def liger_available() -> bool:
+    """True when ``liger_kernel`` (the ``gpu`` extra) is importable."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def nll_sum_kernel(device: torch.device) -> str:
+    """The :data:`NLL_SUM_KERNELS` entry for ``device``: ``liger`` on CUDA when installed, else ``torch``."""
+    return "liger" if device.type == "cuda" and liger_available() else "torch"
