@@ -80,7 +80,8 @@ def probe_stage(log: StepLog, objective: type, count_examples):
         def step(self, model, batch):
             out = original(self, model, batch)
             if model.training:
-                log.tokens.append(int(out.num_tokens))
+                counted = self.num_tokens(batch) if hasattr(self, "num_tokens") else out.num_tokens
+                log.tokens.append(int(counted))
                 log.examples.append(count_examples(batch))
                 log.padded_tokens.append(sum(v.numel() for k, v in batch.items() if k.endswith("input_ids")))
             return out
