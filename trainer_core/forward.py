@@ -84,7 +84,7 @@ def _forward_replaced(module: nn.Module, forward: Callable[..., Tensor]) -> Iter
 
 def _counted_head_forward(
     decoder: nn.Module, head: nn.Linear, head_fn: HeadFn, chunk_size: int,
-    input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor,
+    input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, position_ids: Tensor | None = None,
 ) -> Tensor:
     """The causal LM's forward for one call: the decoder on the whole batch, ``head_fn`` on counted positions.
 
@@ -95,13 +95,16 @@ def _counted_head_forward(
         head_fn: see :data:`HeadFn`.
         chunk_size: tokens per chunk of the head.
         input_ids: [B, T] long.
-        attention_mask: [B, T] long, 1 = real token.
+        attention_mask: [B, T] long, 1 = real token; None for a packed batch.
         loss_mask: [B, T] long, 1 = token counted (aligned with ``input_ids``).
+        position_ids: [B, T] long restarting at each packed sequence, or None (positions 0..T-1).
 
     Returns:
         What ``head_fn`` returns for the N counted next-token predictions.
     """
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
     counted = loss_mask[:, 1:].bool()
     selected = hidden[:, :-1][counted]  # [N, H]
     targets = input_ids[:, 1:][counted]  # [N]
@@ -109,7 +112,8 @@ def _counted_head_forward(
 
 
 def _through_wrapper(
-    model: nn.Module, head_fn: HeadFn, chunk_size: int, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor
+    model: nn.Module, head_fn: HeadFn, chunk_size: int, input_ids: Tensor, attention_mask: Tensor | None,
+    loss_mask: Tensor, position_ids: Tensor | None,
 ) -> Tensor | None:
     """``head_fn`` on the counted positions, computed by one call of ``model`` (wrapped or not).
 
@@ -122,17 +126,19 @@ def _through_wrapper(
         return None
     forward = partial(_counted_head_forward, *parts, head_fn, chunk_size)
     with _forward_replaced(inner, forward):
-        return model(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+        return model(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, position_ids=position_ids)
 
 
-def _full_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor) -> Tensor:
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
+def _full_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, position_ids: Tensor | None
+) -> Tensor:
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits  # [B, T, V]
     return compute_logprobs(logits, input_ids) * shift_mask(loss_mask)
 
 
 def masked_token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, *,
-    chunk_size: int = CHUNK_SIZE_TOKENS,
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, *,
+    chunk_size: int = CHUNK_SIZE_TOKENS, position_ids: Tensor | None = None,
 ) -> Tensor:
     """Next-token log-probs at counted positions, zero elsewhere.
 
@@ -145,25 +151,29 @@ def masked_token_logprobs(
     Args:
         model: an HF causal LM, plain or as a backend wrapped it (DDP, FSDP2, DeepSpeed engine).
         input_ids: [B, T] long.
-        attention_mask: [B, T] long, 1 = real token.
-        loss_mask: [B, T] long, 1 = token counted in the loss (aligned with ``input_ids``).
+        attention_mask: [B, T] long, 1 = real token; None for a packed batch (``position_ids`` given).
+        loss_mask: [B, T] long, 1 = token counted in the loss (aligned with ``input_ids``); 0 on
+            the first token of each packed sequence.
         chunk_size: tokens per chunk of the LM head (the extra memory is O(chunk_size x V)).
+        position_ids: [B, T] long, restarting at 0 at each packed sequence
+            (:func:`~trainer_core.data.batching.collate_causal_packed`); None: 0..T-1.
 
     Returns:
         [B, T - 1] float32; position t holds log p(input_ids[:, t + 1]) where
         ``loss_mask[:, t + 1] == 1``, else 0.
     """
-    logprobs = _through_wrapper(model, chunked_linear_logprobs, chunk_size, input_ids, attention_mask, loss_mask)  # [N]
+    args = (input_ids, attention_mask, loss_mask, position_ids)
+    logprobs = _through_wrapper(model, chunked_linear_logprobs, chunk_size, *args)  # [N]
     if logprobs is None:
-        return _full_logprobs(model, input_ids, attention_mask, loss_mask)
+        return _full_logprobs(model, *args)
     counted = loss_mask[:, 1:].bool()
     out = torch.zeros(counted.shape, dtype=logprobs.dtype, device=logprobs.device)
     return out.masked_scatter(counted, logprobs)
 
 
 def masked_nll_sum(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, *,
-    chunk_size: int = CHUNK_SIZE_TOKENS,
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, *,
+    chunk_size: int = CHUNK_SIZE_TOKENS, position_ids: Tensor | None = None,
 ) -> Tensor:
     """Summed next-token NLL of the counted tokens: SFT's ``loss_sum``.
 
@@ -174,15 +184,56 @@ def masked_nll_sum(
     Args:
         model: as :func:`masked_token_logprobs`.
         input_ids: [B, T] long.
-        attention_mask: [B, T] long, 1 = real token.
+        attention_mask: [B, T] long, 1 = real token; None for a packed batch.
         loss_mask: [B, T] long, 1 = token counted in the loss.
         chunk_size: tokens per chunk of the torch implementation.
+        position_ids: as :func:`masked_token_logprobs`.
 
     Returns:
         Scalar float32 sum of ``-log p`` over the counted next tokens.
     """
+    args = (input_ids, attention_mask, loss_mask, position_ids)
     kernel = NLL_SUM_KERNELS[nll_sum_kernel(input_ids.device)]
-    loss_sum = _through_wrapper(model, kernel, chunk_size, input_ids, attention_mask, loss_mask)
+    loss_sum = _through_wrapper(model, kernel, chunk_size, *args)
     if loss_sum is None:
-        return -_full_logprobs(model, input_ids, attention_mask, loss_mask).sum()
+        return -_full_logprobs(model, *args).sum()
     return loss_sum
+
+
+def _packed_scores_forward(
+    base: nn.Module, score: nn.Module, input_ids: Tensor, position_ids: Tensor, last_token_index: Tensor
+) -> Tensor:
+    """A sequence classifier's forward for one packed call: the base model, then ``score`` at the pooled positions."""
+    hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # [1, S, H]
+    return score(hidden[0, last_token_index])  # [R, 1]
+
+
+def packed_sequence_scores(model: nn.Module, input_ids: Tensor, position_ids: Tensor, last_token_index: Tensor) -> Tensor:
+    """Scalar scores of the R sequences of a packed batch from a ``*ForSequenceClassification`` model.
+
+    Equal (up to float rounding) to the pooled ``logits`` of the same sequences padded into a
+    [R, T] batch: the base model runs on the packed tokens (``position_ids`` restart per sequence,
+    so no token attends across sequences) and the ``score`` head on each sequence's pooled
+    position only, inside one call of ``model`` (wrapped or not, as :func:`masked_token_logprobs`).
+
+    Args:
+        model: an HF sequence classifier with one label (``score`` head), plain or wrapped by a backend.
+        input_ids: [1, S] long.
+        position_ids: [1, S] long, restarting at 0 at each sequence.
+        last_token_index: [R] long, each sequence's pooled position
+            (:func:`~trainer_core.data.batching.collate_pairs_packed`).
+
+    Returns:
+        [R] float32 scores.
+
+    Raises:
+        ValueError: the unwrapped model has no ``score`` head.
+    """
+    inner = unwrap_causal_lm(model)
+    score = getattr(inner, "score", None)
+    if not isinstance(inner, PreTrainedModel) or not isinstance(score, nn.Module):
+        raise ValueError(f"{type(inner).__name__} is not a sequence classifier with a `score` head: cannot score packed rows")
+    base = getattr(inner, inner.base_model_prefix)
+    with _forward_replaced(inner, partial(_packed_scores_forward, base, score)):
+        scores = model(input_ids=input_ids, position_ids=position_ids, last_token_index=last_token_index)
+    return scores.squeeze(-1).float()

@@ -19,6 +19,7 @@ import importlib.metadata
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
@@ -32,6 +33,11 @@ from trainer_core.tracking import MODEL_NAME, logged_model_uri
 
 TAG_OUTPUT_URI = "posttrain.output_uri"
 _MAX_METRICS_PER_BATCH = 1000
+_LOAD_LOCK = threading.Lock()
+"""Serialises ``from_pretrained`` in this process: transformers' loader disables weight tying by
+swapping ``PreTrainedModel.tie_weights`` on the class for the duration of a load
+(``transformers.initialization.no_tie_weights``), so two loads in two threads can leave it swapped
+for good, and every later load of a tied model then reports ``lm_head.weight`` missing."""
 
 
 def _local_path(uri: str) -> str | None:
@@ -161,10 +167,11 @@ def log_transformers_model(
     run = client.get_run(run_id)
     with _local_model_dir(model_dir_uri) as local, tempfile.TemporaryDirectory(prefix="posttrain-mlmodel-") as tmp:
         auto_class = getattr(transformers, _AUTO_CLASS_BY_TASK[task])
-        components = {
-            "model": auto_class.from_pretrained(local, dtype="auto"),
-            "tokenizer": transformers.AutoTokenizer.from_pretrained(local),
-        }
+        with _LOAD_LOCK:
+            components = {
+                "model": auto_class.from_pretrained(local, dtype="auto"),
+                "tokenizer": transformers.AutoTokenizer.from_pretrained(local),
+            }
         tags = {k: v for k, v in run.data.tags.items() if k.startswith("posttrain.")}
         tags[TAG_OUTPUT_URI] = model_dir_uri
         logged = client.create_logged_model(

@@ -74,6 +74,11 @@ def _from_pretrained(load, source: str, model: ModelConfig, **kwargs) -> nn.Modu
                           "model directory (local or fsspec URI) or a hub id reachable from this machine") from e
 
 
+def _attn(model: ModelConfig) -> dict[str, str]:
+    """``attn_implementation`` for ``from_config`` / ``from_pretrained`` when configured."""
+    return {} if model.attn_implementation is None else {"attn_implementation": model.attn_implementation}
+
+
 def _init_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, **extra) -> LlamaConfig:
     if model.init is None:
         raise ConfigError("model source 'init' needs model.init to be set")
@@ -112,8 +117,8 @@ def load_causal_lm(source: str, model: ModelConfig, tokenizer: PreTrainedTokeniz
     dtype = _DTYPES[model.dtype]
     if source == INIT_SOURCE:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(_init_config(model, tokenizer), dtype=dtype)
-    return _from_pretrained(AutoModelForCausalLM.from_pretrained, source, model, dtype=dtype)
+        return AutoModelForCausalLM.from_config(_init_config(model, tokenizer), dtype=dtype, **_attn(model))
+    return _from_pretrained(AutoModelForCausalLM.from_pretrained, source, model, dtype=dtype, **_attn(model))
 
 
 def load_reward_model(
@@ -131,12 +136,14 @@ def load_reward_model(
     torch.manual_seed(seed)
     if source == INIT_SOURCE:
         config = _init_config(model, tokenizer, num_labels=1)
-        return AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        return AutoModelForSequenceClassification.from_config(config, dtype=dtype, **_attn(model))
     config = _from_pretrained(AutoConfig.from_pretrained, source, model)
     config.num_labels = 1
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
-    return _from_pretrained(AutoModelForSequenceClassification.from_pretrained, source, model, config=config, dtype=dtype)
+    return _from_pretrained(
+        AutoModelForSequenceClassification.from_pretrained, source, model, config=config, dtype=dtype, **_attn(model)
+    )
 
 
 def save_pretrained_to(

@@ -171,7 +171,13 @@ def test_reward_model_from_a_remote_dir_logs_as_text_classification(config, stor
 
 
 def test_models_log_from_threads_side_by_side(config, store, model_dirs, monkeypatch):
-    """Stage tasks run in threads of the flow process: two models log at once, each into its run."""
+    """Stage tasks run in threads of the flow process: two models log at once, each into its run,
+    and leave transformers' loader as they found it (its ``no_tie_weights`` swaps
+    ``PreTrainedModel.tie_weights`` during a load: two unserialised loads can leave it swapped, and
+    every later load of a tied model in the process then misses ``lm_head.weight``)."""
+    from transformers import PreTrainedModel
+
+    tie_weights = PreTrainedModel.tie_weights
     _, uri = store
     stages = [_pipeline_with_stage(config, uri, f"thread-run-{i}", "sft")[1] for i in range(2)]
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -183,6 +189,7 @@ def test_models_log_from_threads_side_by_side(config, store, model_dirs, monkeyp
     client = MlflowClient(uri)
     assert [client.get_logged_model(u.removeprefix("models:/")).source_run_id for u in model_uris] == stages
     assert type(_load(monkeypatch, uri, model_uris[1]).model).__name__ == "LlamaForCausalLM"
+    assert PreTrainedModel.tie_weights is tie_weights
 
 
 def test_log_transformers_model_rejects_bad_input(config, store, tmp_path, model_dirs):

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -96,7 +97,9 @@ def test_final_dir_loads_with_auto_classes(tiny_pipeline, stage, auto_class):
     output = tiny_pipeline.baseline_uris[stage]
     path = storage.materialize(StageLayout(output).final)
     model, info = auto_class.from_pretrained(path, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    saved = {"config": json.loads(Path(path, "config.json").read_text()), "keys": sorted(final_weights(output)),
+             "tied": getattr(model, "all_tied_weights_keys", None)}
+    assert not info["missing_keys"] and not info["unexpected_keys"], (info, saved)
     tokenizer = AutoTokenizer.from_pretrained(path)
     encoded = tokenizer(["What is 3 + 4?", "Add 12 and 5."], padding=True, return_tensors="pt")
     with torch.no_grad():

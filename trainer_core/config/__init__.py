@@ -40,6 +40,7 @@ from trainer_core.config.stages import (
     SampledGenerationConfig,
     ScoreConfig,
     SFTConfig,
+    SupervisedStageConfig,
     TrainStageConfig,
 )
 
@@ -63,6 +64,7 @@ __all__ = [
     "RewardModelConfig",
     "RolloutGenerationConfig",
     "SFTConfig",
+    "SupervisedStageConfig",
     "SampledGenerationConfig",
     "ScoreConfig",
     "StorageConfig",

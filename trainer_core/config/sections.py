@@ -143,6 +143,12 @@ class ModelConfig(ConfigBase):
     init: ModelInit | None = Field(None, description="Build a model from these sizes instead of loading one.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off unless set).")
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] | None = Field(
+        None,
+        description="transformers' attention kernel for every model the stages load; None: transformers' default "
+        "(sdpa). With packed micro-batches on CUDA, flex_attention (document masks) or flash_attention_2 (varlen, "
+        "needs the flash-attn package) keep attention from costing S x S per micro-batch.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ModelConfig:

@@ -74,17 +74,41 @@ class TrainStageConfig(ConfigBase):
         return self.global_batch_size // per_step
 
 
-class SFTConfig(TrainStageConfig):
+class SupervisedStageConfig(TrainStageConfig):
+    """A stage trained on a fixed dataset (SFT, reward model, DPO): its micro-batches may be packed."""
+
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Pack rows end to end, padding-free, into micro-batches of at most this many tokens (a "
+        "preference pair's chosen and rejected together); each micro-batch then holds a varying number of rows and "
+        "micro_batch_size only sizes evaluation and the reference pass. No token attends across rows: transformers "
+        "masks by the restarting position ids (block-diagonal on sdpa/eager, document masks with "
+        "model.attn_implementation=flex_attention, varlen with flash_attention_2). None: padded micro-batches of "
+        "micro_batch_size rows.",
+    )
+
+    @model_validator(mode="after")
+    def _packing_counts_micro_batches(self) -> SupervisedStageConfig:
+        if self.max_tokens_per_micro_batch is not None and self.global_batch_size is not None:
+            raise ValueError(
+                "global_batch_size counts examples, but a packed micro-batch (max_tokens_per_micro_batch) holds a "
+                "varying number: set grad_accum_steps (micro-batches per rank per optimizer step) instead"
+            )
+        return self
+
+
+class SFTConfig(SupervisedStageConfig):
     """Supervised fine-tuning: causal-LM loss on completion tokens only."""
 
 
-class RewardModelConfig(TrainStageConfig):
+class RewardModelConfig(SupervisedStageConfig):
     """Bradley-Terry reward model on preference pairs."""
 
     learning_rate: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
 
 
-class DPOConfig(TrainStageConfig):
+class DPOConfig(SupervisedStageConfig):
     """Direct Preference Optimization (sigmoid loss) against a frozen reference."""
 
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")

@@ -220,21 +220,178 @@ class DataPosition:
         return cls(epoch=epoch, batch_index=batch_index)
 
 
-def iterate_batches(sampler: BucketedBatchSampler, position: DataPosition) -> Iterator[tuple[list[int], DataPosition]]:
-    """Endless micro-batches from ``position`` on, each with the position AFTER it.
+def iterate_batches(sampler, position: DataPosition) -> Iterator[tuple[list[int], DataPosition]]:
+    """Endless micro-batches of ``sampler`` (:class:`BucketedBatchSampler` or
+    :class:`PackedBatchSampler`) from ``position`` on, each with the position AFTER it.
 
     After the last micro-batch of an epoch the position is ``(epoch + 1, 0)``.
 
     Raises:
         ValueError: ``position.batch_index`` beyond the epoch's micro-batches.
     """
-    num_batches = len(sampler)
-    if not 0 <= position.batch_index <= num_batches or position.epoch < 0:
-        raise ValueError(f"data position {position} is outside an epoch of {num_batches} micro-batches")
+    if position.epoch < 0:
+        raise ValueError(f"data position {position} has a negative epoch")
     epoch, start = position.epoch, position.batch_index
+    batches = sampler.batches(epoch)
+    if not 0 <= start <= len(batches):
+        raise ValueError(f"data position {position} is outside an epoch of {len(batches)} micro-batches")
     while True:
-        batches = sampler.batches(epoch)
+        num_batches = len(batches)
         for i in range(start, num_batches):
             after = DataPosition(epoch, i + 1) if i + 1 < num_batches else DataPosition(epoch + 1, 0)
             yield batches[i], after
         epoch, start = epoch + 1, 0
+        batches = sampler.batches(epoch)
+
+
+class PackedBatchSampler:
+    """Deterministic micro-batches of row indices packed under a token budget (padding-free).
+
+    For epoch ``e``: shuffle all indices with ``random.Random(seed + e)`` (none with
+    ``shuffle=False``), cut them into chunks of ``chunk_rows``, pack each chunk first-fit
+    decreasing (longest row first, into the first micro-batch with room, so bins fill up to the
+    budget), then shuffle the micro-batch order with the same RNG. A micro-batch holds a varying
+    number of rows and at most ``max_tokens`` tokens, with no
+    padding. Duck-types :class:`BucketedBatchSampler` (``len``, ``batches``); the number of
+    micro-batches depends on the order, so it may differ between epochs (``len`` is epoch 0's;
+    :func:`iterate_batches` takes each epoch's own).
+
+    Args:
+        lengths: tokens of each row (for a preference pair: chosen + rejected).
+        max_tokens: the token budget of a micro-batch (``max_tokens_per_micro_batch``).
+        seed: order seed.
+        shuffle: shuffle the rows each epoch.
+        chunk_rows: rows packed together (first-fit decreasing is quadratic in a chunk's bins).
+
+    Raises:
+        ValueError: no rows, ``max_tokens`` below 1, or a row longer than ``max_tokens`` (named
+            by its index).
+    """
+
+    drop_last = False
+
+    def __init__(
+        self, lengths: list[int], max_tokens: int, seed: int, shuffle: bool = True, chunk_rows: int = 4096
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
+        if not lengths:
+            raise ValueError("no rows to pack")
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        if lengths[longest] > max_tokens:
+            raise ValueError(
+                f"row {longest} has {lengths[longest]} tokens, more than max_tokens_per_micro_batch={max_tokens}: "
+                "raise the budget or lower data.max_length_tokens"
+            )
+        self.lengths = list(lengths)
+        self.max_tokens = max_tokens
+        self.seed = seed
+        self.shuffle = shuffle
+        self.chunk_rows = chunk_rows
+        self._num_batches = len(self._pack(0))
+
+    def _pack(self, epoch: int) -> list[list[int]]:
+        rng = random.Random(self.seed + epoch)
+        order = list(range(len(self.lengths)))
+        if self.shuffle:
+            rng.shuffle(order)
+        out: list[list[int]] = []
+        for start in range(0, len(order), self.chunk_rows):
+            chunk = sorted(order[start : start + self.chunk_rows], key=lambda i: -self.lengths[i])
+            bins: list[list[int]] = []
+            room: list[int] = []
+            for i in chunk:
+                n = self.lengths[i]
+                slot = next((b for b, free in enumerate(room) if free >= n), None)
+                if slot is None:
+                    bins.append([])
+                    room.append(self.max_tokens)
+                    slot = len(bins) - 1
+                bins[slot].append(i)
+                room[slot] -= n
+            out.extend(bins)
+        if self.shuffle:
+            rng.shuffle(out)
+        return out
+
+    def __len__(self) -> int:
+        """Micro-batches of epoch 0 (another epoch may pack into a few more or fewer)."""
+        return self._num_batches
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """The micro-batches (lists of row indices) of ``epoch``, a function of ``(seed, epoch)`` only."""
+        return self._pack(epoch)
+
+
+def _packed(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], pad_id: int) -> dict[str, Tensor]:
+    """One [1, S] row of ``seqs`` end to end, with restarting positions and per-token sequence index."""
+    if min(len(s) for s in seqs) == 0:
+        raise ValueError("a packed batch cannot hold an empty row")
+    input_ids = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in seqs])
+    loss_mask = torch.cat([torch.as_tensor(m, dtype=torch.long) for m in masks])
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    starts = torch.cumsum(lengths, 0) - lengths
+    loss_mask[starts] = 0  # a sequence's first token is never a prediction target (unpacked either)
+    sequence_ids = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
+    positions = torch.arange(len(input_ids))
+    position_ids = positions - starts[sequence_ids]
+    # The pooled position of a sequence classifier: the last token that is not ``pad_id`` (the
+    # sequence's first when all are), as transformers' ``*ForSequenceClassification`` pools.
+    last_token_index = starts.clone()
+    real = input_ids != pad_id
+    last_token_index.scatter_reduce_(0, sequence_ids[real], positions[real], reduce="amax")
+    return {
+        "input_ids": input_ids[None],
+        "position_ids": position_ids[None],
+        "loss_mask": loss_mask[None],
+        "sequence_ids": sequence_ids[None],
+        "last_token_index": last_token_index,
+    }
+
+
+def collate_causal_packed(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
+    """Causal-LM rows end to end in one padding-free [1, S] micro-batch.
+
+    Sequence boundaries are kept by ``position_ids``, which restart at 0 for every row:
+    transformers' attention masks then let no token attend across rows (a block-diagonal causal
+    mask for sdpa and eager, document masks for flex_attention, varlen for flash-attention),
+    provided the model is called with ``position_ids`` and no ``attention_mask``.
+
+    Args:
+        rows: dicts with ``input_ids`` and ``loss_mask`` (absent: all 1) of equal length.
+        pad_id: the padding token (no padding is written: it locates ``last_token_index``).
+
+    Returns:
+        ``input_ids [1,S]``, ``position_ids [1,S]``, ``loss_mask [1,S]`` (0 on each row's first
+        token, which no position predicts), ``sequence_ids [1,S]`` (row of each token) and
+        ``last_token_index [R]`` (position of each row's last token other than ``pad_id``, where
+        a sequence classifier pools), all long; S = total tokens, R = rows.
+
+    Raises:
+        ValueError: as :func:`collate_causal`, or a row with no tokens.
+    """
+    _check_rows(rows, "input_ids", "loss_mask")
+    ids = [row["input_ids"] for row in rows]
+    return _packed(ids, [row.get("loss_mask", [1] * len(row["input_ids"])) for row in rows], pad_id)
+
+
+def collate_pairs_packed(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
+    """Preference pairs in one padding-free [1, S] micro-batch: the B chosen, then the B rejected.
+
+    As :func:`collate_causal_packed`, with sequences ``0..B-1`` the chosen completions and
+    ``B..2B-1`` the rejected ones (``sequence_ids``, ``last_token_index [2B]``).
+
+    Raises:
+        ValueError: as :func:`collate_pairs`, or an empty chosen or rejected row.
+    """
+    _check_rows(rows, "chosen_input_ids", "chosen_loss_mask")
+    _check_rows(rows, "rejected_input_ids", "rejected_loss_mask")
+    sides = ("chosen", "rejected")
+    seqs = [row[f"{side}_input_ids"] for side in sides for row in rows]
+    masks = [row.get(f"{side}_loss_mask", [1] * len(row[f"{side}_input_ids"])) for side in sides for row in rows]
+    return _packed(seqs, masks, pad_id)
+
+
+def is_packed(batch: dict[str, Tensor]) -> bool:
+    """True for a batch of :func:`collate_causal_packed` / :func:`collate_pairs_packed`."""
+    return "sequence_ids" in batch

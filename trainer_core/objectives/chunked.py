@@ -148,9 +148,76 @@ def chunked_linear_logprobs(
     return _ChunkedLinearLogprobs.apply(hidden, weight, bias, targets, chunk_size)
 
 
+class _ChunkedLinearNLLSum(torch.autograd.Function):
+    """``-sum(log_softmax(hidden @ weight.T + bias)[i, targets[i]])`` chunk by chunk, its gradients
+    formed in the forward (the loss is a sum, so they are known up to the scalar upstream gradient,
+    which the backward applies): one projection per chunk instead of a forward one and a
+    recomputed one, as Liger-Kernel's fused linear cross-entropy does for ``reduction="sum"``.
+    Without ``with_grad`` (evaluation) the forward is the projection and the log-sum-exp only.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int,
+                with_grad: bool) -> Tensor:
+        compute_dtype = _compute_dtype(weight)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if with_grad else None
+        grad_weight = torch.zeros_like(weight) if with_grad else None
+        grad_bias = torch.zeros_like(bias) if with_grad and bias is not None else None
+        with torch.autocast(weight.device.type, enabled=False):
+            weight_c, bias_c = _cast(weight, bias, compute_dtype)
+            for start in range(0, hidden.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                logits = _chunk_logits(hidden[rows], weight_c, bias_c)  # [C, V] float32
+                lse = torch.logsumexp(logits, dim=-1)
+                total += (lse - logits.gather(1, targets[rows, None]).squeeze(1)).sum()
+                if not with_grad:
+                    continue
+                # d nll / d logits = softmax(logits) - onehot(target), in place in the logits' buffer.
+                grad_logits = logits.sub_(lse[:, None]).exp_()
+                grad_logits.scatter_add_(1, targets[rows, None], torch.full_like(lse[:, None], -1.0))
+                if grad_bias is not None:
+                    grad_bias += grad_logits.sum(dim=0)
+                grad_logits = grad_logits.to(weight_c.dtype)
+                grad_hidden[rows] = grad_logits @ weight_c
+                _add_matmul_(grad_weight, grad_logits.t(), hidden[rows].to(weight_c.dtype))
+                del logits, grad_logits
+        if with_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_total: Tensor):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        scale = grad_total.float()
+        return (
+            grad_hidden.mul_(scale.to(grad_hidden.dtype)) if needs_hidden else None,
+            grad_weight.mul_(scale.to(grad_weight.dtype)) if needs_weight else None,
+            grad_bias.mul_(scale.to(grad_bias.dtype)) if needs_bias and grad_bias is not None else None,
+            None, None, None,
+        )
+
+
 def chunked_nll_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int) -> Tensor:
-    """Scalar float32 ``-sum(chunked_linear_logprobs(...))``: the SFT loss sum (shapes as there)."""
-    return -chunked_linear_logprobs(hidden, weight, bias, targets, chunk_size).sum()
+    """Scalar float32 ``-sum(chunked_linear_logprobs(...))``: the SFT loss sum (shapes as there).
+
+    The gradients are formed in the forward (:class:`_ChunkedLinearNLLSum`) when grad mode is on
+    and an input requires them: the backward then costs no projection. Differentiable once.
+
+    Raises:
+        ValueError: as :func:`chunked_linear_logprobs`.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if hidden.ndim != 2 or targets.shape != hidden.shape[:1] or weight.shape[1:] != hidden.shape[1:]:
+        raise ValueError(
+            f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    with_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return _ChunkedLinearNLLSum.apply(hidden, weight, bias, targets, chunk_size, with_grad)
 
 
 def liger_nll_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int) -> Tensor:

@@ -76,7 +76,11 @@ def run(ctx: StageContext) -> Manifest:
     pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
     splits = {s: ctx.load_rows(f"preference/{s}") for s in SPLITS}
     collate = partial(collate_with_reference, pad_id=pad_id)
-    train = pair_source(splits["train"], pad_id, cfg.micro_batch_size, seed, device, collate=collate)
+    packed = cfg.max_tokens_per_micro_batch is not None
+    train = pair_source(
+        splits["train"], pad_id, cfg.micro_batch_size, seed, device,
+        collate=partial(collate, packed=packed), max_tokens=cfg.max_tokens_per_micro_batch,
+    )
     held_out = pair_source(splits["eval"], pad_id, cfg.micro_batch_size, seed, device, shuffle=False, collate=collate)
     needed = {
         "train": rows_used(train, cfg.max_steps * cfg.accum_steps(ctx.backend.world_size) * ctx.backend.world_size),

@@ -16,7 +16,9 @@ def run(ctx: StageContext) -> Manifest:
     """Train the SFT policy and commit it as an HF model directory."""
     cfg, seed = ctx.config.sft, ctx.config.seed
     pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
-    train = causal_source(ctx.load_rows("sft/train"), pad_id, cfg.micro_batch_size, seed, device)
+    train = causal_source(
+        ctx.load_rows("sft/train"), pad_id, cfg.micro_batch_size, seed, device, max_tokens=cfg.max_tokens_per_micro_batch
+    )
     held_out = causal_source(ctx.load_rows("sft/eval"), pad_id, cfg.micro_batch_size, seed, device, shuffle=False)
     model = ctx.backend.wrap(ctx.causal_lm("model"))
     torch.manual_seed(seed)

@@ -18,9 +18,19 @@ from itertools import islice
 import torch
 from torch import Tensor, nn
 
-from trainer_core.data.batching import BucketedBatchSampler, DataPosition, collate_causal, collate_pairs, iterate_batches
+from trainer_core.data.batching import (
+    BucketedBatchSampler,
+    DataPosition,
+    PackedBatchSampler,
+    collate_causal,
+    collate_causal_packed,
+    collate_pairs,
+    collate_pairs_packed,
+    is_packed,
+    iterate_batches,
+)
 from trainer_core.errors import ConfigError
-from trainer_core.forward import masked_nll_sum, masked_token_logprobs
+from trainer_core.forward import masked_nll_sum, masked_token_logprobs, packed_sequence_scores
 from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS
 from trainer_core.objectives.dpo import dpo_loss
 from trainer_core.objectives.logprobs import sequence_logprobs, shift_mask
@@ -36,15 +46,23 @@ def batch_source(
     seed: int,
     device: torch.device,
     shuffle: bool = True,
+    max_tokens: int | None = None,
 ) -> BatchSource:
-    """A deterministic, length-bucketed :class:`BatchSource` over ``rows``.
+    """A deterministic :class:`BatchSource` over ``rows``: length-bucketed micro-batches of
+    ``micro_batch_size`` rows, or (``max_tokens`` set) rows packed under that token budget.
 
     Raises:
-        ConfigError: ``rows`` is empty.
+        ConfigError: ``rows`` is empty, or a row is longer than ``max_tokens``.
     """
     if not rows:
         raise ConfigError("a training or eval split is empty: check the data config and max lengths")
-    sampler = BucketedBatchSampler(lengths, micro_batch_size, seed=seed, shuffle=shuffle)
+    if max_tokens is None:
+        sampler = BucketedBatchSampler(lengths, micro_batch_size, seed=seed, shuffle=shuffle)
+    else:
+        try:
+            sampler = PackedBatchSampler(lengths, max_tokens, seed=seed, shuffle=shuffle)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     return BatchSource(rows=rows, sampler=sampler, collate=collate, device=device)
 
 
@@ -80,11 +98,12 @@ class SFTObjective:
 
     def num_tokens(self, batch: dict[str, Tensor]) -> int:
         """Non-padding tokens of a host micro-batch (the loop calls it before the copy to the device)."""
-        return int(batch["attention_mask"].sum())
+        return num_tokens(batch, "")
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         loss_sum = masked_nll_sum(
-            model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], chunk_size=self.chunk_size
+            model, batch["input_ids"], batch.get("attention_mask"), batch["loss_mask"],
+            chunk_size=self.chunk_size, position_ids=batch.get("position_ids"),
         )
         return StepOutput(loss_sum=loss_sum)
 
@@ -99,18 +118,44 @@ class SFTObjective:
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
-def causal_source(rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True):
-    """Batch source over prepared causal-LM rows (``input_ids``/``loss_mask``)."""
+def num_tokens(batch: dict[str, Tensor], prefix: str) -> int:
+    """Real (non-padding) tokens of a host batch: all of a packed one, else those of the attention masks.
+
+    ``prefix`` is ``""`` for causal-LM batches and ``"pair"`` for preference pairs (both sides).
+    """
+    if is_packed(batch):
+        return batch["input_ids"].numel()
+    if prefix == "pair":
+        return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+    return int(batch["attention_mask"].sum())
+
+
+def num_pairs(batch: dict[str, Tensor]) -> int:
+    """Preference pairs in a host or device batch, padded or packed (its shapes only: no sync)."""
+    return batch["last_token_index"].shape[0] // 2 if is_packed(batch) else batch["chosen_input_ids"].shape[0]
+
+
+def causal_source(
+    rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True, max_tokens: int | None = None
+):
+    """Batch source over prepared causal-LM rows (``input_ids``/``loss_mask``), packed when ``max_tokens`` is set."""
     lengths = [len(r["input_ids"]) for r in rows]
-    collate = partial(collate_causal, pad_id=pad_id)
-    return batch_source(rows, lengths, collate, micro_batch_size, seed, device, shuffle=shuffle)
+    collate = partial(collate_causal if max_tokens is None else collate_causal_packed, pad_id=pad_id)
+    return batch_source(rows, lengths, collate, micro_batch_size, seed, device, shuffle=shuffle, max_tokens=max_tokens)
 
 
-def pair_source(rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True, collate=None):
-    """Batch source over prepared preference rows, bucketed by the longer of each pair."""
-    lengths = [max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in rows]
-    collate = collate or partial(collate_pairs, pad_id=pad_id)
-    return batch_source(rows, lengths, collate, micro_batch_size, seed, device, shuffle=shuffle)
+def pair_source(
+    rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True, collate=None,
+    max_tokens: int | None = None,
+):
+    """Batch source over prepared preference rows: bucketed by the longer of each pair, or (``max_tokens``
+    set) packed by the tokens of both sides. ``collate`` replaces the default collation of the layout."""
+    if max_tokens is None:
+        lengths = [max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in rows]
+    else:
+        lengths = [len(r["chosen_input_ids"]) + len(r["rejected_input_ids"]) for r in rows]
+    collate = collate or partial(collate_pairs if max_tokens is None else collate_pairs_packed, pad_id=pad_id)
+    return batch_source(rows, lengths, collate, micro_batch_size, seed, device, shuffle=shuffle, max_tokens=max_tokens)
 
 
 def concat_pairs(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -126,11 +171,15 @@ def concat_pairs(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def pair_rewards(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Scalar rewards of chosen and rejected completions, each [B] (one concatenated forward)."""
-    input_ids, attention_mask, _ = concat_pairs(batch)
-    rewards = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
-    num_pairs = batch["chosen_input_ids"].shape[0]
-    return rewards[:num_pairs], rewards[num_pairs:]
+    """Scalar rewards of chosen and rejected completions, each [B] float32, from one forward of
+    the concatenated [2B, T] pairs or of a packed [1, S] batch."""
+    if is_packed(batch):
+        rewards = packed_sequence_scores(model, batch["input_ids"], batch["position_ids"], batch["last_token_index"])
+    else:
+        input_ids, attention_mask, _ = concat_pairs(batch)
+        rewards = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+    pairs = num_pairs(batch)
+    return rewards[:pairs], rewards[pairs:]
 
 
 class RewardObjective:
@@ -141,11 +190,11 @@ class RewardObjective:
         self.eval_max_batches = eval_max_batches
 
     def count(self, batch: dict[str, Tensor]) -> int:
-        return batch["chosen_input_ids"].shape[0]
+        return num_pairs(batch)
 
     def num_tokens(self, batch: dict[str, Tensor]) -> int:
         """Non-padding tokens of both sides of a host micro-batch (counted before the copy to the device)."""
-        return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+        return num_tokens(batch, "pair")
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         chosen, rejected = pair_rewards(model, batch)
@@ -174,21 +223,31 @@ def evaluate_pairs(objective, model: nn.Module, source: BatchSource, max_batches
 def pair_logprobs(
     model: nn.Module, batch: dict[str, Tensor], chunk_size: int = CHUNK_SIZE_TOKENS
 ) -> tuple[Tensor, Tensor]:
-    """Summed completion log-probs of chosen and rejected, each [B] float32, from one [2B, T] forward.
+    """Summed completion log-probs of chosen and rejected, each [B] float32, from one forward of the
+    concatenated [2B, T] pairs or of a packed [1, S] batch (summed per sequence by ``sequence_ids``).
 
     ``model`` is an HF causal LM, plain or wrapped by a backend; its LM head runs on completion
     positions only, ``chunk_size`` tokens at a time (:func:`~trainer_core.forward.masked_token_logprobs`).
     """
-    input_ids, attention_mask, loss_mask = concat_pairs(batch)
-    token_logprobs = masked_token_logprobs(model, input_ids, attention_mask, loss_mask, chunk_size=chunk_size)
-    logprobs = sequence_logprobs(token_logprobs, shift_mask(loss_mask))
-    num_pairs = batch["chosen_input_ids"].shape[0]
-    return logprobs[:num_pairs], logprobs[num_pairs:]
+    pairs = num_pairs(batch)
+    if is_packed(batch):
+        loss_mask = batch["loss_mask"]
+        token_logprobs = masked_token_logprobs(
+            model, batch["input_ids"], None, loss_mask, chunk_size=chunk_size, position_ids=batch["position_ids"]
+        )  # [1, S - 1], 0 where not counted (each sequence's first token included)
+        logprobs = torch.zeros(2 * pairs, dtype=token_logprobs.dtype, device=token_logprobs.device)
+        logprobs = logprobs.index_add(0, batch["sequence_ids"][0, 1:], token_logprobs[0])
+    else:
+        input_ids, attention_mask, loss_mask = concat_pairs(batch)
+        token_logprobs = masked_token_logprobs(model, input_ids, attention_mask, loss_mask, chunk_size=chunk_size)
+        logprobs = sequence_logprobs(token_logprobs, shift_mask(loss_mask))
+    return logprobs[:pairs], logprobs[pairs:]
 
 
-def collate_with_reference(rows: list[dict], pad_id: int) -> dict[str, Tensor]:
-    """:func:`collate_pairs` plus ``ref_chosen_logprobs`` / ``ref_rejected_logprobs`` [B] float32."""
-    batch = collate_pairs(rows, pad_id)
+def collate_with_reference(rows: list[dict], pad_id: int, packed: bool = False) -> dict[str, Tensor]:
+    """:func:`collate_pairs` (``packed``: :func:`collate_pairs_packed`) plus ``ref_chosen_logprobs`` /
+    ``ref_rejected_logprobs`` [B] float32."""
+    batch = (collate_pairs_packed if packed else collate_pairs)(rows, pad_id)
     for key in ("ref_chosen_logprobs", "ref_rejected_logprobs"):
         batch[key] = torch.tensor([r[key] for r in rows], dtype=torch.float32)
     return batch
@@ -213,11 +272,11 @@ class DPOObjective:
         self.chunk_size = chunk_size
 
     def count(self, batch: dict[str, Tensor]) -> int:
-        return batch["chosen_input_ids"].shape[0]
+        return num_pairs(batch)
 
     def num_tokens(self, batch: dict[str, Tensor]) -> int:
         """Non-padding tokens of both sides of a host micro-batch (counted before the copy to the device)."""
-        return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+        return num_tokens(batch, "pair")
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         chosen, rejected = pair_logprobs(model, batch, self.chunk_size)
