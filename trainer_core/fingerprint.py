@@ -41,7 +41,7 @@ def input_identity(uri: str) -> str:
         return uri
 
 
-ADDED_FIELDS: dict[str, object] = {"max_nonfinite_steps": 0}
+ADDED_FIELDS: dict[str, object] = {"max_nonfinite_steps": 0, "max_tokens_per_micro_batch": None, "attn_implementation": None}
 """Fields added to stage sections after runs were committed, with the value that reproduces the
 earlier behaviour: hashed only when set to something else, so that the fingerprints of runs
 committed before them (and their resume) are unchanged."""
@@ -93,7 +93,7 @@ def stage_fingerprint(config: PipelineConfig, stage: str, inputs: dict[str, str]
         "stage": stage,
         "config": section.model_dump(mode="json", exclude=_not_hashed(section)),
         "seed": config.seed,
-        "model": config.model.model_dump(mode="json"),
+        "model": config.model.model_dump(mode="json", exclude=_not_hashed(config.model)),
         "tokenizer": config.tokenizer.model_dump(mode="json"),
         "inputs": {role: input_identity(uri) for role, uri in sorted(inputs.items())},
     }

@@ -85,6 +85,7 @@ def _forward_replaced(module: nn.Module, forward: Callable[..., Tensor]) -> Iter
 def _counted_head_forward(
     decoder: nn.Module, head: nn.Linear, head_fn: HeadFn, chunk_size: int,
     input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, position_ids: Tensor | None = None,
+    counted_index: Tensor | None = None,
 ) -> Tensor:
     """The causal LM's forward for one call: the decoder on the whole batch, ``head_fn`` on counted positions.
 
@@ -98,22 +99,29 @@ def _counted_head_forward(
         attention_mask: [B, T] long, 1 = real token; None for a packed batch.
         loss_mask: [B, T] long, 1 = token counted (aligned with ``input_ids``).
         position_ids: [B, T] long restarting at each packed sequence, or None (positions 0..T-1).
+        counted_index: [N] long from the host (:func:`~trainer_core.data.batching.counted_index`):
+            the positions are selected without waiting for the device; None: by the boolean mask
+            (a host synchronisation on CUDA).
 
     Returns:
         What ``head_fn`` returns for the N counted next-token predictions.
     """
     hidden = decoder(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state
-    counted = loss_mask[:, 1:].bool()
-    selected = hidden[:, :-1][counted]  # [N, H]
-    targets = input_ids[:, 1:][counted]  # [N]
+    ).last_hidden_state  # [B, T, H]
+    if counted_index is None:
+        counted = loss_mask[:, 1:].bool()
+        selected = hidden[:, :-1][counted]  # [N, H]
+        targets = input_ids[:, 1:][counted]  # [N]
+    else:
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, counted_index)  # [N, H]
+        targets = input_ids.reshape(-1).index_select(0, counted_index + 1)  # [N]
     return head_fn(selected, head.weight, head.bias, targets, chunk_size)
 
 
 def _through_wrapper(
     model: nn.Module, head_fn: HeadFn, chunk_size: int, input_ids: Tensor, attention_mask: Tensor | None,
-    loss_mask: Tensor, position_ids: Tensor | None,
+    loss_mask: Tensor, position_ids: Tensor | None, counted_index: Tensor | None,
 ) -> Tensor | None:
     """``head_fn`` on the counted positions, computed by one call of ``model`` (wrapped or not).
 
@@ -126,11 +134,15 @@ def _through_wrapper(
         return None
     forward = partial(_counted_head_forward, *parts, head_fn, chunk_size)
     with _forward_replaced(inner, forward):
-        return model(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, position_ids=position_ids)
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, position_ids=position_ids,
+            counted_index=counted_index,
+        )
 
 
 def _full_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, position_ids: Tensor | None
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, position_ids: Tensor | None,
+    counted_index: Tensor | None = None,
 ) -> Tensor:
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits  # [B, T, V]
     return compute_logprobs(logits, input_ids) * shift_mask(loss_mask)
@@ -138,7 +150,7 @@ def _full_logprobs(
 
 def masked_token_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, *,
-    chunk_size: int = CHUNK_SIZE_TOKENS, position_ids: Tensor | None = None,
+    chunk_size: int = CHUNK_SIZE_TOKENS, position_ids: Tensor | None = None, counted_index: Tensor | None = None,
 ) -> Tensor:
     """Next-token log-probs at counted positions, zero elsewhere.
 
@@ -157,23 +169,33 @@ def masked_token_logprobs(
         chunk_size: tokens per chunk of the LM head (the extra memory is O(chunk_size x V)).
         position_ids: [B, T] long, restarting at 0 at each packed sequence
             (:func:`~trainer_core.data.batching.collate_causal_packed`); None: 0..T-1.
+        counted_index: [N] long, the host's :func:`~trainer_core.data.batching.counted_index` of
+            ``loss_mask`` (the collated batches carry it): no host synchronisation; None: the
+            positions come from ``loss_mask`` on the device.
 
     Returns:
         [B, T - 1] float32; position t holds log p(input_ids[:, t + 1]) where
         ``loss_mask[:, t + 1] == 1``, else 0.
     """
-    args = (input_ids, attention_mask, loss_mask, position_ids)
+    args = (input_ids, attention_mask, loss_mask, position_ids, counted_index)
     logprobs = _through_wrapper(model, chunked_linear_logprobs, chunk_size, *args)  # [N]
     if logprobs is None:
         return _full_logprobs(model, *args)
-    counted = loss_mask[:, 1:].bool()
-    out = torch.zeros(counted.shape, dtype=logprobs.dtype, device=logprobs.device)
-    return out.masked_scatter(counted, logprobs)
+    num_rows, length = input_ids.shape
+    if counted_index is None:
+        counted = loss_mask[:, 1:].bool()
+        out = torch.zeros(counted.shape, dtype=logprobs.dtype, device=logprobs.device)
+        return out.masked_scatter(counted, logprobs)
+    out = torch.zeros(num_rows * (length - 1), dtype=logprobs.dtype, device=logprobs.device)
+    # b * T + t (a position of [B, T]) -> b * (T - 1) + t (one of [B, T - 1]): minus b.
+    return out.index_copy(0, counted_index - torch.div(counted_index, length, rounding_mode="floor"), logprobs).view(
+        num_rows, length - 1
+    )
 
 
 def masked_nll_sum(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, *,
-    chunk_size: int = CHUNK_SIZE_TOKENS, position_ids: Tensor | None = None,
+    chunk_size: int = CHUNK_SIZE_TOKENS, position_ids: Tensor | None = None, counted_index: Tensor | None = None,
 ) -> Tensor:
     """Summed next-token NLL of the counted tokens: SFT's ``loss_sum``.
 
@@ -188,11 +210,12 @@ def masked_nll_sum(
         loss_mask: [B, T] long, 1 = token counted in the loss.
         chunk_size: tokens per chunk of the torch implementation.
         position_ids: as :func:`masked_token_logprobs`.
+        counted_index: as :func:`masked_token_logprobs`.
 
     Returns:
         Scalar float32 sum of ``-log p`` over the counted next tokens.
     """
-    args = (input_ids, attention_mask, loss_mask, position_ids)
+    args = (input_ids, attention_mask, loss_mask, position_ids, counted_index)
     kernel = NLL_SUM_KERNELS[nll_sum_kernel(input_ids.device)]
     loss_sum = _through_wrapper(model, kernel, chunk_size, *args)
     if loss_sum is None:

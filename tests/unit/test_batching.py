@@ -26,6 +26,9 @@ def test_collate_causal_right_pads_to_longest():
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, PAD, PAD]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    # hidden states at (0, 0) and (0, 1) predict the counted tokens (0, 1) and (0, 2); row 1's first
+    # token is never a target
+    assert batch.pop("counted_index").tolist() == [0, 1]
     assert all(t.dtype == torch.long and t.shape == (2, 3) for t in batch.values())
 
 
@@ -56,6 +59,8 @@ def test_collate_pairs_share_one_length():
          "rejected_loss_mask": [1]},
     ]
     batch = collate_pairs(rows, PAD)
+    # [chosen; rejected] as [4, 4]: targets (0, 1), (1, 2), (2, 1), (2, 2), (2, 3) <- hidden 0, 5, 8, 9, 10
+    assert batch.pop("counted_index").tolist() == [0, 5, 8, 9, 10]
     assert set(batch) == {f"{s}_{k}" for s in ("chosen", "rejected") for k in ("input_ids", "attention_mask", "loss_mask")}
     assert all(t.shape == (2, 4) and t.dtype == torch.long for t in batch.values())
     assert batch["chosen_input_ids"].tolist() == [[1, 2, PAD, PAD], [1, 2, 3, PAD]]

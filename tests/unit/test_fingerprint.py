@@ -68,3 +68,7 @@ def test_fingerprints_of_the_demo_config_are_those_runs_were_committed_with():
     }
     assert stage_fingerprint(load_config("configs/demo.yaml", overrides={"sft.max_nonfinite_steps": 2}), "sft",
                              inputs) != got["sft"]
+    assert stage_fingerprint(load_config("configs/demo.yaml", overrides={"sft.max_tokens_per_micro_batch": 512}),
+                             "sft", inputs) != got["sft"]
+    assert stage_fingerprint(load_config("configs/demo.yaml", overrides={"model.attn_implementation": "eager"}),
+                             "sft", inputs) != got["sft"]

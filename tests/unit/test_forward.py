@@ -192,7 +192,7 @@ def test_a_wrapped_model_computes_the_head_inside_one_call_of_its_module():
     ]
 
     wrapped = masked_token_logprobs(_Wrapper(model), ids, attention, loss_mask, chunk_size=4)
-    assert calls == [("pre", ["attention_mask", "input_ids", "loss_mask", "position_ids"]), ("post", (14,))]
+    assert calls == [("pre", ["attention_mask", "counted_index", "input_ids", "loss_mask", "position_ids"]), ("post", (14,))]
     assert head_calls == []  # its weight is used, the module not called: no per-chunk hook or collective
     for hook in hooks:
         hook.remove()

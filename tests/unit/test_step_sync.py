@@ -281,17 +281,17 @@ def test_logged_values_are_those_of_the_logged_step(root):
     assert loop.progress.consumed_tokens == sum(tokens)
 
 
-@pytest.mark.xfail(
-    strict=False, raises=AssertionError,
-    reason="outside the loop: the boolean-mask indexing of the counted positions (forward.py) and "
-    "transformers' SDPA mask check fast_all(padding_mask) in each forward (forward.py passes the padding mask)",
-)
-def test_the_sft_objective_step_never_waits(monkeypatch):
-    """The SFT objective's forward and backward of a padded micro-batch on its device copy make no
-    conversion (its count runs on the host batch)."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_sft_objective_step_waits_only_where_known(monkeypatch, packed):
+    """The SFT objective's forward and backward on a device batch wait for the device only inside
+    transformers (its count runs on the host batch, and the counted positions come as the host's
+    ``counted_index``, selected with ``index_select``): for a padded batch, the SDPA check
+    ``fast_all(padding_mask)`` that skips an all-ones mask (2 ``__bool__``); for a packed one (no
+    mask), the test whether the position ids hold more than one sequence
+    (``find_packed_sequence_indices``: 1 ``__bool__``)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from trainer_core.data.batching import collate_causal
+    from trainer_core.data.batching import collate_causal, collate_causal_packed
     from trainer_core.training.supervised import SFTObjective, causal_source
 
     torch.manual_seed(0)
@@ -301,11 +301,12 @@ def test_the_sft_objective_step_never_waits(monkeypatch):
     rows = [{"input_ids": list(range(1, n + 1)), "loss_mask": [0] * 2 + [1] * (n - 2)} for n in (5, 9, 7)]
     source = causal_source(rows, 0, 3, seed=0, device=torch.device("cpu"))
     objective = SFTObjective(source, 1)
-    batch = {k: v.clone() for k, v in collate_causal(rows, 0).items()}
+    batch = {k: v.clone() for k, v in (collate_causal_packed if packed else collate_causal)(rows, 0).items()}
     counter = SyncCounter(monkeypatch)
     with counter.labelled("step"):
         objective.step(model, batch).loss_sum.backward()
-    assert dict(counter.calls) == {}
+    known = {("step", "__bool__"): 1 if packed else 2}
+    assert dict(counter.calls) == known
 
 
 def test_read_scalars_is_exact_and_copies_once(monkeypatch):

@@ -61,6 +61,26 @@ def _causal(rows: Sequence[dict], pad_id: int, prefix: str, length: int) -> dict
     }
 
 
+def counted_index(loss_mask: Tensor) -> Tensor:
+    """Flat positions, in ``loss_mask.flatten()`` order, of the tokens whose NEXT token is counted.
+
+    The forward (:mod:`trainer_core.forward`) selects the hidden states that predict counted
+    tokens with it (``hidden.reshape(B * T, H).index_select(0, index)``, targets at ``index + 1``);
+    computed on the host at collation, it spares the device a data-dependent selection (a host
+    synchronisation on CUDA) in every step.
+
+    Args:
+        loss_mask: [B, T] long, 1 = counted.
+
+    Returns:
+        [N] long, ``b * T + t`` for every ``loss_mask[b, t + 1] == 1`` (N counted tokens).
+    """
+    num_rows, length = loss_mask.shape
+    shifted = torch.zeros_like(loss_mask, dtype=torch.bool)
+    shifted[:, :-1] = loss_mask[:, 1:].bool()
+    return shifted.flatten().nonzero().squeeze(1)
+
+
 def collate_causal(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
     """Right-pad causal-LM rows to the longest one.
 
@@ -69,14 +89,17 @@ def collate_causal(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
         pad_id: token id written in padded positions.
 
     Returns:
-        ``input_ids [B,T]``, ``attention_mask [B,T]`` (1 = real token) and ``loss_mask [B,T]``
-        (1 = counted in the loss; 0 on padding), all long.
+        ``input_ids [B,T]``, ``attention_mask [B,T]`` (1 = real token), ``loss_mask [B,T]``
+        (1 = counted in the loss; 0 on padding) and ``counted_index [N]`` (:func:`counted_index`),
+        all long.
 
     Raises:
         ValueError: empty batch, a row without ``input_ids``, mask/ids length mismatch, or all rows empty.
     """
     _check_rows(rows, "input_ids", "loss_mask")
-    return _causal(rows, pad_id, "", max(len(row["input_ids"]) for row in rows))
+    batch = _causal(rows, pad_id, "", max(len(row["input_ids"]) for row in rows))
+    batch["counted_index"] = counted_index(batch["loss_mask"])
+    return batch
 
 
 def collate_pairs(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
@@ -90,7 +113,8 @@ def collate_pairs(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
     Returns:
         ``chosen_input_ids``, ``chosen_attention_mask``, ``chosen_loss_mask``,
         ``rejected_input_ids``, ``rejected_attention_mask``, ``rejected_loss_mask``: each
-        ``[B,T]`` long with T the longest chosen or rejected row.
+        ``[B,T]`` long with T the longest chosen or rejected row; ``counted_index [N]`` of the
+        chosen rows stacked over the rejected ones ([2B, T], :func:`counted_index`).
 
     Raises:
         ValueError: as :func:`collate_causal`, for either side.
@@ -98,7 +122,9 @@ def collate_pairs(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
     _check_rows(rows, "chosen_input_ids", "chosen_loss_mask")
     _check_rows(rows, "rejected_input_ids", "rejected_loss_mask")
     length = max(len(row[k]) for row in rows for k in ("chosen_input_ids", "rejected_input_ids"))
-    return {**_causal(rows, pad_id, "chosen_", length), **_causal(rows, pad_id, "rejected_", length)}
+    batch = {**_causal(rows, pad_id, "chosen_", length), **_causal(rows, pad_id, "rejected_", length)}
+    batch["counted_index"] = counted_index(torch.cat([batch["chosen_loss_mask"], batch["rejected_loss_mask"]]))
+    return batch
 
 
 def collate_prompts_left(rows: Sequence[dict], pad_id: int, key: str | None = None) -> dict[str, Tensor]:
@@ -344,6 +370,7 @@ def _packed(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], pad_i
         "input_ids": input_ids[None],
         "position_ids": position_ids[None],
         "loss_mask": loss_mask[None],
+        "counted_index": counted_index(loss_mask[None]),
         "sequence_ids": sequence_ids[None],
         "last_token_index": last_token_index,
     }
@@ -363,7 +390,8 @@ def collate_causal_packed(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor
 
     Returns:
         ``input_ids [1,S]``, ``position_ids [1,S]``, ``loss_mask [1,S]`` (0 on each row's first
-        token, which no position predicts), ``sequence_ids [1,S]`` (row of each token) and
+        token, which no position predicts), ``counted_index [N]`` (:func:`counted_index`),
+        ``sequence_ids [1,S]`` (row of each token) and
         ``last_token_index [R]`` (position of each row's last token other than ``pad_id``, where
         a sequence classifier pools), all long; S = total tokens, R = rows.
 

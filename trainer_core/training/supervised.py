@@ -103,7 +103,7 @@ class SFTObjective:
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         loss_sum = masked_nll_sum(
             model, batch["input_ids"], batch.get("attention_mask"), batch["loss_mask"],
-            chunk_size=self.chunk_size, position_ids=batch.get("position_ids"),
+            chunk_size=self.chunk_size, position_ids=batch.get("position_ids"), counted_index=batch.get("counted_index"),
         )
         return StepOutput(loss_sum=loss_sum)
 
@@ -233,13 +233,16 @@ def pair_logprobs(
     if is_packed(batch):
         loss_mask = batch["loss_mask"]
         token_logprobs = masked_token_logprobs(
-            model, batch["input_ids"], None, loss_mask, chunk_size=chunk_size, position_ids=batch["position_ids"]
+            model, batch["input_ids"], None, loss_mask, chunk_size=chunk_size, position_ids=batch["position_ids"],
+            counted_index=batch.get("counted_index"),
         )  # [1, S - 1], 0 where not counted (each sequence's first token included)
         logprobs = torch.zeros(2 * pairs, dtype=token_logprobs.dtype, device=token_logprobs.device)
         logprobs = logprobs.index_add(0, batch["sequence_ids"][0, 1:], token_logprobs[0])
     else:
         input_ids, attention_mask, loss_mask = concat_pairs(batch)
-        token_logprobs = masked_token_logprobs(model, input_ids, attention_mask, loss_mask, chunk_size=chunk_size)
+        token_logprobs = masked_token_logprobs(
+            model, input_ids, attention_mask, loss_mask, chunk_size=chunk_size, counted_index=batch.get("counted_index")
+        )
         logprobs = sequence_logprobs(token_logprobs, shift_mask(loss_mask))
     return logprobs[:pairs], logprobs[pairs:]
 
