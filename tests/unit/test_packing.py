@@ -224,6 +224,52 @@ def test_packed_reward_scores_and_gradients_equal_the_padded_ones():
     _assert_same_step(model, RewardObjective(None, 1), padded, packed)
 
 
+def test_flex_attention_document_masks_score_packed_rows_as_padded_ones():
+    """``model.attn_implementation: flex_attention`` on a packed batch: transformers builds a
+    BlockMask from the restarting positions (document masks); the DPO log-probs (a no-grad
+    forward: CPU flex attention has no backward; the GPU test covers training) equal the padded
+    batch's through sdpa."""
+    torch.manual_seed(0)
+    flex = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32, attn_implementation="flex_attention")
+    pairs = _pairs(4)
+    with torch.no_grad():
+        padded = pair_logprobs(_causal_lm(), collate_pairs(pairs, PAD))
+        packed = pair_logprobs(flex, collate_pairs_packed(pairs, PAD))
+    for got, want in zip(packed, padded):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_packed_scores_need_a_sequence_classifier():
     with pytest.raises(ValueError, match="not a sequence classifier"):
         pair_rewards(_causal_lm(), collate_pairs_packed(_pairs(2), PAD))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "flex_attention"])
+def test_packed_equals_padded_with_the_cuda_attention_kernels(attn_implementation):
+    """On CUDA, packed rows through transformers' sdpa (block-diagonal mask) and flex_attention
+    (document mask, a BlockMask from the restarting positions): SFT loss and gradients, and DPO
+    log-probs, equal the padded batch's (fp32, 1e-4: the kernels differ from the padded path's)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32, attn_implementation=attn_implementation)
+    model.to(device)
+    rows = _rows([5, 17, 3, 40, 12, 9])
+
+    def on_device(batch):
+        return {k: v.to(device) for k, v in batch.items()}
+
+    objective = SFTObjective(None, 1, chunk_size=16)
+    loss, grads = _step(model, objective, on_device(collate_causal(rows, PAD)))
+    packed_loss, packed_grads = _step(model, objective, on_device(collate_causal_packed(rows, PAD)))
+    assert packed_loss.item() == pytest.approx(loss.item(), rel=1e-4, abs=1e-4)
+    for g, h in zip(grads, packed_grads):
+        torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-4)
+    pairs = _pairs(4)
+    with torch.no_grad():
+        padded = pair_logprobs(model, on_device(collate_pairs(pairs, PAD)))
+        packed = pair_logprobs(model, on_device(collate_pairs_packed(pairs, PAD)))
+    for got, want in zip(packed, padded):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
