@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def init_process_group(cfg: BackendConfig) -> tuple[int, int, torch.device]:
-    """Join the job's default process group (gloo on CPU, NCCL on CUDA).
+    """Join the job's default process group (gloo on CPU, NCCL on CUDA, NCCL plus gloo for CPU
+    tensors on CUDA with ``cpu_offload``).
 
     Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (set by ``torchrun`` and the
     ``deepspeed`` launcher) and rendezvous through ``MASTER_ADDR``/``MASTER_PORT``.
@@ -43,7 +44,12 @@ def init_process_group(cfg: BackendConfig) -> tuple[int, int, torch.device]:
     device = resolve_device(cfg.device, int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
-        if device.type == "cuda":
+        if device.type == "cuda" and getattr(cfg, "cpu_offload", False):
+            # FSDP2's CPU offload keeps gradients on the host: clipping all-reduces them there,
+            # which NCCL cannot (torchtitan and torchtune add gloo for the CPU device the same way).
+            torch.cuda.set_device(device)
+            dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
+        elif device.type == "cuda":
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", timeout=timeout, device_id=device)
         else:
