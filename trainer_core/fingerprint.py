@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pydantic import BaseModel
+
 from trainer_core.checkpoint.manifest import read_manifest
 from trainer_core.config import PipelineConfig, config_hash
 from trainer_core.registry import get_stage
@@ -41,7 +43,14 @@ def input_identity(uri: str) -> str:
         return uri
 
 
-ADDED_FIELDS: dict[str, object] = {"max_nonfinite_steps": 0, "max_tokens_per_micro_batch": None, "attn_implementation": None}
+ADDED_FIELDS: dict[str, object] = {
+    "max_nonfinite_steps": 0, "max_tokens_per_micro_batch": None, "attn_implementation": None,
+    # issue 13: online RL at GPU scale (stage sections and their generation / reward sub-sections)
+    "forward_micro_batch_size": None, "num_prompts": None, "importance_sampling_cap": None, "advantage_estimator": "grpo",
+    "loss_aggregation": "token_mean", "clip_eps_high": None, "dynamic_sampling": False,
+    "dynamic_sampling_max_rounds": 4, "overlong_buffer_tokens": None, "overlong_penalty": 1.0,
+    "engine": "hf", "compile": None, "function": None, "weights": None,
+}
 """Fields added to stage sections after runs were committed, with the value that reproduces the
 earlier behaviour: hashed only when set to something else, so that the fingerprints of runs
 committed before them (and their resume) are unchanged."""
@@ -51,15 +60,23 @@ POST_HOC_FIELDS = ("gates",)
 """Fields judged by the flow after a stage committed (evaluate's quality gates): never hashed."""
 
 
-def _not_hashed(section) -> set[str]:
-    """Fields of a stage section that do not change its result: the backend override, the
-    :data:`POST_HOC_FIELDS`, the accumulation steps when ``global_batch_size`` fixes the batch
-    (they follow the world size), and :data:`ADDED_FIELDS` at their neutral value."""
-    out = {"backend"} if "backend" in type(section).model_fields else set()
-    out |= {name for name in POST_HOC_FIELDS if name in type(section).model_fields}
+def _not_hashed(section) -> dict[str, Any]:
+    """Fields of a stage section that do not change its result, as a pydantic ``exclude``: the
+    backend override, the :data:`POST_HOC_FIELDS`, the accumulation steps when
+    ``global_batch_size`` fixes the batch (they follow the world size), and :data:`ADDED_FIELDS`
+    at their neutral value, in sub-sections too (``generation.engine``)."""
+    fields = type(section).model_fields
+    out: dict[str, Any] = {"backend": True} if "backend" in fields else {}
+    out |= {name: True for name in POST_HOC_FIELDS if name in fields}
     if getattr(section, "global_batch_size", None) is not None:
-        out.add("grad_accum_steps")
-    out |= {name for name, neutral in ADDED_FIELDS.items() if getattr(section, name, neutral) == neutral}
+        out["grad_accum_steps"] = True
+    out |= {name: True for name, neutral in ADDED_FIELDS.items() if name in fields and getattr(section, name) == neutral}
+    for name in fields:
+        value = getattr(section, name)
+        if name not in out and isinstance(value, BaseModel):
+            nested = _not_hashed(value)
+            if nested:
+                out[name] = nested
     return out
 
 

@@ -4,15 +4,11 @@ Shape legend: N sequences in the rollout batch (prompts x samples per prompt), P
 (left-padded to the longest prompt), T completion tokens (right-padded after each completion's
 end), L = P + T, H hidden size. Token ids are ``torch.long``; masks are float, 1 = a real token.
 
-Sampling is a plain KV-cached loop (not ``generate``) so that it draws from one
-``torch.Generator`` that the stage checkpoints: a resumed run samples the same tokens.
-Temperature divides the logits, top-p keeps the smallest set of tokens whose probability
-reaches ``top_p``; a row stops after its EOS token. With a sharded policy (FSDP2, ZeRO-3: every
-forward is a collective) the loop runs in lockstep across ranks until every rank's rows are
-done, as ``generate(synced_gpus=True)`` does: a rank whose rows have all ended keeps feeding
-padding (masked out, trimmed from what it returns) while another still samples. The log-probs
-used by the losses are recomputed by one full forward (:func:`forward_completions`), of the
-temperature-scaled logits without the top-p cut, as in TRL's PPO and GRPO trainers.
+Sampling is the generation engines' job (:mod:`trainer_core.engines`). The log-probs used by
+the losses are recomputed here by one forward over ``[prompt | completion]``, of the
+temperature-scaled logits without the top-p cut, as in TRL's PPO and GRPO trainers:
+:func:`completion_forward` and :func:`policy_forward` with a chunked LM head (no [N, T, V]
+logits), :func:`forward_completions` from full logits (the reference path).
 
 The trainable model of the RL stages is :class:`PolicyAndValue`: the policy and (PPO) a value
 head on its last hidden state, one module for a backend to wrap; :func:`policy_forward` gives
@@ -21,14 +17,18 @@ the log-probs, entropies and values of completions from one forward of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from trainer_core.config import GenerationConfig
+from trainer_core.forward import _forward_replaced, _head_parts, unwrap_causal_lm
+from trainer_core.objectives.chunked import (
+    CHUNK_SIZE_TOKENS,
+    chunked_linear_logprobs_entropy,
+)
 from trainer_core.objectives.logprobs import compute_logprobs
 
 
@@ -49,6 +49,11 @@ class RolloutBatch:
         values: [N, T] float32 value predictions V(s_t) at rollout time (PPO), or None.
         advantages: [N, T] (PPO) or [N] (GRPO) float32, set by the algorithm; None before.
         returns: [N, T] float32 GAE returns (PPO), or None.
+        engine_logprobs: [N, T] float32 the generation engine's log-probs of the sampled tokens
+            (0 on padding), or None.
+        is_weights: [N, T] float32 truncated importance weights ``min(exp(logprobs -
+            engine_logprobs), cap)`` (0 on padding) that multiply each token's policy loss, or
+            None (no correction).
     """
 
     prompt_ids: Tensor
@@ -62,10 +67,18 @@ class RolloutBatch:
     values: Tensor | None = None
     advantages: Tensor | None = None
     returns: Tensor | None = None
+    engine_logprobs: Tensor | None = None
+    is_weights: Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
         return self.completion_ids.shape[0]
+
+    @property
+    def policy_loss_weights(self) -> Tensor:
+        """[N, T] float32 weight of each token's policy loss: ``is_weights`` when set, else the
+        completion mask."""
+        return self.completion_mask if self.is_weights is None else self.is_weights
 
     def select(self, rows: Tensor) -> RolloutBatch:
         """The rows ``rows`` ([M] long indices) of every tensor field: a mini-batch."""
@@ -79,95 +92,13 @@ def masked_row(batch: RolloutBatch) -> RolloutBatch:
     mask). A rank with no row in a mini-batch forwards it, so that it still takes part in the
     step's collectives (gradient all-reduce, sharded forwards) with zero loss and gradient."""
     row = batch.select(torch.zeros(1, dtype=torch.long, device=batch.completion_mask.device))
-    zeroed = ("completion_mask", "logprobs", "ref_logprobs", "values", "advantages", "returns")
+    zeroed = ("completion_mask", "logprobs", "ref_logprobs", "values", "advantages", "returns", "engine_logprobs",
+              "is_weights")
     for name in zeroed:
         value = getattr(row, name)
         if value is not None:
             setattr(row, name, torch.zeros_like(value))
     return row
-
-
-def _top_p_filter(logits: Tensor, top_p: float) -> Tensor:
-    """[N, V] logits with tokens outside the top-p nucleus set to -inf (the top token always stays)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def _next_tokens(logits: Tensor, gen: GenerationConfig, generator: torch.Generator) -> Tensor:
-    """[N] tokens drawn from [N, V] last-position logits (greedy when temperature is 0)."""
-    if gen.temperature <= 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(_top_p_filter(logits.float() / gen.temperature, gen.top_p), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-@torch.no_grad()
-def sample_completions(
-    model: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    gen: GenerationConfig,
-    *,
-    eos_id: int,
-    pad_id: int,
-    generator: torch.Generator,
-    sync: Callable[[Tensor], Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Sample up to ``gen.max_new_tokens`` tokens after each left-padded prompt.
-
-    Args:
-        model: a causal LM (any mode; no dropout is assumed).
-        prompt_ids: [N, P] long, left-padded.
-        prompt_mask: [N, P] 1 = real token.
-        gen: temperature, top_p and max_new_tokens (``batch_size`` is not used here).
-        eos_id: a row ends after it samples this token.
-        pad_id: written after a row's end.
-        generator: the only source of randomness (on the model's device).
-        sync: for a sharded ``model``, a sum over ranks (``Backend.all_reduce_sum``): the loop
-            then stops only once no rank has an unfinished row, so every rank runs the same
-            number of forwards (one all-reduce of a scalar per decoding step). None: stop when
-            this process's rows are done.
-
-    Returns:
-        (completion_ids [N, T] long, completion_mask [N, T] float) with T <= max_new_tokens the
-        longest of these rows (the same with or without ``sync``).
-    """
-    attention = prompt_mask.long()
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions, use_cache=True)
-    next_position = positions[:, -1:] + 1
-    finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
-    tokens, masks = [], []
-    for _ in range(gen.max_new_tokens):
-        token = _next_tokens(out.logits[:, -1, :], gen, generator)
-        masks.append(~finished)
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
-        tokens.append(token)
-        finished = finished | (token == eos_id)
-        if len(tokens) == gen.max_new_tokens or _all_finished(finished, sync):
-            break
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-        out = model(
-            input_ids=token[:, None], attention_mask=attention, position_ids=next_position,
-            past_key_values=out.past_key_values, use_cache=True,
-        )
-        next_position = next_position + 1
-    completion_ids, completion_mask = torch.stack(tokens, dim=1), torch.stack(masks, dim=1).float()
-    length = int(completion_mask.sum(1).max())  # >= 1: every row's first token is real
-    return completion_ids[:, :length], completion_mask[:, :length]
-
-
-def _all_finished(finished: Tensor, sync: Callable[[Tensor], Tensor] | None) -> bool:
-    """Whether every row (of every rank, with ``sync``) has ended; ``finished`` [N] bool."""
-    if sync is None:
-        return bool(finished.all())
-    unfinished = (~finished).sum().to(torch.float32)
-    return float(sync(unfinished)) == 0.0
 
 
 def forward_completions(
@@ -180,9 +111,10 @@ def forward_completions(
     temperature: float,
     with_hidden: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Per-token log-probs (and entropies, hidden states) of completions after their prompts.
-
-    One forward over ``[prompt | completion]`` with position ids that skip the left padding.
+    """Per-token log-probs (and entropies, hidden states) of completions after their prompts,
+    from the full [N, P + T, V] logits: the reference path (any causal LM, including one whose
+    logits are not a plain linear head). The RL loop uses :func:`completion_forward`, which never
+    builds those logits.
 
     Args:
         model: a causal LM.
@@ -249,9 +181,9 @@ class PolicyForward:
     """The policy's outputs on a mini-batch, with gradients.
 
     Attributes:
-        logprobs: [N, T] sampled-token log-probs (0 on padding).
-        entropies: [N, T] detached entropies of the next-token distribution.
-        values: [N, T] value predictions, or None without a value head.
+        logprobs: [N, T] float32 sampled-token log-probs (0 on padding).
+        entropies: [N, T] float32 detached entropies of the next-token distribution (0 on padding).
+        values: [N, T] float32 value predictions, or None without a value head.
     """
 
     logprobs: Tensor
@@ -259,14 +191,98 @@ class PolicyForward:
     values: Tensor | None
 
 
+def _scatter_rows(values: Tensor, counted: Tensor) -> Tensor:
+    """[N, T] float32 with ``values`` [M] at the ``counted`` [N, T] bool positions, 0 elsewhere."""
+    out = torch.zeros(counted.shape, dtype=values.dtype, device=values.device)
+    return out.masked_scatter(counted, values)
+
+
+def _completion_head_forward(
+    decoder: nn.Module, head: nn.Linear, value_head: nn.Module | None, temperature: float, chunk_size: int,
+    input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, completion_mask: Tensor, start: int,
+) -> PolicyForward:
+    """A causal LM's forward for one call, scoring completion tokens only: the decoder on
+    ``[prompt | completion]``, then the LM head on the real completion positions a chunk at a
+    time (:func:`~trainer_core.objectives.chunked.chunked_linear_logprobs_entropy`), and the
+    value head (if any) on every completion position. Nothing [N, T, V] is formed.
+
+    Args:
+        decoder, head: the causal LM's decoder and LM head (``forward._head_parts``).
+        value_head: ``Linear(H, 1)`` or None.
+        temperature: logits are divided by it (0 counts as 1): hidden states and bias are.
+        chunk_size: tokens per chunk of the LM head.
+        input_ids, attention_mask, position_ids: [N, L] from :func:`completion_inputs`.
+        completion_mask: [N, T] 1 = real completion token; T = L - 1 - start.
+        start: :func:`completion_start`.
+
+    Returns:
+        (logprobs [N, T], entropies [N, T] detached, values [N, T] or None), float32, as a tuple
+        (a pytree: FSDP2 and DDP find the tensors of a wrapped forward's output).
+    """
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state[:, start:-1, :]  # [N, T, H]: position t predicts completion token t
+    counted = completion_mask > 0
+    scale = temperature if temperature > 0 else 1.0
+    selected = hidden[counted]  # [M, H]
+    targets = input_ids[:, start + 1 :][counted]  # [M]
+    bias = None if head.bias is None else head.bias / scale
+    logprobs, entropies = chunked_linear_logprobs_entropy(selected / scale, head.weight, bias, targets, chunk_size)
+    values = None
+    if value_head is not None:
+        values = value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # [N, T]
+    return _scatter_rows(logprobs, counted), _scatter_rows(entropies, counted), values
+
+
+def completion_forward(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float,
+    chunk_size: int = CHUNK_SIZE_TOKENS,
+) -> PolicyForward:
+    """Log-probs and entropies of completion tokens under a causal LM, without [N, T, V] logits.
+
+    The LM head runs inside one call of ``model`` (wrapped or not: a DeepSpeed engine's or
+    FSDP2's hooks fire as for a plain forward; see :mod:`trainer_core.forward`), on the real
+    completion positions only, ``chunk_size`` tokens at a time. Models whose logits are not a
+    plain linear head (soft-capping, logit scaling) take :func:`forward_completions`' full path.
+    Equal to :func:`forward_completions` up to float rounding (tested within 1e-5 in fp32).
+
+    Args:
+        model: an HF causal LM (the reference), plain or as a backend wrapped it.
+        prompt_ids: [N, P] long, left-padded; prompt_mask: [N, P] 1 = real token.
+        completion_ids: [N, T] long; completion_mask: [N, T] 1 = real token.
+        temperature: the sampling temperature (logits are divided by it; 0 counts as 1).
+        chunk_size: tokens per chunk of the LM head (extra memory O(chunk_size x V)).
+
+    Returns:
+        The :class:`PolicyForward` (values None).
+    """
+    inner = unwrap_causal_lm(model)
+    parts = _head_parts(inner)
+    if parts is None:
+        logprobs, entropies, _ = forward_completions(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature
+        )
+        return PolicyForward(logprobs, entropies.detach(), None)
+    inputs = completion_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    forward = partial(_completion_head_forward, *parts, None, temperature, chunk_size)
+    with _forward_replaced(inner, forward):
+        return PolicyForward(*model(**inputs, completion_mask=completion_mask, start=completion_start(prompt_ids)))
+
 
 class PolicyAndValue(nn.Module):
     """The trainable parts of an RL stage as one module: the policy and (PPO) its value head.
 
     One module, so that a backend wraps (DDP), shards (FSDP2) or runs in one engine (DeepSpeed)
     every trainable parameter, with one optimizer over both (TRL's ``PolicyAndValueWrapper``).
-    Its forward is the policy's; with ``values_from`` the value head runs inside the same forward
-    (where FSDP2 and ZeRO-3 have gathered its parameters).
+    Its forward is the policy's (sampling calls it so); with ``completion_mask`` it scores
+    completions instead: the decoder, the chunked LM head on the completion tokens and the value
+    head run inside this one forward (where FSDP2 and ZeRO-3 have gathered their parameters).
 
     Args:
         policy: an HF causal LM.
@@ -280,29 +296,43 @@ class PolicyAndValue(nn.Module):
         # FSDP2 shards each of these blocks, then this module (``transformer_blocks``).
         self._no_split_modules = getattr(policy, "_no_split_modules", None)
 
-    def forward(self, *, values_from: int | None = None, **kwargs: Any) -> Any:
-        """The policy's output on ``kwargs``; with ``values_from``, (that output, values).
+    def forward(
+        self, *, completion_mask: Tensor | None = None, start: int = 0, temperature: float = 1.0,
+        with_values: bool = False, chunk_size: int = CHUNK_SIZE_TOKENS, **kwargs: Any,
+    ) -> Any:
+        """The policy's output on ``kwargs``; with ``completion_mask``, the tuple (logprobs,
+        entropies, values) of :class:`PolicyForward` (:func:`policy_forward` builds it).
 
         Args:
-            values_from: first position whose value is returned: values [N, L - 1 - values_from]
-                float32 read from the last hidden state at positions ``values_from .. L - 2``
-                (those predicting the completion tokens, for ``completion_start``).
+            completion_mask: [N, T] 1 = real completion token: score the completion tokens
+                ``input_ids[:, start + 1:]`` (``kwargs`` from :func:`completion_inputs`).
+            start: :func:`completion_start` of the prompts.
+            temperature: the sampling temperature (0 counts as 1).
+            with_values: also return values [N, T] float32 read from the last hidden state at
+                the positions predicting the completion tokens.
+            chunk_size: tokens per chunk of the LM head.
             **kwargs: the policy's forward arguments (``input_ids`` [N, L] ...).
 
         Raises:
-            ValueError: ``values_from`` without a value head.
+            ValueError: ``with_values`` without a value head.
         """
-        if values_from is None:
+        if completion_mask is None:
             return self.policy(**kwargs)
-        if self.value_head is None:
-            raise ValueError("values_from needs a value head")
-        out = self.policy(**kwargs, output_hidden_states=True)
-        hidden = out.hidden_states[-1][:, values_from:-1, :]
-        values = self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)
-        # No views among the outputs (FSDP2 warns of them: the squeeze above, and the
-        # embedding output among the hidden states, which nothing reads past this point).
-        out.hidden_states = None
-        return out, values
+        if with_values and self.value_head is None:
+            raise ValueError("with_values needs a value head")
+        value_head = self.value_head if with_values else None
+        parts = _head_parts(self.policy)
+        if parts is not None:
+            return _completion_head_forward(
+                *parts, value_head, temperature, chunk_size, kwargs["input_ids"], kwargs["attention_mask"],
+                kwargs["position_ids"], completion_mask, start,
+            )
+        out = self.policy(**kwargs, output_hidden_states=value_head is not None)
+        logprobs, entropies = completion_logprobs(out.logits, kwargs["input_ids"], completion_mask, start, temperature)
+        values = None
+        if value_head is not None:
+            values = value_head(out.hidden_states[-1][:, start:-1, :]).squeeze(-1).to(torch.float32, copy=True)
+        return logprobs, entropies, values
 
 
 def value_head_for(policy: nn.Module) -> nn.Linear:
@@ -342,11 +372,7 @@ def policy_forward(
         The :class:`PolicyForward` (values unmasked; None without ``with_values``).
     """
     inputs = completion_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    start = completion_start(prompt_ids)
-    values = None
-    if with_values:
-        out, values = model(**inputs, values_from=start)
-    else:
-        out = model(**inputs)
-    logprobs, entropies = completion_logprobs(out.logits, inputs["input_ids"], completion_mask, start, temperature)
-    return PolicyForward(logprobs, entropies, values)
+    return PolicyForward(*model(
+        **inputs, completion_mask=completion_mask, start=completion_start(prompt_ids), temperature=temperature,
+        with_values=with_values,
+    ))

@@ -69,7 +69,7 @@ _STAGE_OVERRIDES = {
 }
 
 STEP_LINE = re.compile(r"\[(?P<stage>\w+)\] step (?P<step>\d+): (?P<metrics>.*)$")
-TIMING_METRICS = ("train/tokens_per_s",)
+TIMING_METRICS = ("train/tokens_per_s", "rollout/tokens_per_s")
 """Logged metrics that measure wall time: never equal between two runs."""
 
 

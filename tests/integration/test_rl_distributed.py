@@ -28,17 +28,18 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tasks.launch import launch_stage_process, trainer_command
-from trainer_core.backends.single import SingleDeviceBackend
 from trainer_core import storage
+from trainer_core.backends.single import SingleDeviceBackend
 from trainer_core.checkpoint.manifest import read_manifest
+from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.config import GenerationConfig, GRPOConfig, PPOConfig, load_config
+from trainer_core.engines import HFEngine
 from trainer_core.errors import ConfigError
 from trainer_core.objectives.ppo import whiten
-from trainer_core.rollout import PolicyAndValue, RolloutBatch, sample_completions, value_head_for
+from trainer_core.rollout import PolicyAndValue, RolloutBatch, value_head_for
 from trainer_core.spec import StageSpec, build_spec
-from trainer_core.storage import StageLayout, join_uri
 from trainer_core.stages.ppo import PPOAlgorithm, whiten_across_ranks
-from trainer_core.checkpoint.session import CheckpointSession
+from trainer_core.storage import StageLayout, join_uri
 from trainer_core.training.rl import RLTrainer, check_rl_config
 
 from .helpers import (
@@ -422,9 +423,9 @@ def test_synced_sampling_runs_ranks_in_lockstep_and_returns_the_unsynced_tokens(
 
     def sample(rank: int, sync) -> tuple[torch.Tensor, torch.Tensor, int]:
         model = Biased(50.0 if rank == 0 else -50.0)
-        tokens, mask = sample_completions(model, prompts, torch.ones(2, 2), gen, eos_id=1, pad_id=0,
-                                          generator=torch.Generator().manual_seed(rank), sync=sync)
-        return tokens, mask, model.calls
+        out = HFEngine(model, sync=sync).generate(prompts, torch.ones(2, 2), gen, eos_id=1, pad_id=0,
+                                                  generator=torch.Generator().manual_seed(rank))
+        return out.completion_ids, out.completion_mask, model.calls
 
     alone = [sample(r, None) for r in range(2)]
     reduce = ThreadAllReduce(2)

@@ -55,10 +55,13 @@ def test_backend_is_not_part_of_the_fingerprint():
 
 def test_fingerprints_of_the_demo_config_are_those_runs_were_committed_with():
     """Hashes computed by the code before the stage registry and the non-finite guard (3fd5023):
-    a run committed then is still matched, skipped and resumed. A new config field must keep them."""
+    a run committed then is still matched, skipped and resumed. A new config field must keep them,
+    in sub-sections too. The demo config of that time is kept in tests/unit/fixtures (the shipped
+    one has changed since: its RL stages learn)."""
     from trainer_core.config import load_config
 
-    config = load_config("configs/demo.yaml")
+    demo = "tests/unit/fixtures/demo_3fd5023.yaml"
+    config = load_config(demo)
     inputs = {"data": "/x/prepare_data/final", "model": "/x/sft/final", "reference": "/x/sft/final"}
     got = {s: stage_fingerprint(config, s, inputs if s != "prepare_data" else {}) for s in config.stages}
     assert got == {
@@ -66,9 +69,15 @@ def test_fingerprints_of_the_demo_config_are_those_runs_were_committed_with():
         "score": "af56d1a5ea5c4a77", "dpo": "8570077f3620050b", "ppo": "414e434679d42b68",
         "grpo": "23a7249ea6b7d513", "evaluate": "76b1eb6ce37612ca",
     }
-    assert stage_fingerprint(load_config("configs/demo.yaml", overrides={"sft.max_nonfinite_steps": 2}), "sft",
-                             inputs) != got["sft"]
-    assert stage_fingerprint(load_config("configs/demo.yaml", overrides={"sft.max_tokens_per_micro_batch": 512}),
-                             "sft", inputs) != got["sft"]
-    assert stage_fingerprint(load_config("configs/demo.yaml", overrides={"model.attn_implementation": "eager"}),
-                             "sft", inputs) != got["sft"]
+    changed = {
+        "sft": [{"sft.max_nonfinite_steps": 2}, {"sft.max_tokens_per_micro_batch": 512},
+                {"model.attn_implementation": "eager"}],
+        "grpo": [{"grpo.advantage_estimator": "rloo"}, {"grpo.loss_aggregation": "constant"},
+                 {"grpo.clip_eps_high": 0.28}, {"grpo.dynamic_sampling": True}, {"grpo.overlong_buffer_tokens": 8},
+                 {"grpo.forward_micro_batch_size": 4}, {"grpo.importance_sampling_cap": 2.0},
+                 {"grpo.generation.engine": "static"}, {"grpo.reward.kind": "math_verify"},
+                 {"grpo.reward.kind": "function", "grpo.reward.function": "m:f"}],
+    }
+    for stage, overrides in changed.items():
+        for override in overrides:
+            assert stage_fingerprint(load_config(demo, overrides=override), stage, inputs) != got[stage], override

@@ -8,7 +8,15 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from trainer_core.config import GenerationConfig
-from trainer_core.rollout import RolloutBatch, forward_completions, sample_completions
+from trainer_core.engines import HFEngine
+from trainer_core.rollout import (
+    PolicyAndValue,
+    RolloutBatch,
+    completion_forward,
+    forward_completions,
+    policy_forward,
+    value_head_for,
+)
 
 PAD, EOS, VOCAB = 0, 1, 12
 
@@ -34,7 +42,8 @@ def _prompts():
 def _sample(policy, seed: int, max_new_tokens: int = 10):
     ids, mask = _prompts()
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0)
-    return sample_completions(policy, ids, mask, gen, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(seed))
+    out = HFEngine(policy).generate(ids, mask, gen, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(seed))
+    return out.completion_ids, out.completion_mask
 
 
 def test_rows_stop_after_eos_and_are_padded(policy):
@@ -83,3 +92,49 @@ def test_rollout_batch_select_takes_rows():
     mb = batch.select(torch.tensor([3, 0]))
     assert mb.scores.tolist() == [3.0, 0.0] and mb.prompt_ids[:, 0].tolist() == [3, 0]
     assert mb.ref_logprobs is None and mb.num_sequences == 2
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_completion_forward_equals_full_logits(policy, temperature):
+    """The RL forwards that never form [N, T, V] logits (the chunked LM head on completion tokens,
+    inside the policy-and-value module's forward and, for the reference, inside the HF model's)
+    give the full-logits path's log-probs, entropies and values within 1e-5, gradients included."""
+    ids, p_mask = _prompts()
+    tokens, c_mask = _sample(policy, 2, max_new_tokens=6)
+    torch.manual_seed(1)
+    head = value_head_for(policy)
+    torch.nn.init.normal_(head.weight)
+    model = PolicyAndValue(policy, head)
+    full_lp, full_ent, hidden = forward_completions(policy, ids, p_mask, tokens, c_mask, temperature=temperature,
+                                                    with_hidden=True)
+    out = policy_forward(model, ids, p_mask, tokens, c_mask, temperature=temperature, with_values=True)
+    torch.testing.assert_close(out.logprobs, full_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropies, full_ent.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.values, head(hidden).squeeze(-1), atol=1e-5, rtol=1e-5)
+    assert not out.entropies.requires_grad and (out.logprobs[c_mask == 0] == 0).all()
+    ref = completion_forward(policy, ids, p_mask, tokens, c_mask, temperature=temperature)
+    torch.testing.assert_close(ref.logprobs, full_lp, atol=1e-5, rtol=1e-5)
+    assert ref.values is None
+    # Gradients of a weighted sum of log-probs and values, through the chunked head and the full one.
+    weights = torch.randn(c_mask.shape) * c_mask
+    chunked = {n: g for n, g in zip(
+        [n for n, _ in model.named_parameters()],
+        torch.autograd.grad((out.logprobs * weights).sum() + out.values.sum(), list(model.parameters())),
+    )}
+    full = torch.autograd.grad((full_lp * weights).sum() + head(hidden).squeeze(-1).sum(), list(model.parameters()))
+    for (name, _), want in zip(model.named_parameters(), full):
+        torch.testing.assert_close(chunked[name], want, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_masked_row_scores_nothing(policy):
+    """A row whose completion mask is all zero (the placeholder a rank forwards when it has no row
+    of a mini-batch) gives zero log-probs and entropies and a zero gradient, without NaN."""
+    ids, p_mask = _prompts()
+    tokens, _ = _sample(policy, 2, max_new_tokens=4)
+    model = PolicyAndValue(policy)
+    out = policy_forward(model, ids, p_mask, tokens, torch.zeros(tokens.shape), temperature=1.0, with_values=False)
+    assert (out.logprobs == 0).all() and (out.entropies == 0).all()
+    out.logprobs.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() and (g == 0).all() for g in grads)
+    model.zero_grad(set_to_none=True)

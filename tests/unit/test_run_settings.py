@@ -32,7 +32,7 @@ def test_form_opens_on_the_deployments_config(demo_entry):
     params = deploy.deployment_parameters(flow, entry)
     settings = RunSettings.model_validate(params["settings"])
     demo = load_config(DEMO)
-    assert settings.sft.max_steps == demo.sft.max_steps == 300
+    assert settings.sft.max_steps == demo.sft.max_steps == 900
     assert settings.dpo.learning_rate == demo.dpo.learning_rate and settings.stages == demo.stages
     assert settings.model.name_or_path is None  # the demo builds its model from model.init
     # The form as it opens resolves to exactly the deployment's config: nothing shown is not used.

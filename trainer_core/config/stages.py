@@ -140,6 +140,14 @@ class RolloutGenerationConfig(GenerationConfig):
     max_new_tokens: int = Field(48, ge=1, description="Max generated tokens per completion.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (must be > 0 for RL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    engine: Literal["hf", "static"] = Field(
+        "hf", description="Generation engine (trainer_core.engines): 'hf' a dynamic KV cache, bit-exact resume, "
+        "the CPU reference and the one for sharded policies; 'static' a static KV cache reserved up front, "
+        "batched prefill and (on CUDA) a compiled, CUDA-graph decode step; single and DDP backends."
+    )
+    compile: bool | None = Field(
+        None, description="'static' engine: compile the decode step (None: on CUDA only)."
+    )
 
 
 class ScoreConfig(ConfigBase):
@@ -193,18 +201,45 @@ class EvaluateConfig(ConfigBase):
     )
 
 
-class RewardConfig(ConfigBase):
-    """How an online RL stage scores a completion: learned, verifiable, or a weighted sum."""
+RewardKind = Literal["reward_model", "verifier", "math_verify", "function"]
 
-    kind: Literal["reward_model", "verifier", "weighted"] = Field(
+
+class RewardConfig(ConfigBase):
+    """How an online RL stage scores a completion: learned, verifiable, a user function, or a weighted sum."""
+
+    kind: Literal["reward_model", "verifier", "math_verify", "function", "weighted"] = Field(
         "verifier", description="'reward_model': the trained RM's score; 'verifier': exact match of the final "
-        "number (1/0) plus format bonus; 'weighted': weights.reward_model * RM + weights.verifier * verifier."
+        "number (1/0) plus format bonus; 'math_verify': 1/0 by math-verify's equivalence of the final answer; "
+        "'function': the user function at 'function'; 'weighted': the weighted sum of 'weights' (by default "
+        "reward_model_weight * RM + verifier_weight * verifier)."
     )
     reward_model_from: str | None = Field(None, description="Reward model URI; None: the reward_model output.")
-    reward_model_weight: float = Field(1.0, description="Weight of the RM score in 'weighted'.")
-    verifier_weight: float = Field(1.0, description="Weight of the verifier score in 'weighted'.")
+    reward_model_weight: float = Field(1.0, description="Weight of the RM score in 'weighted' (without 'weights').")
+    verifier_weight: float = Field(1.0, description="Weight of the verifier score in 'weighted' (without 'weights').")
+    function: str | None = Field(
+        None, description="'function' (or a 'weighted' part): import path 'package.module:function' of a reward "
+        "function (see trainer_core.rewards.FunctionReward for its signature)."
+    )
+    weights: dict[RewardKind, float] | None = Field(
+        None, description="'weighted': kind -> weight, e.g. {verifier: 1.0, function: 0.5}; None: "
+        "reward_model_weight and verifier_weight."
+    )
+
+    @model_validator(mode="after")
+    def _function_named(self) -> RewardConfig:
+        uses_function = self.kind == "function" or (self.kind == "weighted" and "function" in (self.weights or {}))
+        if uses_function and not self.function:
+            raise ValueError("reward.function must name 'package.module:function' when the reward uses a function")
+        if self.function is not None and ":" not in self.function:
+            raise ValueError(f"reward.function={self.function!r} must be 'package.module:function'")
+        if self.weights is not None and self.kind != "weighted":
+            raise ValueError(f"reward.weights is for kind 'weighted', not {self.kind!r}")
+        if self.kind == "weighted" and self.weights is not None and not self.weights:
+            raise ValueError("reward.weights must name at least one reward kind")
+        return self
     format_bonus: float = Field(
-        0.1, ge=0, description="Verifier: added when the completion has a '#### <number>' final line."
+        0.1, ge=0, description="'verifier' and 'math_verify': added when the completion has a '#### <number>' "
+        "final line."
     )
 
 
@@ -215,6 +250,10 @@ class RLStageConfig(TrainStageConfig):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay.")
     reference_from: str | None = Field(None, description="Reference model URI; None: the policy's starting model.")
     prompts_per_rollout: int = Field(8, ge=1, description="Prompts sampled per rollout-update iteration.")
+    num_prompts: int | None = Field(
+        None, ge=1, description="RL prompt pool: this many prompts of the prepared train split, drawn with the "
+        "pipeline seed (iterations go through the pool in epochs); None: all of them."
+    )
     ppo_epochs: int = Field(1, ge=1, description="Optimisation passes over each rollout batch.")
     num_mini_batches: int = Field(1, ge=1, description="Mini-batches (optimizer steps) per epoch of a rollout batch.")
     clip_eps: float = Field(0.2, gt=0, description="Policy ratio clip range epsilon.")
@@ -226,6 +265,15 @@ class RLStageConfig(TrainStageConfig):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
     generation: RolloutGenerationConfig = Field(
         default_factory=RolloutGenerationConfig, description="Rollout sampling settings."
+    )
+    forward_micro_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per forward over a rollout batch (policy, reference, value head, "
+        "reward model) and per backward in a mini-batch (gradients accumulated); None: all at once."
+    )
+    importance_sampling_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling: weight each token's loss by "
+        "min(exp(trainer logprob - engine logprob), cap) where the engine's numerics differ from the "
+        "trainer's (e.g. 2.0 with engine 'static'); None: off."
     )
 
 
@@ -246,6 +294,41 @@ class GRPOConfig(RLStageConfig):
     """GRPO: G samples per prompt, group-normalised advantages, no critic."""
 
     group_size: int = Field(4, ge=2, description="Completions sampled per prompt (G).")
-    scale_rewards: bool = Field(True, description="Divide group advantages by the group std (False: Dr. GRPO).")
+    scale_rewards: bool = Field(
+        True, description="'grpo' estimator: divide group advantages by the group std (False: as 'dr_grpo')."
+    )
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="'grpo' (group mean and std), 'dr_grpo' (group mean only), 'rloo' (leave-one-out "
+        "mean), 'reinforce_pp' (REINFORCE++: token-level KL in the reward, whitened over the batch); see "
+        "trainer_core.objectives.grpo_family."
+    )
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field(
+        "token_mean", description="How per-token losses become the loss: 'token_mean' over the mini-batch's "
+        "tokens (DAPO), 'sequence_mean' each sequence's token mean then the mean over sequences (GRPO), "
+        "'constant' the sum over sequences x max_new_tokens (Dr. GRPO)."
+    )
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="Upper clip range (DAPO's clip-higher: ratio clipped to "
+        "[1 - clip_eps, 1 + clip_eps_high]); None: clip_eps."
+    )
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more "
+        "prompts until prompts_per_rollout groups remain or dynamic_sampling_max_rounds is reached."
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        4, ge=1, description="Sampling rounds per rollout at most with dynamic_sampling (1: filter only)."
+    )
+    overlong_buffer_tokens: int | None = Field(
+        None, ge=1, description="DAPO's soft overlong punishment: completions longer than max_new_tokens minus "
+        "this many tokens lose up to overlong_penalty linearly; None: off."
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="Largest overlong punishment (DAPO: 1).")
+
+    @model_validator(mode="after")
+    def _overlong_fits(self) -> GRPOConfig:
+        buffer, longest = self.overlong_buffer_tokens, self.generation.max_new_tokens
+        if buffer is not None and buffer > longest:
+            raise ValueError(f"grpo.overlong_buffer_tokens={buffer} exceeds generation.max_new_tokens={longest}")
+        return self
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0: no KL term, no reference).")
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="Per-token KL estimator (k3 as in DeepSeekMath).")

@@ -67,6 +67,14 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int) -> Tensor:
+        return _ChunkedLinearLogprobs._chunks(ctx, hidden, weight, bias, targets, chunk_size, entropies=None)
+
+    @staticmethod
+    def _chunks(
+        ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int,
+        entropies: Tensor | None,
+    ) -> Tensor:
+        """The forward's loop; also fills ``entropies`` [N] float32 (of each row's distribution) when given."""
         ctx.compute_dtype = _compute_dtype(weight)
         ctx.chunk_size = chunk_size
         num_tokens = hidden.shape[0]
@@ -79,6 +87,8 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
                 logits = _chunk_logits(hidden[rows], weight_c, bias_c)  # [C, V]
                 lse[rows] = torch.logsumexp(logits, dim=-1)
                 logprobs[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - lse[rows]
+                if entropies is not None:  # H = lse - sum_v p_v * logit_v
+                    entropies[rows] = lse[rows] - (torch.softmax(logits, dim=-1) * logits).sum(-1)
                 del logits
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         return logprobs
@@ -108,6 +118,25 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
                 _add_matmul_(grad_weight, grad_logits.t(), hidden[rows].to(weight_c.dtype))
             del grad_logits
         return grad_hidden, grad_weight, grad_bias, None, None
+
+
+class _ChunkedLinearLogprobsEntropy(torch.autograd.Function):
+    """:class:`_ChunkedLinearLogprobs` that also returns each row's entropy (not differentiable),
+    from the same chunk logits: one projection per chunk gives both."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int
+    ) -> tuple[Tensor, Tensor]:
+        entropies = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        logprobs = _ChunkedLinearLogprobs._chunks(ctx, hidden, weight, bias, targets, chunk_size, entropies)
+        ctx.mark_non_differentiable(entropies)
+        return logprobs, entropies
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprobs: Tensor, grad_entropies: Tensor | None):
+        return _ChunkedLinearLogprobs.backward.__wrapped__(ctx, grad_logprobs)
 
 
 def _cast(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
@@ -198,6 +227,36 @@ class _ChunkedLinearNLLSum(torch.autograd.Function):
             grad_bias.mul_(scale.to(grad_bias.dtype)) if needs_bias and grad_bias is not None else None,
             None, None, None,
         )
+
+
+def chunked_linear_logprobs_entropy(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int = CHUNK_SIZE_TOKENS
+) -> tuple[Tensor, Tensor]:
+    """:func:`chunked_linear_logprobs` and the entropy of each row's distribution, from one projection.
+
+    The online RL stages need both for the completion tokens of a rollout batch; a full
+    ``log_softmax`` over [N, T, V] would not fit at a real vocabulary (152k words: 18.5 GiB in
+    float32 for 16 x 8 completions of 256 tokens, measured on an H100).
+
+    Args:
+        hidden, weight, bias, targets, chunk_size: as :func:`chunked_linear_logprobs`
+            (temperature scaling: divide ``hidden`` and ``bias`` by it first).
+
+    Returns:
+        (logprobs [N] float32, differentiable once; entropies [N] float32, ``-sum_v p_v log p_v``
+        in nats, without gradient).
+
+    Raises:
+        ValueError: as :func:`chunked_linear_logprobs`.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if hidden.ndim != 2 or targets.shape != hidden.shape[:1] or weight.shape[1:] != hidden.shape[1:]:
+        raise ValueError(
+            f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    return _ChunkedLinearLogprobsEntropy.apply(hidden, weight, bias, targets, chunk_size)
 
 
 def chunked_nll_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int) -> Tensor:

@@ -30,6 +30,10 @@ from trainer_core.training.loop import BatchSource, Objective, TrainLoop, summar
 log = logging.getLogger(__name__)
 
 
+WALL_TIME_PREFIXES = ("time/", "memory/", "rollout/tokens_per_s")
+"""Metrics that measure wall time or memory: never equal between two runs of the same work."""
+
+
 @dataclass
 class StageContext:
     """A running stage: its spec, backend, tokenizer and metric sink.
@@ -40,12 +44,15 @@ class StageContext:
         tokenizer: the pipeline's tokenizer (from prepare_data's output); None for prepare_data.
         metrics: the MLflow metric logger of the stage's nested run (rank 0; a no-op elsewhere
             and without tracking).
+        print_timing: also print each step's wall-time metrics on a line of their own (the RL
+            stages: the time split of an iteration).
     """
 
     spec: StageSpec
     backend: Backend
     tokenizer: PreTrainedTokenizerBase | None
     metrics: MetricLogger
+    print_timing: bool = False
 
     @property
     def config(self) -> PipelineConfig:
@@ -86,14 +93,23 @@ class StageContext:
         return self.backend.rank == 0
 
     def print_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Print a compact metrics line (the task streams it into the Prefect log); rank 0 only."""
+        """Print a compact metrics line (the task streams it into the Prefect log); rank 0 only.
+
+        Wall-time measurements (``time/*``, ``rollout/tokens_per_s``) and memory go on a second
+        line, ``[stage] step N time: ...``, so that the first one is the same in two runs of the
+        same work (what the resume tests compare)."""
         if not self.is_main:
             return
-        shown = {k: v for k, v in metrics.items() if not k.startswith(("time/", "memory/", "first/"))}
+        timing = {k: v for k, v in metrics.items() if k.startswith(WALL_TIME_PREFIXES)}
+        shown = {k: v for k, v in metrics.items() if k not in timing and not k.startswith("first/")}
         text = " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
+        lines = f"[{self.spec.stage}] step {step}: {text}\n"
+        if self.print_timing and timing:
+            lines += f"[{self.spec.stage}] step {step} time: " + " ".join(
+                f"{k}={v:.4g}" for k, v in sorted(timing.items())) + "\n"
         # One write call: print() writes the text and the newline separately, and a log line
         # from the async checkpoint saver's thread can land between them on a shared pipe.
-        sys.stdout.write(f"[{self.spec.stage}] step {step}: {text}\n")
+        sys.stdout.write(lines)
         sys.stdout.flush()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:

@@ -1,10 +1,10 @@
-"""GRPO stage: ``group_size`` samples per prompt, group-normalised advantages, the clipped
-objective with an optional k3 KL to the reference, no critic (see
-:mod:`trainer_core.training.rl` for the loop and :mod:`trainer_core.objectives.grpo`
-for the math).
+"""GRPO stage: ``group_size`` samples per prompt, group-relative advantages, the clipped
+objective with an optional k3 KL to the reference, no critic; the GRPO family (Dr. GRPO, DAPO,
+RLOO, REINFORCE++) by configuration (see :mod:`trainer_core.training.rl` for the loop,
+:mod:`trainer_core.objectives.grpo_family` and :mod:`trainer_core.objectives.grpo` for the math).
 
 Default reward: the verifier (exact match of the final number plus a format bonus). The
-reference model is loaded only when ``grpo.kl_coef`` > 0.
+reference model is loaded only when ``grpo.kl_coef`` > 0 (or the KL controller is adaptive).
 
 Shape legend: N sequences (prompts x G), T completion tokens.
 """
@@ -17,42 +17,85 @@ from torch import Tensor
 
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import GRPOConfig
-from trainer_core.objectives.grpo import group_advantages, grpo_loss
+from trainer_core.objectives.grpo_family import (
+    ADVANTAGE_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    clipped_policy_loss_asymmetric,
+    dapo_overlong_penalty,
+)
+from trainer_core.objectives.ppo import KL_ESTIMATORS
 from trainer_core.rollout import PolicyForward, RolloutBatch
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage
-from trainer_core.training.rl import masked_sum
+from trainer_core.training.rl import MiniBatchCounts, masked_sum
 
 
 class GRPOAlgorithm:
-    """Group-relative advantages of the sequence scores; clipped loss + ``kl_coef`` x KL per token."""
+    """The GRPO family: an advantage estimator of the registry, the clipped loss (clip-higher
+    optional) + ``kl_coef`` x KL per token, a loss aggregation of the registry, and DAPO's dynamic
+    sampling and overlong shaping when configured.
+
+    Recipes (see the README): GRPO = the defaults; Dr. GRPO = ``advantage_estimator: dr_grpo``,
+    ``loss_aggregation: constant``; DAPO = ``clip_eps_high: 0.28``, ``dynamic_sampling: true``,
+    ``overlong_buffer_tokens``, token_mean; RLOO = ``advantage_estimator: rloo``; REINFORCE++ =
+    ``advantage_estimator: reinforce_pp`` with ``kl_coef`` > 0 (the KL enters the reward, not the loss).
+    """
 
     uses_values = False
 
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
         self.samples_per_prompt = cfg.group_size
+        self.dynamic_sampling = cfg.dynamic_sampling
+        self.max_sampling_rounds = cfg.dynamic_sampling_max_rounds
+        estimator = cfg.advantage_estimator
+        if estimator == "grpo" and not cfg.scale_rewards:
+            estimator = "dr_grpo"  # the grpo estimator without the std division is Dr. GRPO's
+        self.estimator = estimator
+        # REINFORCE++ puts the KL in the reward (token-level); the others add it to the loss.
+        self.kl_in_loss = estimator != "reinforce_pp"
 
     def prepare(self, batch: RolloutBatch, kl_coef: float, all_reduce_sum: Callable[[Tensor], Tensor]) -> None:
-        """``batch.advantages`` [N]: each score against its prompt's group (rows are grouped
-        contiguously, and a group never spans ranks: no statistic crosses ranks)."""
-        batch.advantages = group_advantages(batch.scores, self.cfg.group_size, scale=self.cfg.scale_rewards)
+        """``batch.advantages`` [N, T] from the scores (plus DAPO's overlong shaping of the scores when
+        configured) by the configured estimator. Groups are contiguous and never span ranks; only
+        REINFORCE++ whitens with statistics over every rank (``all_reduce_sum``)."""
+        cfg, mask = self.cfg, batch.completion_mask
+        scores = batch.scores.float()
+        if cfg.overlong_buffer_tokens is not None:
+            scores = scores + dapo_overlong_penalty(
+                mask.sum(1), cfg.generation.max_new_tokens, cfg.overlong_buffer_tokens, cfg.overlong_penalty
+            )
+        batch.advantages = ADVANTAGE_ESTIMATORS[self.estimator](
+            scores, mask, cfg.group_size, logprobs=batch.logprobs, ref_logprobs=batch.ref_logprobs, kl_coef=kl_coef,
+            kl_estimator=cfg.kl_estimator, all_reduce_sum=all_reduce_sum,
+        )
         self.kl_coef = kl_coef
 
     def loss(
-        self, batch: RolloutBatch, out: PolicyForward, num_valid_tokens: Tensor
+        self, batch: RolloutBatch, out: PolicyForward, counts: MiniBatchCounts
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """This rank's real tokens' losses summed and divided by ``num_valid_tokens`` (the
-        mini-batch's count over every rank: a token-level mean, see the objective's departure
-        note), and the token sums of the metrics."""
+        """This rank's share of the mini-batch loss under ``loss_aggregation`` (the shares of all
+        ranks sum to the loss of the whole mini-batch), each token's loss weighted by
+        ``batch.policy_loss_weights`` (truncated importance weights when set), and the token
+        sums of the metrics."""
         mask, cfg = batch.completion_mask, self.cfg
-        losses, m = grpo_loss(
-            out.logprobs, batch.logprobs, batch.advantages, batch.ref_logprobs,
-            clip_eps=cfg.clip_eps, kl_coef=self.kl_coef, kl_estimator=cfg.kl_estimator,
+        clip_high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
+        losses, m = clipped_policy_loss_asymmetric(
+            out.logprobs, batch.logprobs, batch.advantages, cfg.clip_eps, clip_high
         )
-        loss_sum = masked_sum(losses, mask)
+        kl_coef = self.kl_coef if self.kl_in_loss else 0.0
+        if kl_coef > 0:  # DeepSeekMath eq. 3: + beta * KL(pi || pi_ref) per token (k3, eq. 4)
+            kl = KL_ESTIMATORS[cfg.kl_estimator](out.logprobs, batch.ref_logprobs)
+            losses = losses + kl_coef * kl
+            m["kl"] = kl.detach()
+        weighted = losses if batch.is_weights is None else losses * batch.is_weights
+        loss = LOSS_AGGREGATIONS[cfg.loss_aggregation](
+            weighted, mask,
+            num_tokens=counts.num_tokens, num_sequences=counts.num_sequences,
+            max_new_tokens=cfg.generation.max_new_tokens,
+        )
         metric_sums = {
-            "loss/policy_avg": loss_sum.detach(),
+            "loss/policy_avg": masked_sum(losses.detach(), mask),
             "policy/approxkl_avg": masked_sum(m["approxkl"], mask),
             "policy/clipfrac_avg": masked_sum(m["clipped"], mask),
             "policy/entropy_avg": masked_sum(out.entropies, mask),
@@ -60,7 +103,7 @@ class GRPOAlgorithm:
         }
         if "kl" in m:
             metric_sums["policy/kl_avg"] = masked_sum(m["kl"], mask)
-        return loss_sum / num_valid_tokens, metric_sums
+        return loss, metric_sums
 
 
 def run(ctx: StageContext) -> Manifest:

@@ -33,7 +33,7 @@ from trainer_core.objectives.ppo import (
 from trainer_core.rollout import PolicyForward, RolloutBatch
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage, value_head_bytes
-from trainer_core.training.rl import masked_sum
+from trainer_core.training.rl import MiniBatchCounts, masked_sum
 
 
 def whiten_across_ranks(
@@ -88,15 +88,16 @@ class PPOAlgorithm:
         batch.returns = returns
 
     def loss(
-        self, batch: RolloutBatch, out: PolicyForward, num_valid_tokens: Tensor
+        self, batch: RolloutBatch, out: PolicyForward, counts: MiniBatchCounts
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """This rank's share of the mini-batch loss: policy and value losses summed over its real
-        tokens, each divided by ``num_valid_tokens`` (the mini-batch's count over every rank),
-        and the token sums of the metrics."""
+        tokens, each divided by ``counts.num_tokens`` (the mini-batch's count over every rank;
+        the policy loss weighted by ``batch.policy_loss_weights``: truncated importance weights
+        when the engine's log-probs differ), and the token sums of the metrics."""
         mask, cfg = batch.completion_mask, self.cfg
         pg_losses, pg = clipped_policy_loss(out.logprobs, batch.logprobs, batch.advantages, cfg.clip_eps)
         vf_losses, vf = clipped_value_loss(out.values, batch.values, batch.returns, cfg.value_clip_eps)
-        pg_sum, vf_sum = masked_sum(pg_losses, mask), masked_sum(vf_losses, mask)
+        pg_sum, vf_sum = masked_sum(pg_losses, batch.policy_loss_weights), masked_sum(vf_losses, mask)
         metric_sums = {
             "loss/policy_avg": pg_sum.detach(),
             "loss/value_avg": vf_sum.detach(),
@@ -106,7 +107,8 @@ class PPOAlgorithm:
             "val/clipfrac_avg": masked_sum(vf["clipped"], mask),
             "val/ratio": masked_sum(pg["ratio"], mask),
         }
-        return pg_sum / num_valid_tokens + cfg.vf_coef * (vf_sum / num_valid_tokens), metric_sums
+        num_tokens = counts.num_tokens
+        return pg_sum / num_tokens + cfg.vf_coef * (vf_sum / num_tokens), metric_sums
 
 
 def run(ctx: StageContext) -> Manifest:

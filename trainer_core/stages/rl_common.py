@@ -5,6 +5,7 @@ prompt set, the reward function, and building, resuming and running the trainer.
 from __future__ import annotations
 
 import logging
+import random
 
 import safetensors.torch
 import torch
@@ -13,11 +14,23 @@ from torch import Tensor
 from trainer_core.config import RLStageConfig
 from trainer_core.errors import ConfigError
 from trainer_core.generation import messages_of, prompt_ids
-from trainer_core.rewards import PromptItem, RewardFunction, RewardModelReward, build_reward, needs_answers, needs_reward_model
+from trainer_core.rewards import (
+    PromptItem,
+    RewardFunction,
+    RewardModelReward,
+    build_reward,
+    needs_answers,
+    needs_reward_model,
+)
 from trainer_core.rollout import PolicyAndValue, value_head_for
 from trainer_core.stages.context import StageContext
 from trainer_core.training.loop import summarize
-from trainer_core.training.rl import RL_CHECKPOINT_LAYOUT, Algorithm, RLTrainer, check_rl_config
+from trainer_core.training.rl import (
+    RL_CHECKPOINT_LAYOUT,
+    Algorithm,
+    RLTrainer,
+    check_rl_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +46,9 @@ def load_prompts(ctx: StageContext, cfg: RLStageConfig) -> list[PromptItem]:
         rows = [r for r in rows if r["answer"] is not None]
     if not rows:
         raise ConfigError("no RL prompts: sft/train has no rows (with a final answer, for the verifier reward)")
+    if cfg.num_prompts is not None and cfg.num_prompts < len(rows):
+        keep = sorted(random.Random(f"rl-prompts:{ctx.config.seed}").sample(range(len(rows)), cfg.num_prompts))
+        rows = [rows[i] for i in keep]
     data = ctx.config.data
     return [PromptItem(messages_of(r), prompt_ids(ctx.tokenizer, messages_of(r), data), r["answer"]) for r in rows]
 
@@ -41,7 +57,8 @@ def _reward_fn(ctx: StageContext, cfg: RLStageConfig) -> RewardFunction:
     def load() -> RewardFunction:
         rm = ctx.reward_model()
         rm = ctx.backend.prepare_frozen(rm)
-        return RewardModelReward(rm, ctx.tokenizer, ctx.config.data, cfg.generation.batch_size, ctx.backend.device)
+        batch_size = cfg.forward_micro_batch_size or cfg.generation.batch_size
+        return RewardModelReward(rm, ctx.tokenizer, ctx.config.data, batch_size, ctx.backend.device)
 
     return build_reward(cfg.reward, load if needs_reward_model(cfg.reward) else None)
 
@@ -60,6 +77,7 @@ def run_rl_stage(
         ConfigError: see :func:`check_rl_config`.
     """
     backend = ctx.backend
+    ctx.print_timing = True
     check_rl_config(ctx.spec.stage, cfg, algo.samples_per_prompt, backend.world_size)
     seed = ctx.config.seed
     prompts = load_prompts(ctx, cfg)

@@ -5,16 +5,22 @@ One iteration (``global_step`` counts iterations, as ``max_steps`` does), on eve
 1. take the next ``prompts_per_rollout`` prompts (a seeded shuffle per epoch of the prompt set);
    rank ``r`` of ``world_size`` takes prompts ``r, r + world_size, ...`` (equal shares; a GRPO
    group stays on one rank);
-2. sample ``samples_per_prompt`` completions of each from the policy (:mod:`trainer_core.rollout`),
-   score them, and compute the rollout log-probs (and values), the reference log-probs and the
-   advantages without gradients (PPO whitens with statistics summed over ranks);
+2. sample ``samples_per_prompt`` completions of each with the generation engine
+   (:mod:`trainer_core.engines`, ``generation.engine``; with DAPO's dynamic sampling, more rounds
+   until enough groups carry a signal), score them, and compute the rollout log-probs (and
+   values), the reference log-probs (chunked LM head, ``forward_micro_batch_size`` rows per
+   forward: :mod:`trainer_core.rollout`), the difference from the engine's log-probs (truncated
+   importance weights with ``importance_sampling_cap``) and the advantages without gradients
+   (PPO and REINFORCE++ whiten with statistics summed over ranks);
 3. ``ppo_epochs`` passes over the rollout batch, each rank cutting its rows into
    ``num_mini_batches`` parts in a seeded random order (see :meth:`RLTrainer.update` for uneven
    parts); one optimizer step per mini-batch, the loss normalised by the mini-batch's
-   ``num_valid_tokens`` summed over ranks (the step one device takes on the union of the ranks'
-   rows); the LR schedule steps once per iteration;
+   sizes summed over ranks (the step one device takes on the union of the ranks' rows), its rows
+   forward and backward ``forward_micro_batch_size`` at a time; the LR schedule steps once per
+   iteration;
 4. update the KL controller with the KL of the whole batch, log metrics computed over every
-   rank's sequences and tokens (rank 0 prints them), checkpoint every ``save_every`` iterations.
+   rank's sequences and tokens with the iteration's time split (rank 0 prints them), checkpoint
+   every ``save_every`` iterations.
 
 The trainable :class:`~trainer_core.rollout.PolicyAndValue` goes through ``Backend.wrap`` and
 ``setup_optimizer`` whole (TRL's ``PolicyAndValueWrapper``: one optimizer over policy and value
@@ -32,7 +38,8 @@ generator, in rank order), so a resumed run samples and steps as one never stopp
 to MLflow once the checkpoint covering them is committed.
 
 Unused fields of the shared stage config: ``micro_batch_size``, ``grad_accum_steps``,
-``global_batch_size`` (a DeepSpeed engine takes one step per mini-batch), ``eval_every``,
+``global_batch_size`` (a DeepSpeed engine takes one step per mini-batch, accumulated over its
+micro-batches), ``eval_every``,
 ``eval_max_batches``, ``keep_best_metric``, ``early_stopping_patience``; held-out evaluation
 is the ``evaluate`` stage's job.
 
@@ -44,13 +51,9 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
-import random
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -63,23 +66,23 @@ from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import RLStageConfig
 from trainer_core.data.batching import collate_prompts_left
+from trainer_core.engines import GenerationEngine, build_engine
 from trainer_core.errors import ConfigError
-from trainer_core.objectives.ppo import KL_ESTIMATORS, AdaptiveKLController, FixedKLController
-from trainer_core.rewards import PromptItem, RewardFunction, is_correct
-from trainer_core.rollout import (
-    PolicyAndValue,
-    PolicyForward,
-    RolloutBatch,
-    forward_completions,
-    masked_row,
-    policy_forward,
-    sample_completions,
-)
+from trainer_core.objectives.ppo import AdaptiveKLController, FixedKLController
+from trainer_core.rewards import PromptItem, RewardFunction
+from trainer_core.rollout import PolicyAndValue, PolicyForward, RolloutBatch, masked_row, policy_forward
 from trainer_core.storage import join_uri, read_bytes
 from trainer_core.training.guard import check_finite_metrics, check_finite_tensors, finite_only, step_is_finite
-from trainer_core.training.loop import build_optimizer, build_scheduler
+from trainer_core.training.loop import _peak_memory_bytes, build_optimizer, build_scheduler
+from trainer_core.training.rl_batches import (  # noqa: F401 (also the loop's public names)
+    Algorithm, MiniBatchCounts, SampledRound, _reference_forward, check_rl_config, concat_rounds, engine_config,
+    groups_with_signal, logprob_diff_metrics, masked_sum, next_prompts, prompt_order, rollout_metrics, row_slices,
+    sampler_seed,
+)
+from trainer_core.training.timing import PhaseTimer, phase_timer
 
 log = logging.getLogger(__name__)
+
 
 FIRST_KEYS = ("reward_mean", "verifier_accuracy", "objective/scores", "objective/rlhf_reward")
 """Metrics whose first value is also kept (``first/<name>``) for the stage summary."""
@@ -88,88 +91,6 @@ RL_CHECKPOINT_LAYOUT = 2
 """``extra.rl_checkpoint`` of the manifests this module writes: 2 = one policy-and-value model in
 the backend's format, ``sampler_rng.pt`` a list per rank. Checkpoints without it (layout 1: the
 policy and ``value_head.safetensors`` apart) are not resumed from."""
-
-
-class Algorithm(Protocol):
-    """What PPO and GRPO plug into the loop."""
-
-    samples_per_prompt: int
-    uses_values: bool
-
-    def prepare(self, batch: RolloutBatch, kl_coef: float, all_reduce_sum: Callable[[Tensor], Tensor]) -> None:
-        """Set ``batch.advantages`` (and ``returns``) from scores, values and reference log-probs;
-        ``all_reduce_sum`` (``Backend.all_reduce_sum``) for statistics over every rank's rows."""
-
-    def loss(
-        self, batch: RolloutBatch, out: PolicyForward, num_valid_tokens: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """(this rank's loss: its real tokens' losses summed, divided by ``num_valid_tokens``, the
-        mini-batch's count over every rank; detached scalar metric sums over its real tokens)."""
-
-
-def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
-    """Scalar sum of ``x`` [N, T] where ``mask`` [N, T] is 1 (the numerator of ``masked_mean``)."""
-    return (x * mask).sum()
-
-
-def prompt_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
-    """The prompt indices of ``epoch`` in order: a ``random.Random(seed + epoch)`` shuffle."""
-    order = list(range(num_prompts))
-    random.Random(seed + epoch).shuffle(order)
-    return order
-
-
-def next_prompts(progress: TrainProgress, num_prompts: int, count: int, seed: int) -> list[int]:
-    """The next ``count`` prompt indices from ``(progress.epoch, progress.batch_index)``; advances it."""
-    out: list[int] = []
-    while len(out) < count:
-        order = prompt_order(num_prompts, seed, progress.epoch)
-        take = order[progress.batch_index : progress.batch_index + count - len(out)]
-        out.extend(take)
-        progress.batch_index += len(take)
-        if progress.batch_index >= num_prompts:
-            progress.epoch, progress.batch_index = progress.epoch + 1, 0
-    return out
-
-
-def sampler_seed(seed: int, rank: int) -> int:
-    """Seed of rank ``rank``'s sampling generator: ``seed`` on rank 0 (a one-rank run samples as
-    before ranks existed), distinct on the others so that ranks do not draw the same numbers."""
-    return seed + 1_000_003 * rank
-
-
-def check_rl_config(stage: str, cfg: RLStageConfig, samples_per_prompt: int, world_size: int) -> None:
-    """Validate an RL stage's config for ``world_size`` data-parallel ranks.
-
-    Raises:
-        ConfigError: temperature 0 (RL samples); ``prompts_per_rollout`` not a multiple of the
-            world size (every rank takes an equal share: sharded forwards run in lockstep);
-            more ``num_mini_batches`` than the rollout batch has sequences.
-    """
-    if cfg.generation.temperature <= 0:
-        raise ConfigError(f"{stage}.generation.temperature must be > 0: RL stages sample")
-    if cfg.prompts_per_rollout % world_size:
-        raise ConfigError(
-            f"{stage}.prompts_per_rollout={cfg.prompts_per_rollout} must be a multiple of the world size "
-            f"({world_size}): every rank samples an equal share of each rollout's prompts"
-        )
-    if cfg.num_mini_batches > cfg.prompts_per_rollout * samples_per_prompt:
-        raise ConfigError(
-            f"{stage}.num_mini_batches={cfg.num_mini_batches} exceeds the rollout batch's number of sequences "
-            f"({cfg.prompts_per_rollout * samples_per_prompt} = prompts_per_rollout x samples per prompt)"
-        )
-
-
-def engine_config(cfg: RLStageConfig, samples_per_prompt: int, world_size: int) -> RLStageConfig:
-    """``cfg`` as ``Backend.setup_optimizer`` sees it: one optimizer step per mini-batch.
-
-    A DeepSpeed engine's config takes the micro-batch size and accumulation from the stage
-    config; here a mini-batch (this rank's rows of it) is one micro-batch, and there is no
-    accumulation (``grad_accum_steps`` 1, no ``global_batch_size``).
-    """
-    rows = cfg.prompts_per_rollout // world_size * samples_per_prompt
-    micro = max(1, math.ceil(rows / cfg.num_mini_batches))
-    return cfg.model_copy(update={"micro_batch_size": micro, "grad_accum_steps": 1, "global_batch_size": None})
 
 
 @dataclass
@@ -214,6 +135,25 @@ class RLTrainer:
         self.kl_ctl = adaptive or FixedKLController(kl)
         self.generator = torch.Generator(device=backend.device).manual_seed(sampler_seed(self.seed, backend.rank))
         self.metrics = self.session.metrics
+        self.engine = self._build_engine()
+
+    def _build_engine(self) -> GenerationEngine:
+        """The rollout's generation engine (``generation.engine``). The ``hf`` engine samples from
+        the policy-and-value module itself (a sharded one too, in lockstep); the others serve the
+        HF policy inside it (same parameters: colocated, nothing copied).
+
+        Raises:
+            ConfigError: an engine other than ``hf`` with a sharded policy (FSDP2, ZeRO-3).
+        """
+        gen, backend = self.cfg.generation, self.backend
+        if gen.engine != "hf" and backend.sharded_forward:
+            raise ConfigError(
+                f"{self.session.stage}.generation.engine={gen.engine!r} needs an unsharded policy (backend single or "
+                f"ddp); with {backend.name} use engine 'hf'"
+            )
+        model = self.module if gen.engine == "hf" else self.policy
+        sync = backend.all_reduce_sum if backend.sharded_forward else None
+        return build_engine(gen.engine, model, device=backend.device, compile=gen.compile, sync=sync)
 
     @property
     def policy(self) -> nn.Module:
@@ -227,76 +167,124 @@ class RLTrainer:
 
     # ----- rollout -----------------------------------------------------------------
 
-    @torch.no_grad()
-    def rollout(self) -> tuple[RolloutBatch, list[str], list[PromptItem]]:
-        """Sample, score and evaluate this rank's share of one rollout batch (no gradients);
-        advances the prompt position (by the whole batch, on every rank)."""
+    def _sample_round(self, timer: PhaseTimer) -> SampledRound:
+        """Sample and score this rank's share of the next ``prompts_per_rollout`` prompts
+        (advances the prompt position by all of them, on every rank)."""
         cfg, tok, backend = self.cfg, self.tokenizer, self.backend
         device, group = backend.device, self.algo.samples_per_prompt
         picked = next_prompts(self.progress, len(self.prompts), cfg.prompts_per_rollout, self.seed)
         items = [self.prompts[i] for i in picked[backend.rank :: backend.world_size] for _ in range(group)]
         padded = collate_prompts_left([{"input_ids": p.input_ids} for p in items], tok.pad_token_id)
         p_ids, p_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device).float()
-        # Sampling, old and reference log-probs in the training forward's precision (an
-        # on-policy ratio is 1 only when both compute alike).
-        with backend.autocast():
-            c_ids, c_mask = sample_completions(
-                self.module, p_ids, p_mask, cfg.generation, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                generator=self.generator, sync=backend.all_reduce_sum if backend.sharded_forward else None,
+        with timer.phase("generation"), backend.autocast():
+            generated = self.engine.generate(
+                p_ids, p_mask, cfg.generation, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                generator=self.generator,
             )
-            out = self.forward(self.module, p_ids, p_mask, c_ids, c_mask)
-            ref = None
-            if self.reference is not None:
-                ref, _, _ = forward_completions(
-                    self.reference, p_ids, p_mask, c_ids, c_mask, temperature=cfg.generation.temperature
-                )
+        c_ids, c_mask = generated.completion_ids, generated.completion_mask
         decoded = tok.batch_decode(c_ids.masked_fill(c_mask == 0, tok.pad_token_id), skip_special_tokens=True)
         texts = [t.strip() for t in decoded]
+        with timer.phase("reward"):
+            scores = self.reward_fn(items, texts).to(device)
+        return SampledRound(items, p_ids, p_mask, generated, texts, scores)
+
+    def _sample(self, timer: PhaseTimer) -> tuple[SampledRound, SampledRound, dict[str, float]]:
+        """This rank's rows for the update, the first round's rows (for the reward metrics: every
+        completion sampled, unfiltered) and the sampling statistics.
+
+        With the algorithm's ``dynamic_sampling`` (DAPO), each round keeps the groups with a
+        reward signal (:func:`groups_with_signal`) and another round is sampled while some rank
+        has fewer than its share, up to ``max_sampling_rounds``; a rank still short then takes
+        dropped groups (zero advantage) so that every rank updates on the same number of rows.
+        """
+        backend, group = self.backend, self.algo.samples_per_prompt
+        first = self._sample_round(timer)
+        if not getattr(self.algo, "dynamic_sampling", False):
+            return first, first, {}
+        share = self.cfg.prompts_per_rollout // backend.world_size
+        kept: list[SampledRound] = []
+        dropped: list[SampledRound] = []
+        sampled_groups = kept_groups = rounds = 0
+        current = first
+        while True:
+            rounds += 1
+            signal = groups_with_signal(current.scores, group).tolist()
+            sampled_groups += len(signal)
+            for g, keep in enumerate(signal):
+                rows = current.rows(list(range(g * group, (g + 1) * group)))
+                (kept if keep else dropped).append(rows)
+            kept_groups += sum(signal)
+            kept = kept[:share]
+            short = share - len(kept)
+            anyone_short = float(backend.all_reduce_sum(torch.tensor(float(short), device=backend.device))) > 0
+            if not anyone_short or rounds >= self.algo.max_sampling_rounds:
+                break
+            current = self._sample_round(timer)
+        kept += dropped[: share - len(kept)]
+        stats = {"rollout/sampling_rounds": float(rounds), "rollout/groups_kept_frac": kept_groups / sampled_groups}
+        return concat_rounds(kept, self.tokenizer.pad_token_id), first, stats
+
+    def _forward_rows(self, fn: Callable[..., PolicyForward], model: nn.Module, sample: SampledRound) -> PolicyForward:
+        """``fn`` (:func:`policy_forward`-like) over ``sample``'s rows, ``forward_micro_batch_size`` at a time."""
+        g = sample.generated
+        outs = [
+            fn(model, sample.prompt_ids[rows], sample.prompt_mask[rows], g.completion_ids[rows], g.completion_mask[rows])
+            for rows in row_slices(len(sample.items), self.cfg.forward_micro_batch_size)
+        ]
+        cat = lambda xs: None if xs[0] is None else torch.cat(xs, dim=0)
+        return PolicyForward(*(cat([getattr(o, k) for o in outs]) for k in ("logprobs", "entropies", "values")))
+
+    @torch.no_grad()
+    def rollout(self, timer: PhaseTimer | None = None) -> tuple[RolloutBatch, SampledRound, dict[str, float]]:
+        """Sample, score and evaluate this rank's share of one rollout batch (no gradients);
+        advances the prompt position (by the whole batch, on every rank).
+
+        Returns:
+            (the batch the update trains on, the first sampling round (every completion, for the
+            reward metrics), rollout statistics: sampling rounds, the engine's log-prob difference).
+        """
+        cfg, backend = self.cfg, self.backend
+        timer = timer or phase_timer(backend.device)
+        self.engine.load_weights(self.module)
+        sample, first, stats = self._sample(timer)
+        self.engine.release()
+        g, temperature = sample.generated, cfg.generation.temperature
+        p_ids, p_mask, c_ids, c_mask = sample.prompt_ids, sample.prompt_mask, g.completion_ids, g.completion_mask
+        # Old and reference log-probs in the training forward's precision (an on-policy ratio is 1
+        # only when both compute alike); the engine's own log-probs are compared with them.
+        with backend.autocast():
+            with timer.phase("logprobs"):
+                out = self._forward_rows(partial(self.forward), self.module, sample)
+            ref = None
+            if self.reference is not None:
+                with timer.phase("reference"):
+                    ref_fn = partial(_reference_forward, temperature=temperature)
+                    ref = self._forward_rows(ref_fn, self.reference, sample).logprobs
         batch = RolloutBatch(
             prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask, logprobs=out.logprobs,
-            scores=self.reward_fn(items, texts).to(device),
-            prompt_index=torch.arange(len(items), device=device) // group,
+            scores=sample.scores, prompt_index=torch.arange(len(sample.items), device=backend.device) // self.algo.samples_per_prompt,
             ref_logprobs=ref, values=out.values * c_mask if out.values is not None else None,
+            engine_logprobs=g.logprobs,
         )
+        if cfg.importance_sampling_cap is not None:
+            # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+            # brings you off-policy RL training"; verl's ``tis_imp_ratio_cap``): the engine sampled
+            # from pi_engine, the loss assumes pi_old; weight by min(pi_old / pi_engine, cap).
+            ratio = torch.exp(batch.logprobs - g.logprobs).clamp(max=cfg.importance_sampling_cap)
+            batch.is_weights = ratio * c_mask
+        stats.update(self._logprob_diff(batch))
         self.algo.prepare(batch, self.kl_ctl.value, backend.all_reduce_sum)
         check_finite_tensors({"rewards": batch.scores, "advantages": batch.advantages}, stage=self.session.stage,
                              global_step=self.progress.global_step + 1, all_reduce_sum=backend.all_reduce_sum)
-        return batch, texts, items
+        return batch, first, stats
 
-    def rollout_metrics(self, batch: RolloutBatch, texts: list[str], items: list[PromptItem]) -> dict[str, float]:
-        """TRL's ``objective/*`` metrics plus reward, length and verifier accuracy of the whole
-        rollout batch: every rank's per-sequence values are gathered (in rank order), so every
-        rank computes the same numbers (the KL controller's input among them)."""
-        mask = batch.completion_mask
-        kl_seq = torch.zeros_like(batch.scores, dtype=torch.float32)
-        if batch.ref_logprobs is not None:
-            kl_seq = (KL_ESTIMATORS[self.cfg.kl_estimator](batch.logprobs, batch.ref_logprobs) * mask).sum(1)
-        eos = (batch.completion_ids == self.tokenizer.eos_token_id) & (mask > 0)
-        local = {
-            "scores": batch.scores.float(), "entropy": (-batch.logprobs * mask).sum(1), "length": mask.sum(1),
-            "eos": eos.sum(1), "kl": kl_seq,
-        }
-        mine: dict[str, Any] = {k: v.detach().cpu() for k, v in local.items()}
-        answered = all(i.answer is not None for i in items)
-        mine["correct"] = [is_correct(t, i.answer) for t, i in zip(texts, items)] if answered else None
-        ranks = self.backend.all_gather_object(mine)
-        seq = {k: torch.cat([r[k] for r in ranks]) for k in local}
-        scores = seq["scores"]
-        m = {
-            "objective/entropy": float(seq["entropy"].mean()),
-            "objective/scores": float(scores.mean()),
-            "objective/kl_coef": self.kl_ctl.value,
-            "reward_mean": float(scores.mean()),
-            "reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
-            "response_length_tokens": float(seq["length"].mean()),
-            "val/num_eos_tokens": float(seq["eos"].sum()),
-            "objective/kl": float(seq["kl"].mean()),
-        }
-        m["objective/non_score_reward"] = -self.kl_ctl.value * m["objective/kl"]
-        m["objective/rlhf_reward"] = m["objective/scores"] + m["objective/non_score_reward"]
-        if all(r["correct"] is not None for r in ranks):
-            m["verifier_accuracy"] = statistics.fmean(c for r in ranks for c in r["correct"])
-        return m
+    def _logprob_diff(self, batch: RolloutBatch) -> dict[str, float]:
+        return logprob_diff_metrics(batch, self.backend)
+
+    def rollout_metrics(self, batch: RolloutBatch, first: SampledRound) -> dict[str, float]:
+        """:func:`~trainer_core.training.rl_batches.rollout_metrics` of this stage."""
+        return rollout_metrics(batch, first, self.backend, self.tokenizer.eos_token_id, self.kl_ctl.value,
+                               self.cfg.kl_estimator)
 
     # ----- update ------------------------------------------------------------------
 
@@ -328,31 +316,53 @@ class RLTrainer:
                 count += 1
         return {k: v / count for k, v in sums.items()}
 
+    def _micro_batches(self, mb: RolloutBatch) -> list[RolloutBatch]:
+        """``mb``'s rows cut into ``forward_micro_batch_size`` rows each; every rank gets as many
+        micro-batches as the rank with the most (padded with :func:`masked_row`), so that ranks run
+        the same forwards and collectives."""
+        slices = row_slices(mb.num_sequences, self.cfg.forward_micro_batch_size)
+        parts = [mb.select(torch.arange(mb.num_sequences, device=mb.completion_mask.device)[s]) for s in slices]
+        if len(parts) == 1:
+            parts = [mb]
+        if self.backend.world_size > 1 and self.cfg.forward_micro_batch_size is not None:
+            most = max(self.backend.all_gather_object(len(parts)))
+            parts += [masked_row(mb)] * (most - len(parts))
+        return parts
+
     def train_step(self, mb: RolloutBatch) -> dict[str, Tensor]:
         """One optimizer step on a mini-batch (this rank's rows of it), collective.
 
-        The loss is every rank's real tokens' losses summed over the mini-batch's
-        ``num_valid_tokens`` over all ranks (the backend undoes its averaging over ranks), so
-        the step is the one a single device takes on the union of the ranks' rows.
+        The mini-batch's sizes over all ranks (:class:`MiniBatchCounts`) divide the loss (the
+        backend undoes its averaging over ranks), so the step is the one a single device takes on
+        the union of the ranks' rows; with ``forward_micro_batch_size`` the rows go forward and
+        backward in micro-batches whose gradients accumulate into that same step.
 
         Returns:
             Scalar metrics over every rank's tokens: the algorithm's, ``train/loss`` and
             ``train/grad_norm`` (before clipping).
         """
-        backend = self.backend
-        num_valid_tokens = backend.all_reduce_sum(mb.completion_mask.sum()).clamp(min=1.0)
-        with backend.grad_sync(self.model, is_last_micro_batch=True):
-            with backend.autocast():
-                out = self.forward(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
-                loss, metric_sums = self.algo.loss(mb, out, num_valid_tokens)
-            backend.backward(self.model, loss)
-        cfg = self.cfg
+        backend, cfg = self.backend, self.cfg
+        mask = mb.completion_mask
+        sizes = backend.all_reduce_sum(torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).float())
+        counts = MiniBatchCounts(num_tokens=sizes[0].clamp(min=1.0), num_sequences=sizes[1].clamp(min=1.0))
+        parts = self._micro_batches(mb)
+        loss_sum, metric_sums = torch.zeros((), device=mask.device), {}
+        for index, part in enumerate(parts):
+            with backend.grad_sync(self.model, is_last_micro_batch=index == len(parts) - 1):
+                with backend.autocast():
+                    out = self.forward(self.model, part.prompt_ids, part.prompt_mask, part.completion_ids,
+                                       part.completion_mask)
+                    loss, sums = self.algo.loss(part, out, counts)
+                backend.backward(self.model, loss)
+            loss_sum = loss_sum + loss.detach().float()
+            for k, v in sums.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + v.float()
         grad_norm = backend.optimizer_step(
             self.model, self.optimizer, cfg.max_grad_norm, skip_nonfinite=cfg.max_nonfinite_steps > 0
         )
         keys = sorted(metric_sums)
-        summed = backend.all_reduce_sum(torch.stack([loss.detach().float()] + [metric_sums[k].float() for k in keys]))
-        metrics = {k: summed[1 + j] / num_valid_tokens for j, k in enumerate(keys)}
+        summed = backend.all_reduce_sum(torch.stack([loss_sum] + [metric_sums[k] for k in keys]))
+        metrics = {k: summed[1 + j] / counts.num_tokens for j, k in enumerate(keys)}
         metrics["train/loss"], metrics["train/grad_norm"] = summed[0], grad_norm
         step_is_finite(self.progress, stage=self.session.stage, global_step=self.progress.global_step + 1,
                        max_nonfinite_steps=cfg.max_nonfinite_steps, loss=summed[0], grad_norm=grad_norm)
@@ -361,16 +371,20 @@ class RLTrainer:
     # ----- loop --------------------------------------------------------------------
 
     def iteration(self) -> dict[str, float]:
-        """One rollout + update on every rank; returns the iteration's (global) metrics."""
+        """One rollout + update on every rank; returns the iteration's (global) metrics, with the
+        time split (``time/generation_s``, ``time/reward_s``, ``time/logprobs_s``,
+        ``time/reference_s``, ``time/update_s``: CUDA events on CUDA), the generated tokens per
+        second of generation time over every rank (``rollout/tokens_per_s``) and the peak device
+        memory (``memory/peak_bytes``, CUDA)."""
         backend = self.backend
-        t0 = time.perf_counter()
-        batch, texts, items = self.rollout()
-        metrics = self.rollout_metrics(batch, texts, items)
-        t1 = time.perf_counter()
+        timer = phase_timer(backend.device)
+        batch, first, stats = self.rollout(timer)
+        metrics = self.rollout_metrics(batch, first)
+        metrics.update(stats)
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
-        metrics.update(self.update(batch))
-        self.scheduler.step()
-        t2 = time.perf_counter()
+        with timer.phase("update"):
+            metrics.update(self.update(batch))
+            self.scheduler.step()
         num_sequences = self.cfg.prompts_per_rollout * self.algo.samples_per_prompt
         check_finite_metrics({k: metrics[k] for k in ("objective/kl", "objective/entropy")}, stage=self.session.stage,
                              global_step=self.progress.global_step + 1, what="the rollout's log-probs")
@@ -378,8 +392,14 @@ class RLTrainer:
         progress = self.progress
         progress.global_step += 1
         progress.consumed_samples += num_sequences
-        progress.consumed_tokens += int(backend.all_reduce_sum(batch.completion_mask.sum()))
-        metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1})
+        tokens = backend.all_reduce_sum(torch.stack([batch.completion_mask.sum(), first.generated.completion_mask.sum()]))
+        progress.consumed_tokens += int(tokens[0])
+        seconds = timer.seconds()
+        metrics.update({f"time/{name}_s": value for name, value in seconds.items()})
+        if seconds.get("generation"):
+            metrics["rollout/tokens_per_s"] = float(tokens[1]) / seconds["generation"]
+        if backend.device.type == "cuda":
+            metrics["memory/peak_bytes"] = float(_peak_memory_bytes(backend.device))
         return metrics
 
     def run(self) -> TrainProgress:

@@ -1,0 +1,361 @@
+"""Generation engines on a tiny random Llama (fp32, CPU): the ``hf`` engine samples what
+the sampling loop of ``rollout.py`` before the engines samples (a copy kept here), the ``static`` engine what the ``hf`` engine samples,
+and both return the log-probs a full forward gives the sampled tokens (temperature-scaled,
+without the top-p cut).
+
+Worked expectation: the engines draw from one generator with the same ``_next_tokens``, so for
+the same seed the tokens are equal; the static engine's logits differ from the dynamic cache's
+only in float rounding (attention over the whole reserved cache, the LM head on the last
+position only: about 5e-7 in the log-probs here), too little to move a multinomial draw in
+these seeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from trainer_core import rollout
+from trainer_core.config import GenerationConfig, RolloutGenerationConfig
+from trainer_core.engines import (
+    ENGINES,
+    Generated,
+    HFEngine,
+    StaticCacheEngine,
+    _top_p_filter,
+    build_engine,
+)
+
+PAD, EOS, VOCAB = 0, 1, 64
+PROMPT_LENGTHS = (3, 7, 5, 1, 7, 2)
+SEEDS = range(6)
+
+
+def _tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.no_grad():
+        model.lm_head.weight[EOS] += 0.5  # EOS likely enough that rows end at different steps
+    return model
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return _tiny_llama()
+
+
+def _prompts(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """[6, 7] left-padded prompts of lengths 3, 7, 5, 1, 7, 2 and their [6, 7] float mask."""
+    g = torch.Generator().manual_seed(0)
+    width = max(PROMPT_LENGTHS)
+    ids = torch.full((len(PROMPT_LENGTHS), width), PAD, dtype=torch.long)
+    for i, n in enumerate(PROMPT_LENGTHS):
+        ids[i, width - n :] = torch.randint(2, VOCAB, (n,), generator=g)
+    return ids.to(device), (ids != PAD).float().to(device)
+
+
+def _gen(**kw) -> RolloutGenerationConfig:
+    return RolloutGenerationConfig(**{"max_new_tokens": 16, "temperature": 0.9, "top_p": 1.0, **kw})
+
+
+def _run(engine, gen, seed: int, device: str = "cpu") -> Generated:
+    ids, mask = _prompts(device)
+    return engine.generate(ids, mask, gen, eos_id=EOS, pad_id=PAD,
+                           generator=torch.Generator(device=device).manual_seed(seed))
+
+
+def _full_forward_logprobs(model, out: Generated, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """[N, T] log-softmax(logits / temperature) at the sampled tokens from one forward over
+    [prompt | completion] (positions skipping the left padding), 0 on padding; with ``top_p``
+    < 1, of the renormalised nucleus instead."""
+    ids, p_mask = _prompts(out.completion_ids.device.type)
+    input_ids = torch.cat([ids, out.completion_ids], dim=1)
+    attention = torch.cat([p_mask, out.completion_mask], dim=1).long()
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+    start = ids.shape[1] - 1
+    scale = temperature if temperature > 0 else 1.0
+    log_p = torch.log_softmax(_top_p_filter(logits[:, start:-1].float() / scale, top_p), dim=-1)
+    return log_p.gather(-1, out.completion_ids[..., None]).squeeze(-1) * out.completion_mask
+
+
+def _check_layout(out: Generated, max_new_tokens: int) -> None:
+    """Shapes and dtypes; each row's mask is 1s then 0s, pad after the end, EOS only last."""
+    n, t = out.completion_ids.shape
+    assert out.completion_mask.shape == out.logprobs.shape == (n, t) and t <= max_new_tokens
+    assert out.completion_ids.dtype == torch.long and out.logprobs.dtype == torch.float32
+    lengths = out.completion_mask.sum(1).long()
+    assert int(lengths.max()) == t
+    for row, mask, logprobs, length in zip(out.completion_ids, out.completion_mask, out.logprobs, lengths.tolist()):
+        assert mask.tolist() == [1.0] * length + [0.0] * (t - length)
+        assert (row[length:] == PAD).all() and (logprobs[length:] == 0).all()
+        assert EOS not in row[: length - 1].tolist()
+
+
+# --- hf ------------------------------------------------------------------------------------------
+
+# The sampling loop of trainer_core/rollout.py before the engines (issue 13), kept verbatim as the
+# reference: the hf engine must draw exactly its tokens, so that runs and checkpoints of earlier
+# versions sample and resume as they did.
+def _ref_top_p_filter(logits: Tensor, top_p: float) -> Tensor:
+    """[N, V] logits with tokens outside the top-p nucleus set to -inf (the top token always stays)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _ref_next_tokens(logits: Tensor, gen: GenerationConfig, generator: torch.Generator) -> Tensor:
+    """[N] tokens drawn from [N, V] last-position logits (greedy when temperature is 0)."""
+    if gen.temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(_ref_top_p_filter(logits.float() / gen.temperature, gen.top_p), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def reference_sample_completions(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    gen: GenerationConfig,
+    *,
+    eos_id: int,
+    pad_id: int,
+    generator: torch.Generator,
+    sync: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Sample up to ``gen.max_new_tokens`` tokens after each left-padded prompt.
+
+    Args:
+        model: a causal LM (any mode; no dropout is assumed).
+        prompt_ids: [N, P] long, left-padded.
+        prompt_mask: [N, P] 1 = real token.
+        gen: temperature, top_p and max_new_tokens (``batch_size`` is not used here).
+        eos_id: a row ends after it samples this token.
+        pad_id: written after a row's end.
+        generator: the only source of randomness (on the model's device).
+        sync: for a sharded ``model``, a sum over ranks (``Backend.all_reduce_sum``): the loop
+            then stops only once no rank has an unfinished row, so every rank runs the same
+            number of forwards (one all-reduce of a scalar per decoding step). None: stop when
+            this process's rows are done.
+
+    Returns:
+        (completion_ids [N, T] long, completion_mask [N, T] float) with T <= max_new_tokens the
+        longest of these rows (the same with or without ``sync``).
+    """
+    attention = prompt_mask.long()
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    next_position = positions[:, -1:] + 1
+    finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
+    tokens, masks = [], []
+    for _ in range(gen.max_new_tokens):
+        token = _ref_next_tokens(out.logits[:, -1, :], gen, generator)
+        masks.append(~finished)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        tokens.append(token)
+        finished = finished | (token == eos_id)
+        if len(tokens) == gen.max_new_tokens or _ref_all_finished(finished, sync):
+            break
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+        out = model(
+            input_ids=token[:, None], attention_mask=attention, position_ids=next_position,
+            past_key_values=out.past_key_values, use_cache=True,
+        )
+        next_position = next_position + 1
+    completion_ids, completion_mask = torch.stack(tokens, dim=1), torch.stack(masks, dim=1).float()
+    length = int(completion_mask.sum(1).max())  # >= 1: every row's first token is real
+    return completion_ids[:, :length], completion_mask[:, :length]
+
+
+def _ref_all_finished(finished: Tensor, sync: Callable[[Tensor], Tensor] | None) -> bool:
+    """Whether every row (of every rank, with ``sync``) has ended; ``finished`` [N] bool."""
+    if sync is None:
+        return bool(finished.all())
+    unfinished = (~finished).sum().to(torch.float32)
+    return float(sync(unfinished)) == 0.0
+
+
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_hf_engine_samples_what_sample_completions_samples(policy, top_p):
+    sample_completions = reference_sample_completions
+    ids, mask = _prompts()
+    gen = _gen(top_p=top_p)
+    for seed in SEEDS:
+        want_ids, want_mask = sample_completions(policy, ids, mask, gen, eos_id=EOS, pad_id=PAD,
+                                                 generator=torch.Generator().manual_seed(seed))
+        got = _run(HFEngine(policy), gen, seed)
+        assert torch.equal(got.completion_ids, want_ids) and torch.equal(got.completion_mask, want_mask)
+
+
+def test_hf_engine_logprobs_are_the_full_forward_logprobs(policy):
+    gen = _gen(temperature=0.7)
+    lengths = set()
+    for seed in SEEDS:
+        out = _run(HFEngine(policy), gen, seed)
+        _check_layout(out, gen.max_new_tokens)
+        lengths.update(out.completion_mask.sum(1).tolist())
+        assert torch.allclose(out.logprobs, _full_forward_logprobs(policy, out, 0.7), atol=1e-5, rtol=0)
+    assert len(lengths) > 3 and min(lengths) < gen.max_new_tokens  # rows end at different steps
+
+
+def test_top_p_logprobs_are_without_the_cut(policy):
+    """With top_p 0.5 the tokens come from the nucleus, yet the log-probs are those of the whole
+    temperature-scaled distribution: below the renormalised nucleus's wherever tokens were cut."""
+    gen = _gen(top_p=0.5)
+    for engine in (HFEngine(policy), StaticCacheEngine(policy, "cpu")):
+        out = _run(engine, gen, seed=3)
+        uncut = _full_forward_logprobs(policy, out, gen.temperature)
+        assert torch.allclose(out.logprobs, uncut, atol=1e-5, rtol=0)
+        cut = _full_forward_logprobs(policy, out, gen.temperature, top_p=gen.top_p)
+        real = out.completion_mask > 0
+        assert (cut - uncut)[real].min() >= 0 and (cut - uncut)[real].max() > 0.1
+
+
+def test_greedy_logprobs_are_of_the_unscaled_logits(policy):
+    gen = _gen(temperature=0.0)
+    out = _run(HFEngine(policy), gen, seed=0)
+    assert torch.allclose(out.logprobs, _full_forward_logprobs(policy, out, 1.0), atol=1e-5, rtol=0)
+    static = _run(StaticCacheEngine(policy, "cpu"), gen, seed=0)
+    assert torch.equal(static.completion_ids, out.completion_ids)
+
+
+def test_hf_engine_load_weights_serves_the_given_model(policy):
+    other = _tiny_llama(seed=1)
+    engine = HFEngine(policy)
+    engine.load_weights(other)
+    assert engine.model is other
+    assert torch.equal(_run(engine, _gen(), 0).completion_ids, _run(HFEngine(other), _gen(), 0).completion_ids)
+    engine.release()  # holds nothing: a no-op
+
+
+# --- static --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_static_engine_samples_what_hf_samples(policy, top_p):
+    gen = _gen(top_p=top_p)
+    static = StaticCacheEngine(policy, "cpu")
+    assert not static.compiled and static.check_every == 1
+    for seed in SEEDS:
+        want, got = _run(HFEngine(policy), gen, seed), _run(static, gen, seed)
+        _check_layout(got, gen.max_new_tokens)
+        assert torch.equal(got.completion_ids, want.completion_ids)
+        assert torch.equal(got.completion_mask, want.completion_mask)
+        assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+def test_static_engine_checking_every_k_steps_trims_to_the_same_rows(policy):
+    """Checking "all ended?" every 5 steps runs up to 4 padding steps more; the result is trimmed."""
+    gen = _gen(max_new_tokens=24)
+    for seed in SEEDS:
+        want = _run(HFEngine(policy), gen, seed)
+        got = _run(StaticCacheEngine(policy, "cpu", check_every=5), gen, seed)
+        assert torch.equal(got.completion_ids, want.completion_ids)
+        assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+def test_static_engine_release_then_generate_again(policy):
+    engine = StaticCacheEngine(policy, "cpu")
+    first = _run(engine, _gen(), 2)
+    cache = engine._cache
+    assert cache is not None
+    kept = _run(engine, _gen(), 2)  # the same shape: the cache is reset and reused
+    assert engine._cache is cache
+    engine.release()
+    assert engine._cache is None
+    again = _run(engine, _gen(), 2)
+    assert engine._cache is not None and engine._cache is not cache
+    for out in (kept, again):
+        assert torch.equal(out.completion_ids, first.completion_ids) and torch.equal(out.logprobs, first.logprobs)
+
+
+def test_static_engine_load_weights(policy):
+    """Its own model: nothing to do. Another model (or a module holding one): copied in place."""
+    target = _tiny_llama(seed=1)
+    engine = StaticCacheEngine(torch.nn.ModuleDict({"policy": target}), "cpu")  # unwrapped via .policy
+    assert engine.model is target
+    pointer = target.lm_head.weight.data_ptr()
+    engine.load_weights(target)
+    engine.load_weights(rollout.PolicyAndValue(policy))
+    assert target.lm_head.weight.data_ptr() == pointer
+    assert torch.equal(target.lm_head.weight, policy.lm_head.weight)
+    want = _run(StaticCacheEngine(policy, "cpu"), _gen(), 4)
+    assert torch.equal(_run(engine, _gen(), 4).completion_ids, want.completion_ids)
+
+
+def test_static_decode_step_traces_as_one_graph(policy):
+    """The compiled path's decode step under ``fullgraph=True`` (a graph break would raise),
+    traced on CPU by dynamo with the eager backend (no inductor, no CUDA graphs): the same
+    tokens, with the "all ended?" check every 4 steps."""
+    engine = StaticCacheEngine(policy, "cpu", compile=True, check_every=4,
+                               compile_options={"backend": "eager", "fullgraph": True})
+    assert engine._cache_key is None
+    gen = _gen(max_new_tokens=12)
+    want = _run(HFEngine(policy), gen, 1)
+    got = _run(engine, gen, 1)
+    assert engine._cache_key[2] == 128  # 7 + 12 rounded up to CACHE_LEN_MULTIPLE
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+# --- the registry --------------------------------------------------------------------------------
+
+
+def test_build_engine(policy):
+    assert set(ENGINES) == {"hf", "static"}
+    hf = build_engine("hf", policy, device="cpu", compile=None, sync=None)
+    static = build_engine("static", policy, device="cpu", compile=False, sync=None)
+    assert isinstance(hf, HFEngine) and hf.name == "hf"
+    assert isinstance(static, StaticCacheEngine) and static.name == "static" and not static.compiled
+    with pytest.raises(ValueError, match="unknown generation engine 'vllm'"):
+        build_engine("vllm", policy, device="cpu")
+    with pytest.raises(ValueError, match="use engine 'hf'"):
+        build_engine("static", policy, device="cpu", sync=lambda t: t)
+
+
+def test_static_engine_refuses_a_sharded_policy():
+    model = _tiny_llama()
+    model.lm_head.weight.ds_id = 0  # what ZeRO-3 sets on a partitioned parameter
+    with pytest.raises(ValueError, match="use engine 'hf'"):
+        StaticCacheEngine(model, "cpu")
+
+
+# --- GPU (unverified until run on one) -----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_static_engine_compiled_on_cuda_in_bf16():
+    """The CUDA-graph decode step in bf16: each engine's log-probs against a full bf16 forward of
+    its own tokens (tokens may part ways between engines: bf16 kernels differ), within a bf16
+    tolerance, over two calls (record, replay) and a release (re-record)."""
+    model = _tiny_llama(dtype=torch.bfloat16).cuda()
+    gen = _gen(max_new_tokens=40)
+    static = StaticCacheEngine(model, "cuda")
+    assert static.compiled and static.check_every == 16
+    hf = _run(HFEngine(model), gen, 0, device="cuda")
+    hf_diff = (hf.logprobs - _full_forward_logprobs(model, hf, gen.temperature)).abs().max().item()
+    for call in range(3):
+        out = _run(static, gen, 0, device="cuda")
+        _check_layout(out, gen.max_new_tokens)
+        diff = (out.logprobs - _full_forward_logprobs(model, out, gen.temperature)).abs()
+        assert diff.max().item() < max(0.1, 2 * hf_diff), (call, diff.max().item(), hf_diff)
+        if call == 1:
+            static.release()
+    torch.cuda.synchronize()

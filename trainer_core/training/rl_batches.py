@@ -1,0 +1,262 @@
+"""The RL loop's data: prompt order, the rollout's sampling rounds (DAPO's dynamic sampling),
+mini- and micro-batch sizes, the algorithm protocol, and the rollout's metrics
+(:mod:`trainer_core.training.rl` runs them).
+
+Shape legend: N sequences (this rank's), G completions per prompt, P prompt tokens, T
+completion tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from trainer_core.backends.base import Backend
+from trainer_core.checkpoint.train_state import TrainProgress
+from trainer_core.config import RLStageConfig
+from trainer_core.engines import Generated
+from trainer_core.errors import ConfigError
+from trainer_core.objectives.ppo import KL_ESTIMATORS
+from trainer_core.rewards import PromptItem, is_correct
+from trainer_core.rollout import PolicyForward, RolloutBatch, completion_forward
+
+
+def _reference_forward(
+    model: nn.Module, p_ids: Tensor, p_mask: Tensor, c_ids: Tensor, c_mask: Tensor, *, temperature: float
+) -> PolicyForward:
+    """:func:`~trainer_core.rollout.completion_forward` in the loop's argument order."""
+    return completion_forward(model, p_ids, p_mask, c_ids, c_mask, temperature=temperature)
+
+@dataclass(frozen=True)
+class MiniBatchCounts:
+    """A mini-batch's size over every rank, the denominators of its loss.
+
+    Attributes:
+        num_tokens: scalar float32, real completion tokens (``num_valid_tokens``), at least 1.
+        num_sequences: scalar float32, sequences with at least one real token, at least 1.
+    """
+
+    num_tokens: Tensor
+    num_sequences: Tensor
+
+
+class Algorithm(Protocol):
+    """What PPO and GRPO plug into the loop.
+
+    Optional attributes read with ``getattr``: ``dynamic_sampling`` (bool) and
+    ``max_sampling_rounds`` (int): keep only groups whose scores are not all equal
+    (:func:`groups_with_signal`), sampling more prompts, up to that many rounds.
+    """
+
+    samples_per_prompt: int
+    uses_values: bool
+
+    def prepare(self, batch: RolloutBatch, kl_coef: float, all_reduce_sum: Callable[[Tensor], Tensor]) -> None:
+        """Set ``batch.advantages`` (and ``returns``) from scores, values and reference log-probs;
+        ``all_reduce_sum`` (``Backend.all_reduce_sum``) for statistics over every rank's rows."""
+
+    def loss(
+        self, batch: RolloutBatch, out: PolicyForward, counts: MiniBatchCounts
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """(this rank's share of the mini-batch loss: summed over ranks it is the loss of the
+        whole mini-batch, whose sizes ``counts`` gives; detached scalar metric sums over this
+        rank's real tokens, which the loop divides by ``counts.num_tokens``)."""
+
+
+def groups_with_signal(scores: Tensor, group_size: int) -> Tensor:
+    """[N / G] bool: the groups whose scores are not all equal (DAPO's dynamic sampling keeps
+    these: a group of equal rewards has zero advantage under a group baseline and adds nothing
+    but noise to the token-mean normalisation). ``scores`` [N], groups contiguous."""
+    grouped = scores.reshape(-1, group_size)
+    return (grouped.max(dim=1).values - grouped.min(dim=1).values) > 0
+
+
+@dataclass
+class SampledRound:
+    """One sampling round of this rank: prompts, what the engine generated, decoded and scored.
+
+    Attributes:
+        items: [N] the prompt of each row (a prompt repeated G times, contiguously).
+        prompt_ids: [N, P] long, left-padded; prompt_mask: [N, P] float.
+        generated: the engine's :class:`~trainer_core.engines.Generated` ([N, T] ids, mask, log-probs).
+        texts: [N] decoded completions.
+        scores: [N] float32 rewards.
+    """
+
+    items: list[PromptItem]
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    generated: Generated
+    texts: list[str]
+    scores: Tensor
+
+    def rows(self, rows: list[int]) -> SampledRound:
+        """The rows ``rows`` of every field."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.scores.device)
+        g = self.generated
+        return SampledRound(
+            [self.items[i] for i in rows], self.prompt_ids[index], self.prompt_mask[index],
+            Generated(g.completion_ids[index], g.completion_mask[index], g.logprobs[index]),
+            [self.texts[i] for i in rows], self.scores[index],
+        )
+
+
+def _pad_to(x: Tensor, width: int, value: float, left: bool) -> Tensor:
+    """[N, W] ``x`` padded with ``value`` to [N, width] (on the left or the right)."""
+    missing = width - x.shape[1]
+    if missing <= 0:
+        return x
+    pad = torch.full((x.shape[0], missing), value, dtype=x.dtype, device=x.device)
+    return torch.cat([pad, x] if left else [x, pad], dim=1)
+
+
+def concat_rounds(parts: list[SampledRound], pad_id: int) -> SampledRound:
+    """The rows of several rounds as one: prompts left-padded and completions right-padded to the
+    widest (``pad_id``, mask 0, log-prob 0)."""
+    if len(parts) == 1:
+        return parts[0]
+    width_p = max(p.prompt_ids.shape[1] for p in parts)
+    width_t = max(p.generated.completion_ids.shape[1] for p in parts)
+    cat = lambda xs: torch.cat(xs, dim=0)
+    return SampledRound(
+        [i for p in parts for i in p.items],
+        cat([_pad_to(p.prompt_ids, width_p, pad_id, left=True) for p in parts]),
+        cat([_pad_to(p.prompt_mask, width_p, 0.0, left=True) for p in parts]),
+        Generated(
+            cat([_pad_to(p.generated.completion_ids, width_t, pad_id, left=False) for p in parts]),
+            cat([_pad_to(p.generated.completion_mask, width_t, 0.0, left=False) for p in parts]),
+            cat([_pad_to(p.generated.logprobs, width_t, 0.0, left=False) for p in parts]),
+        ),
+        [t for p in parts for t in p.texts],
+        cat([p.scores for p in parts]),
+    )
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """Scalar sum of ``x`` [N, T] where ``mask`` [N, T] is 1 (the numerator of ``masked_mean``)."""
+    return (x * mask).sum()
+
+
+def prompt_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
+    """The prompt indices of ``epoch`` in order: a ``random.Random(seed + epoch)`` shuffle."""
+    order = list(range(num_prompts))
+    random.Random(seed + epoch).shuffle(order)
+    return order
+
+
+def next_prompts(progress: TrainProgress, num_prompts: int, count: int, seed: int) -> list[int]:
+    """The next ``count`` prompt indices from ``(progress.epoch, progress.batch_index)``; advances it."""
+    out: list[int] = []
+    while len(out) < count:
+        order = prompt_order(num_prompts, seed, progress.epoch)
+        take = order[progress.batch_index : progress.batch_index + count - len(out)]
+        out.extend(take)
+        progress.batch_index += len(take)
+        if progress.batch_index >= num_prompts:
+            progress.epoch, progress.batch_index = progress.epoch + 1, 0
+    return out
+
+
+def sampler_seed(seed: int, rank: int) -> int:
+    """Seed of rank ``rank``'s sampling generator: ``seed`` on rank 0 (a one-rank run samples as
+    before ranks existed), distinct on the others so that ranks do not draw the same numbers."""
+    return seed + 1_000_003 * rank
+
+
+def check_rl_config(stage: str, cfg: RLStageConfig, samples_per_prompt: int, world_size: int) -> None:
+    """Validate an RL stage's config for ``world_size`` data-parallel ranks.
+
+    Raises:
+        ConfigError: temperature 0 (RL samples); ``prompts_per_rollout`` not a multiple of the
+            world size (every rank takes an equal share: sharded forwards run in lockstep);
+            more ``num_mini_batches`` than the rollout batch has sequences.
+    """
+    if cfg.generation.temperature <= 0:
+        raise ConfigError(f"{stage}.generation.temperature must be > 0: RL stages sample")
+    if cfg.prompts_per_rollout % world_size:
+        raise ConfigError(
+            f"{stage}.prompts_per_rollout={cfg.prompts_per_rollout} must be a multiple of the world size "
+            f"({world_size}): every rank samples an equal share of each rollout's prompts"
+        )
+    if cfg.num_mini_batches > cfg.prompts_per_rollout * samples_per_prompt:
+        raise ConfigError(
+            f"{stage}.num_mini_batches={cfg.num_mini_batches} exceeds the rollout batch's number of sequences "
+            f"({cfg.prompts_per_rollout * samples_per_prompt} = prompts_per_rollout x samples per prompt)"
+        )
+
+
+def engine_config(cfg: RLStageConfig, samples_per_prompt: int, world_size: int) -> RLStageConfig:
+    """``cfg`` as ``Backend.setup_optimizer`` sees it: one optimizer step per mini-batch.
+
+    A DeepSpeed engine's config takes the micro-batch size and accumulation from the stage
+    config; here a mini-batch (this rank's rows of it) is cut into micro-batches of
+    ``forward_micro_batch_size`` rows (all of them when None), accumulated into one step (no
+    ``global_batch_size``).
+    """
+    rows = cfg.prompts_per_rollout // world_size * samples_per_prompt
+    mini = max(1, math.ceil(rows / cfg.num_mini_batches))
+    micro = min(mini, cfg.forward_micro_batch_size or mini)
+    update = {"micro_batch_size": micro, "grad_accum_steps": math.ceil(mini / micro), "global_batch_size": None}
+    return cfg.model_copy(update=update)
+
+
+def row_slices(num_rows: int, size: int | None) -> list[slice]:
+    """``num_rows`` rows cut into consecutive slices of ``size`` rows (one slice when None)."""
+    size = size or max(num_rows, 1)
+    return [slice(start, start + size) for start in range(0, num_rows, size)]
+
+
+def logprob_diff_metrics(batch: RolloutBatch, backend: Backend) -> dict[str, float]:
+    """``rollout/logprob_diff_mean`` and ``_max``: |trainer log-prob - engine log-prob| over every
+    rank's real completion tokens (0 when the engine computes as the trainer does)."""
+    mask = batch.completion_mask
+    diff = (batch.logprobs - batch.engine_logprobs).abs() * mask
+    sums = backend.all_reduce_sum(torch.stack([diff.sum(), mask.sum()]).float())
+    largest = max(backend.all_gather_object(float(diff.max()) if diff.numel() else 0.0))
+    return {"rollout/logprob_diff_mean": float(sums[0] / sums[1].clamp(min=1.0)), "rollout/logprob_diff_max": largest}
+
+
+def rollout_metrics(
+    batch: RolloutBatch, first: SampledRound, backend: Backend, eos_id: int, kl_coef: float, kl_estimator: str
+) -> dict[str, float]:
+    """TRL's ``objective/*`` metrics plus reward, length and verifier accuracy: every rank's
+    per-sequence values are gathered (in rank order), so every rank computes the same numbers
+    (the KL controller's input among them). Rewards and accuracy are those of the first
+    sampling round (every completion sampled, before dynamic sampling's filter); KL, entropy
+    and length those of the batch the update trains on."""
+    mask = batch.completion_mask
+    kl_seq = torch.zeros_like(batch.scores, dtype=torch.float32)
+    if batch.ref_logprobs is not None:
+        kl_seq = (KL_ESTIMATORS[kl_estimator](batch.logprobs, batch.ref_logprobs) * mask).sum(1)
+    eos = (batch.completion_ids == eos_id) & (mask > 0)
+    local = {"entropy": (-batch.logprobs * mask).sum(1), "length": mask.sum(1), "eos": eos.sum(1), "kl": kl_seq}
+    mine: dict[str, Any] = {k: v.detach().cpu() for k, v in local.items()}
+    mine["scores"] = first.scores.detach().float().cpu()
+    answered = all(i.answer is not None for i in first.items)
+    mine["correct"] = [is_correct(t, i.answer) for t, i in zip(first.texts, first.items)] if answered else None
+    ranks = backend.all_gather_object(mine)
+    seq = {k: torch.cat([r[k] for r in ranks]) for k in [*local, "scores"]}
+    scores = seq["scores"]
+    m = {
+        "objective/entropy": float(seq["entropy"].mean()),
+        "objective/scores": float(scores.mean()),
+        "objective/kl_coef": kl_coef,
+        "reward_mean": float(scores.mean()),
+        "reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
+        "response_length_tokens": float(seq["length"].mean()),
+        "val/num_eos_tokens": float(seq["eos"].sum()),
+        "objective/kl": float(seq["kl"].mean()),
+    }
+    m["objective/non_score_reward"] = -kl_coef * m["objective/kl"]
+    m["objective/rlhf_reward"] = m["objective/scores"] + m["objective/non_score_reward"]
+    if all(r["correct"] is not None for r in ranks):
+        m["verifier_accuracy"] = statistics.fmean(c for r in ranks for c in r["correct"])
+    return m
+
