@@ -144,6 +144,17 @@ def _cast(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tens
     return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
+def _check_head_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int) -> None:
+    """Raises ValueError unless ``chunk_size`` > 0 and the shapes are hidden [N, H], weight [V, H], targets [N]."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if hidden.ndim != 2 or targets.shape != hidden.shape[:1] or weight.shape[1:] != hidden.shape[1:]:
+        raise ValueError(
+            f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+
+
 def chunked_linear_logprobs(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int = CHUNK_SIZE_TOKENS
 ) -> Tensor:
@@ -167,13 +178,7 @@ def chunked_linear_logprobs(
     Raises:
         ValueError: ``chunk_size`` is not positive, or the shapes disagree.
     """
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if hidden.ndim != 2 or targets.shape != hidden.shape[:1] or weight.shape[1:] != hidden.shape[1:]:
-        raise ValueError(
-            f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
-            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
-        )
+    _check_head_inputs(hidden, weight, targets, chunk_size)
     return _ChunkedLinearLogprobs.apply(hidden, weight, bias, targets, chunk_size)
 
 
@@ -249,13 +254,7 @@ def chunked_linear_logprobs_entropy(
     Raises:
         ValueError: as :func:`chunked_linear_logprobs`.
     """
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if hidden.ndim != 2 or targets.shape != hidden.shape[:1] or weight.shape[1:] != hidden.shape[1:]:
-        raise ValueError(
-            f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
-            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
-        )
+    _check_head_inputs(hidden, weight, targets, chunk_size)
     return _ChunkedLinearLogprobsEntropy.apply(hidden, weight, bias, targets, chunk_size)
 
 
@@ -268,13 +267,7 @@ def chunked_nll_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
     Raises:
         ValueError: as :func:`chunked_linear_logprobs`.
     """
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if hidden.ndim != 2 or targets.shape != hidden.shape[:1] or weight.shape[1:] != hidden.shape[1:]:
-        raise ValueError(
-            f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, "
-            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
-        )
+    _check_head_inputs(hidden, weight, targets, chunk_size)
     with_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _ChunkedLinearNLLSum.apply(hidden, weight, bias, targets, chunk_size, with_grad)
 

@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from trainer_core.objectives.ppo import KL_ESTIMATORS
+from trainer_core.objectives.ppo import KL_ESTIMATORS, clipped_policy_loss
 
 STD_EPS = 1e-4
 """Added to the group std before dividing (TRL's value)."""
@@ -240,16 +240,4 @@ def clipped_policy_loss_asymmetric(
     Worked values (eps 0.2, eps_high 0.28, A = 1): ratio 1.3 -> loss -1.28, clipped; A = -1,
     ratio 0.7 -> loss 0.8, clipped.
     """
-    if clip_eps <= 0 or clip_eps_high <= 0:
-        raise ValueError(f"clip ranges must be positive, got {clip_eps} and {clip_eps_high}")
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high)
-    losses = torch.maximum(unclipped, clipped)
-    metrics = {
-        "ratio": ratio.detach(),
-        "clipped": (clipped > unclipped).float().detach(),
-        "approxkl": 0.5 * log_ratio.detach() ** 2,
-    }
-    return losses, metrics
+    return clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high)

@@ -148,15 +148,17 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) 
 
 
 def clipped_policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float, clip_eps_high: float | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's clipped surrogate, per token: ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))``.
+    """PPO's clipped surrogate, per token: ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high))``.
 
     Args:
         logprobs: [B, T] log-probs of the sampled tokens under the current policy (with grad).
         old_logprobs: [B, T] the same under the policy that sampled them (rollout time).
         advantages: [B, T] advantages (detached).
         clip_eps: clip range epsilon (> 0).
+        clip_eps_high: the upper clip range (> 0; DAPO's clip-higher, Yu et al. 2025, eq. 10);
+            None: ``clip_eps``.
 
     Returns:
         (losses [B, T], metrics) with detached [B, T] ``ratio``, ``clipped`` (1.0 where the
@@ -164,17 +166,18 @@ def clipped_policy_loss(
         (``0.5 * (logp - old_logp)^2``, TRL's ``approxkl``).
 
     Raises:
-        ValueError: ``clip_eps`` is not positive.
+        ValueError: a clip range that is not positive.
 
     Worked values (eps 0.2, A = 1): ratio 1.1 (inside) -> loss -1.1, not clipped;
     ratio 1.5 (outside) -> loss -1.2, clipped; A = -1, ratio 0.5 -> loss 0.8, clipped.
     """
-    if clip_eps <= 0:
-        raise ValueError(f"clip_eps must be positive, got {clip_eps}")
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if clip_eps <= 0 or clip_high <= 0:
+        raise ValueError(f"clip ranges must be positive, got clip_eps={clip_eps}, clip_eps_high={clip_eps_high}")
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_high)
     losses = torch.maximum(unclipped, clipped)
     metrics = {
         "ratio": ratio.detach(),
