@@ -122,6 +122,8 @@ def _as_floats(values: Any, n: int, who: str) -> Tensor:
     for i, v in enumerate(values):
         if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
             v = v.item()
+        elif isinstance(v, np.generic):  # numpy scalars: np.bool_, np.float32, ...
+            v = v.item()
         if not isinstance(v, numbers.Real):
             raise RewardFunctionError(f"{who} returned {type(v).__name__} {_shown(str(v))} at index {i}; "
                                       f"expected {n} floats")

@@ -56,3 +56,10 @@ def string_reward(prompts: list[str], completions: list[str], **kwargs) -> list[
 def two_args_reward(prompts: list[str], completions: list[str]) -> list[float]:
     """Takes no keyword arguments: cannot be called with ``answers=`` / ``messages=``."""
     return [1.0] * len(completions)
+
+
+def numpy_scalars_reward(prompts: list[str], completions: list[str], **kwargs) -> list:
+    """NumPy scalars, as ``[np.str_(a) == b ...]`` comparisons give: a bool, then a float32."""
+    import numpy as np
+
+    return [np.bool_("8" in c) if i % 2 == 0 else np.float32(0.25) for i, c in enumerate(completions)]

@@ -164,3 +164,47 @@ def test_clip_higher():
     # symmetric ranges give PPO's clipped loss exactly
     adv = torch.tensor([[1.0, -1.0, 1.0]])
     assert_close(clipped_policy_loss_asymmetric(logp, old, adv, 0.2, 0.2)[0], clipped_policy_loss(logp, old, adv, 0.2)[0])
+
+
+def test_truncated_importance_weights_scale_the_policy_term_not_the_kl():
+    """With ``is_weights`` the policy loss of each token is weighted (verl's tis_imp_ratio_cap),
+    the KL term is not: at ratio 1, A = 1, weights 0 the loss is kl_coef x KL alone."""
+    from trainer_core.config import GRPOConfig
+    from trainer_core.rollout import PolicyForward, RolloutBatch
+    from trainer_core.stages.grpo import GRPOAlgorithm
+    from trainer_core.training.rl_batches import MiniBatchCounts
+
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
+    ref = torch.tensor([[-1.5, -2.0], [-0.5, 0.0]])
+    batch = RolloutBatch(
+        prompt_ids=torch.zeros(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1),
+        completion_ids=torch.zeros(2, 2, dtype=torch.long), completion_mask=mask, logprobs=logprobs,
+        scores=torch.tensor([1.0, 0.0]), prompt_index=torch.zeros(2, dtype=torch.long), ref_logprobs=ref,
+    )
+    batch.advantages = mask.clone()
+    algo = GRPOAlgorithm(GRPOConfig(group_size=2, kl_coef=0.1))
+    algo.kl_coef = 0.1
+    out = PolicyForward(logprobs, torch.zeros_like(mask), None)
+    counts = MiniBatchCounts(num_tokens=torch.tensor(3.0), num_sequences=torch.tensor(2.0))
+    unweighted, _ = algo.loss(batch, out, counts)
+    batch.is_weights = torch.zeros_like(mask)
+    weighted, _ = algo.loss(batch, out, counts)
+    # k3 KL of token (-1.0 vs -1.5): exp(-0.5) - (-0.5) - 1 = 0.10653; the others 0.
+    kl = math.exp(-0.5) + 0.5 - 1.0
+    assert weighted.item() == pytest.approx(0.1 * kl / 3, rel=1e-5)
+    assert unweighted.item() == pytest.approx((-3.0 + 0.1 * kl) / 3, rel=1e-5)  # -A x ratio 1 on 3 tokens
+
+
+def test_masked_out_rows_keep_their_tokens_and_count_nothing():
+    from trainer_core.engines import Generated
+    from trainer_core.rewards import PromptItem
+    from trainer_core.training.rl_batches import SampledRound, masked_out
+
+    g = Generated(torch.tensor([[5, 6]]), torch.ones(1, 2), torch.tensor([[-0.5, -0.25]]))
+    item = PromptItem([{"role": "user", "content": "q"}], [1], "1")
+    sample = SampledRound([item], torch.tensor([[1]]), torch.ones(1, 1), g, ["t"], torch.tensor([0.0]))
+    out = masked_out(sample)
+    assert out.generated.completion_ids.tolist() == [[5, 6]]
+    assert out.generated.completion_mask.sum() == 0 and out.generated.logprobs.abs().sum() == 0
+    assert sample.generated.completion_mask.sum() == 2  # the original is left as it was

@@ -293,3 +293,9 @@ def test_needs_reward_model_and_answers(cfg, reward_model, answers):
     config = RewardConfig(**cfg)
     assert needs_reward_model(config) is reward_model
     assert needs_answers(config) is answers
+
+
+def test_function_reward_accepts_numpy_scalars():
+    fn = FunctionReward(f"{FUNCTIONS}:numpy_scalars_reward")
+    got = fn([_prompt()] * 3, ["#### 8", "x", "#### 9"])
+    assert got.tolist() == [1.0, 0.25, 0.0] and got.dtype == torch.float32

@@ -75,22 +75,23 @@ class GRPOAlgorithm:
         self, batch: RolloutBatch, out: PolicyForward, counts: MiniBatchCounts
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """This rank's share of the mini-batch loss under ``loss_aggregation`` (the shares of all
-        ranks sum to the loss of the whole mini-batch), each token's loss weighted by
-        ``batch.policy_loss_weights`` (truncated importance weights when set), and the token
-        sums of the metrics."""
+        ranks sum to the loss of the whole mini-batch), each token's policy loss (not its KL
+        term) weighted by ``batch.is_weights`` (truncated importance weights) when set, and the
+        token sums of the metrics."""
         mask, cfg = batch.completion_mask, self.cfg
         clip_high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
         losses, m = clipped_policy_loss_asymmetric(
             out.logprobs, batch.logprobs, batch.advantages, cfg.clip_eps, clip_high
         )
+        if batch.is_weights is not None:  # truncated IS weights the policy term only (verl's tis_imp_ratio_cap)
+            losses = losses * batch.is_weights
         kl_coef = self.kl_coef if self.kl_in_loss else 0.0
         if kl_coef > 0:  # DeepSeekMath eq. 3: + beta * KL(pi || pi_ref) per token (k3, eq. 4)
             kl = KL_ESTIMATORS[cfg.kl_estimator](out.logprobs, batch.ref_logprobs)
             losses = losses + kl_coef * kl
             m["kl"] = kl.detach()
-        weighted = losses if batch.is_weights is None else losses * batch.is_weights
         loss = LOSS_AGGREGATIONS[cfg.loss_aggregation](
-            weighted, mask,
+            losses, mask,
             num_tokens=counts.num_tokens, num_sequences=counts.num_sequences,
             max_new_tokens=cfg.generation.max_new_tokens,
         )

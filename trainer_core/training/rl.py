@@ -76,8 +76,8 @@ from trainer_core.training.guard import check_finite_metrics, check_finite_tenso
 from trainer_core.training.loop import _peak_memory_bytes, build_optimizer, build_scheduler
 from trainer_core.training.rl_batches import (  # noqa: F401 (also the loop's public names)
     Algorithm, MiniBatchCounts, SampledRound, _reference_forward, check_rl_config, concat_rounds, engine_config,
-    groups_with_signal, logprob_diff_metrics, masked_sum, next_prompts, prompt_order, rollout_metrics, row_slices,
-    sampler_seed,
+    groups_with_signal, logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
+    row_slices, sampler_seed,
 )
 from trainer_core.training.timing import PhaseTimer, phase_timer
 
@@ -194,8 +194,10 @@ class RLTrainer:
 
         With the algorithm's ``dynamic_sampling`` (DAPO), each round keeps the groups with a
         reward signal (:func:`groups_with_signal`) and another round is sampled while some rank
-        has fewer than its share, up to ``max_sampling_rounds``; a rank still short then takes
-        dropped groups (zero advantage) so that every rank updates on the same number of rows.
+        has fewer than its share, up to ``max_sampling_rounds``; a rank still short then fills
+        its share with dropped groups masked out (:func:`masked_out`: forwarded, so that every
+        rank runs the same forwards, but counting nothing), so the update trains on the kept
+        groups only (``max_sampling_rounds`` 1: filter only).
         """
         backend, group = self.backend, self.algo.samples_per_prompt
         first = self._sample_round(timer)
@@ -220,8 +222,9 @@ class RLTrainer:
             if not anyone_short or rounds >= self.algo.max_sampling_rounds:
                 break
             current = self._sample_round(timer)
-        kept += dropped[: share - len(kept)]
-        stats = {"rollout/sampling_rounds": float(rounds), "rollout/groups_kept_frac": kept_groups / sampled_groups}
+        kept += [masked_out(rows) for rows in dropped[: share - len(kept)]]
+        counts = backend.all_reduce_sum(torch.tensor([float(kept_groups), float(sampled_groups)], device=backend.device))
+        stats = {"rollout/sampling_rounds": float(rounds), "rollout/groups_kept_frac": float(counts[0] / counts[1])}
         return concat_rounds(kept, self.tokenizer.pad_token_id), first, stats
 
     def _forward_rows(self, fn: Callable[..., PolicyForward], model: nn.Module, sample: SampledRound) -> PolicyForward:

@@ -108,6 +108,15 @@ class SampledRound:
         )
 
 
+def masked_out(sample: SampledRound) -> SampledRound:
+    """``sample`` with every completion masked out (mask and log-probs 0, tokens kept): rows that
+    still go through the forwards, so that ranks run the same ones, but count nothing (as
+    :func:`~trainer_core.rollout.masked_row`): no loss, no gradient, no token or sequence count."""
+    g = sample.generated
+    hidden = Generated(g.completion_ids, torch.zeros_like(g.completion_mask), torch.zeros_like(g.logprobs))
+    return SampledRound(sample.items, sample.prompt_ids, sample.prompt_mask, hidden, sample.texts, sample.scores)
+
+
 def _pad_to(x: Tensor, width: int, value: float, left: bool) -> Tensor:
     """[N, W] ``x`` padded with ``value`` to [N, width] (on the left or the right)."""
     missing = width - x.shape[1]
@@ -244,6 +253,9 @@ def rollout_metrics(
     ranks = backend.all_gather_object(mine)
     seq = {k: torch.cat([r[k] for r in ranks]) for k in [*local, "scores"]}
     scores = seq["scores"]
+    real = seq["length"] > 0  # rows masked out by dynamic sampling's filler count nothing
+    if bool(real.any()):
+        seq.update({k: seq[k][real] for k in local})
     m = {
         "objective/entropy": float(seq["entropy"].mean()),
         "objective/scores": float(scores.mean()),
