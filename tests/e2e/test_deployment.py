@@ -86,7 +86,7 @@ def test_deploy_registers_typed_deployments(stack, deployed):
     assert set(demo.parameters) == {"config_uri", "settings", "overrides"}
     assert demo.parameters["config_uri"] == "configs/demo.yaml"
     settings = demo.parameters["settings"]
-    assert settings["sft"]["max_steps"] == demo_yaml["sft"]["max_steps"] == 300
+    assert settings["sft"]["max_steps"] == demo_yaml["sft"]["max_steps"] == 900
     assert settings["sft"]["learning_rate"] == demo_yaml["sft"]["learning_rate"]
     assert settings["stages"] == demo_yaml["stages"]
     schema = demo.parameter_openapi_schema

@@ -5,7 +5,7 @@ through Playwright) against a real ``prefect server start`` on loopback (the ses
 project directory holding a copy of ``configs/demo.yaml`` (the run's ``./outputs`` and its SQLite
 MLflow store land there), and a process worker serves the pool. In the default UI (the server's
 root redirects to the V2 UI) the test goes Deployments -> demo -> Run -> Custom run, finds the
-form opened on the demo's values (SFT "Max steps" 300), changes that one field and submits. The
+form opened on the demo's values (SFT "Max steps" 900), changes that one field and submits. The
 flow run completes and the resolved config it recorded has the typed value. The V1 UI's form of
 the same deployment must render too; in both, descriptions are plain text (no reST markup).
 
