@@ -52,7 +52,7 @@ def launched_pids(lines: list[str]) -> dict[int, list[int]]:
     """Rank -> [its pid, its parent (torchrun), its child] from the fixture's ``pids`` lines."""
     found = {}
     for line in lines:
-        if m := PIDS.search(line):
+        for m in PIDS.finditer(line):
             found[int(m.group(1))] = [int(g) for g in m.groups()[1:]]
     return found
 
