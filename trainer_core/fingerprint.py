@@ -62,11 +62,11 @@ POST_HOC_FIELDS = ("gates",)
 
 def _not_hashed(section) -> dict[str, Any]:
     """Fields of a stage section that do not change its result, as a pydantic ``exclude``: the
-    backend override, the :data:`POST_HOC_FIELDS`, the accumulation steps when
+    backend override, the LoRA override (hashed resolved, when enabled, by the caller), the :data:`POST_HOC_FIELDS`, the accumulation steps when
     ``global_batch_size`` fixes the batch (they follow the world size), and :data:`ADDED_FIELDS`
     at their neutral value, in sub-sections too (``generation.engine``)."""
     fields = type(section).model_fields
-    out: dict[str, Any] = {"backend": True} if "backend" in fields else {}
+    out: dict[str, Any] = {name: True for name in ("backend", "lora") if name in fields}
     out |= {name: True for name in POST_HOC_FIELDS if name in fields}
     if getattr(section, "global_batch_size", None) is not None:
         out["grad_accum_steps"] = True
@@ -114,6 +114,9 @@ def stage_fingerprint(config: PipelineConfig, stage: str, inputs: dict[str, str]
         "tokenizer": config.tokenizer.model_dump(mode="json"),
         "inputs": {role: input_identity(uri) for role, uri in sorted(inputs.items())},
     }
+    lora = config.lora_for(stage)
+    if lora.enabled:  # the resolved settings (pipeline-wide and the stage's override); absent when off
+        payload["lora"] = lora.model_dump(mode="json")
     for path in definition.fingerprint_fields:
         payload[path.replace(".", "_")] = _field(config, path)
     return config_hash(payload)

@@ -100,7 +100,18 @@ def _init_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, **extra
     )
 
 
-def load_causal_lm(source: str, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> nn.Module:
+def _quantized(source: str, quantization_config) -> dict:
+    """``from_pretrained`` arguments for a quantized load (QLoRA's base); none without one."""
+    if quantization_config is None:
+        return {}
+    if source == INIT_SOURCE:
+        raise ConfigError("lora.quantize loads pretrained weights in 4-bit; a model built from config (init) has none")
+    return {"quantization_config": quantization_config}
+
+
+def load_causal_lm(
+    source: str, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int, quantization_config=None
+) -> nn.Module:
     """A causal LM from ``source`` (see the module docstring).
 
     Args:
@@ -108,6 +119,7 @@ def load_causal_lm(source: str, model: ModelConfig, tokenizer: PreTrainedTokeniz
         model: the pipeline's model config (dtype, init sizes, trust_remote_code).
         tokenizer: its vocabulary size sizes a model built from config.
         seed: seeds the random init of a model built from config.
+        quantization_config: a ``transformers`` quantization config (QLoRA's 4-bit base), or None.
 
     Raises:
         ConfigError: ``source`` is ``"init"`` without ``model.init``; a local source that does
@@ -115,14 +127,15 @@ def load_causal_lm(source: str, model: ModelConfig, tokenizer: PreTrainedTokeniz
             needs remote code without ``model.trust_remote_code``.
     """
     dtype = _DTYPES[model.dtype]
+    quantized = _quantized(source, quantization_config)
     if source == INIT_SOURCE:
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(_init_config(model, tokenizer), dtype=dtype, **_attn(model))
-    return _from_pretrained(AutoModelForCausalLM.from_pretrained, source, model, dtype=dtype, **_attn(model))
+    return _from_pretrained(AutoModelForCausalLM.from_pretrained, source, model, dtype=dtype, **_attn(model), **quantized)
 
 
 def load_reward_model(
-    source: str, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+    source: str, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int, quantization_config=None
 ) -> nn.Module:
     """A sequence-classification model with one output (``num_labels=1``): the reward.
 
@@ -133,6 +146,7 @@ def load_reward_model(
         ConfigError: as :func:`load_causal_lm`.
     """
     dtype = _DTYPES[model.dtype]
+    quantized = _quantized(source, quantization_config)
     torch.manual_seed(seed)
     if source == INIT_SOURCE:
         config = _init_config(model, tokenizer, num_labels=1)
@@ -142,7 +156,8 @@ def load_reward_model(
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
     return _from_pretrained(
-        AutoModelForSequenceClassification.from_pretrained, source, model, config=config, dtype=dtype, **_attn(model)
+        AutoModelForSequenceClassification.from_pretrained, source, model, config=config, dtype=dtype, **_attn(model),
+        **quantized,
     )
 
 

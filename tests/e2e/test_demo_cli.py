@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,14 +53,18 @@ BACKENDS = {
     # The fixed points of the interface, verbatim: every training stage at 2 ranks.
     "fsdp2": ["backend.name=fsdp2", "backend.nproc_per_node=2"],
     "deepspeed-zero3": ["backend.name=deepspeed", "backend.zero_stage=3", "backend.nproc_per_node=2"],
+    # configs/demo-lora.yaml: LoRA on every training stage, on one process.
+    "single-lora": [],
 }
+CONFIGS = {"single-lora": "demo-lora.yaml"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
     root = tmp_path / "out"
-    args = [str(REPO / "configs" / "demo.yaml"), "--run-id", "demo-cli", "--set", f"storage.root={root}"]
+    config = CONFIGS.get(backend, "demo.yaml")
+    args = [str(REPO / "configs" / config), "--run-id", "demo-cli", "--set", f"storage.root={root}"]
     for key, value in TINY.items():
         args += ["--set", f"{key}={value}"]
     for item in BACKENDS[backend]:
@@ -90,7 +95,10 @@ def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
     for name in ("sft", "reward_model", "dpo", "ppo", "grpo"):
         manifest = json.loads((Path(summary["stages"][name]["output_uri"]) / "manifest.json").read_text())
         assert (manifest["backend"], manifest["world_size"]) == (backend.split("-")[0], world_size), name
-        assert (Path(summary["stages"][name]["output_uri"]) / "model.safetensors").is_file()
+        weights = Path(summary["stages"][name]["output_uri"]) / "model.safetensors"
+        assert weights.is_file()
+        with safe_open(weights, "pt") as f:  # LoRA commits the merged model: plain keys only
+            assert f.keys() and not [k for k in f.keys() if "lora_" in k], name
     assert summary["mlflow"]["tracking_uri"] == f"sqlite:///{root / 'mlflow.db'}"
     for policy in ("dpo", "ppo", "grpo"):
         assert f"{policy}_vs_sft/win_rate" in summary["stages"]["evaluate"]["metrics"]

@@ -211,7 +211,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def save_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Any) -> None:
         with tempfile.TemporaryDirectory(prefix=f"posttrain-ds-rank{self.rank}-") as tmp:
             os.makedirs(os.path.join(tmp, DS_TAG), exist_ok=True)
-            model.save_checkpoint(tmp, tag=DS_TAG, client_state={}, save_latest=False)
+            # LoRA: the frozen base weights are the stage's input, not part of the checkpoint.
+            model.save_checkpoint(tmp, tag=DS_TAG, client_state={}, save_latest=False,
+                                  exclude_frozen_parameters=_partly_frozen(model))
             for root, _, files in os.walk(tmp):
                 for name in sorted(files):
                     rel = os.path.relpath(os.path.join(root, name), tmp).replace(os.sep, "/")
@@ -220,6 +222,13 @@ class DeepSpeedBackend(ProcessGroupBackend):
     def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
         with tempfile.TemporaryDirectory(prefix=f"posttrain-ds-rank{self.rank}-") as tmp:
             storage.download_dir(join_uri(uri, DS_DIR), tmp)
-            path, _ = model.load_checkpoint(tmp, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+            path, _ = model.load_checkpoint(tmp, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+                                            load_module_strict=not _partly_frozen(model))
             if path is None:
                 raise RuntimeError(f"DeepSpeed could not load the checkpoint at {uri}")
+
+
+def _partly_frozen(model: nn.Module) -> bool:
+    """True when some of ``model``'s parameters train and others are frozen (LoRA)."""
+    trainable = [p.requires_grad for p in model.parameters()]
+    return any(trainable) and not all(trainable)

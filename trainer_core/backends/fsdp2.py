@@ -16,7 +16,8 @@ after it here (torchtitan compiles first and shards the compiled wrapper): it re
 hence DCP and full state-dict keys, are those of the plain model.
 
 Checkpoints use ``torch.distributed.checkpoint`` (format ``dcp``): each rank writes its own
-shards under ``dcp/`` and rank 0 the metadata; a checkpoint written at one world size loads
+shards under ``dcp/`` and rank 0 the metadata (the trainable parameters only when some are
+frozen, as LoRA's base weights are); a checkpoint written at one world size loads
 at another (DCP reshards on load), so a 2-rank run resumes on 1 rank and the reverse.
 """
 
@@ -131,7 +132,7 @@ class FSDP2Backend(ProcessGroupBackend):
         return {k: v for k, v in state.items() if k in names}
 
     def save_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, out: Any) -> None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_checkpoint_options(model))
         target = join_uri(out.uri, DCP_DIR)
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=FsspecWriter(target))
         for rel in sorted(storage.list_files(target)):
@@ -140,7 +141,16 @@ class FSDP2Backend(ProcessGroupBackend):
                 out.record(f"{DCP_DIR}/{rel}")
 
     def load_model_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        options = _checkpoint_options(model)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=FsspecReader(join_uri(uri, DCP_DIR)))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+
+
+def _checkpoint_options(model: nn.Module) -> StateDictOptions:
+    """DCP state-dict options: a model with frozen parameters (LoRA's base) saves and loads its
+    trainable ones only (``ignore_frozen_params``); the frozen ones are the stage's input."""
+    trainable = [p.requires_grad for p in model.parameters()]
+    partly_frozen = any(trainable) and not all(trainable)
+    return StateDictOptions(ignore_frozen_params=partly_frozen, strict=not partly_frozen)

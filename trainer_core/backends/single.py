@@ -177,18 +177,45 @@ def put_full_state(out: Any, model: nn.Module, optimizer: torch.optim.Optimizer)
     """Put the ``full`` format's two REPLICATED components through ``out`` (a ``RankWriter`` or
     ``StagedWriter``): ``model.safetensors`` (the plain model's state dict) and ``optimizer.pt``.
 
+    A model with frozen parameters (LoRA: the base weights) writes its trainable ones only: the
+    frozen ones are the stage's input, loaded again on resume (:func:`load_full_state`).
     Their checksums over the live state are computed only when ``out`` compares replicas.
     """
     validate = getattr(out, "validate", False)
-    weights = model.state_dict()
+    weights = saved_state_dict(model)
     out.put("model.safetensors", Sharing.REPLICATED, full_weights_bytes(weights), state_checksum(weights) if validate else None)
     state = optimizer.state_dict()
     out.put("optimizer.pt", Sharing.REPLICATED, torch_bytes(state), state_checksum(state) if validate else None)
 
 
+def saved_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """What a checkpoint holds of ``model``: its state dict, less the frozen parameters when some
+    parameters train and others do not (LoRA's base weights; their input is loaded again)."""
+    state = model.state_dict()
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
+    frozen = {name for name, p in params.items() if not p.requires_grad}
+    if not frozen or len(frozen) == len(params):
+        return state
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
-    """Load ``model.safetensors`` (strict) and ``optimizer.pt`` of a ``full``-format checkpoint."""
+    """Load ``model.safetensors`` and ``optimizer.pt`` of a ``full``-format checkpoint.
+
+    Strict: the file holds exactly :func:`saved_state_dict`'s keys (every tensor, or every
+    trainable one of a model with frozen parameters).
+
+    Raises:
+        RuntimeError: a key is missing or unexpected (another model, or a full checkpoint for a
+            LoRA model and the reverse).
+    """
     weights = safetensors.torch.load(storage.read_bytes(join_uri(uri, "model.safetensors")))
     device = next(model.parameters()).device
-    model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=True)
+    expected = set(saved_state_dict(model))
+    if set(weights) != expected:
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        raise RuntimeError(f"checkpoint {uri}: model.safetensors does not match the model (missing {missing[:3]}"
+                           f"{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
+                           f"{'...' if len(unexpected) > 3 else ''})")
+    model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
     optimizer.load_state_dict(torch.load(io.BytesIO(storage.read_bytes(join_uri(uri, "optimizer.pt"))), weights_only=True))

@@ -21,6 +21,7 @@ from trainer_core.config.base import ConfigBase
 from trainer_core.config.sections import (
     DataConfig,
     LaunchConfig,
+    LoraConfig,
     ModelConfig,
     ModelInit,
     StorageConfig,
@@ -58,6 +59,9 @@ class PipelineConfig(ConfigBase):
     )
     backend: BackendConfig = Field(default_factory=BackendConfig, description="Training backend.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Stage task launching and retries.")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="LoRA adapters for every training stage (a stage's `lora` overrides)."
+    )
     sft: SFTConfig = Field(default_factory=SFTConfig, description="SFT stage.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Reward model stage.")
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="Scoring stage.")
@@ -106,6 +110,12 @@ class PipelineConfig(ConfigBase):
                     f"{stage}.max_nonfinite_steps={section.max_nonfinite_steps}: skipping non-finite steps needs a "
                     "backend whose optimizer step posttrain runs (single, ddp, fsdp2); DeepSpeed's engine steps itself"
                 )
+            lora = self.lora_for(stage)
+            if lora.enabled and lora.quantize is not None and (backend.name != "single" or backend.device == "cpu"):
+                raise ValueError(
+                    f"{stage}.lora.quantize={lora.quantize}: QLoRA's 4-bit base (bitsandbytes NF4) runs on CUDA on the "
+                    f"single backend; this stage runs on backend {backend.name!r}, device {backend.device!r}"
+                )
         return self
 
     @model_validator(mode="after")
@@ -121,6 +131,25 @@ class PipelineConfig(ConfigBase):
             raise ValueError(f"tracking.registered_stage={chosen!r}: must be a stage of this run that produces a "
                              f"model ({[s for s in self.stages if get_stage(s).produces_model]})")
         return self
+
+    def lora_for(self, stage: str) -> LoraConfig:
+        """The LoRA settings of ``stage``: the pipeline's, with the stage's ``lora`` mapping merged.
+
+        Stages that train nothing (prepare_data, score, evaluate) never use adapters.
+
+        Raises:
+            ValueError: the merged mapping is not a valid :class:`LoraConfig` (the message names
+                ``<stage>.lora``).
+        """
+        if stage not in TRAINING_STAGES:
+            return LoraConfig()
+        override = self.section(stage).lora
+        if not override:
+            return self.lora
+        try:
+            return LoraConfig.model_validate({**self.lora.model_dump(), **override})
+        except ValidationError as e:
+            raise ValueError(f"{stage}.lora: {e}") from None
 
     def backend_for(self, stage: str) -> BackendConfig:
         """The backend ``stage`` runs on: the pipeline's, with the stage's ``backend`` override merged.

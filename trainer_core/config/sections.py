@@ -157,6 +157,40 @@ class ModelConfig(ConfigBase):
         return self
 
 
+class LoraConfig(ConfigBase):
+    """Low-rank adapters (LoRA, Hu et al. 2021) on a training stage's model, built with ``peft``.
+
+    Set pipeline-wide under ``lora`` and per stage under ``<stage>.lora`` (a mapping merged over
+    the pipeline's, as ``<stage>.backend`` is). With ``enabled``, the stage trains only the
+    adapters (and the reward model's score head, PPO's value head); the reference of DPO, PPO and
+    GRPO is the policy with its adapter disabled when the policy starts from the reference's
+    weights (no second model); checkpoints hold the trainable weights and their optimizer state
+    only; the committed model is merged (``W + (alpha / r) B A``) into a plain HF model.
+    """
+
+    enabled: bool = Field(False, description="Train low-rank adapters instead of the full weights.")
+    rank: int = Field(16, ge=1, description="Adapter rank r.")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is (alpha / r) B A (alpha / sqrt(r) "
+                         "with use_rslora).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] | None = Field(
+        None,
+        description="Names (suffixes) of the linear layers to adapt; None: every linear layer inside the "
+        "transformer blocks (the attention and MLP projections).",
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023).")
+    reference_model: Literal["disabled_adapter", "separate"] = Field(
+        "disabled_adapter",
+        description="The reference of DPO, PPO and GRPO when the policy starts from the reference's weights: the "
+        "policy with its adapter disabled (no second model in memory), or a separate frozen copy loaded from the "
+        "reference input (twice the weights; the same values).",
+    )
+    quantize: Literal["4bit"] | None = Field(
+        None, description="QLoRA: load the frozen base in 4-bit NF4 (bitsandbytes; CUDA and the single backend only)."
+    )
+
+
+
 class LaunchConfig(ConfigBase):
     """How the stage tasks run the trainer processes."""
 

@@ -19,6 +19,11 @@ class TrainStageConfig(ConfigBase):
         default_factory=dict,
         description="Override of the pipeline-wide backend for this stage (e.g. {name: ddp}); merged over `backend`.",
     )
+    lora: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Override of the pipeline-wide `lora` for this stage (e.g. {enabled: true, rank: 8}); merged over "
+        "`lora`.",
+    )
     max_steps: int = Field(100, ge=1, description="Optimizer steps (global_step at the end).")
     micro_batch_size: int = Field(8, ge=1, description="Examples per forward/backward.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per rank per optimizer step.")

@@ -17,9 +17,10 @@ from transformers import PreTrainedTokenizerBase
 from trainer_core.backends import Backend
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
-from trainer_core.config import PipelineConfig, TrainStageConfig
+from trainer_core.config import LoraConfig, PipelineConfig, TrainStageConfig
 from trainer_core.data.prepared import load_split
 from trainer_core.errors import ConfigError, NonFiniteError
+from trainer_core.lora import apply_lora, has_lora, merged_state_dict
 from trainer_core.models import load_causal_lm, load_reward_model, save_pretrained_to
 from trainer_core.spec import StageSpec
 from trainer_core.storage import StageLayout
@@ -140,8 +141,24 @@ class StageContext:
             validate_replicas=validate,
         )
 
+    @property
+    def lora(self) -> LoraConfig:
+        """The stage's resolved LoRA settings (``PipelineConfig.lora_for``)."""
+        return self.config.lora_for(self.spec.stage)
+
+    @property
+    def reference_is_disabled_adapter(self) -> bool:
+        """True when the stage's reference is its policy with the adapter disabled: LoRA on,
+        ``lora.reference_model: disabled_adapter``, and the policy starts from the reference's
+        weights (inputs ``model`` and ``reference`` are one source)."""
+        inputs = self.spec.inputs
+        return (self.lora.enabled and self.lora.reference_model == "disabled_adapter"
+                and "reference" in inputs and inputs.get("model") == inputs["reference"])
+
     def causal_lm(self, role: str) -> nn.Module:
         """The causal LM of input ``role`` (``load_causal_lm``; seeded by the pipeline seed).
+
+        The trained model (role ``model``) gets LoRA adapters when the stage's ``lora`` is enabled.
 
         Raises:
             ConfigError: the input is missing or cannot be loaded (the message names the stage,
@@ -155,10 +172,32 @@ class StageContext:
 
     def _load(self, load, role: str) -> nn.Module:
         source = self.input(role)
+        lora = self.lora if role == "model" else LoraConfig()
         try:
-            return load(source, self.config.model, self.tokenizer, self.config.seed)
+            if lora.enabled and lora.quantize is not None:
+                return apply_lora(self._load_quantized(load, source), lora, self.config.seed)
+            model = load(source, self.config.model, self.tokenizer, self.config.seed)
+            return apply_lora(model, lora, self.config.seed) if lora.enabled else model
         except ConfigError as e:
             raise ConfigError(f"stage {self.spec.stage}, input {role!r}: {e}") from e
+
+    def _load_quantized(self, load, source: str) -> nn.Module:
+        """QLoRA's base: ``source`` loaded in 4-bit NF4 (bitsandbytes), ready for k-bit training."""
+        if self.backend.device.type != "cuda":
+            raise ConfigError(f"lora.quantize={self.lora.quantize} needs CUDA (bitsandbytes NF4); this stage runs on "
+                              f"{self.backend.device}. Remove lora.quantize to train LoRA on full-precision weights.")
+        try:
+            from transformers import BitsAndBytesConfig
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(f"lora.quantize=4bit needs the bitsandbytes package ({e})") from e
+        import torch
+        from peft import prepare_model_for_kbit_training
+
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                          bnb_4bit_compute_dtype=torch.bfloat16)
+        model = load(source, self.config.model, self.tokenizer, self.config.seed, quantization_config=quantization)
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
     def load_rows(self, name: str) -> list[dict]:
         """Rows of a prepared split (e.g. ``sft/train``)."""
@@ -212,6 +251,11 @@ def commit_final(
     """
     backend = ctx.backend
     weights = backend.full_state_dict(model) if model is not None and backend.name != "single" else None
+    if model is not None and has_lora(model):
+        # LoRA: the committed model is the merged one, a plain HF model (W + scaling B A).
+        plain = backend.unwrap(model)
+        if ctx.is_main:
+            weights = merged_state_dict(plain, weights if weights is not None else plain.state_dict(), copy=weights is None)
     bad = None
     if model is not None and ctx.is_main:
         bad = nonfinite_weights(weights if weights is not None else backend.unwrap(model).state_dict())

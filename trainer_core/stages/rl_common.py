@@ -83,7 +83,10 @@ def run_rl_stage(
     prompts = load_prompts(ctx, cfg)
     reward_fn = _reward_fn(ctx, cfg)
     reference = None
-    if uses_reference:
+    disabled_adapter = uses_reference and ctx.reference_is_disabled_adapter
+    if disabled_adapter:
+        log.info("reference: the policy with its LoRA adapter disabled (no reference model loaded)")
+    if uses_reference and not disabled_adapter:
         reference = ctx.causal_lm("reference")
         reference = backend.prepare_frozen(reference)
     policy = ctx.causal_lm("model")
@@ -94,6 +97,7 @@ def run_rl_stage(
         backend=backend, tokenizer=ctx.tokenizer, cfg=cfg, algo=algo, model=model, reference=reference,
         reward_fn=reward_fn, prompts=prompts, seed=seed,
         session=ctx.checkpoint_session(cfg, extra={"rl_checkpoint": RL_CHECKPOINT_LAYOUT}),
+        reference_is_disabled_adapter=disabled_adapter,
     )
     resumed = trainer.resume()
     log.info("%s: %d prompts, %s x %d rank(s) on %s, resumed=%s", ctx.spec.stage, len(prompts), backend.name,

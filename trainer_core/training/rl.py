@@ -68,6 +68,7 @@ from trainer_core.config import RLStageConfig
 from trainer_core.data.batching import collate_prompts_left
 from trainer_core.engines import GenerationEngine, build_engine
 from trainer_core.errors import ConfigError
+from trainer_core.lora import adapter_disabled
 from trainer_core.objectives.ppo import AdaptiveKLController, FixedKLController
 from trainer_core.rewards import PromptItem, RewardFunction
 from trainer_core.rollout import PolicyAndValue, PolicyForward, RolloutBatch, masked_row, policy_forward
@@ -104,12 +105,15 @@ class RLTrainer:
         algo: PPO or GRPO.
         model: the trainable :class:`PolicyAndValue` as ``Backend.wrap`` returned it; replaced by
             what ``Backend.setup_optimizer`` returns (a DeepSpeed engine).
-        reference: the frozen reference (``Backend.prepare_frozen``), or None (no KL term).
+        reference: the frozen reference (``Backend.prepare_frozen``), or None (no KL term, or
+            ``reference_is_disabled_adapter``).
         reward_fn: scores completions.
         prompts: the RL prompt set.
         seed: the pipeline seed (prompt order, sampling).
         session: checkpoints and metrics; create it with ``extra={"rl_checkpoint":
             RL_CHECKPOINT_LAYOUT}`` so that its manifests carry this loop's layout.
+        reference_is_disabled_adapter: the reference is the LoRA policy with its adapter disabled
+            (:func:`~trainer_core.lora.adapter_disabled`; ``reference`` is then None).
     """
 
     backend: Backend
@@ -123,6 +127,7 @@ class RLTrainer:
     seed: int
     session: CheckpointSession
     progress: TrainProgress = field(default_factory=TrainProgress)
+    reference_is_disabled_adapter: bool = False
 
     def __post_init__(self) -> None:
         cfg, backend = self.cfg, self.backend
@@ -263,6 +268,10 @@ class RLTrainer:
                 with timer.phase("reference"):
                     ref_fn = partial(_reference_forward, temperature=temperature)
                     ref = self._forward_rows(ref_fn, self.reference, sample).logprobs
+            elif self.reference_is_disabled_adapter:
+                with timer.phase("reference"), adapter_disabled(self.module):
+                    ref_fn = partial(policy_forward, temperature=temperature, with_values=False)
+                    ref = self._forward_rows(ref_fn, self.module, sample).logprobs
         batch = RolloutBatch(
             prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask, logprobs=out.logprobs,
             scores=sample.scores, prompt_index=torch.arange(len(sample.items), device=backend.device) // self.algo.samples_per_prompt,
