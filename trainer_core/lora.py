@@ -130,11 +130,6 @@ def adapter_disabled(model: nn.Module) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
-def trainable_names(model: nn.Module) -> set[str]:
-    """State-dict names of ``model``'s parameters that require gradients."""
-    return {name for name, p in model.named_parameters() if p.requires_grad}
-
-
 def merged_state_dict(model: nn.Module, state: dict[str, Tensor], copy: bool) -> dict[str, Tensor]:
     """The plain model's state dict, with every adapter merged: ``W' = W + scaling B A``.
 

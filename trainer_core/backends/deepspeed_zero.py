@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from trainer_core.backends import memory
 from trainer_core.backends.distributed import ProcessGroupBackend
-from trainer_core.backends.single import place_trainable
+from trainer_core.backends.single import partly_frozen, place_trainable
 from trainer_core import storage
 from trainer_core.config import BackendConfig, TrainStageConfig
 from trainer_core.errors import ConfigError
@@ -213,7 +213,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             os.makedirs(os.path.join(tmp, DS_TAG), exist_ok=True)
             # LoRA: the frozen base weights are the stage's input, not part of the checkpoint.
             model.save_checkpoint(tmp, tag=DS_TAG, client_state={}, save_latest=False,
-                                  exclude_frozen_parameters=_partly_frozen(model))
+                                  exclude_frozen_parameters=partly_frozen(model))
             for root, _, files in os.walk(tmp):
                 for name in sorted(files):
                     rel = os.path.relpath(os.path.join(root, name), tmp).replace(os.sep, "/")
@@ -223,12 +223,6 @@ class DeepSpeedBackend(ProcessGroupBackend):
         with tempfile.TemporaryDirectory(prefix=f"posttrain-ds-rank{self.rank}-") as tmp:
             storage.download_dir(join_uri(uri, DS_DIR), tmp)
             path, _ = model.load_checkpoint(tmp, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
-                                            load_module_strict=not _partly_frozen(model))
+                                            load_module_strict=not partly_frozen(model))
             if path is None:
                 raise RuntimeError(f"DeepSpeed could not load the checkpoint at {uri}")
-
-
-def _partly_frozen(model: nn.Module) -> bool:
-    """True when some of ``model``'s parameters train and others are frozen (LoRA)."""
-    trainable = [p.requires_grad for p in model.parameters()]
-    return any(trainable) and not all(trainable)

@@ -42,7 +42,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from trainer_core.backends import memory
 from trainer_core.backends.distributed import ProcessGroupBackend
 from trainer_core.backends.memory import transformer_blocks
-from trainer_core.backends.single import torch_optimizer_step
+from trainer_core.backends.single import partly_frozen, torch_optimizer_step
 from trainer_core import storage
 from trainer_core.config import BackendConfig
 from trainer_core.errors import ConfigError
@@ -151,6 +151,5 @@ class FSDP2Backend(ProcessGroupBackend):
 def _checkpoint_options(model: nn.Module) -> StateDictOptions:
     """DCP state-dict options: a model with frozen parameters (LoRA's base) saves and loads its
     trainable ones only (``ignore_frozen_params``); the frozen ones are the stage's input."""
-    trainable = [p.requires_grad for p in model.parameters()]
-    partly_frozen = any(trainable) and not all(trainable)
-    return StateDictOptions(ignore_frozen_params=partly_frozen, strict=not partly_frozen)
+    frozen = partly_frozen(model)
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)

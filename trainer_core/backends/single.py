@@ -192,11 +192,18 @@ def saved_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """What a checkpoint holds of ``model``: its state dict, less the frozen parameters when some
     parameters train and others do not (LoRA's base weights; their input is loaded again)."""
     state = model.state_dict()
-    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
-    frozen = {name for name, p in params.items() if not p.requires_grad}
-    if not frozen or len(frozen) == len(params):
+    if not partly_frozen(model):
         return state
+    params = model.named_parameters(remove_duplicate=False)  # tied weights under every name
+    frozen = {name for name, p in params if not p.requires_grad}
     return {k: v for k, v in state.items() if k not in frozen}
+
+
+def partly_frozen(model: nn.Module) -> bool:
+    """True when some of ``model``'s parameters train and others are frozen (LoRA's base):
+    every checkpoint format then saves and loads the trainable ones only."""
+    trainable = [p.requires_grad for p in model.parameters()]
+    return any(trainable) and not all(trainable)
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, uri: str) -> None:
