@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from trainer_core.architecture import transformer_blocks
 from trainer_core.config import LoraConfig
 from trainer_core.errors import ConfigError
 
@@ -45,8 +46,6 @@ def default_target_modules(model: nn.Module) -> list[str]:
     Raises:
         ConfigError: the model has no transformer blocks with linear layers.
     """
-    from trainer_core.backends.memory import transformer_blocks
-
     names = sorted({
         name.rsplit(".", 1)[-1]
         for block in transformer_blocks(model)
@@ -130,13 +129,31 @@ def adapter_disabled(model: nn.Module) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Merge every LoRA layer of ``model`` into its base layer and remove it, in place.
+
+    peft's ``LoraLayer.merge`` (``W' = W + scaling B A``), then the layer replaced by its base
+    layer, as ``LoraModel.merge_and_unload`` does; returns ``model``, a plain HF model again.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge(safe_merge=False)
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, module.get_base_layer())
+    if hasattr(model, "posttrain_lora"):
+        del model.posttrain_lora
+    return model
+
+
 def merged_state_dict(model: nn.Module, state: dict[str, Tensor], copy: bool) -> dict[str, Tensor]:
     """The plain model's state dict, with every adapter merged: ``W' = W + scaling B A``.
 
-    The merge is peft's own (``LoraLayer.merge``, then the layer replaced by its base layer, as
-    ``LoraModel.merge_and_unload`` does), run on a copy of the architecture whose tensors are
-    those of ``state``: a CPU state dict (``Backend.full_state_dict`` of a sharded model, or the
-    state dict of a plain one) becomes the merged model without a second copy in memory.
+    The merge is peft's own (:func:`merge_adapters`), run on a copy of the architecture whose
+    tensors are those of ``state``: a CPU state dict (``Backend.full_state_dict`` of a sharded
+    model, or the state dict of a plain one) becomes the merged model without a second copy in
+    memory.
 
     Args:
         model: the unwrapped model :func:`apply_lora` adapted (its config and class are read).
@@ -148,7 +165,6 @@ def merged_state_dict(model: nn.Module, state: dict[str, Tensor], copy: bool) ->
         (as ``named_parameters`` lists them), on CPU.
     """
     from peft import inject_adapter_in_model
-    from peft.tuners.tuners_utils import BaseTunerLayer
 
     tensors = {k: (v.detach().to("cpu", copy=True) if copy else v.detach().to("cpu")) for k, v in state.items()}
     with torch.device("meta"):
@@ -160,14 +176,187 @@ def merged_state_dict(model: nn.Module, state: dict[str, Tensor], copy: bool) ->
     missing = [n for n, p in shell.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"merged_state_dict: the state dict lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    for name, module in list(shell.named_modules()):
-        if isinstance(module, BaseTunerLayer):
-            module.merge(safe_merge=False)
-            parent_name, _, child = name.rpartition(".")
-            setattr(shell.get_submodule(parent_name) if parent_name else shell, child, module.get_base_layer())
-    names = {n for n, _ in shell.named_parameters()}
+    merge_adapters(shell)
+    return plain_state_dict(shell)
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with tied weights under their first name only and no meta buffers."""
+    names = {n for n, _ in model.named_parameters()}
     return {
         k: v.detach()
-        for k, v in shell.state_dict(keep_vars=True).items()
+        for k, v in model.state_dict(keep_vars=True).items()
         if (k in names if isinstance(v, nn.Parameter) else not v.is_meta)
     }
+
+
+# --- Adapters committed in PEFT's format (lora.merge_on_commit: false) ---------------------------
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""peft's adapter config file; a committed directory holding it (and no ``config.json``) is an adapter."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""peft's adapter weights file."""
+_PEFT_PREFIX = "base_model.model."
+"""Key prefix of peft's saved adapter weights (``PeftModel`` -> ``LoraModel`` -> the HF model)."""
+
+
+def is_trained(key: str) -> bool:
+    """True for the state-dict keys LoRA trains: the adapters and the :data:`TRAINABLE_HEADS`."""
+    parts = key.split(".")
+    return "lora_A" in parts or "lora_B" in parts or parts[0] in TRAINABLE_HEADS
+
+
+def adapter_files(model: nn.Module, state: dict[str, Tensor], base_model: str) -> dict[str, bytes]:
+    """The adapter of ``model`` in PEFT's format: ``adapter_config.json`` and
+    ``adapter_model.safetensors``, the files ``PeftModel.save_pretrained`` writes.
+
+    The weights are the adapters (``...q_proj.lora_A.weight``) and the trained heads (a reward
+    model's ``score``, saved as peft saves ``modules_to_save``), keyed as peft keys them
+    (``base_model.model.`` prefix, no adapter name); ``PeftModel.from_pretrained(base, dir)``
+    and :func:`attach_adapter` load them.
+
+    Args:
+        model: the unwrapped model :func:`apply_lora` adapted.
+        state: its full state dict (peft's live keys), on any device.
+        base_model: the plain model the adapter applies to (``base_model_name_or_path``): a
+            URI, a local directory or a hub id.
+    """
+    import json
+
+    import safetensors.torch
+
+    weights = {
+        _PEFT_PREFIX + k.replace(f".{ADAPTER_NAME}.", "."): v.detach().to("cpu").contiguous()
+        for k, v in state.items() if is_trained(k)
+    }
+    config = model.posttrain_lora.to_dict()
+    classifier = "score" in dict(model.named_children())
+    config.update(
+        base_model_name_or_path=base_model,
+        task_type="SEQ_CLS" if classifier else "CAUSAL_LM",
+        modules_to_save=list(TRAINABLE_HEADS) if classifier else None,
+        target_modules=sorted(config["target_modules"]),
+        inference_mode=True,
+    )
+    return {
+        ADAPTER_CONFIG: json.dumps(config, indent=2, sort_keys=True, default=list).encode(),
+        ADAPTER_WEIGHTS: safetensors.torch.save(weights, metadata={"format": "pt"}),
+    }
+
+
+def base_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The plain model under the adapters of ``state`` (peft's live keys): the adapters dropped,
+    ``...q_proj.base_layer.weight`` renamed ``...q_proj.weight``, tensors shared under two names
+    (tied embeddings) kept under the first; on CPU."""
+    out: dict[str, Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for key, value in state.items():
+        parts = key.split(".")
+        if "lora_A" in parts or "lora_B" in parts:
+            continue
+        if value.device.type != "meta" and value.numel():
+            shared = (value.data_ptr(), tuple(value.shape))
+            if shared in seen:
+                continue
+            seen.add(shared)
+        out[key.replace(".base_layer.", ".")] = value.detach().to("cpu")
+    return out
+
+
+def is_adapter_dir(path: str) -> bool:
+    """True when the local directory ``path`` holds a PEFT adapter and no full model."""
+    import os
+
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, "config.json"))
+
+
+def adapter_base_model(path: str) -> str:
+    """The ``base_model_name_or_path`` of the adapter in the local directory ``path``.
+
+    Raises:
+        ConfigError: the adapter config names no base model.
+    """
+    import json
+    import os
+
+    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"{os.path.join(path, ADAPTER_CONFIG)}: no base_model_name_or_path; the adapter's base "
+                          "model is unknown")
+    return base
+
+
+def attach_adapter(model: nn.Module, path: str, trainable: bool, seed: int = 0) -> nn.Module:
+    """Inject the adapter saved in the local directory ``path`` (PEFT format) into the plain
+    ``model`` and load its weights; returns ``model``.
+
+    With ``trainable``, the adapters and heads train and everything else is frozen, as after
+    :func:`apply_lora` (a stage continuing an upstream adapter); otherwise the model is left
+    for :func:`merge_adapters`.
+
+    Raises:
+        ConfigError: the adapter's weights and the model disagree (an adapter tensor missing
+            from the file, a tensor of the file the model lacks, or a shape mismatch); the
+            message names the file.
+    """
+    import json
+    import os
+
+    import safetensors.torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
+    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+        saved = json.load(f)
+    fields = set(PeftLoraConfig.__dataclass_fields__)
+    config = PeftLoraConfig(**{k: v for k, v in saved.items() if k in fields and k not in (
+        "task_type", "modules_to_save", "base_model_name_or_path", "inference_mode", "peft_type", "revision")})
+    torch.manual_seed(seed)
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+    model.posttrain_lora = config
+    weights_path = os.path.join(path, ADAPTER_WEIGHTS)
+    saved_weights = safetensors.torch.load_file(weights_path)
+    live = {}
+    for key, value in saved_weights.items():
+        name = key.removeprefix(_PEFT_PREFIX)
+        for part in ("lora_A", "lora_B"):
+            name = name.replace(f".{part}.weight", f".{part}.{ADAPTER_NAME}.weight")
+        live[name] = value
+    own = dict(model.named_parameters())
+    adapters = {n for n in own if "lora_A" in n.split(".") or "lora_B" in n.split(".")}
+    missing, unexpected = sorted(adapters - set(live)), sorted(set(live) - set(own))
+    wrong = sorted(n for n in set(live) & set(own) if own[n].shape != live[n].shape)
+    if missing or unexpected or wrong:
+        raise ConfigError(f"{weights_path}: the adapter does not fit the model (missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]}, wrong shape {wrong[:3]})")
+    with torch.no_grad():
+        for name, value in live.items():
+            own[name].copy_(value.to(own[name].dtype))
+    model.requires_grad_(False)
+    if trainable:
+        for name, param in model.named_parameters():
+            param.requires_grad_(is_trained(name))
+    return model
+
+
+def check_continued(wanted, saved, path: str) -> None:
+    """Refuse to continue the adapter in ``path`` when the stage's ``lora`` settings describe
+    another one (rank, alpha, rsLoRA, target modules): the stage fingerprint would lie.
+
+    Args:
+        wanted: the stage's ``peft.LoraConfig`` (:func:`peft_config` of the plain model).
+        saved: the adapter's (``model.posttrain_lora`` after :func:`attach_adapter`).
+        path: the adapter's directory (named in the error).
+
+    Raises:
+        ConfigError: naming each setting that differs, with both values.
+    """
+    diffs = [f"{name}: stage {a!r}, adapter {b!r}" for name, a, b in (
+        ("rank", wanted.r, saved.r), ("alpha", wanted.lora_alpha, saved.lora_alpha),
+        ("use_rslora", wanted.use_rslora, saved.use_rslora),
+        ("target_modules", sorted(wanted.target_modules), sorted(saved.target_modules)),
+    ) if a != b]
+    if diffs:
+        raise ConfigError(f"lora.continue_adapter: the upstream adapter {path} differs from this stage's lora "
+                          f"settings ({'; '.join(diffs)}); set them to the adapter's or start a new adapter")

@@ -53,6 +53,9 @@ _AUTO_CLASS_BY_TASK = {
     "text-generation": "AutoModelForCausalLM",
     "text-classification": "AutoModelForSequenceClassification",
 }
+_TASK_KWARGS = {"text-classification": {"num_labels": 1}}
+"""``from_pretrained`` arguments of a task: a reward model has one output, also when an adapter's
+base is the causal LM it started from."""
 _MODEL_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors")
 """The pip requirements of a logged model, pinned to the installed versions. Given explicitly:
 MLflow's default list names torchvision (not installed here) and its inference loads the model
@@ -94,13 +97,15 @@ def _local_model_dir(model_dir_uri: str) -> Iterator[str]:
     directory, removed on exit.
 
     Raises:
-        FileNotFoundError: the directory holds no ``config.json`` (or, remote, no files).
+        FileNotFoundError: the directory holds neither ``config.json`` nor ``adapter_config.json``
+            (or, remote, no files).
     """
     local = _local_path(model_dir_uri)
     with tempfile.TemporaryDirectory(prefix="posttrain-model-") as tmp:
         path = os.path.abspath(local) if local is not None else storage.download_dir(model_dir_uri, tmp)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"not a Hugging Face model directory (no config.json): {model_dir_uri}")
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+            raise FileNotFoundError(f"not a Hugging Face model directory (no config.json) nor a PEFT adapter "
+                                    f"(no adapter_config.json): {model_dir_uri}")
         yield path
 
 
@@ -139,7 +144,8 @@ def log_transformers_model(
     Args:
         run_id: The (stage) MLflow run the model belongs to; it must be active (not deleted).
         model_dir_uri: The model directory (``config.json``, safetensors, tokenizer files): a
-            local path or any fsspec URI (downloaded to a temporary directory first).
+            local path or any fsspec URI (downloaded to a temporary directory first); or a PEFT
+            adapter directory, logged merged into its base model (``base_model_name_or_path``).
         task: ``"text-generation"`` (causal LM) or ``"text-classification"`` (sequence
             classification, e.g. the reward model); see :func:`model_task`.
         tracking_uri: The MLflow tracking URI.
@@ -163,13 +169,16 @@ def log_transformers_model(
     import transformers
     from mlflow.models import Model
 
+    from trainer_core.models import from_pretrained_merged
+
     client = MlflowClient(tracking_uri)
     run = client.get_run(run_id)
     with _local_model_dir(model_dir_uri) as local, tempfile.TemporaryDirectory(prefix="posttrain-mlmodel-") as tmp:
         auto_class = getattr(transformers, _AUTO_CLASS_BY_TASK[task])
         with _LOAD_LOCK:
             components = {
-                "model": auto_class.from_pretrained(local, dtype="auto"),
+                # An adapter (lora.merge_on_commit: false) is logged merged into its base.
+                "model": from_pretrained_merged(auto_class, local, dtype="auto", **_TASK_KWARGS.get(task, {})),
                 "tokenizer": transformers.AutoTokenizer.from_pretrained(local),
             }
         tags = {k: v for k, v in run.data.tags.items() if k.startswith("posttrain.")}

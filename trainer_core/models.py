@@ -5,7 +5,10 @@ A model source is one of:
   ``prepare_data``), as the offline demo does;
 - a fsspec URI of an HF-format directory (``s3://...``, ``file://``, ``memory://``),
   downloaded to a local cache first;
-- a local directory, or a Hugging Face hub id (what a GPU worker loads by name).
+- a local directory, or a Hugging Face hub id (what a GPU worker loads by name);
+- any of these holding a PEFT adapter (a stage committed with ``lora.merge_on_commit: false``):
+  its base model is loaded from the adapter's ``base_model_name_or_path`` and the adapter
+  merged into it (:func:`adapter_source` tells a stage that continues the adapter instead).
 All are loaded with the ``Auto*`` classes; ``trust_remote_code`` is off unless configured.
 """
 
@@ -26,6 +29,7 @@ from transformers import (
 
 from trainer_core.config import ModelConfig
 from trainer_core.errors import ConfigError
+from trainer_core.lora import ADAPTER_CONFIG, adapter_base_model, attach_adapter, is_adapter_dir, merge_adapters
 from trainer_core.registry import INIT_SOURCE
 from trainer_core.storage import names_a_path
 
@@ -49,10 +53,43 @@ def local_model_path(source: str) -> str:
         if not os.path.isdir(local):
             raise ConfigError(f"model source {source!r}: no such directory (a local path, an fsspec URI of an HF "
                               "model directory, or a hub id is expected)")
-        if not os.path.exists(os.path.join(local, "config.json")):
-            raise ConfigError(f"model source {source!r} is not a Hugging Face model directory (no config.json)")
+        if not any(os.path.exists(os.path.join(local, f)) for f in ("config.json", ADAPTER_CONFIG)):
+            raise ConfigError(f"model source {source!r} is not a Hugging Face model directory (no config.json) "
+                              f"nor a PEFT adapter ({ADAPTER_CONFIG})")
         return local
     return path
+
+
+def adapter_source(source: str) -> str | None:
+    """The local directory of ``source`` when it holds a PEFT adapter (and no full model), else None.
+
+    Raises:
+        ConfigError: as :func:`local_model_path`.
+    """
+    if source == INIT_SOURCE:
+        return None
+    path = local_model_path(source)
+    return path if os.path.isdir(path) and is_adapter_dir(path) else None
+
+
+def _merged_adapter(load, source: str, *args, **kwargs) -> nn.Module | None:
+    """``load``'s model of ``source`` when ``source`` is an adapter: its base loaded by ``load``
+    (recursively), the adapter attached and merged. None when ``source`` is no adapter."""
+    adapter = adapter_source(source)
+    if adapter is None:
+        return None
+    return merge_adapters(attach_adapter(load(adapter_base_model(adapter), *args, **kwargs), adapter, trainable=False))
+
+
+def from_pretrained_merged(auto_class, source: str, **kwargs) -> nn.Module:
+    """``auto_class.from_pretrained(source, **kwargs)``, where an adapter ``source`` (see
+    :func:`adapter_source`) is its base model's with the adapter merged: what the committed
+    model of a ``lora.merge_on_commit: false`` stage is, as a plain model (MLflow logs this)."""
+    adapter = adapter_source(source)
+    if adapter is None:
+        return auto_class.from_pretrained(local_model_path(source), **kwargs)
+    base = from_pretrained_merged(auto_class, adapter_base_model(adapter), **kwargs)
+    return merge_adapters(attach_adapter(base, adapter, trainable=False))
 
 
 def _from_pretrained(load, source: str, model: ModelConfig, **kwargs) -> nn.Module:
@@ -115,7 +152,7 @@ def load_causal_lm(
     """A causal LM from ``source`` (see the module docstring).
 
     Args:
-        source: ``"init"``, a URI, a local directory or a hub id.
+        source: ``"init"``, a URI, a local directory or a hub id (of a model or an adapter).
         model: the pipeline's model config (dtype, init sizes, trust_remote_code).
         tokenizer: its vocabulary size sizes a model built from config.
         seed: seeds the random init of a model built from config.
@@ -126,6 +163,9 @@ def load_causal_lm(
             not exist or is no model directory; a hub id that cannot be loaded; a model that
             needs remote code without ``model.trust_remote_code``.
     """
+    merged = _merged_adapter(load_causal_lm, source, model, tokenizer, seed, quantization_config)
+    if merged is not None:
+        return merged
     dtype = _DTYPES[model.dtype]
     quantized = _quantized(source, quantization_config)
     if source == INIT_SOURCE:
@@ -145,6 +185,9 @@ def load_reward_model(
     Raises:
         ConfigError: as :func:`load_causal_lm`.
     """
+    merged = _merged_adapter(load_reward_model, source, model, tokenizer, seed, quantization_config)
+    if merged is not None:
+        return merged
     dtype = _DTYPES[model.dtype]
     quantized = _quantized(source, quantization_config)
     torch.manual_seed(seed)
@@ -175,6 +218,13 @@ def save_pretrained_to(
             model.save_pretrained(tmp, safe_serialization=True)
         else:
             model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        writer.write_dir(tmp, prefix=prefix)
+
+
+def save_tokenizer_to(writer, tokenizer: PreTrainedTokenizerBase, prefix: str = "") -> None:
+    """Write ``tokenizer``'s files in HF format through an ``ArtifactWriter`` (nothing committed)."""
+    with tempfile.TemporaryDirectory(prefix="posttrain-save-") as tmp:
         tokenizer.save_pretrained(tmp)
         writer.write_dir(tmp, prefix=prefix)
 

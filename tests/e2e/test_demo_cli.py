@@ -95,7 +95,12 @@ def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
     for name in ("sft", "reward_model", "dpo", "ppo", "grpo"):
         manifest = json.loads((Path(summary["stages"][name]["output_uri"]) / "manifest.json").read_text())
         assert (manifest["backend"], manifest["world_size"]) == (backend.split("-")[0], world_size), name
-        weights = Path(summary["stages"][name]["output_uri"]) / "model.safetensors"
+        final = Path(summary["stages"][name]["output_uri"])
+        if backend == "single-lora" and name == "sft":  # merge_on_commit false: the adapter, over base/
+            assert manifest["extra"]["adapter"] == {"format": "peft", "base_model": str(final / "base")}
+            assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
+            final = final / "base"
+        weights = final / "model.safetensors"
         assert weights.is_file()
         with safe_open(weights, "pt") as f:  # LoRA commits the merged model: plain keys only
             assert f.keys() and not [k for k in f.keys() if "lora_" in k], name

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -90,9 +91,10 @@ class Runs:
                     "reward_model": StageLayout(self.pipeline.baseline_uris["reward_model"]).final},
         }[stage]
 
-    def spec(self, name: str, stage: str, config: PipelineConfig) -> tuple[str, str]:
+    def spec(self, name: str, stage: str, config: PipelineConfig,
+             inputs: dict[str, str] | None = None) -> tuple[str, str]:
         output = os.path.join(self.root, name)
-        spec = build_spec(config, stage, RUN_ID, self.inputs(stage), output_uri=output, writer_id=f"w-{name}")
+        spec = build_spec(config, stage, RUN_ID, inputs or self.inputs(stage), output_uri=output, writer_id=f"w-{name}")
         return write_spec(spec, f"{output}.spec.json"), output
 
     def start(self, name: str, fn, *args) -> None:
@@ -101,11 +103,25 @@ class Runs:
     def result(self, name: str) -> Any:
         return self.futures[name].result()
 
-    def stage(self, name: str, stage: str, config: PipelineConfig) -> tuple[StageRun, str]:
-        path, output = self.spec(name, stage, config)
+    def stage(self, name: str, stage: str, config: PipelineConfig,
+              inputs: dict[str, str] | None = None) -> tuple[StageRun, str]:
+        path, output = self.spec(name, stage, config, inputs)
         run = run_stage(path)
         assert run.returncode == 0, why_failed(run)
         return run, output
+
+    def adapter_handoff(self) -> dict[str, tuple[StageRun, str]]:
+        """SFT from config (init) committed as an adapter, then DPO from it twice: continuing its
+        adapter, and merging it to start a new one (itself committed as an adapter)."""
+        data, keep = self.pipeline.data_uri, {"merge_on_commit": False}
+        out = {"sft": self.stage("sft-adapter", "sft", lora_config(self.pipeline, **{"sft.lora": keep}),
+                                 {"data": data, "model": "init"})}
+        sft = StageLayout(out["sft"][1]).final
+        inputs = {"data": data, "model": sft, "reference": sft}
+        out["continue"] = self.stage("dpo-continue", "dpo", lora_config(
+            self.pipeline, **{"dpo.lora": {**keep, "continue_adapter": True}}), inputs)
+        out["new"] = self.stage("dpo-new", "dpo", lora_config(self.pipeline, **{"dpo.lora": keep}), inputs)
+        return out
 
     def ranks(self, name: str, backend: str) -> tuple[StageRun, dict[str, str]]:
         extra = {"backend.zero_stage": int(backend[-1])} if backend.startswith("deepspeed") else {}
@@ -133,6 +149,7 @@ def runs(tiny_pipeline: TinyPipeline, tmp_path_factory) -> Runs:
     single = lora_config(tiny_pipeline)
     rl = {stage: rl_config(tiny_pipeline, stage, **LORA) for stage in ("grpo", "ppo")}
     separate = {"lora.reference_model": "separate"}
+    store.start("handoff", store.adapter_handoff)
     store.start("sft", store.stage, "sft", "sft", single)
     store.start("ranks-fsdp2", store.ranks, "fsdp2", "fsdp2")
     store.start("dpo", store.stage, "dpo", "dpo", single)
@@ -253,3 +270,73 @@ def test_reward_model_trains_adapters_and_score_head(runs, tiny_pipeline):
     assert "score.weight" in ckpt and adapter_count(ckpt) > 0
     assert set(ckpt) - {"score.weight"} == {k for k in ckpt if ".lora_" in k}
     assert sorted(final_weights(output)) == sorted(final_weights(tiny_pipeline.baseline_uris["reward_model"]))
+
+
+def committed_files(output: str) -> dict[str, int]:
+    return storage.list_files(StageLayout(output).final)
+
+
+def adapter_weights(output: str) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load(storage.read_bytes(join_uri(StageLayout(output).final, "adapter_model.safetensors")))
+
+
+def test_adapter_commit_is_peft_format_over_its_base(runs, tiny_pipeline):
+    """merge_on_commit false: the final directory holds PEFT's adapter files, the tokenizer and
+    (the model was built from config) the base under base/; ``peft`` over that base computes
+    what posttrain's loader gives when it merges the adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer_core.models import load_causal_lm, local_model_path
+
+    _, output = runs.result("handoff")["sft"]
+    final = StageLayout(output).final
+    files = committed_files(output)
+    assert {"adapter_config.json", "adapter_model.safetensors", "base/config.json", "base/model.safetensors",
+            "tokenizer.json"} <= set(files) and "model.safetensors" not in files
+    manifest = read_manifest(final)
+    assert manifest.extra["adapter"] == {"format": "peft", "base_model": join_uri(final, "base")}
+    weights = adapter_weights(output)
+    assert len(weights) == 28 and all(k.startswith("base_model.model.model.layers.") for k in weights)
+    assert files["adapter_model.safetensors"] < files["base/model.safetensors"] / 5
+
+    x = torch.randint(3, 100, (2, 12))
+    merged = load_causal_lm(final, tiny_pipeline.config.model, None, seed=0)
+    local = local_model_path(final)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(join_uri(local, "base")), local)
+    with torch.no_grad():
+        assert torch.allclose(peft_model(x).logits, merged(x).logits, atol=1e-5)
+
+
+def test_next_stage_continues_the_adapter_or_starts_a_new_one(runs):
+    """DPO from an adapter commit: continuing trains the SFT adapter further (same base in its
+    manifest, its starting adapter the SFT one, the reference the SFT model loaded merged);
+    a new adapter goes on the merged SFT model (committed as its base), with the disabled-adapter
+    reference. Both start with the policy equal to the reference: loss log 2 at step 1."""
+    out = runs.result("handoff")
+    (_, sft), (cont, cont_out), (new, new_out) = out["sft"], out["continue"], out["new"]
+    sft_base = read_manifest(StageLayout(sft).final).extra["adapter"]["base_model"]
+    disabled = "reference: the policy with its LoRA adapter disabled"
+    assert "continuing the adapter of" in cont.output and disabled not in cont.output
+    assert "continuing the adapter of" not in new.output and disabled in new.output
+    for run in (cont, new):
+        assert float(run.step_metrics()[1]["train/loss"]) == pytest.approx(math.log(2), abs=2e-4)
+
+    assert read_manifest(StageLayout(cont_out).final).extra["adapter"]["base_model"] == sft_base
+    new_final = StageLayout(new_out).final
+    assert read_manifest(new_final).extra["adapter"]["base_model"] == join_uri(new_final, "base")
+
+    first = lambda output: safetensors.torch.load(storage.read_bytes(join_uri(checkpoint_uri(output, SAVE_EVERY), "model.safetensors")))
+    sft_b = {k.removeprefix("base_model.model.").replace(".lora_B.", ".lora_B.default."): v
+             for k, v in adapter_weights(sft).items() if ".lora_B." in k}
+    cosine = lambda a, b: float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+    cont_b, new_b = first(cont_out), first(new_out)
+    assert min(cosine(cont_b[k], v) for k, v in sft_b.items()) > 0.7  # the SFT adapter, trained a little further
+    assert max(abs(cosine(new_b[k], v)) for k, v in sft_b.items()) < 0.4  # a fresh adapter
+    merged_sft = final_weights_of(join_uri(new_final, "base"))
+    assert sorted(merged_sft) == sorted(final_weights_of(sft_base))
+    assert any(not torch.equal(merged_sft[k], v) for k, v in final_weights_of(sft_base).items())
+
+
+def final_weights_of(model_dir: str) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load(storage.read_bytes(join_uri(model_dir, "model.safetensors")))

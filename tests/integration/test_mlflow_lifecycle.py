@@ -170,6 +170,41 @@ def test_reward_model_from_a_remote_dir_logs_as_text_classification(config, stor
     assert logged.tags[tracking.TAG_OUTPUT_URI] == remote and not logged.metrics
 
 
+def test_reward_adapter_over_a_remote_causal_lm_logs_merged(config, store, model_dirs, monkeypatch, tmp_path):
+    """A stage committed as a LoRA adapter (``lora.merge_on_commit: false``), on object storage,
+    over a causal-LM base also on object storage: MLflow gets the merged reward model, whose
+    scores are the adapted model's."""
+    from trainer_core.config import LoraConfig, ModelConfig
+    from trainer_core.lora import adapter_files, apply_lora
+    from trainer_core.models import load_reward_model
+
+    _, uri = store
+    base, adapter = "memory://mlflow-lifecycle/sft/final", "memory://mlflow-lifecycle/rm-adapter/final"
+    for name in os.listdir(model_dirs["policy"]):
+        storage.upload_file(os.path.join(model_dirs["policy"], name), f"{base}/{name}")
+    model = load_reward_model(model_dirs["policy"], ModelConfig(name_or_path=model_dirs["policy"]), None, seed=0)
+    apply_lora(model, LoraConfig(enabled=True, rank=2, alpha=4), seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)  # trained adapters and score head
+    for name, data in adapter_files(model, model.state_dict(), base).items():
+        storage.write_bytes(f"{adapter}/{name}", data)
+    for name in os.listdir(model_dirs["policy"]):
+        if name.startswith(("tokenizer", "special_tokens")):
+            storage.upload_file(os.path.join(model_dirs["policy"], name), f"{adapter}/{name}")
+    _, stage = _pipeline_with_stage(config, uri, "rm-adapter-run", "reward_model")
+
+    model_uri = mlflow_model.log_transformers_model(stage, adapter, task="text-classification", tracking_uri=uri)
+
+    pipe = _load(monkeypatch, uri, model_uri)
+    assert pipe.task == "text-classification" and type(pipe.model).__name__ == "LlamaForSequenceClassification"
+    assert not [n for n, _ in pipe.model.named_parameters() if "lora_" in n]
+    ids = pipe.tokenizer(["what is 2+3? 5"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.allclose(pipe.model(ids).logits, model(ids).logits, atol=1e-5)
+
+
 def test_models_log_from_threads_side_by_side(config, store, model_dirs, monkeypatch):
     """Stage tasks run in threads of the flow process: two models log at once, each into its run,
     and leave transformers' loader as they found it (its ``no_tie_weights`` swaps

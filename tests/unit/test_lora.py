@@ -171,3 +171,98 @@ def test_qlora_is_refused_off_cuda_naming_the_stage():
                                                     "backend.device": "cpu"})
     with pytest.raises(ConfigError, match=r"(?s)dpo.lora: .*rank"):
         load_config("configs/demo.yaml", overrides={"dpo.lora": {"rank": 0}})
+
+
+def write_adapter(model: torch.nn.Module, path, base: str) -> None:
+    from trainer_core.lora import adapter_files
+
+    path.mkdir(parents=True, exist_ok=True)
+    for name, data in adapter_files(model, model.state_dict(), base).items():
+        (path / name).write_bytes(data)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_committed_adapter_loads_in_peft_and_merges_in_posttrain(tmp_path, tie):
+    """The adapter files are PEFT's: ``PeftModel.from_pretrained`` over the saved base computes
+    the live LoRA model's logits; posttrain's loader merges them into the same model."""
+    from peft import PeftModel
+
+    from trainer_core.config import ModelConfig
+    from trainer_core.lora import base_state_dict, is_adapter_dir
+    from trainer_core.models import adapter_source, load_causal_lm
+
+    model = tiny_lm(tie)
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8), seed=0)
+    randomise_b(model)
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    base = tiny_lm(tie)
+    base.save_pretrained(base_dir, state_dict=base_state_dict(model.state_dict()))
+    assert sorted(base_state_dict(model.state_dict())) == sorted(n for n, _ in base.named_parameters())
+    write_adapter(model, adapter_dir, str(base_dir))
+    assert is_adapter_dir(str(adapter_dir)) and not is_adapter_dir(str(base_dir))
+    assert adapter_source(str(adapter_dir)) == str(adapter_dir) and adapter_source(str(base_dir)) is None
+
+    x = torch.randint(1, 64, (2, 9))
+    expected = model(x).logits
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir)
+    assert torch.allclose(peft_model(x).logits, expected, atol=1e-5)
+    merged = load_causal_lm(str(adapter_dir), ModelConfig(name_or_path=str(adapter_dir)), None, seed=0)
+    assert not has_lora(merged)
+    assert torch.allclose(merged(x).logits, expected, atol=1e-5)
+
+
+def test_committed_reward_adapter_carries_its_score_head(tmp_path):
+    """A reward model's adapter holds its trained score head (peft's ``modules_to_save``); its
+    base is a causal LM whose score head the loader draws fresh and the adapter replaces."""
+    from peft import PeftModel
+
+    from trainer_core.config import ModelConfig
+    from trainer_core.models import load_reward_model
+
+    lm_dir = tmp_path / "lm"
+    tiny_lm().save_pretrained(lm_dir)
+    config = ModelConfig(name_or_path=str(lm_dir))
+    model = load_reward_model(str(lm_dir), config, None, seed=0)
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8), seed=0)
+    randomise_b(model)
+    with torch.no_grad():
+        model.score.weight.mul_(3.0)  # trained: not what a fresh draw gives
+    write_adapter(model, tmp_path / "rm", str(lm_dir))
+    x = torch.randint(1, 64, (2, 9))
+    expected = model(x).logits
+    merged = load_reward_model(str(tmp_path / "rm"), config, None, seed=1)
+    assert torch.allclose(merged(x).logits, expected, atol=1e-5)
+    base = AutoModelForSequenceClassification.from_pretrained(lm_dir, num_labels=1, pad_token_id=0)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "rm")
+    assert torch.allclose(peft_model(x).logits, expected, atol=1e-5)
+
+
+def test_continued_adapter_trains_the_saved_weights_and_refuses_other_settings(tmp_path):
+    from trainer_core.lora import attach_adapter, check_continued, peft_config
+
+    model = tiny_lm()
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8), seed=0)
+    randomise_b(model)
+    write_adapter(model, tmp_path / "adapter", "unused")
+    continued = tiny_lm()
+    wanted = peft_config(LoraConfig(enabled=True, rank=4, alpha=8), continued)
+    attach_adapter(continued, str(tmp_path / "adapter"), trainable=True)
+    check_continued(wanted, continued.posttrain_lora, "adapter")
+    trained = {n: p for n, p in continued.named_parameters() if p.requires_grad}
+    live = dict(model.named_parameters())
+    assert sorted(trained) == sorted(n for n, p in live.items() if p.requires_grad)
+    assert all(torch.equal(p, live[n]) for n, p in trained.items())
+    other = peft_config(LoraConfig(enabled=True, rank=8, alpha=8, target_modules=["q_proj"]), tiny_lm())
+    with pytest.raises(ConfigError, match=r"rank: stage 8, adapter 4.*target_modules"):
+        check_continued(other, continued.posttrain_lora, "adapter")
+
+
+def test_adapter_that_does_not_fit_the_model_names_the_file(tmp_path):
+    from trainer_core.lora import attach_adapter
+
+    model = tiny_lm()
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8), seed=0)
+    write_adapter(model, tmp_path / "adapter", "unused")
+    smaller = AutoModelForCausalLM.from_config(LlamaConfig(**{**LLAMA, "hidden_size": 16}))
+    with pytest.raises(ConfigError, match=r"adapter_model.safetensors: the adapter does not fit the model"):
+        attach_adapter(smaller, str(tmp_path / "adapter"), trainable=True)

@@ -56,6 +56,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from trainer_core.architecture import transformer_blocks
 from trainer_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -108,21 +109,6 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     if precision == "bf16-mixed":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks (to shard, checkpoint, compile): modules whose class is in ``_no_split_modules``.
-
-    Falls back to the children of the first ``nn.ModuleList`` found (``model.layers``).
-    """
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
-    if blocks:
-        return blocks
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList):
-            return list(m)
-    return []
 
 
 class CheckpointedForward:

@@ -165,7 +165,9 @@ class LoraConfig(ConfigBase):
     adapters (and the reward model's score head, PPO's value head); the reference of DPO, PPO and
     GRPO is the policy with its adapter disabled when the policy starts from the reference's
     weights (no second model); checkpoints hold the trainable weights and their optimizer state
-    only; the committed model is merged (``W + (alpha / r) B A``) into a plain HF model.
+    only; the committed model is merged (``W + (alpha / r) B A``) into a plain HF model, or with
+    ``merge_on_commit: false`` committed as the adapter (PEFT format) over its base, which the next
+    stage merges or, with ``continue_adapter``, trains further.
     """
 
     enabled: bool = Field(False, description="Train low-rank adapters instead of the full weights.")
@@ -187,6 +189,20 @@ class LoraConfig(ConfigBase):
     )
     quantize: Literal["4bit"] | None = Field(
         None, description="QLoRA: load the frozen base in 4-bit NF4 (bitsandbytes; CUDA and the single backend only)."
+    )
+    merge_on_commit: bool = Field(
+        True,
+        description="Commit the merged model (a plain HF model). False: commit the adapter in PEFT format "
+        "(adapter_config.json, adapter_model.safetensors) over the base model named in it and in the manifest "
+        "(extra.adapter.base_model); a base built from config or merged from an upstream adapter is committed "
+        "beside it under base/. Downstream stages load either.",
+    )
+    continue_adapter: bool = Field(
+        False,
+        description="When the stage's input model was committed as an adapter (merge_on_commit: false upstream): "
+        "train that adapter further (its rank, alpha and targets must match this stage's) instead of merging it "
+        "into its base and starting a new one. The reference of DPO/PPO/GRPO is then the input model loaded merged "
+        "(a second copy: the disabled adapter would be the base, not the input).",
     )
 
 

@@ -20,10 +20,22 @@ from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.config import LoraConfig, PipelineConfig, TrainStageConfig
 from trainer_core.data.prepared import load_split
 from trainer_core.errors import ConfigError, NonFiniteError
-from trainer_core.lora import apply_lora, has_lora, merged_state_dict
-from trainer_core.models import load_causal_lm, load_reward_model, save_pretrained_to
+from trainer_core.lora import (
+    adapter_base_model,
+    adapter_files,
+    apply_lora,
+    attach_adapter,
+    check_continued,
+    has_lora,
+    merged_state_dict,
+    peft_config,
+    base_state_dict,
+    is_trained,
+)
+from trainer_core.models import adapter_source, load_causal_lm, load_reward_model, save_pretrained_to, save_tokenizer_to
+from trainer_core.registry import INIT_SOURCE
 from trainer_core.spec import StageSpec
-from trainer_core.storage import StageLayout
+from trainer_core.storage import StageLayout, join_uri
 from trainer_core.tracking import MetricLogger
 from trainer_core.training.guard import nonfinite_weights
 from trainer_core.training.loop import BatchSource, Objective, TrainLoop, summarize
@@ -147,18 +159,28 @@ class StageContext:
         return self.config.lora_for(self.spec.stage)
 
     @property
+    def continues_adapter(self) -> bool:
+        """True when the trained model continues the adapter its input was committed as
+        (``lora.continue_adapter`` and the input ``model`` is a PEFT adapter)."""
+        return (self.lora.enabled and self.lora.continue_adapter
+                and adapter_source(self.input("model")) is not None)
+
+    @property
     def reference_is_disabled_adapter(self) -> bool:
         """True when the stage's reference is its policy with the adapter disabled: LoRA on,
-        ``lora.reference_model: disabled_adapter``, and the policy starts from the reference's
-        weights (inputs ``model`` and ``reference`` are one source)."""
+        ``lora.reference_model: disabled_adapter``, the policy starts from the reference's
+        weights (inputs ``model`` and ``reference`` are one source) and its adapter is new (a
+        continued adapter, disabled, would leave the base, not the input model)."""
         inputs = self.spec.inputs
         return (self.lora.enabled and self.lora.reference_model == "disabled_adapter"
-                and "reference" in inputs and inputs.get("model") == inputs["reference"])
+                and "reference" in inputs and inputs.get("model") == inputs["reference"]
+                and not self.continues_adapter)
 
     def causal_lm(self, role: str) -> nn.Module:
         """The causal LM of input ``role`` (``load_causal_lm``; seeded by the pipeline seed).
 
-        The trained model (role ``model``) gets LoRA adapters when the stage's ``lora`` is enabled.
+        The trained model (role ``model``) gets LoRA adapters when the stage's ``lora`` is
+        enabled: new ones, or the input's own adapter with ``lora.continue_adapter``.
 
         Raises:
             ConfigError: the input is missing or cannot be loaded (the message names the stage,
@@ -174,12 +196,34 @@ class StageContext:
         source = self.input(role)
         lora = self.lora if role == "model" else LoraConfig()
         try:
+            upstream = adapter_source(source) if lora.enabled and lora.continue_adapter else None
+            base = adapter_base_model(upstream) if upstream is not None else source
             if lora.enabled and lora.quantize is not None:
-                return apply_lora(self._load_quantized(load, source), lora, self.config.seed)
-            model = load(source, self.config.model, self.tokenizer, self.config.seed)
-            return apply_lora(model, lora, self.config.seed) if lora.enabled else model
+                model = self._load_quantized(load, base)
+            else:
+                model = load(base, self.config.model, self.tokenizer, self.config.seed)
+            if not lora.enabled:
+                return model
+            if upstream is None:
+                return apply_lora(model, lora, self.config.seed)
+            wanted = peft_config(lora, model)
+            attach_adapter(model, upstream, trainable=True, seed=self.config.seed)
+            check_continued(wanted, model.posttrain_lora, source)
+            log.info("continuing the adapter of %s (base %s)", source, base)
+            return model
         except ConfigError as e:
             raise ConfigError(f"stage {self.spec.stage}, input {role!r}: {e}") from e
+
+    def adapter_base(self) -> str:
+        """The plain model this stage's adapter applies to, as committed with
+        ``lora.merge_on_commit: false``: the continued adapter's base, or the input ``model``
+        when it is a plain model loaded by URI or hub id; "" when the stage must commit the base
+        itself (a model built from config, or an upstream adapter merged into its base)."""
+        source = self.input("model")
+        upstream = adapter_source(source)
+        if upstream is not None:
+            return adapter_base_model(upstream) if self.continues_adapter else ""
+        return "" if source == INIT_SOURCE else source
 
     def _load_quantized(self, load, source: str) -> nn.Module:
         """QLoRA's base: ``source`` loaded in 4-bit NF4 (bitsandbytes), ready for k-bit training."""
@@ -251,11 +295,16 @@ def commit_final(
     """
     backend = ctx.backend
     weights = backend.full_state_dict(model) if model is not None and backend.name != "single" else None
+    adapter = None
     if model is not None and has_lora(model):
-        # LoRA: the committed model is the merged one, a plain HF model (W + scaling B A).
         plain = backend.unwrap(model)
-        if ctx.is_main:
+        if ctx.is_main and ctx.lora.merge_on_commit:
+            # The committed model is the merged one, a plain HF model (W + scaling B A).
             weights = merged_state_dict(plain, weights if weights is not None else plain.state_dict(), copy=weights is None)
+        elif ctx.is_main:  # the adapter in PEFT format, over the base it was trained on
+            weights = weights if weights is not None else plain.state_dict()
+            adapter = AdapterCommit.of(ctx, plain, weights)
+            weights = adapter.weights
     bad = None
     if model is not None and ctx.is_main:
         bad = nonfinite_weights(weights if weights is not None else backend.unwrap(model).state_dict())
@@ -265,20 +314,61 @@ def commit_final(
             f"stage {ctx.spec.stage}: the final model has non-finite weights ({len(bad)} tensors, e.g. "
             f"{', '.join(bad[:3])}); it is not committed"
         )
-    manifest = _write_final(ctx, metrics, model, weights, files, extra) if ctx.is_main else None
+    manifest = _write_final(ctx, metrics, model, weights, files, extra, adapter) if ctx.is_main else None
     if backend.world_size == 1:
         return manifest
     data = backend.broadcast_object(manifest.model_dump(mode="json") if manifest is not None else None)
     return Manifest.model_validate(data)
 
 
-def _write_final(ctx, metrics, model, weights, files, extra) -> Manifest:
+BASE_DIR = "base"
+"""Where an adapter commit puts the base model it was trained on when that base exists nowhere
+else (built from config, or an upstream adapter merged into its base)."""
+
+
+@dataclass
+class AdapterCommit:
+    """A final model committed as its LoRA adapter (``lora.merge_on_commit: false``).
+
+    Attributes:
+        files: ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT's format).
+        weights: the adapter's live tensors (checked for non-finite values before writing).
+        base_model: the adapter's ``base_model_name_or_path``, also the manifest's
+            ``extra.adapter.base_model``.
+        base_weights: the base model's plain state dict when it is written under ``base/``.
+    """
+
+    files: dict[str, bytes]
+    weights: dict
+    base_model: str
+    base_weights: dict | None
+
+    @classmethod
+    def of(cls, ctx: StageContext, model: nn.Module, state: dict) -> AdapterCommit:
+        """The commit of ``model`` (unwrapped, adapted) whose full state dict is ``state``."""
+        base = ctx.adapter_base()
+        base_weights = None
+        if not base:
+            base, base_weights = join_uri(ctx.layout.final, BASE_DIR), base_state_dict(state)
+        trained = {k: v for k, v in state.items() if is_trained(k)}
+        return cls(adapter_files(model, state, base), trained, base, base_weights)
+
+
+def _write_final(ctx, metrics, model, weights, files, extra, adapter: AdapterCommit | None = None) -> Manifest:
     writer = ArtifactWriter(ctx.layout.final, overwrite=True)
-    if model is not None:
+    info = {"inputs": ctx.spec.inputs, "mlflow_run_id": ctx.spec.mlflow_run_id, **(extra or {})}
+    if adapter is not None:
+        plain = ctx.backend.unwrap(model)
+        if adapter.base_weights is not None:
+            save_pretrained_to(writer, plain, ctx.tokenizer, prefix=f"{BASE_DIR}/", state_dict=adapter.base_weights)
+        for relpath, data in adapter.files.items():
+            writer.write_bytes(relpath, data)
+        save_tokenizer_to(writer, ctx.tokenizer)
+        info["adapter"] = {"format": "peft", "base_model": adapter.base_model}
+    elif model is not None:
         save_pretrained_to(writer, ctx.backend.unwrap(model), ctx.tokenizer, state_dict=weights)
     for relpath, data in (files or {}).items():
         writer.write_bytes(relpath, data)
-    info = {"inputs": ctx.spec.inputs, "mlflow_run_id": ctx.spec.mlflow_run_id, **(extra or {})}
     manifest = writer.commit(
         kind="final",
         stage=ctx.spec.stage,
