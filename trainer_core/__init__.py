@@ -32,6 +32,7 @@ TIER_1: dict[str, str] = {
     "sft_loss": "trainer_core.objectives.sft",
     "bradley_terry_loss": "trainer_core.objectives.reward",
     "dpo_loss": "trainer_core.objectives.dpo",
+    "preference_loss": "trainer_core.objectives.dpo",
     "group_advantages": "trainer_core.objectives.grpo",
     "grpo_loss": "trainer_core.objectives.grpo",
     "gae": "trainer_core.objectives.ppo",

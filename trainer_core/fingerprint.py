@@ -50,6 +50,7 @@ ADDED_FIELDS: dict[str, object] = {
     "loss_aggregation": "token_mean", "clip_eps_high": None, "dynamic_sampling": False,
     "dynamic_sampling_max_rounds": 4, "overlong_buffer_tokens": None, "overlong_penalty": 1.0,
     "engine": "hf", "compile": None, "function": None, "weights": None,
+    "loss_type": "sigmoid", "label_smoothing": 0.0, "simpo_gamma": 0.5,
 }
 """Fields added to stage sections after runs were committed, with the value that reproduces the
 earlier behaviour: hashed only when set to something else, so that the fingerprints of runs

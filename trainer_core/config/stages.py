@@ -114,10 +114,31 @@ class RewardModelConfig(SupervisedStageConfig):
 
 
 class DPOConfig(SupervisedStageConfig):
-    """Direct Preference Optimization (sigmoid loss) against a frozen reference."""
+    """Preference optimisation on chosen/rejected pairs: DPO (sigmoid loss) against a frozen
+    reference, or another loss of the family (``loss_type``; see ``trainer_core.objectives.dpo``)."""
 
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
-    beta: float = Field(0.1, gt=0, description="DPO beta: strength of the implicit KL constraint.")
+    beta: float = Field(0.1, gt=0, description="DPO beta: strength of the implicit KL constraint (IPO's tau, "
+                        "SimPO's reward scale, ORPO's lambda).")
+    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "simpo", "orpo"] = Field(
+        "sigmoid",
+        description="sigmoid: DPO (with label_smoothing > 0: conservative DPO); robust: rDPO; hinge: SLiC; ipo: IPO "
+        "(length-averaged log-ratios); simpo: SimPO (reference-free, length-normalised, margin simpo_gamma); "
+        "orpo: ORPO (NLL of the chosen plus the odds-ratio term, reference-free). The reference-free ones load no "
+        "reference model.",
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Probability that a preference label is flipped: cDPO (sigmoid), rDPO "
+        "(robust) and SimPO; 0 elsewhere.",
+    )
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin gamma.")
+
+    @model_validator(mode="after")
+    def _smoothing_applies(self) -> DPOConfig:
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "simpo"):
+            raise ValueError(f"label_smoothing={self.label_smoothing}: loss_type {self.loss_type!r} has no label "
+                             "smoothing (sigmoid, robust and simpo have)")
+        return self
     reference_from: str | None = Field(
         None, description="Reference model URI; None: the policy's starting model (the SFT output)."
     )

@@ -1,4 +1,5 @@
-"""DPO stage: sigmoid DPO against a frozen reference whose log-probs are computed once.
+"""DPO stage: a preference loss (``dpo.loss_type``; sigmoid DPO by default) against a frozen
+reference whose log-probs are computed once; SimPO and ORPO use no reference at all.
 
 The reference's summed completion log-probs for every train and eval pair are computed at
 the start of the stage, committed under ``<output_uri>/reference/`` (manifest last) and
@@ -105,14 +106,20 @@ def run(ctx: StageContext) -> Manifest:
         "train": rows_used(train, cfg.max_steps * cfg.accum_steps(ctx.backend.world_size) * ctx.backend.world_size),
         "eval": rows_used(held_out, min(cfg.eval_max_batches, len(held_out.sampler))),
     }
-    if ctx.reference_is_disabled_adapter:
+    objective = DPOObjective(cfg.beta, held_out, cfg.eval_max_batches, loss_type=cfg.loss_type,
+                             label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma)
+    if not objective.needs_reference:
+        log.info("loss_type %s is reference-free: no reference model or log-probs", cfg.loss_type)
+        model = ctx.backend.wrap(ctx.causal_lm("model"))
+    elif ctx.reference_is_disabled_adapter:
         model = ctx.backend.wrap(ctx.causal_lm("model"))
         reference = _load_or_compute_reference(ctx, needed, splits, policy=model)
     else:
         reference = _load_or_compute_reference(ctx, needed, splits)
         model = ctx.backend.wrap(ctx.causal_lm("model"))
-    for s, rows in splits.items():
-        for i, (c, r) in reference[s].items():
-            rows[i]["ref_chosen_logprobs"], rows[i]["ref_rejected_logprobs"] = c, r
-    metrics = train_stage(ctx, model, DPOObjective(cfg.beta, held_out, cfg.eval_max_batches), train, cfg)
+    if objective.needs_reference:
+        for s, rows in splits.items():
+            for i, (c, r) in reference[s].items():
+                rows[i]["ref_chosen_logprobs"], rows[i]["ref_rejected_logprobs"] = c, r
+    metrics = train_stage(ctx, model, objective, train, cfg)
     return commit_final(ctx, metrics, model=model)

@@ -32,7 +32,7 @@ from trainer_core.data.batching import (
 from trainer_core.errors import ConfigError
 from trainer_core.forward import masked_nll_sum, masked_token_logprobs, packed_sequence_scores
 from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS
-from trainer_core.objectives.dpo import dpo_loss
+from trainer_core.objectives.dpo import LENGTH_NORMALISED, REFERENCE_FREE, preference_loss
 from trainer_core.objectives.logprobs import sequence_logprobs, shift_mask
 from trainer_core.objectives.reward import bradley_terry_loss
 from trainer_core.training.loop import BatchSource, StepOutput
@@ -248,31 +248,47 @@ def pair_logprobs(
 
 
 def collate_with_reference(rows: list[dict], pad_id: int, packed: bool = False) -> dict[str, Tensor]:
-    """:func:`collate_pairs` (``packed``: :func:`collate_pairs_packed`) plus ``ref_chosen_logprobs`` /
-    ``ref_rejected_logprobs`` [B] float32."""
+    """:func:`collate_pairs` (``packed``: :func:`collate_pairs_packed`) plus ``chosen_lengths`` /
+    ``rejected_lengths`` [B] float32 (completion tokens whose log-probs are summed) and, when the
+    rows carry them, ``ref_chosen_logprobs`` / ``ref_rejected_logprobs`` [B] float32."""
     batch = (collate_pairs_packed if packed else collate_pairs)(rows, pad_id)
+    for side in ("chosen", "rejected"):
+        batch[f"{side}_lengths"] = torch.tensor([sum(r[f"{side}_loss_mask"][1:]) for r in rows], dtype=torch.float32)
     for key in ("ref_chosen_logprobs", "ref_rejected_logprobs"):
-        batch[key] = torch.tensor([r[key] for r in rows], dtype=torch.float32)
+        if rows and key in rows[0]:
+            batch[key] = torch.tensor([r[key] for r in rows], dtype=torch.float32)
     return batch
 
 
 class DPOObjective:
-    """Sigmoid DPO loss; the count unit is a pair. Metrics use TRL's names.
+    """A preference loss of the DPO family (:func:`~trainer_core.objectives.dpo.preference_loss`);
+    the count unit is a pair. Metrics use TRL's names.
 
     Args:
-        beta: DPO's beta.
-        eval_source: unshuffled held-out pairs with their reference log-probs.
+        beta: DPO's beta (each loss's scale; ORPO's lambda).
+        eval_source: unshuffled held-out pairs, with their reference log-probs unless the loss
+            is reference-free.
         eval_max_batches: cap on evaluated micro-batches.
         chunk_size: tokens per chunk of the LM head (:func:`pair_logprobs`).
+        loss_type: ``dpo.loss_type`` (``sigmoid``: DPO).
+        label_smoothing: cDPO / rDPO / SimPO label smoothing.
+        gamma: SimPO's target margin.
     """
 
     def __init__(
-        self, beta: float, eval_source: BatchSource, eval_max_batches: int, chunk_size: int = CHUNK_SIZE_TOKENS
+        self, beta: float, eval_source: BatchSource, eval_max_batches: int, chunk_size: int = CHUNK_SIZE_TOKENS,
+        *, loss_type: str = "sigmoid", label_smoothing: float = 0.0, gamma: float = 0.5,
     ) -> None:
         self.beta = beta
         self.eval_source = eval_source
         self.eval_max_batches = eval_max_batches
         self.chunk_size = chunk_size
+        self.loss_type, self.label_smoothing, self.gamma = loss_type, label_smoothing, gamma
+
+    @property
+    def needs_reference(self) -> bool:
+        """False for the reference-free losses (SimPO, ORPO)."""
+        return self.loss_type not in REFERENCE_FREE
 
     def count(self, batch: dict[str, Tensor]) -> int:
         return num_pairs(batch)
@@ -283,8 +299,11 @@ class DPOObjective:
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         chosen, rejected = pair_logprobs(model, batch, self.chunk_size)
-        losses, m = dpo_loss(
-            chosen, rejected, batch["ref_chosen_logprobs"], batch["ref_rejected_logprobs"], beta=self.beta
+        lengths = (batch["chosen_lengths"], batch["rejected_lengths"]) if self.loss_type in LENGTH_NORMALISED else (None, None)
+        reference = (batch["ref_chosen_logprobs"], batch["ref_rejected_logprobs"]) if self.needs_reference else (None, None)
+        losses, m = preference_loss(
+            self.loss_type, chosen, rejected, *reference, *lengths,
+            beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma,
         )
         sums = {k: v.sum() for k, v in m.items()}
         sums["logps/chosen"] = chosen.detach().sum()
@@ -292,7 +311,7 @@ class DPOObjective:
         return StepOutput(loss_sum=losses.sum(), metric_sums=sums)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """Held-out mean DPO loss and TRL's reward metrics."""
+        """Held-out mean loss and TRL's reward metrics."""
         return evaluate_pairs(self, model, self.eval_source, self.eval_max_batches)
 
 
