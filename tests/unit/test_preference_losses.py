@@ -145,3 +145,54 @@ def test_config_refuses_label_smoothing_where_the_loss_has_none():
         load_config(overrides={"dpo.loss_type": "hinge", "dpo.label_smoothing": 0.1})
     with pytest.raises(Exception, match="loss_type"):
         load_config(overrides={"dpo.loss_type": "kto"})
+
+
+def test_agrees_with_trl_on_the_same_tensors():
+    """TRL's own loss code on the same tensors (runs where ``trl``, the bench extra, is installed).
+
+    TRL 1.16 computes the DPO losses inside ``DPOTrainer._compute_loss`` (a model forward), so
+    the margin functions are checked through ``CPOTrainer.cpo_loss``, which applies the same
+    sigmoid (with label smoothing), hinge, IPO and SimPO formulas to a reference-free margin:
+    with zero reference log-probs ours must give the same losses. IPO and SimPO take average
+    log-probs there (``average_log_prob``), as here. ORPO: ``ORPOTrainer.odds_ratio_loss``, whose
+    losses are ``beta * log sigmoid(log odds ratio)`` (the NLL is added by its caller).
+    """
+    from types import SimpleNamespace
+
+    pytest.importorskip("trl")
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    zero = torch.zeros(2)
+    avg_c, avg_r = PI_C / LEN_C, PI_R / LEN_R
+
+    def cpo(loss_type: str, chosen, rejected, beta: float, label_smoothing: float = 0.0, gamma: float = 0.5):
+        trainer = SimpleNamespace(alpha=0.0, loss_type=loss_type, beta=beta, label_smoothing=label_smoothing,
+                                  simpo_gamma=gamma, accelerator=SimpleNamespace(device="cpu"))
+        return CPOTrainer.cpo_loss(trainer, chosen, rejected)
+
+    ours = {
+        ("sigmoid", 0.1): dpo_loss(PI_C, PI_R, zero, zero, beta=BETA, label_smoothing=0.1),
+        ("hinge", 0.0): hinge_loss(PI_C, PI_R, zero, zero, beta=0.25),
+        ("ipo", 0.0): ipo_loss(PI_C, PI_R, zero, zero, LEN_C, LEN_R, beta=BETA),
+        ("simpo", 0.1): simpo_loss(PI_C, PI_R, LEN_C, LEN_R, beta=2.0, gamma=0.5, label_smoothing=0.1),
+    }
+    theirs = {
+        ("sigmoid", 0.1): cpo("sigmoid", PI_C, PI_R, BETA, 0.1),
+        ("hinge", 0.0): cpo("hinge", PI_C, PI_R, 0.25),
+        ("ipo", 0.0): cpo("ipo", avg_c, avg_r, BETA),
+        ("simpo", 0.1): cpo("simpo", avg_c, avg_r, 2.0, 0.1, 0.5),
+    }
+    for key, (losses, metrics) in ours.items():
+        trl_losses, trl_chosen, trl_rejected = theirs[key]
+        close(losses, trl_losses.tolist())
+        if key[0] == "simpo":  # TRL's CPO rewards are beta * the margin's log-probs: SimPO's are ours
+            close(metrics["rewards/chosen"], trl_chosen.tolist())
+            close(metrics["rewards/rejected"], trl_rejected.tolist())
+
+    trainer = SimpleNamespace(beta=0.1, accelerator=SimpleNamespace(device="cpu"))
+    trl_losses, trl_chosen, trl_rejected, *_ = ORPOTrainer.odds_ratio_loss(trainer, avg_c, avg_r)
+    losses, metrics = orpo_loss(PI_C, PI_R, LEN_C, LEN_R, beta=0.1)
+    close(losses, (-avg_c - trl_losses).tolist())
+    close(metrics["rewards/chosen"], trl_chosen.tolist())
+    close(metrics["rewards/rejected"], trl_rejected.tolist())

@@ -51,8 +51,8 @@ def dpo_loss(
 
     Source: Rafailov et al. 2023, "Direct Preference Optimization", eq. 7 (eps = 0); cDPO,
     Mitchell 2023, "A note on DPO with noisy preferences" (eps the probability that a label is
-    flipped). Checked against TRL's DPOTrainer (``loss_type="sigmoid"``, ``label_smoothing``);
-    the metrics follow TRL's names and definitions: ``rewards/chosen = beta * (pi_c - ref_c)``,
+    flipped). Checked against TRL: DPOTrainer ``loss_type="sigmoid"`` (eps = 0; TRL 1.x smooths
+    no sigmoid label) and CPOTrainer's smoothed sigmoid (TRL 0.x's cDPO); the metrics follow TRL's names and definitions: ``rewards/chosen = beta * (pi_c - ref_c)``,
     likewise rejected, ``rewards/accuracies = (rewards/chosen > rewards/rejected)``,
     ``rewards/margins = rewards/chosen - rewards/rejected``.
 
