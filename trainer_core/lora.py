@@ -90,15 +90,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
     from peft import inject_adapter_in_model
 
     config = peft_config(cfg, model)
-    model.requires_grad_(False)
     torch.manual_seed(seed)
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     except ValueError as e:
         raise ConfigError(f"lora.target_modules={cfg.target_modules}: {str(e).splitlines()[0]}") from e
-    for name, param in model.named_parameters():
-        parts = name.split(".")
-        param.requires_grad_(("lora_A" in parts or "lora_B" in parts) or parts[0] in TRAINABLE_HEADS)
+    train_adapters_only(model)
     model.posttrain_lora = config  # read by merged_state_dict; not a module, never in a state dict
     return model
 
@@ -200,10 +197,21 @@ _PEFT_PREFIX = "base_model.model."
 """Key prefix of peft's saved adapter weights (``PeftModel`` -> ``LoraModel`` -> the HF model)."""
 
 
+def is_adapter(key: str) -> bool:
+    """True for the state-dict keys (or parameter names) of the adapters: ``lora_A`` / ``lora_B``."""
+    parts = key.split(".")
+    return "lora_A" in parts or "lora_B" in parts
+
+
 def is_trained(key: str) -> bool:
     """True for the state-dict keys LoRA trains: the adapters and the :data:`TRAINABLE_HEADS`."""
-    parts = key.split(".")
-    return "lora_A" in parts or "lora_B" in parts or parts[0] in TRAINABLE_HEADS
+    return is_adapter(key) or key.split(".", 1)[0] in TRAINABLE_HEADS
+
+
+def train_adapters_only(model: nn.Module) -> None:
+    """Make the adapters and the :data:`TRAINABLE_HEADS` of ``model`` trainable, freeze the rest."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_trained(name))
 
 
 def adapter_files(model: nn.Module, state: dict[str, Tensor], base_model: str) -> dict[str, bytes]:
@@ -251,8 +259,7 @@ def base_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     seen: set[tuple[int, tuple[int, ...]]] = set()
     for key, value in state.items():
-        parts = key.split(".")
-        if "lora_A" in parts or "lora_B" in parts:
+        if is_adapter(key):
             continue
         if value.device.type != "meta" and value.numel():
             shared = (value.data_ptr(), tuple(value.shape))
@@ -324,7 +331,7 @@ def attach_adapter(model: nn.Module, path: str, trainable: bool, seed: int = 0) 
             name = name.replace(f".{part}.weight", f".{part}.{ADAPTER_NAME}.weight")
         live[name] = value
     own = dict(model.named_parameters())
-    adapters = {n for n in own if "lora_A" in n.split(".") or "lora_B" in n.split(".")}
+    adapters = {n for n in own if is_adapter(n)}
     missing, unexpected = sorted(adapters - set(live)), sorted(set(live) - set(own))
     wrong = sorted(n for n in set(live) & set(own) if own[n].shape != live[n].shape)
     if missing or unexpected or wrong:
@@ -333,10 +340,10 @@ def attach_adapter(model: nn.Module, path: str, trainable: bool, seed: int = 0) 
     with torch.no_grad():
         for name, value in live.items():
             own[name].copy_(value.to(own[name].dtype))
-    model.requires_grad_(False)
     if trainable:
-        for name, param in model.named_parameters():
-            param.requires_grad_(is_trained(name))
+        train_adapters_only(model)
+    else:
+        model.requires_grad_(False)
     return model
 
 

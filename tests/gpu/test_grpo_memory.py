@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -33,11 +31,9 @@ import torch
 
 from trainer_core.config import load_config
 from trainer_core.spec import build_spec
-from trainer_core.storage import StageLayout
 
 pytestmark = pytest.mark.gpu
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 PEAK_LIMIT_BYTES = 40 * 2**30
 PROMPTS, GROUP, NEW_TOKENS, ITERATIONS = 16, 8, 256, 2
 
@@ -54,24 +50,12 @@ def _record_emit(record: list[dict], original):
 def test_grpo_16x8x256_on_qwen2_0_5b_fits_40_gib(tmp_path, engine):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
-    from bench_gpu import QWEN2_0_5B, build_qwen2
-
-    from trainer_core.data.prepared import load_tokenizer_from
     from trainer_core.stages.runner import run_spec
     from trainer_core.training.rl import RLTrainer
 
-    base = load_config(None, overrides={
-        "seed": 0, "storage.root": str(tmp_path / "storage"), "backend.device": "cpu", "tokenizer.vocab_size": 2048,
-        "data.synthetic.num_problems": 400, "data.synthetic.num_pairs": 20, "data.max_eval_rows": 16,
-        "data.max_length_tokens": 512, "data.max_prompt_length_tokens": 128,
-    })
-    data_spec = build_spec(base, "prepare_data", "gpu-grpo", {})
-    run_spec(data_spec)
-    data_uri = StageLayout(data_spec.output_uri).final
-    model_dir = str(tmp_path / "qwen2")
-    device = torch.device("cuda")
-    build_qwen2(model_dir, load_tokenizer_from(data_uri), QWEN2_0_5B, device, seed=0)
+    from .qwen2_setup import prepare_qwen2
+
+    base, data_uri, model_dir = prepare_qwen2(tmp_path, "gpu-grpo", num_pairs=20)
     torch.cuda.reset_peak_memory_stats()
     overrides = {
         "model.init": None, "model.name_or_path": model_dir, "model.dtype": "bfloat16",

@@ -16,19 +16,14 @@ Run: ``python -m pytest tests/gpu/test_lora_memory.py -m gpu -s``. Unverified un
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from trainer_core.config import load_config
 from trainer_core.spec import build_spec
-from trainer_core.storage import StageLayout
 
 pytestmark = pytest.mark.gpu
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 GIB = 2**30
 
@@ -38,25 +33,11 @@ def qwen2(tmp_path_factory):
     """Prepared synthetic data and the Qwen2.5-0.5B architecture saved in bf16: (base config, data URI, model dir)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
-    from bench_gpu import QWEN2_0_5B, build_qwen2
+    from .qwen2_setup import prepare_qwen2
 
-    from trainer_core.data.prepared import load_tokenizer_from
-    from trainer_core.stages.runner import run_spec
-
-    root = tmp_path_factory.mktemp("lora-gpu")
-    base = load_config(None, overrides={
-        "seed": 0, "storage.root": str(root / "storage"), "backend.device": "cpu", "tokenizer.vocab_size": 2048,
-        "data.synthetic.num_problems": 400, "data.synthetic.num_pairs": 400, "data.max_eval_rows": 16,
-        "data.max_length_tokens": 512, "data.max_prompt_length_tokens": 128,
-    })
-    data_spec = build_spec(base, "prepare_data", "gpu-lora", {})
-    run_spec(data_spec)
-    data_uri = StageLayout(data_spec.output_uri).final
-    model_dir = str(root / "qwen2")
-    build_qwen2(model_dir, load_tokenizer_from(data_uri), QWEN2_0_5B, torch.device("cuda"), seed=0)
+    qwen2 = prepare_qwen2(tmp_path_factory.mktemp("lora-gpu"), "gpu-lora", num_pairs=400)
     torch.cuda.empty_cache()
-    return base, data_uri, model_dir
+    return qwen2
 
 
 def peak_of(qwen2, tmp_path, stage: str, name: str, **overrides) -> int:

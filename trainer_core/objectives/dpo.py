@@ -28,6 +28,18 @@ def _metrics(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, Tens
     }
 
 
+def _logratios(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor,
+               ref_rejected: Tensor) -> tuple[Tensor, Tensor]:
+    """(policy - reference) log-ratios of the chosen and the rejected completions, float32 [B]."""
+    return policy_chosen.float() - ref_chosen.float(), policy_rejected.float() - ref_rejected.float()
+
+
+def _smoothed_sigmoid(logits: Tensor, label_smoothing: float) -> Tensor:
+    """``-(1 - eps) log sigmoid(z) - eps log sigmoid(-z)``: the sigmoid loss of a label flipped
+    with probability eps (cDPO; SimPO's smoothing)."""
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
 def _check(beta: float, label_smoothing: float = 0.0, upper: float = 1.0) -> None:
     if beta <= 0:
         raise ValueError(f"beta must be positive, got {beta}")
@@ -74,10 +86,9 @@ def dpo_loss(
     Worked value: policy == reference gives ``log 2 = 0.6931`` per pair, whatever eps.
     """
     _check(beta, label_smoothing, 0.5)
-    chosen_logratios = policy_chosen_logprobs.float() - ref_chosen_logprobs.float()
-    rejected_logratios = policy_rejected_logprobs.float() - ref_rejected_logprobs.float()
-    logits = beta * (chosen_logratios - rejected_logratios)
-    losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+    chosen_logratios, rejected_logratios = _logratios(
+        policy_chosen_logprobs, policy_rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs)
+    losses = _smoothed_sigmoid(beta * (chosen_logratios - rejected_logratios), label_smoothing)
     return losses, _metrics(beta * chosen_logratios, beta * rejected_logratios)
 
 
@@ -105,8 +116,8 @@ def robust_dpo_loss(
     Worked value: eps = 0 is the sigmoid loss; policy == reference gives ``log 2`` whatever eps.
     """
     _check(beta, label_smoothing, 0.5)
-    chosen_logratios = policy_chosen_logprobs.float() - ref_chosen_logprobs.float()
-    rejected_logratios = policy_rejected_logprobs.float() - ref_rejected_logprobs.float()
+    chosen_logratios, rejected_logratios = _logratios(
+        policy_chosen_logprobs, policy_rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs)
     logits = beta * (chosen_logratios - rejected_logratios)
     losses = (-F.logsigmoid(logits) * (1 - label_smoothing) + F.logsigmoid(-logits) * label_smoothing) / (
         1 - 2 * label_smoothing)
@@ -133,8 +144,8 @@ def hinge_loss(
     Worked value: policy == reference gives 1 per pair.
     """
     _check(beta)
-    chosen_logratios = policy_chosen_logprobs.float() - ref_chosen_logprobs.float()
-    rejected_logratios = policy_rejected_logprobs.float() - ref_rejected_logprobs.float()
+    chosen_logratios, rejected_logratios = _logratios(
+        policy_chosen_logprobs, policy_rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs)
     losses = torch.relu(1 - beta * (chosen_logratios - rejected_logratios))
     return losses, _metrics(beta * chosen_logratios, beta * rejected_logratios)
 
@@ -173,8 +184,9 @@ def ipo_loss(
     Worked value: policy == reference gives ``1 / (4 beta^2)`` per pair (25 at beta 0.1).
     """
     _check(beta)
-    chosen_logratios = (policy_chosen_logprobs.float() - ref_chosen_logprobs.float()) / chosen_lengths.float()
-    rejected_logratios = (policy_rejected_logprobs.float() - ref_rejected_logprobs.float()) / rejected_lengths.float()
+    chosen_summed, rejected_summed = _logratios(
+        policy_chosen_logprobs, policy_rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs)
+    chosen_logratios, rejected_logratios = chosen_summed / chosen_lengths.float(), rejected_summed / rejected_lengths.float()
     losses = (chosen_logratios - rejected_logratios - 1 / (2 * beta)) ** 2
     return losses, _metrics(beta * chosen_logratios, beta * rejected_logratios)
 
@@ -220,8 +232,7 @@ def simpo_loss(
         raise ValueError(f"gamma must be >= 0, got {gamma}")
     chosen_rewards = beta * policy_chosen_logprobs.float() / chosen_lengths.float()
     rejected_rewards = beta * policy_rejected_logprobs.float() / rejected_lengths.float()
-    logits = chosen_rewards - rejected_rewards - gamma
-    losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+    losses = _smoothed_sigmoid(chosen_rewards - rejected_rewards - gamma, label_smoothing)
     return losses, _metrics(chosen_rewards, rejected_rewards)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from torch import nn
@@ -158,12 +159,17 @@ class StageContext:
         """The stage's resolved LoRA settings (``PipelineConfig.lora_for``)."""
         return self.config.lora_for(self.spec.stage)
 
+    @cached_property
+    def input_adapter(self) -> str | None:
+        """The local directory of the input ``model`` when it was committed as a PEFT adapter
+        (``models.adapter_source``; materialised once), else None."""
+        return adapter_source(self.input("model"))
+
     @property
     def continues_adapter(self) -> bool:
         """True when the trained model continues the adapter its input was committed as
         (``lora.continue_adapter`` and the input ``model`` is a PEFT adapter)."""
-        return (self.lora.enabled and self.lora.continue_adapter
-                and adapter_source(self.input("model")) is not None)
+        return self.lora.enabled and self.lora.continue_adapter and self.input_adapter is not None
 
     @property
     def reference_is_disabled_adapter(self) -> bool:
@@ -196,7 +202,7 @@ class StageContext:
         source = self.input(role)
         lora = self.lora if role == "model" else LoraConfig()
         try:
-            upstream = adapter_source(source) if lora.enabled and lora.continue_adapter else None
+            upstream = self.input_adapter if role == "model" and self.continues_adapter else None
             base = adapter_base_model(upstream) if upstream is not None else source
             if lora.enabled and lora.quantize is not None:
                 model = self._load_quantized(load, base)
@@ -219,10 +225,9 @@ class StageContext:
         ``lora.merge_on_commit: false``: the continued adapter's base, or the input ``model``
         when it is a plain model loaded by URI or hub id; "" when the stage must commit the base
         itself (a model built from config, or an upstream adapter merged into its base)."""
+        if self.input_adapter is not None:
+            return adapter_base_model(self.input_adapter) if self.continues_adapter else ""
         source = self.input("model")
-        upstream = adapter_source(source)
-        if upstream is not None:
-            return adapter_base_model(upstream) if self.continues_adapter else ""
         return "" if source == INIT_SOURCE else source
 
     def _load_quantized(self, load, source: str) -> nn.Module:
