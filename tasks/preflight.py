@@ -65,8 +65,9 @@ def check_data(config: PipelineConfig) -> None:
     """
     if "prepare_data" not in config.stages:
         return
-    for name in ("sft", "preference", "eval"):
-        uri = getattr(config.data, name).uri
+    for name in ("sft", "preference", "eval", "kto", "pretrain"):
+        source = getattr(config.data, name)
+        uri = source.uri if source is not None else None
         if uri is not None and not uri.startswith("hf://"):
             _check_exists(f"data.{name}.uri", uri, uri, "does not exist")
             if "://" not in uri and os.path.isdir(uri):

@@ -97,14 +97,17 @@ class Panel:
 _LOSS = Panel("loss", ("train/loss", "eval/loss"))
 
 CURVES: dict[str, tuple[Panel, ...]] = {
+    "pretrain": (_LOSS, Panel("perplexity", ("eval/perplexity",))),
     "sft": (_LOSS,),
     "reward_model": (_LOSS, Panel("pairwise accuracy", ("train/accuracy", "eval/accuracy"))),
     "dpo": (_LOSS, Panel("implicit reward accuracy", ("train/rewards/accuracies", "eval/rewards/accuracies"))),
+    "kto": (_LOSS, Panel("implied reward", ("train/rewards/chosen", "train/rewards/rejected")),
+            Panel("KL estimate", ("train/kl",))),
     "ppo": (Panel("reward", ("reward_mean", "objective/rlhf_reward")), Panel("KL to reference", ("objective/kl",))),
     "grpo": (Panel("reward", ("reward_mean", "verifier_accuracy")), Panel("KL to reference", ("objective/kl",))),
 }
 """Stage -> the panels of its curves image (the metric names the trainer logs: ``training/loop.py``
-for SFT, reward model and DPO, ``training/rl.py`` for PPO and GRPO). Other stages have none."""
+for pretrain, SFT, reward model, DPO and KTO, ``training/rl.py`` for PPO and GRPO). Other stages have none."""
 
 
 def _history(client: MlflowClient, run_id: str, key: str) -> tuple[list[int], list[float]]:

@@ -21,9 +21,11 @@ from trainer_core import storage
 from trainer_core.config import config_hash
 
 COLUMNS: dict[str, dict[str, str]] = {
+    "pretrain": {"train_loss": "train/loss", "eval_loss": "eval/loss"},
     "sft": {"train_loss": "train/loss", "eval_loss": "eval/loss"},
     "reward_model": {"train_loss": "train/loss", "eval_loss": "eval/loss", "accuracy": "eval/accuracy"},
     "dpo": {"train_loss": "train/loss", "eval_loss": "eval/loss", "accuracy": "eval/rewards/accuracies"},
+    "kto": {"train_loss": "train/loss", "eval_loss": "eval/loss", "kl": "eval/kl"},
     "ppo": {"train_loss": "train/loss", "reward": "reward_mean", "kl": "objective/kl", "accuracy": "verifier_accuracy"},
     "grpo": {"train_loss": "train/loss", "reward": "reward_mean", "kl": "objective/kl", "accuracy": "verifier_accuracy"},
     "score": {"reward": "reward_mean", "accuracy": "verifier_accuracy"},

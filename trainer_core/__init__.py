@@ -33,6 +33,7 @@ TIER_1: dict[str, str] = {
     "bradley_terry_loss": "trainer_core.objectives.reward",
     "dpo_loss": "trainer_core.objectives.dpo",
     "preference_loss": "trainer_core.objectives.dpo",
+    "kto_loss": "trainer_core.objectives.kto",
     "group_advantages": "trainer_core.objectives.grpo",
     "grpo_loss": "trainer_core.objectives.grpo",
     "gae": "trainer_core.objectives.ppo",

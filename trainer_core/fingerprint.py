@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from trainer_core.checkpoint.manifest import read_manifest
-from trainer_core.config import PipelineConfig, config_hash
+from trainer_core.config import MoEConfig, PipelineConfig, config_hash
 from trainer_core.registry import get_stage
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,10 @@ ADDED_FIELDS: dict[str, object] = {
     "dynamic_sampling_max_rounds": 4, "overlong_buffer_tokens": None, "overlong_penalty": 1.0,
     "engine": "hf", "compile": None, "function": None, "weights": None,
     "loss_type": "sigmoid", "label_smoothing": 0.0, "simpo_gamma": 0.5,
+    # issue 16: KTO and continued pretraining (data.kto, data.pretrain and a DataSource's text_field)
+    "kto": None, "pretrain": None, "text_field": "text",
+    # issue 16: mixture-of-experts models (model.init and every training stage's moe section)
+    "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(),
 }
 """Fields added to stage sections after runs were committed, with the value that reproduces the
 earlier behaviour: hashed only when set to something else, so that the fingerprints of runs

@@ -24,6 +24,8 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
     PreTrainedTokenizerBase,
 )
 
@@ -116,11 +118,19 @@ def _attn(model: ModelConfig) -> dict[str, str]:
     return {} if model.attn_implementation is None else {"attn_implementation": model.attn_implementation}
 
 
-def _init_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, **extra) -> LlamaConfig:
+def _init_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, **extra) -> PretrainedConfig:
+    """The transformers config of a model built from ``model.init``: a ``LlamaConfig``, or a
+    ``MixtralConfig`` (``num_local_experts`` experts of ``intermediate_size`` per block, top
+    ``num_experts_per_tok``)."""
     if model.init is None:
         raise ConfigError("model source 'init' needs model.init to be set")
     init = model.init
-    return LlamaConfig(
+    if init.architecture == "mixtral":
+        config_class = MixtralConfig
+        extra = {"num_local_experts": init.experts, "num_experts_per_tok": init.experts_per_token, **extra}
+    else:
+        config_class = LlamaConfig
+    return config_class(
         vocab_size=len(tokenizer),
         hidden_size=init.hidden_size,
         intermediate_size=init.intermediate_size,

@@ -15,7 +15,7 @@ Input roles (what a stage module asks its context for):
 
 - ``data``: the prepare_data final directory (tokenised splits and the tokenizer);
 - ``model``: the model a stage starts from (or, for score, the policy it samples);
-- ``reference``: the frozen reference of DPO, PPO and GRPO;
+- ``reference``: the frozen reference of DPO, KTO, PPO and GRPO;
 - ``reward_model``: a trained reward model;
 - ``<stage>_model``: evaluate's view of each trained policy (``sft_model``, ``dpo_model``, ...);
 - ``base_model``: evaluate's base model source.
@@ -99,6 +99,7 @@ class StageDef:
         inputs: ``(config, available outputs) -> {role: URI}``.
         fingerprint_fields: dotted config paths outside ``section`` that change its result.
         description: one line for help texts.
+        default: part of the default ``stages`` (the opt-in ones need data of their own).
     """
 
     name: str
@@ -109,6 +110,7 @@ class StageDef:
     inputs: InputsFn
     fingerprint_fields: tuple[str, ...] = ()
     description: str = ""
+    default: bool = True
 
     @property
     def produces_model(self) -> bool:
@@ -125,8 +127,14 @@ def _start(init_from: str | None, config: PipelineConfig, outputs: StageOutputs)
     return init_from or outputs.get("sft") or _source(config)
 
 
+def _pretrain_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
+    return {"data": outputs.require("prepare_data"), "model": config.pretrain.init_from or _source(config)}
+
+
 def _sft_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
-    return {"data": outputs.require("prepare_data"), "model": config.sft.init_from or _source(config)}
+    """SFT starts from its ``init_from``, else the continued-pretraining output, else the base model."""
+    model = config.sft.init_from or outputs.get("pretrain") or _source(config)
+    return {"data": outputs.require("prepare_data"), "model": model}
 
 
 def _reward_model_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
@@ -141,9 +149,15 @@ def _score_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, st
     return inputs
 
 
-def _dpo_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
-    model = _start(config.dpo.init_from, config, outputs)
-    return {"data": outputs.require("prepare_data"), "model": model, "reference": config.dpo.reference_from or model}
+def _offline_preference_inputs(section: str) -> InputsFn:
+    """DPO / KTO: the policy's start and its frozen reference (by default the same model)."""
+
+    def inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
+        cfg = getattr(config, section)
+        model = _start(cfg.init_from, config, outputs)
+        return {"data": outputs.require("prepare_data"), "model": model, "reference": cfg.reference_from or model}
+
+    return inputs
 
 
 def _rl_inputs(section: str) -> InputsFn:
@@ -179,14 +193,18 @@ STAGES: tuple[StageDef, ...] = (
         "prepare_data", "trainer_core.stages.prepare_data", "data", False, "data", lambda config, outputs: {},
         description="read, split and tokenise the data sets; train the tokenizer for a model built from config",
     ),
+    StageDef("pretrain", "trainer_core.stages.pretrain", "pretrain", True, "policy", _pretrain_inputs,
+             description="continued pretraining: next-token loss on every token of packed raw text", default=False),
     StageDef("sft", "trainer_core.stages.sft", "sft", True, "policy", _sft_inputs,
              description="supervised fine-tuning on completion tokens"),
     StageDef("reward_model", "trainer_core.stages.reward_model", "reward_model", True, "reward_model",
              _reward_model_inputs, description="Bradley-Terry reward model on preference pairs"),
     StageDef("score", "trainer_core.stages.score", "score", False, "table", _score_inputs,
              description="sample the policy on held-out prompts; verify and reward-score the completions"),
-    StageDef("dpo", "trainer_core.stages.dpo", "dpo", True, "policy", _dpo_inputs,
+    StageDef("dpo", "trainer_core.stages.dpo", "dpo", True, "policy", _offline_preference_inputs("dpo"),
              description="direct preference optimisation against a frozen reference"),
+    StageDef("kto", "trainer_core.stages.kto", "kto", True, "policy", _offline_preference_inputs("kto"),
+             description="Kahneman-Tversky optimisation on unpaired desirable/undesirable examples", default=False),
     StageDef("ppo", "trainer_core.stages.ppo", "ppo", True, "policy", _rl_inputs("ppo"),
              description="online PPO with a value head, GAE and a KL penalty"),
     StageDef("grpo", "trainer_core.stages.grpo", "grpo", True, "policy", _rl_inputs("grpo"),
@@ -199,6 +217,9 @@ STAGES: tuple[StageDef, ...] = (
 
 STAGE_ORDER: tuple[str, ...] = tuple(s.name for s in STAGES)
 """Every stage name, in pipeline order."""
+
+DEFAULT_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.default)
+"""The stages a config without ``stages`` runs (pretrain and kto are opt-in)."""
 
 TRAINING_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.trains)
 """Stages that run an optimizer loop and write step checkpoints."""

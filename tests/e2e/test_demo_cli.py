@@ -59,15 +59,13 @@ BACKENDS = {
 CONFIGS = {"single-lora": "demo-lora.yaml"}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
+def run_cli(prefect_api: str, tmp_path: Path, config: str, sets: list[str]) -> tuple[list[str], dict]:
+    """``posttrain run configs/<config>`` with :data:`TINY` and ``sets`` as ``--set`` overrides,
+    writing under ``tmp_path/out``; returns its stdout lines and the summary it names, after
+    checking that the run and every stage of it completed."""
     root = tmp_path / "out"
-    config = CONFIGS.get(backend, "demo.yaml")
     args = [str(REPO / "configs" / config), "--run-id", "demo-cli", "--set", f"storage.root={root}"]
-    for key, value in TINY.items():
-        args += ["--set", f"{key}={value}"]
-    for item in BACKENDS[backend]:
+    for item in [f"{key}={value}" for key, value in TINY.items()] + sets:
         args += ["--set", item]
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -76,20 +74,26 @@ def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stderr[-5000:]
-
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "run id: demo-cli"
     uri = lines[-1]
     assert uri == str(root / "runs" / "demo-cli" / "summary.json")
     summary = json.loads(Path(uri).read_text())
     assert summary["run_id"] == "demo-cli" and summary["status"] == "completed"
-    stages = ("prepare_data", "sft", "reward_model", "score", "dpo", "ppo", "grpo", "evaluate")
-    assert set(summary["stages"]) == set(stages)
-    for name in stages:
-        entry = summary["stages"][name]
+    for name, entry in summary["stages"].items():
         assert entry["status"] == "completed", (name, entry)
         assert (Path(entry["output_uri"]) / "manifest.json").is_file()
         assert f"{name}: completed -> {entry['output_uri']}" in lines
+    return lines, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
+    root = tmp_path / "out"
+    _, summary = run_cli(prefect_api, tmp_path, CONFIGS.get(backend, "demo.yaml"), BACKENDS[backend])
+    stages = ("prepare_data", "sft", "reward_model", "score", "dpo", "ppo", "grpo", "evaluate")
+    assert set(summary["stages"]) == set(stages)
     assert summary["stages"]["sft"]["metrics"]["global_step"] == 4
     world_size = 2 if BACKENDS[backend] else 1
     for name in ("sft", "reward_model", "dpo", "ppo", "grpo"):
@@ -109,3 +113,20 @@ def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
         assert f"{policy}_vs_sft/win_rate" in summary["stages"]["evaluate"]["metrics"]
     for rl in ("ppo", "grpo"):
         assert {"first/reward_mean", "reward_mean"} <= set(summary["stages"][rl]["metrics"])
+
+
+@pytest.mark.slow
+def test_demo_extended_config_through_the_cli(prefect_api, tmp_path):
+    """configs/demo-extended.yaml: pretrain on raw text, SFT from it, DPO and KTO from SFT, and
+    evaluate comparing the four policies."""
+    sets = ["pretrain.max_steps=4", "pretrain.eval_every=2", "pretrain.save_every=2", "kto.max_steps=2",
+            "kto.grad_accum_steps=1"]
+    _, summary = run_cli(prefect_api, tmp_path, "demo-extended.yaml", sets)
+    stages = summary["stages"]
+    assert set(stages) == {"prepare_data", "pretrain", "sft", "dpo", "kto", "evaluate"}
+    assert stages["pretrain"]["metrics"]["global_step"] == 4 and stages["kto"]["metrics"]["global_step"] == 2
+    sft_spec = json.loads((Path(stages["sft"]["output_uri"]).parents[2] / "specs" / "sft.json").read_text())
+    assert sft_spec["inputs"]["model"] == stages["pretrain"]["output_uri"]
+    for policy in ("pretrain", "sft", "dpo", "kto"):
+        assert f"{policy}/exact_match" in stages["evaluate"]["metrics"]
+    assert (Path(stages["kto"]["output_uri"]) / "model.safetensors").is_file()

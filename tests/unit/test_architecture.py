@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainer_core.config import PipelineConfig, load_config
-from trainer_core.registry import STAGE_ORDER, STAGES, StageOutputs, get_stage, stage_inputs
+from trainer_core.registry import DEFAULT_STAGES, STAGE_ORDER, STAGES, StageOutputs, get_stage, stage_inputs
 from trainer_core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,12 +82,13 @@ def test_lists_of_stages_derive_from_the_registry():
     """The default stage list, which stages run on the configured backend (the training ones),
     and the names the config accepts all come from the registry."""
     config = load_config()
-    assert config.stages == list(STAGE_ORDER)
+    assert config.stages == list(DEFAULT_STAGES) == [s.name for s in STAGES if s.default]
+    assert set(STAGE_ORDER) - set(DEFAULT_STAGES) == {"pretrain", "kto"}  # opt-in: they need data of their own
     assert [s.name for s in STAGES if s.trains] == [s for s in STAGE_ORDER if config.backend_for(s) is config.backend]
-    with pytest.raises(ConfigError, match="unknown stage 'kto'"):
-        get_stage("kto")
+    with pytest.raises(ConfigError, match="unknown stage 'simpo'"):
+        get_stage("simpo")
     with pytest.raises(ValueError, match="unknown stage"):
-        load_config(overrides={"stages": "prepare_data,kto"})
+        load_config(overrides={"stages": "prepare_data,simpo"})
 
 
 def test_a_missing_upstream_output_names_what_to_run():

@@ -49,8 +49,8 @@ def test_detect_format(record, fmt):
 
 
 def test_detect_format_unknown_names_source_and_fields():
-    with pytest.raises(DataError, match=r"x.jsonl:2: cannot detect .* \['text'\]"):
-        detect_format({"text": "t", "_source": "x.jsonl:2"})
+    with pytest.raises(DataError, match=r"x.jsonl:2: cannot detect .* \['body'\]"):
+        detect_format({"body": "t", "_source": "x.jsonl:2"})
 
 
 def test_gsm8k_sft_example_keeps_worked_answer():

@@ -32,13 +32,15 @@ from trainer_core.config.stages import (
     DPOConfig,
     EvaluateConfig,
     GRPOConfig,
+    KTOConfig,
     PPOConfig,
+    PretrainConfig,
     RewardModelConfig,
     ScoreConfig,
     SFTConfig,
 )
 from trainer_core.errors import ConfigError
-from trainer_core.registry import STAGE_ORDER, TRAINING_STAGES, get_stage
+from trainer_core.registry import DEFAULT_STAGES, STAGE_ORDER, TRAINING_STAGES, get_stage
 
 
 class PipelineConfig(ConfigBase):
@@ -47,8 +49,9 @@ class PipelineConfig(ConfigBase):
     name: str = Field("posttrain", description="Pipeline name (used in run names).")
     seed: int = Field(0, description="Global seed: data split, shuffling, init, sampling.")
     stages: list[str] = Field(
-        default_factory=lambda: list(STAGE_ORDER),
-        description="Stages to run, in pipeline order: " + ", ".join(STAGE_ORDER) + ".",
+        default_factory=lambda: list(DEFAULT_STAGES),
+        description="Stages to run, in pipeline order: " + ", ".join(STAGE_ORDER) + " (default: all but "
+        + ", ".join(s for s in STAGE_ORDER if s not in DEFAULT_STAGES) + ").",
     )
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Output storage.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
@@ -62,10 +65,12 @@ class PipelineConfig(ConfigBase):
     lora: LoraConfig = Field(
         default_factory=LoraConfig, description="LoRA adapters for every training stage (a stage's `lora` overrides)."
     )
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig, description="Continued-pretraining stage.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="SFT stage.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Reward model stage.")
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="Scoring stage.")
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO stage.")
+    kto: KTOConfig = Field(default_factory=KTOConfig, description="KTO stage.")
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO stage.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO stage.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
@@ -116,6 +121,14 @@ class PipelineConfig(ConfigBase):
                     f"{stage}.lora.quantize={lora.quantize}: QLoRA's 4-bit base (bitsandbytes NF4) runs on CUDA on the "
                     f"single backend; this stage runs on backend {backend.name!r}, device {backend.device!r}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_stage_data(self) -> PipelineConfig:
+        for stage in ("kto", "pretrain"):
+            if stage in self.stages and getattr(self.data, stage) is None:
+                raise ValueError(f"stage {stage!r} reads data.{stage}, which is not set: give data.{stage} a source "
+                                 f"(uri null: the synthetic task)")
         return self
 
     @model_validator(mode="after")

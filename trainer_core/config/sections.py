@@ -64,9 +64,13 @@ class DataSource(ConfigBase):
         description="JSONL / Parquet file URI (any fsspec URI) or 'hf://<dataset id>' for a Hugging Face "
         "datasets id. None: use the generated synthetic task.",
     )
-    format: Literal["auto", "prompt_completion", "gsm8k", "hh_rlhf"] = Field(
-        "auto", description="Record format; 'auto' detects it from the first record's keys."
+    format: Literal["auto", "prompt_completion", "gsm8k", "hh_rlhf", "kto", "text"] = Field(
+        "auto",
+        description="Record format; 'auto' detects it from the first record's keys. 'kto': unpaired "
+        "{prompt, completion, label} examples; 'text': raw text (the text_field of JSONL/Parquet records, or each "
+        "line of a .txt file).",
     )
+    text_field: str = Field("text", description="Field holding the document of a 'text' record (JSONL/Parquet).")
     split: str = Field("train", description="Split name, for 'hf://' data set ids only.")
     max_rows: int | None = Field(None, ge=1, description="Read at most this many rows (None: all).")
 
@@ -89,6 +93,18 @@ class DataConfig(ConfigBase):
     eval: DataSource = Field(
         default_factory=DataSource,
         description="Held-out GSM8K-format problems for generation eval; None: a seeded split of the SFT data.",
+    )
+    kto: DataSource | None = Field(
+        None,
+        description="Unpaired desirable/undesirable examples for the kto stage: 'kto' records, or preference pairs "
+        "(prompt_completion, hh_rlhf) each split into a desirable and an undesirable example; uri None: the "
+        "synthetic preference pairs, unpaired. None: no kto splits (the kto stage needs them).",
+    )
+    pretrain: DataSource | None = Field(
+        None,
+        description="Raw text for the pretrain stage (format 'text'), packed into sequences of max_length_tokens; "
+        "uri None: the synthetic problems and solutions as plain text. None: no pretrain splits (the pretrain stage "
+        "needs them).",
     )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="Synthetic task settings.")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of each data set held out.")
@@ -115,7 +131,14 @@ class TokenizerConfig(ConfigBase):
 class ModelInit(ConfigBase):
     """Architecture and sizes of a model built from config (random init)."""
 
-    architecture: Literal["llama"] = Field("llama", description="Model family (transformers config class).")
+    architecture: Literal["llama", "mixtral"] = Field(
+        "llama", description="Model family (transformers config class): llama (dense) or mixtral (a sparse mixture "
+        "of experts in every block: a top-k router over num_local_experts MLPs of intermediate_size).",
+    )
+    num_local_experts: int | None = Field(None, ge=2, description="Experts per block (mixtral; None: 4).")
+    num_experts_per_tok: int | None = Field(
+        None, ge=1, description="Experts each token is routed to, top-k (mixtral; None: 2)."
+    )
     hidden_size: int = Field(64, ge=8, description="Hidden size.")
     intermediate_size: int = Field(172, ge=8, description="MLP inner size.")
     num_hidden_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
@@ -131,7 +154,23 @@ class ModelInit(ConfigBase):
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        experts = {"num_local_experts": self.num_local_experts, "num_experts_per_tok": self.num_experts_per_tok}
+        if self.architecture != "mixtral" and any(v is not None for v in experts.values()):
+            raise ValueError(f"{[k for k, v in experts.items() if v is not None]} apply to a mixture of experts: set "
+                             "architecture: mixtral")
+        if self.architecture == "mixtral" and self.experts_per_token > self.experts:
+            raise ValueError(f"num_experts_per_tok={self.experts_per_token} exceeds num_local_experts={self.experts}")
         return self
+
+    @property
+    def experts(self) -> int:
+        """Experts per block of a mixtral model (``num_local_experts``, default 4)."""
+        return self.num_local_experts or 4
+
+    @property
+    def experts_per_token(self) -> int:
+        """Top-k of a mixtral model's router (``num_experts_per_tok``, default 2)."""
+        return self.num_experts_per_tok or 2
 
 
 class ModelConfig(ConfigBase):

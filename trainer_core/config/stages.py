@@ -9,6 +9,16 @@ from pydantic import Field, model_validator
 from trainer_core.config.base import ConfigBase
 from trainer_core.errors import ConfigError
 
+class MoEConfig(ConfigBase):
+    """Mixture-of-experts training of a model with routers (Mixtral, Qwen2-MoE, OLMoE, ...)."""
+
+    aux_loss_coef: float = Field(
+        0.0, ge=0, description="Weight of the routers' load-balancing loss (Switch Transformer eqs. 4-6, transformers' "
+        "load_balancing_loss_func) added to the training loss. 0: none, which is transformers' own default "
+        "(output_router_logits off); Mixtral's published coefficient is 0.02.",
+    )
+
+
 class TrainStageConfig(ConfigBase):
     """Optimisation settings shared by every training stage."""
 
@@ -23,6 +33,10 @@ class TrainStageConfig(ConfigBase):
         default_factory=dict,
         description="Override of the pipeline-wide `lora` for this stage (e.g. {enabled: true, rank: 8}); merged over "
         "`lora`.",
+    )
+    moe: MoEConfig = Field(
+        default_factory=MoEConfig, description="Router load-balancing loss of a mixture-of-experts model (expert usage "
+        "is logged whenever the model has routers).",
     )
     max_steps: int = Field(100, ge=1, description="Optimizer steps (global_step at the end).")
     micro_batch_size: int = Field(8, ge=1, description="Examples per forward/backward.")
@@ -133,15 +147,39 @@ class DPOConfig(SupervisedStageConfig):
     )
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin gamma.")
 
+    reference_from: str | None = Field(
+        None, description="Reference model URI; None: the policy's starting model (the SFT output)."
+    )
+
     @model_validator(mode="after")
     def _smoothing_applies(self) -> DPOConfig:
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "simpo"):
             raise ValueError(f"label_smoothing={self.label_smoothing}: loss_type {self.loss_type!r} has no label "
                              "smoothing (sigmoid, robust and simpo have)")
         return self
+
+
+class KTOConfig(TrainStageConfig):
+    """Kahneman-Tversky optimisation on unpaired desirable / undesirable examples (``data.kto``)
+    against a frozen reference (Ethayarajh et al. 2024; ``trainer_core.objectives.kto``)."""
+
+    learning_rate: float = Field(
+        1e-4, gt=0, description="Peak learning rate (AdamW); lower than DPO's: an unpaired loss has no pair to cancel "
+        "the shift common to every completion.",
+    )
+    beta: float = Field(0.1, gt=0, description="KTO beta: scale of the implied reward (as DPO's).")
+    desirable_weight: float = Field(
+        1.0, gt=0, description="lambda_D, the weight of a desirable example's loss. The paper advises "
+        "desirable_weight x #desirable / (undesirable_weight x #undesirable) in [1, 4/3].",
+    )
+    undesirable_weight: float = Field(1.0, gt=0, description="lambda_U, the weight of an undesirable example's loss.")
     reference_from: str | None = Field(
         None, description="Reference model URI; None: the policy's starting model (the SFT output)."
     )
+
+
+class PretrainConfig(SupervisedStageConfig):
+    """Continued pretraining: next-token loss on every token of packed raw text (``data.pretrain``)."""
 
 
 class GenerationConfig(ConfigBase):
@@ -301,6 +339,13 @@ class RLStageConfig(TrainStageConfig):
         "min(exp(trainer logprob - engine logprob), cap) where the engine's numerics differ from the "
         "trainer's (e.g. 2.0 with engine 'static'); None: off."
     )
+
+    @model_validator(mode="after")
+    def _no_router_loss(self) -> RLStageConfig:
+        if self.moe.aux_loss_coef:
+            raise ValueError(f"moe.aux_loss_coef={self.moe.aux_loss_coef}: the online RL stages do not add the router "
+                             "loss (the supervised and preference stages do)")
+        return self
 
 
 class PPOConfig(RLStageConfig):

@@ -127,6 +127,39 @@ def collate_pairs(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
     return batch
 
 
+def collate_kto(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
+    """Right-pad unpaired KTO examples and their mismatched KL sequences (two forwards).
+
+    Args:
+        rows: dicts with ``input_ids``, ``loss_mask``, ``kl_input_ids``, ``kl_loss_mask`` and
+            ``label`` (True = desirable); optionally ``ref_logprobs`` and ``ref_kl_logprobs``.
+        pad_id: token id written in padded positions.
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``loss_mask`` [B, T] and ``counted_index`` of the
+        completions; ``kl_input_ids``, ``kl_attention_mask``, ``kl_loss_mask`` [B, T'] and
+        ``kl_counted_index`` of the KL sequences (long); ``label`` [B] bool; and, when the rows
+        carry them, ``ref_logprobs`` / ``ref_kl_logprobs`` [B] float32.
+
+    Raises:
+        ValueError: as :func:`collate_causal`, for either sequence, or a row without ``label``.
+    """
+    _check_rows(rows, "input_ids", "loss_mask")
+    _check_rows(rows, "kl_input_ids", "kl_loss_mask")
+    missing = [i for i, row in enumerate(rows) if "label" not in row]
+    if missing:
+        raise ValueError(f"batch row {missing[0]} has no 'label' (keys: {sorted(rows[missing[0]])})")
+    batch = {**_causal(rows, pad_id, "", max(len(r["input_ids"]) for r in rows)),
+             **_causal(rows, pad_id, "kl_", max(len(r["kl_input_ids"]) for r in rows))}
+    batch["counted_index"] = counted_index(batch["loss_mask"])
+    batch["kl_counted_index"] = counted_index(batch["kl_loss_mask"])
+    batch["label"] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
+    for key in ("ref_logprobs", "ref_kl_logprobs"):
+        if key in rows[0]:
+            batch[key] = torch.tensor([r[key] for r in rows], dtype=torch.float32)
+    return batch
+
+
 def collate_prompts_left(rows: Sequence[dict], pad_id: int, key: str | None = None) -> dict[str, Tensor]:
     """Left-pad prompts for batched generation (the last column is every row's last token).
 

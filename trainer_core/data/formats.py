@@ -10,6 +10,10 @@ Formats (``DataSource.format``):
 - ``hh_rlhf``: ``{"chosen", "rejected"}``, each a whole dialogue of ``\\n\\nHuman: ...`` /
   ``\\n\\nAssistant: ...`` turns that share all but the last assistant reply (Bai et al. 2022,
   https://github.com/anthropics/hh-rlhf).
+- ``kto``: ``{"prompt", "completion", "label"}``, one unpaired example; ``label`` true for a
+  desirable completion, false for an undesirable one (TRL's unpaired preference format).
+- ``text``: raw text for continued pretraining, in a record field (``text`` unless the source
+  names another), or one line of a plain-text file.
 
 Canonical examples:
 
@@ -17,6 +21,8 @@ Canonical examples:
   ``messages`` are the prompt turns as chat messages.
 - preference: ``{"messages": [...], "chosen": str, "rejected": str}``.
 - eval problem: ``{"messages": [...], "answer": str}``.
+- KTO: ``{"messages": [...], "completion": str, "label": bool}``.
+- text: ``{"text": str}``.
 
 Each carries the input's ``"_source"`` (``file:line``) when it had one. Every error is a
 :class:`~trainer_core.errors.DataError` naming that source and the offending field.
@@ -30,7 +36,7 @@ from typing import Any
 
 from trainer_core.errors import DataError
 
-FORMATS = ("prompt_completion", "gsm8k", "hh_rlhf")
+FORMATS = ("prompt_completion", "gsm8k", "hh_rlhf", "kto", "text")
 """Concrete record formats (``"auto"`` resolves to one of these)."""
 
 ROLES = ("system", "user", "assistant")
@@ -73,9 +79,10 @@ def detect_format(record: dict) -> str:
     """The format of ``record`` from its keys.
 
     Returns:
-        ``"gsm8k"`` (``question`` + ``answer``), ``"prompt_completion"`` (``prompt`` +
-        ``completion``, or ``prompt`` + ``chosen`` + ``rejected``) or ``"hh_rlhf"``
-        (``chosen`` + ``rejected`` without ``prompt``).
+        ``"gsm8k"`` (``question`` + ``answer``), ``"kto"`` (``prompt`` + ``completion`` +
+        ``label``), ``"prompt_completion"`` (``prompt`` + ``completion``, or ``prompt`` +
+        ``chosen`` + ``rejected``), ``"hh_rlhf"`` (``chosen`` + ``rejected`` without ``prompt``)
+        or ``"text"`` (``text`` alone).
 
     Raises:
         DataError: the keys match no known format.
@@ -83,15 +90,19 @@ def detect_format(record: dict) -> str:
     keys = set(record)
     if {"question", "answer"} <= keys:
         return "gsm8k"
+    if {"prompt", "completion", "label"} <= keys:
+        return "kto"
     if "prompt" in keys and ("completion" in keys or {"chosen", "rejected"} <= keys):
         return "prompt_completion"
     if {"chosen", "rejected"} <= keys:
         return "hh_rlhf"
+    if "text" in keys:
+        return "text"
     shown = sorted(k for k in keys if k != "_source")
     raise DataError(
         f"{_where(record)}: cannot detect the record format from fields {shown}; expected "
         "question/answer (gsm8k), prompt/completion or prompt/chosen/rejected (prompt_completion), "
-        "or chosen/rejected dialogues (hh_rlhf)"
+        "chosen/rejected dialogues (hh_rlhf), prompt/completion/label (kto) or text (text)"
     )
 
 
@@ -190,10 +201,12 @@ def to_sft_example(record: dict, fmt: str = "auto") -> dict:
         completion = _field(record, "completion")
         example = {"prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
                    "completion": completion, "messages": messages, "answer": final_answer(completion)}
-    else:
+    elif fmt == "hh_rlhf":
         pair = _hh_pair(record)
         example = {"prompt": messages_to_text(pair["messages"]), "completion": pair["chosen"],
                    "messages": pair["messages"], "answer": None}
+    else:
+        raise DataError(f"{_where(record)}: format {fmt!r} has no SFT examples (prompt and completion)")
     return _with_source(example, record)
 
 
@@ -218,6 +231,55 @@ def to_preference_example(record: dict, fmt: str = "auto") -> dict:
     else:
         raise DataError(f"{_where(record)}: format {fmt!r} has no preference pairs (fields 'chosen'/'rejected')")
     return _with_source(pair, record)
+
+
+def to_kto_examples(record: dict, fmt: str = "auto") -> list[dict]:
+    """Canonical unpaired KTO examples ``{"messages", "completion", "label"}`` of one record.
+
+    kto: the record's one example (``label`` must be a JSON boolean). Preference pairs
+    (prompt_completion with chosen/rejected, hh_rlhf) give two examples, as TRL's
+    ``unpair_preference_dataset``: the chosen completion desirable (``label`` True), the rejected
+    one undesirable.
+
+    Raises:
+        DataError: a format without preference labels, a missing field or a wrong type (names the
+            source and field); :class:`DialogueParseError` for an unparsable HH dialogue.
+    """
+    fmt = _resolve(record, fmt)
+    if fmt == "kto":
+        example = {"messages": _prompt_messages(record), "completion": _field(record, "completion"),
+                   "label": _field(record, "label", bool)}
+        return [_with_source(example, record)]
+    if fmt not in ("prompt_completion", "hh_rlhf"):
+        raise DataError(f"{_where(record)}: format {fmt!r} has no desirable/undesirable labels (kto records or "
+                        "chosen/rejected pairs)")
+    pair = to_preference_example(record, fmt)
+    return [_with_source({"messages": pair["messages"], "completion": pair[side], "label": side == "chosen"}, record)
+            for side in ("chosen", "rejected")]
+
+
+def to_text_example(record: dict, fmt: str = "auto", field: str = "text") -> dict:
+    """Canonical raw-text document ``{"text"}`` of one record, for continued pretraining.
+
+    text (and ``auto``): the record's ``field``. gsm8k: question and worked answer, one per line;
+    prompt_completion with a completion: prompt and completion likewise (a prompt given as
+    messages is rendered by :func:`messages_to_text`).
+
+    Raises:
+        DataError: a missing field or a wrong type (names the source and field), or a format
+            without a text rendering (preference pairs, kto).
+    """
+    if fmt in ("auto", "text"):
+        return _with_source({"text": _field(record, field)}, record)
+    fmt = _resolve(record, fmt)
+    if fmt == "gsm8k":
+        return _with_source({"text": f"{_field(record, 'question')}\n{_field(record, 'answer')}"}, record)
+    if fmt == "prompt_completion" and "completion" in record:
+        messages = _prompt_messages(record)
+        prompt = messages[0]["content"] if len(messages) == 1 else messages_to_text(messages)
+        return _with_source({"text": f"{prompt}\n{_field(record, 'completion')}"}, record)
+    raise DataError(f"{_where(record)}: format {fmt!r} has no raw-text rendering (use text, gsm8k or "
+                    "prompt/completion records)")
 
 
 def to_eval_problem(record: dict, fmt: str = "auto") -> dict:

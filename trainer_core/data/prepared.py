@@ -18,7 +18,11 @@ from trainer_core.errors import DataError
 from trainer_core.storage import join_uri
 
 SPLIT_NAMES = ("sft/train", "sft/eval", "preference/train", "preference/eval", "eval_problems")
-"""Parquet files (without suffix) of a prepared-data directory, for :func:`load_split`."""
+"""Parquet files (without suffix) of every prepared-data directory, for :func:`load_split`."""
+
+OPTIONAL_SPLIT_NAMES = ("kto/train", "kto/eval", "pretrain/train", "pretrain/eval")
+"""Parquet files a prepared-data directory holds only when its config set their source
+(``data.kto``, ``data.pretrain``)."""
 
 
 def _committed(data_uri: str) -> None:
@@ -31,7 +35,7 @@ def load_split(data_uri: str, name: str) -> list[dict]:
 
     Args:
         data_uri: the prepare_data final directory (any fsspec URI).
-        name: one of :data:`SPLIT_NAMES` (``.parquet`` optional).
+        name: one of :data:`SPLIT_NAMES` or :data:`OPTIONAL_SPLIT_NAMES` (``.parquet`` optional).
 
     Returns:
         One dict per row; list columns come back as ``list[int]``.
@@ -44,7 +48,10 @@ def load_split(data_uri: str, name: str) -> list[dict]:
     try:
         raw = storage.read_bytes(uri)
     except FileNotFoundError as e:
-        raise DataError(f"prepared split not found: {uri} (splits: {list(SPLIT_NAMES)})") from e
+        data_set = name.split("/", 1)[0]
+        hint = (f": this prepare_data output was made without data.{data_set}"
+                if name.removesuffix(".parquet") in OPTIONAL_SPLIT_NAMES else "")
+        raise DataError(f"prepared split not found: {uri} (splits: {list(SPLIT_NAMES)}){hint}") from e
     try:
         return pq.read_table(pa.BufferReader(raw)).to_pylist()
     except pa.ArrowInvalid as e:

@@ -1,8 +1,10 @@
-"""Read raw records from JSONL, Parquet or a Hugging Face ``datasets`` id.
+"""Read raw records from JSONL, Parquet, plain text or a Hugging Face ``datasets`` id.
 
 Every record comes back as a plain ``dict`` with one added key, ``"_source"``:
-``"<uri>:<line>"`` (1-based line of a JSONL file, 1-based row of a Parquet file or a
-``datasets`` split), so that any later error can name where the bad record came from.
+``"<uri>:<line>"`` (1-based line of a JSONL or text file, 1-based row of a Parquet file or a
+``datasets`` split), so that any later error can name where the bad record came from. A
+plain-text file (``.txt``) gives one record per non-blank line, the line (without its newline)
+under the source's ``text_field``, as ``datasets``' ``text`` loader reads it.
 
 Files are opened through ``fsspec``, so any URI works (local path, ``file://``, ``s3://``,
 ``memory://``); compressed files (``.jsonl.gz``, ``.json.bz2``, ...) are decompressed on the fly.
@@ -30,6 +32,7 @@ HF_PREFIX = "hf://"
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
+_TEXT_SUFFIXES = (".txt",)
 _PARQUET_BATCH_ROWS = 4096
 _DECOMPRESSION_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error, lzma.LZMAError)
 """What a corrupt or truncated compressed file raises while it is read."""
@@ -40,7 +43,8 @@ def read_records(source: DataSource) -> list[dict]:
 
     Args:
         source: the data source; ``source.uri`` ends in ``.jsonl`` / ``.json`` (one JSON object
-            per line, blank lines skipped) or ``.parquet``, or is ``hf://<dataset id>`` (read with
+            per line, blank lines skipped), ``.parquet`` or ``.txt`` (one record per non-blank
+            line), or is ``hf://<dataset id>`` (read with
             ``datasets.load_dataset(id, split=source.split)``).
 
     Returns:
@@ -61,7 +65,8 @@ def read_records(source: DataSource) -> list[dict]:
         records = _read_hf(uri, source.split, source.max_rows)
     else:
         kind = _file_kind(uri)
-        reader = _iter_jsonl if kind == "jsonl" else _iter_parquet
+        reader = {"jsonl": _iter_jsonl, "parquet": _iter_parquet,
+                  "text": lambda u: _iter_text(u, source.text_field)}[kind]
         records = []
         try:
             for record in reader(uri):
@@ -86,7 +91,7 @@ def read_records(source: DataSource) -> list[dict]:
 
 
 def _file_kind(uri: str) -> str:
-    """``"jsonl"`` or ``"parquet"`` from the file name (compression suffix ignored)."""
+    """``"jsonl"``, ``"parquet"`` or ``"text"`` from the file name (compression suffix ignored)."""
     name = uri.split("?", 1)[0].lower()
     for suffix in _COMPRESSION_SUFFIXES:
         if name.endswith(suffix):
@@ -96,8 +101,11 @@ def _file_kind(uri: str) -> str:
         return "jsonl"
     if name.endswith(_PARQUET_SUFFIXES):
         return "parquet"
+    if name.endswith(_TEXT_SUFFIXES):
+        return "text"
     raise DataError(
-        f"{uri}: unknown data file type; expected .jsonl/.json (JSON lines), .parquet, or an hf:// id"
+        f"{uri}: unknown data file type; expected .jsonl/.json (JSON lines), .parquet, .txt (plain text), or an "
+        "hf:// id"
     )
 
 
@@ -115,8 +123,28 @@ def _parse_line(uri: str, line_no: int, line: str) -> dict[str, Any] | None:
     return obj
 
 
+def _iter_text(uri: str, field: str) -> Iterator[dict]:
+    """``{field: line}`` for each non-blank line of a plain-text file, in order."""
+    for line_no, line in _iter_lines(uri, "text"):
+        if line.strip():
+            yield {field: line.rstrip("\r\n"), "_source": f"{uri}:{line_no}"}
+
+
 def _iter_jsonl(uri: str) -> Iterator[dict]:
     """Records of a JSON-lines file, in order; blank lines skipped."""
+    for line_no, line in _iter_lines(uri, "JSON"):
+        record = _parse_line(uri, line_no, line)
+        if record is not None:
+            yield record
+
+
+def _iter_lines(uri: str, what: str) -> Iterator[tuple[int, str]]:
+    """``(1-based line number, line)`` of a UTF-8 text file, decompressed on the fly.
+
+    Raises:
+        DataError: a corrupt or truncated compressed file, or a line that is not UTF-8 (both name
+            the line).
+    """
     with fsspec.open(uri, "rb", compression="infer") as f:
         line_no = 0
         lines = iter(f)
@@ -134,10 +162,8 @@ def _iter_jsonl(uri: str) -> Iterator[dict]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{uri}:{line_no}: invalid JSON: not UTF-8 ({e.reason})") from None
-            record = _parse_line(uri, line_no, line)
-            if record is not None:
-                yield record
+                raise DataError(f"{uri}:{line_no}: invalid {what}: not UTF-8 ({e.reason})") from None
+            yield line_no, line
 
 
 def _iter_parquet(uri: str) -> Iterator[dict]:

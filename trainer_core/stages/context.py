@@ -40,6 +40,7 @@ from trainer_core.storage import StageLayout, join_uri
 from trainer_core.tracking import MetricLogger
 from trainer_core.training.guard import nonfinite_weights
 from trainer_core.training.loop import BatchSource, Objective, TrainLoop, summarize
+from trainer_core.training.moe import with_moe
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +261,11 @@ def train_stage(
     train: BatchSource,
     cfg: TrainStageConfig,
 ) -> dict[str, float]:
-    """Resume from the latest checkpoint if any, train, and return the stage's final metrics."""
+    """Resume from the latest checkpoint if any, train, and return the stage's final metrics.
+
+    A mixture-of-experts model trains with its routers' load-balancing loss (``cfg.moe``) and
+    logs its expert usage (:mod:`trainer_core.training.moe`)."""
+    objective = with_moe(model, objective, cfg.moe.aux_loss_coef, ctx.spec.stage)
     loop = TrainLoop(
         model=model, backend=ctx.backend, objective=objective, batches=train, cfg=cfg, session=ctx.checkpoint_session(cfg)
     )

@@ -11,6 +11,13 @@ Output directory (``<output_uri>/final``), committed by ``manifest.json`` writte
         rejected_input_ids, rejected_loss_mask
     eval_problems.parquet
         messages_json, answer str, prompt_input_ids list<int32>
+    kto/train.parquet, kto/eval.parquet          (only with data.kto set)
+        messages_json, completion str, label bool (True = desirable), input_ids, loss_mask,
+        kl_input_ids, kl_loss_mask (the prompt with the previous example's completion: the
+        mismatched pair of KTO's reference-point KL estimate, as TRL builds it)
+    pretrain/train.parquet, pretrain/eval.parquet  (only with data.pretrain set)
+        input_ids list<int32> (documents joined by EOS, cut into blocks of max_length_tokens; a
+        split's last block may be shorter), num_tokens int32; every token is a loss token
     tokenizer/   (save_pretrained files)
 
 A source whose ``uri`` is None is replaced by the synthetic task (:mod:`trainer_core.data.synthetic`,
@@ -22,6 +29,9 @@ are dropped (counted). Pairs whose chosen and rejected token ids are identical a
 and rows with no completion token left, are dropped (counted). HH-RLHF pairs whose dialogues do
 not parse (a handful in the public data) are skipped and counted, unless more than
 :data:`MAX_INVALID_FRACTION` of a data set is unparsable, which means a wrong format and is an error.
+KTO examples made from preference pairs are split pair by pair (a pair's two completions stay in
+one split), then shuffled with the seed. Pretrain documents are split before they are packed, and
+documents that contain an eval problem's question are dropped (counted).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import logging
 import random
 import statistics
 import tempfile
+from functools import partial
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -43,10 +54,11 @@ from trainer_core.data.formats import (
     DialogueParseError,
     detect_format,
     to_eval_problem,
+    to_kto_examples,
     to_preference_example,
     to_sft_example,
+    to_text_example,
 )
-from trainer_core.data.prepared import SPLIT_NAMES
 from trainer_core.data.sources import read_records
 from trainer_core.data.synthetic import make_preference_records, make_sft_records
 from trainer_core.data.tokenizer import encode_chat, load_tokenizer, render_chat, train_tokenizer
@@ -72,6 +84,11 @@ PREFERENCE_SCHEMA = pa.schema(
      ("rejected_loss_mask", _MASK)]
 )
 EVAL_PROBLEMS_SCHEMA = pa.schema([("messages_json", pa.string()), ("answer", pa.string()), ("prompt_input_ids", _IDS)])
+KTO_SCHEMA = pa.schema(
+    [("messages_json", pa.string()), ("completion", pa.string()), ("label", pa.bool_()), ("input_ids", _IDS),
+     ("loss_mask", _MASK), ("kl_input_ids", _IDS), ("kl_loss_mask", _MASK)]
+)
+PRETRAIN_SCHEMA = pa.schema([("input_ids", _IDS), ("num_tokens", pa.int32())])
 
 
 def _messages_json(messages: list[dict[str, str]]) -> str:
@@ -114,6 +131,29 @@ def _load(source: DataSource, name: str, config: PipelineConfig, metrics: dict[s
             records = make_preference_records(syn.num_pairs, config.seed, syn.max_operand)
             return _adapt(records, "prompt_completion", adapter, name, metrics)
     return _adapt(_read(source, name), source.format, adapter, name, metrics)
+
+
+def _load_kto(source: DataSource, config: PipelineConfig, metrics: dict[str, float]) -> list[list[dict]]:
+    """The KTO examples of each ``data.kto`` record (two of a preference pair); the synthetic
+    preference pairs, unpaired, when its uri is None."""
+    if source.uri is None:
+        syn = config.data.synthetic
+        records, fmt = make_preference_records(syn.num_pairs, config.seed, syn.max_operand), "prompt_completion"
+    else:
+        records, fmt = _read(source, "kto"), source.format
+    return _adapt(records, fmt, to_kto_examples, "kto", metrics)
+
+
+def _load_documents(source: DataSource, config: PipelineConfig, metrics: dict[str, float]) -> list[dict]:
+    """The raw-text documents of ``data.pretrain``; the synthetic problems with their worked
+    solutions (drawn with seed + 1) as plain text when its uri is None."""
+    if source.uri is None:
+        syn = config.data.synthetic
+        records, fmt = make_sft_records(syn.num_problems, config.seed + 1, syn.max_operand), "gsm8k"
+    else:
+        records, fmt = _read(source, "pretrain"), source.format
+    adapter = partial(to_text_example, field=source.text_field)
+    return _adapt(records, "text" if fmt == "auto" else fmt, adapter, "pretrain", metrics)
 
 
 def _read(source: DataSource, name: str) -> list[dict]:
@@ -160,18 +200,30 @@ def _decontaminate(examples: list[dict], problems: list[dict], name: str, metric
     return kept
 
 
-def _tokenizer_texts(sft_train: list[dict], pref_train: list[dict]) -> list[str]:
-    """Chat-rendered training conversations (special tokens included) for tokenizer training."""
-    texts = [render_chat(ex["messages"] + [{"role": "assistant", "content": ex["completion"]}]) for ex in sft_train]
-    for ex in pref_train:
-        for side in ("chosen", "rejected"):
-            texts.append(render_chat(ex["messages"] + [{"role": "assistant", "content": ex[side]}]))
+def _decontaminate_documents(docs: list[dict], problems: list[dict], metrics: dict[str, float]) -> list[dict]:
+    """Drop pretrain documents that contain the text of an eval problem's last user turn."""
+    questions = {p["messages"][-1]["content"] for p in problems if p["messages"][-1]["content"].strip()}
+    kept = [d for d in docs if not any(q in d["text"] for q in questions)]
+    metrics["num_pretrain_train_dropped_overlap"] = len(docs) - len(kept)
+    return kept
+
+
+def _tokenizer_texts(splits: dict[str, list[dict]]) -> list[str]:
+    """Training conversations, chat-rendered (special tokens included), and raw pretrain
+    documents: the tokenizer-training corpus."""
+    def chat(ex: dict, completion: str) -> str:
+        return render_chat(ex["messages"] + [{"role": "assistant", "content": completion}])
+
+    texts = [chat(ex, ex["completion"]) for ex in splits["sft/train"]]
+    texts += [chat(ex, ex[side]) for ex in splits["preference/train"] for side in ("chosen", "rejected")]
+    texts += [chat(ex, ex["completion"]) for ex in splits.get("kto/train", [])]
+    texts += [doc["text"] for doc in splits.get("pretrain/train", [])]
     return texts
 
 
-def _build_tokenizer(config: PipelineConfig, sft_train: list[dict], pref_train: list[dict]) -> Any:
+def _build_tokenizer(config: PipelineConfig, splits: dict[str, list[dict]]) -> Any:
     if config.model.init is not None:
-        texts = _tokenizer_texts(sft_train, pref_train)
+        texts = _tokenizer_texts(splits)
         return train_tokenizer(texts, config.tokenizer.vocab_size, config.tokenizer.min_frequency)
     return load_tokenizer(config.model.name_or_path, trust_remote_code=config.model.trust_remote_code)
 
@@ -216,6 +268,45 @@ def _preference_table(tokenizer: Any, examples: list[dict], config: PipelineConf
     return _table(rows, PREFERENCE_SCHEMA, name)
 
 
+def _kto_table(tokenizer: Any, examples: list[dict], config: PipelineConfig, name: str,
+               metrics: dict[str, float]) -> pa.Table:
+    """KTO rows; example i's KL sequence is its prompt with example i - 1's completion (the
+    first takes the last's), TRL's mismatched pairs (``KTOTrainer._prepare_dataset``)."""
+    data, rows, empty = config.data, [], 0
+    for i, ex in enumerate(examples):
+        enc = encode_chat(tokenizer, ex["messages"], ex["completion"], data.max_length_tokens,
+                          data.max_prompt_length_tokens)
+        if not any(enc["loss_mask"]):
+            empty += 1
+            continue
+        kl = encode_chat(tokenizer, ex["messages"], examples[i - 1]["completion"], data.max_length_tokens,
+                         data.max_prompt_length_tokens)
+        rows.append({"messages_json": _messages_json(ex["messages"]), "completion": ex["completion"],
+                     "label": ex["label"], "input_ids": enc["input_ids"], "loss_mask": enc["loss_mask"],
+                     "kl_input_ids": kl["input_ids"], "kl_loss_mask": kl["loss_mask"]})
+    metrics[f"num_{name}_dropped_empty"] = empty
+    metrics[f"num_{name}_desirable"] = sum(r["label"] for r in rows)
+    metrics[f"mean_{name}_tokens"] = statistics.fmean(len(r["input_ids"]) for r in rows) if rows else 0.0
+    return _table(rows, KTO_SCHEMA, name)
+
+
+def _pretrain_table(tokenizer: Any, docs: list[dict], config: PipelineConfig, name: str,
+                    metrics: dict[str, float]) -> pa.Table:
+    """Documents tokenised, each followed by EOS, joined and cut into blocks of
+    ``max_length_tokens`` (the last block keeps the remainder when it has 2 tokens or more)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ConfigError("the tokenizer has no eos_token: pretrain documents cannot be separated")
+    stream = [t for ids in tokenizer([d["text"] for d in docs], add_special_tokens=False)["input_ids"]
+              for t in (*ids, eos)]
+    block = config.data.max_length_tokens
+    rows = [{"input_ids": stream[i : i + block], "num_tokens": len(stream[i : i + block])}
+            for i in range(0, len(stream), block) if len(stream) - i >= 2]
+    metrics[f"num_{name}_documents"] = len(docs)
+    metrics[f"num_{name}_tokens"] = sum(r["num_tokens"] for r in rows)
+    return _table(rows, PRETRAIN_SCHEMA, name)
+
+
 def _problems_table(tokenizer: Any, problems: list[dict], config: PipelineConfig,
                     metrics: dict[str, float]) -> pa.Table:
     data, rows = config.data, []
@@ -251,13 +342,27 @@ def _splits(config: PipelineConfig, metrics: dict[str, float]) -> dict[str, list
     sft_train, sft_eval = split_train_eval(sft, config.seed, data.eval_fraction, data.max_eval_rows, "sft")
     pref_train, pref_eval = split_train_eval(pref, config.seed, data.eval_fraction, data.max_eval_rows, "preference")
     problems = _eval_problems(config, sft_eval, metrics)
-    return {
+    splits = {
         "sft/train": _decontaminate(sft_train, problems, "sft_train", metrics),
         "sft/eval": sft_eval,
         "preference/train": _decontaminate(pref_train, problems, "preference_train", metrics),
         "preference/eval": pref_eval,
         "eval_problems": problems,
     }
+    if data.kto is not None:
+        kto = _load_kto(data.kto, config, metrics)
+        kto_train, kto_eval = split_train_eval(kto, config.seed, data.eval_fraction, data.max_eval_rows, "kto")
+        for split, groups in (("train", kto_train), ("eval", kto_eval)):
+            examples = [ex for group in groups for ex in group]
+            random.Random(config.seed).shuffle(examples)  # a pair's two sides apart: mismatched KL neighbours
+            splits[f"kto/{split}"] = examples
+        splits["kto/train"] = _decontaminate(splits["kto/train"], problems, "kto_train", metrics)
+    if data.pretrain is not None:
+        docs = _load_documents(data.pretrain, config, metrics)
+        docs_train, docs_eval = split_train_eval(docs, config.seed, data.eval_fraction, data.max_eval_rows, "pretrain")
+        splits["pretrain/train"] = _decontaminate_documents(docs_train, problems, metrics)
+        splits["pretrain/eval"] = docs_eval
+    return splits
 
 
 def _tables(tokenizer: Any, splits: dict[str, list[dict]], config: PipelineConfig,
@@ -268,6 +373,10 @@ def _tables(tokenizer: Any, splits: dict[str, list[dict]], config: PipelineConfi
     for name in ("preference/train", "preference/eval"):
         tables[name] = _preference_table(tokenizer, splits[name], config, name.replace("/", "_"), metrics)
     tables["eval_problems"] = _problems_table(tokenizer, splits["eval_problems"], config, metrics)
+    for name, build in (("kto/train", _kto_table), ("kto/eval", _kto_table),
+                        ("pretrain/train", _pretrain_table), ("pretrain/eval", _pretrain_table)):
+        if name in splits:
+            tables[name] = build(tokenizer, splits[name], config, name.replace("/", "_"), metrics)
     for name, table in tables.items():
         metrics[f"num_{name.replace('/', '_')}"] = table.num_rows
     return tables
@@ -279,6 +388,7 @@ def _source_names(config: PipelineConfig) -> dict[str, str]:
         "sft": data.sft.uri or "synthetic",
         "preference": data.preference.uri or "synthetic",
         "eval": data.eval.uri or "held-out sft rows",
+        **{name: getattr(data, name).uri or "synthetic" for name in ("kto", "pretrain") if getattr(data, name)},
     }
 
 
@@ -297,7 +407,7 @@ def run(ctx: StageContext) -> Manifest:
     config = ctx.config
     metrics: dict[str, float] = {}
     splits = _splits(config, metrics)
-    tokenizer = _build_tokenizer(config, splits["sft/train"], splits["preference/train"])
+    tokenizer = _build_tokenizer(config, splits)
     metrics["vocab_size"] = len(tokenizer)
     tables = _tables(tokenizer, splits, config, metrics)
     writer = ArtifactWriter(ctx.layout.final, overwrite=True)
@@ -307,7 +417,7 @@ def run(ctx: StageContext) -> Manifest:
         tokenizer.save_pretrained(local)
         writer.write_dir(local, prefix="tokenizer")
     extra = {
-        "splits": list(SPLIT_NAMES),
+        "splits": list(tables),
         "sources": _source_names(config),
         "tokenizer_trained": config.model.init is not None,
         "pad_token_id": tokenizer.pad_token_id,

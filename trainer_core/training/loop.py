@@ -63,11 +63,16 @@ class StepOutput:
             ``int(mask.sum())`` of a device tensor here makes the host wait for the device.
         metric_sums: per-unit metrics summed over the micro-batch (detached, on the device); the
             loop reports them divided by the step's total count.
+        aux_loss: a scalar loss of the whole micro-batch (a mixture of experts' router
+            load-balancing loss, already weighted), or None; the loop adds it weighted by the
+            micro-batch's share of the step's count, so the step's loss gains the count-weighted
+            mean of its micro-batches' aux losses.
     """
 
     loss_sum: Tensor
     num_tokens: int | Tensor | None = None
     metric_sums: dict[str, Tensor] = field(default_factory=dict)
+    aux_loss: Tensor | None = None
 
 
 class Objective(Protocol):
@@ -75,7 +80,11 @@ class Objective(Protocol):
 
     An objective may also define ``num_tokens(batch) -> int``: the non-padding tokens of a
     micro-batch, called like :meth:`count` on the host batch; the loop then ignores
-    ``StepOutput.num_tokens``.
+    ``StepOutput.num_tokens``. And ``metric_denominators: dict[str, str]``: a metric reported
+    as its sum over the step divided by another metric's sum (KTO's per-label means), not by
+    the step's count. And ``finalize_metrics(metric_sums) -> dict[str, Tensor]``: called with
+    the step's metric sums (summed over ranks); it removes the sums it consumes and returns
+    metrics reported as they are (a mixture of experts' expert-usage shares and entropies).
     """
 
     def count(self, batch: dict[str, Tensor]) -> int:
@@ -308,7 +317,8 @@ class TrainLoop:
         cfg, progress, backend, objective = self.cfg, self.progress, self.backend, self.objective
         drawn = [next(stream) for _ in range(self.accum_steps * backend.world_size)]
         hosts = [batch for batch, _, _ in drawn if batch is not None]
-        count = sum(objective.count(batch) for batch in hosts)
+        counts = [objective.count(batch) for batch in hosts]
+        count = sum(counts)
         counts_tokens = getattr(objective, "num_tokens", None)
         num_tokens: int | Tensor = sum(counts_tokens(batch) for batch in hosts) if counts_tokens else 0
         micro = [self.batches.to_device(batch) for batch in hosts]
@@ -319,9 +329,10 @@ class TrainLoop:
             with backend.grad_sync(self.model, is_last_micro_batch=i == len(micro) - 1):
                 with timer.phase("forward"), backend.autocast():
                     out = objective.step(self.model, batch)
+                loss = out.loss_sum if out.aux_loss is None else out.loss_sum + out.aux_loss * counts[i]
                 with timer.phase("backward"):
-                    backend.backward(self.model, out.loss_sum / total)
-            loss_sum += out.loss_sum.detach()
+                    backend.backward(self.model, loss / total)
+            loss_sum += loss.detach()
             if not counts_tokens:
                 if out.num_tokens is None:
                     raise TypeError(f"{type(objective).__name__} has no num_tokens(batch) and its step gave none")
@@ -341,7 +352,12 @@ class TrainLoop:
         progress.epoch, progress.batch_index = last_position.epoch, last_position.batch_index
         progress.consumed_samples += sum(n for _, _, n in drawn)
         metrics = {"train/loss": loss_sum / total, "train/grad_norm": grad_norm, "train/lr": lr}
-        metrics.update({f"train/{k}": v / total for k, v in metric_sums.items()})
+        finalize = getattr(objective, "finalize_metrics", None)
+        if finalize is not None:
+            metrics.update({f"train/{k}": v for k, v in finalize(metric_sums).items()})
+        per = getattr(objective, "metric_denominators", {})
+        metrics.update({f"train/{k}": v / (metric_sums[per[k]].clamp(min=1.0) if k in per else total)
+                        for k, v in metric_sums.items()})
         return StepRecord(progress.global_step, metrics, num_tokens, timer)
 
     def _sum_over_ranks(

@@ -1,8 +1,8 @@
-"""The supervised loop's objectives (SFT, reward model, DPO) and their batch sources.
+"""The supervised loop's objectives (SFT, reward model, DPO, KTO) and their batch sources.
 
 Each objective implements :class:`~trainer_core.training.loop.Objective` from the pure losses of
 :mod:`trainer_core.objectives` and the forwards of :mod:`trainer_core.forward`; the stages
-(``stages/sft.py``, ``reward_model.py``, ``dpo.py``) train with them and ``stages/evaluate.py``
+(``stages/sft.py``, ``pretrain.py``, ``reward_model.py``, ``dpo.py``, ``kto.py``) train with them and ``stages/evaluate.py``
 scores held-out data with them.
 
 Shape legend: B batch (sequences, or pairs for the pairwise objectives), T tokens.
@@ -24,6 +24,7 @@ from trainer_core.data.batching import (
     PackedBatchSampler,
     collate_causal,
     collate_causal_packed,
+    collate_kto,
     collate_pairs,
     collate_pairs_packed,
     is_packed,
@@ -33,6 +34,7 @@ from trainer_core.errors import ConfigError
 from trainer_core.forward import masked_nll_sum, masked_token_logprobs, packed_sequence_scores
 from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS
 from trainer_core.objectives.dpo import LENGTH_NORMALISED, REFERENCE_FREE, preference_loss
+from trainer_core.objectives.kto import PER_LABEL_METRICS, kto_loss
 from trainer_core.objectives.logprobs import sequence_logprobs, shift_mask
 from trainer_core.objectives.reward import bradley_terry_loss
 from trainer_core.training.loop import BatchSource, StepOutput
@@ -208,7 +210,9 @@ class RewardObjective:
 
 
 def evaluate_pairs(objective, model: nn.Module, source: BatchSource, max_batches: int) -> dict[str, float]:
-    """Mean loss and per-pair metrics of ``objective`` over the first ``max_batches`` batches."""
+    """Mean loss and per-unit metrics (pairs, or KTO's examples) of ``objective`` over the first
+    ``max_batches`` batches; a metric the objective lists in ``metric_denominators`` is averaged
+    over that count metric instead."""
     totals: dict[str, float] = {"loss": 0.0}
     count = 0
     for batch in eval_batches(source, max_batches):
@@ -217,7 +221,8 @@ def evaluate_pairs(objective, model: nn.Module, source: BatchSource, max_batches
         for k, v in out.metric_sums.items():
             totals[k] = totals.get(k, 0.0) + float(v)
         count += objective.count(batch)
-    return {k: v / max(count, 1) for k, v in totals.items()}
+    per = getattr(objective, "metric_denominators", {})
+    return {k: v / max(totals[per[k]] if k in per else count, 1) for k, v in totals.items()}
 
 
 def pair_logprobs(
@@ -260,7 +265,22 @@ def collate_with_reference(rows: list[dict], pad_id: int, packed: bool = False) 
     return batch
 
 
-class DPOObjective:
+class _OfflinePreferenceObjective:
+    """What DPO's and KTO's objectives share: beta, the held-out source and the LM head's chunk
+    size; their evaluation is :func:`evaluate_pairs` over the held-out source."""
+
+    def __init__(self, beta: float, eval_source: BatchSource, eval_max_batches: int, chunk_size: int) -> None:
+        self.beta = beta
+        self.eval_source = eval_source
+        self.eval_max_batches = eval_max_batches
+        self.chunk_size = chunk_size
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out mean loss and the objective's per-unit metrics."""
+        return evaluate_pairs(self, model, self.eval_source, self.eval_max_batches)
+
+
+class DPOObjective(_OfflinePreferenceObjective):
     """A preference loss of the DPO family (:func:`~trainer_core.objectives.dpo.preference_loss`);
     the count unit is a pair. Metrics use TRL's names.
 
@@ -279,10 +299,7 @@ class DPOObjective:
         self, beta: float, eval_source: BatchSource, eval_max_batches: int, chunk_size: int = CHUNK_SIZE_TOKENS,
         *, loss_type: str = "sigmoid", label_smoothing: float = 0.0, gamma: float = 0.5,
     ) -> None:
-        self.beta = beta
-        self.eval_source = eval_source
-        self.eval_max_batches = eval_max_batches
-        self.chunk_size = chunk_size
+        super().__init__(beta, eval_source, eval_max_batches, chunk_size)
         self.loss_type, self.label_smoothing, self.gamma = loss_type, label_smoothing, gamma
 
     @property
@@ -310,30 +327,115 @@ class DPOObjective:
         sums["logps/rejected"] = rejected.detach().sum()
         return StepOutput(loss_sum=losses.sum(), metric_sums=sums)
 
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """Held-out mean loss and TRL's reward metrics."""
-        return evaluate_pairs(self, model, self.eval_source, self.eval_max_batches)
+
+def completion_logprobs(model: nn.Module, batch: dict[str, Tensor], prefix: str = "",
+                        chunk_size: int = CHUNK_SIZE_TOKENS) -> Tensor:
+    """Summed log-probs [B] float32 of the counted tokens of ``batch``'s ``<prefix>input_ids``
+    (``<prefix>attention_mask``, ``<prefix>loss_mask``, ``<prefix>counted_index``), the LM head
+    on counted positions only (:func:`~trainer_core.forward.masked_token_logprobs`)."""
+    loss_mask = batch[f"{prefix}loss_mask"]
+    token_logprobs = masked_token_logprobs(
+        model, batch[f"{prefix}input_ids"], batch[f"{prefix}attention_mask"], loss_mask, chunk_size=chunk_size,
+        counted_index=batch.get(f"{prefix}counted_index"),
+    )
+    return sequence_logprobs(token_logprobs, shift_mask(loss_mask))
+
+
+def kto_logprobs(model: nn.Module, batch: dict[str, Tensor], chunk_size: int = CHUNK_SIZE_TOKENS) -> tuple[Tensor, Tensor]:
+    """Summed log-probs of a :func:`~trainer_core.data.batching.collate_kto` batch's completions
+    and of its KL sequences' completions, each [B] float32 (two forwards)."""
+    return completion_logprobs(model, batch, "", chunk_size), completion_logprobs(model, batch, "kl_", chunk_size)
+
+
+class KTOObjective(_OfflinePreferenceObjective):
+    """The KTO loss (:func:`~trainer_core.objectives.kto.kto_loss`); the count unit is an example.
+
+    The policy's log-probs of the mismatched KL sequences are computed without gradient (TRL's
+    ``_compute_kl_logps``); the reference's come precomputed in the batch (``ref_logprobs``,
+    ``ref_kl_logprobs``). Metrics use TRL's names; ``rewards/*`` and ``logps/*`` are means over
+    the desirable (``chosen``) or undesirable (``rejected``) examples of the step.
+
+    Args:
+        beta: KTO's beta.
+        eval_source: unshuffled held-out examples with their reference log-probs.
+        eval_max_batches: cap on evaluated micro-batches.
+        chunk_size: tokens per chunk of the LM head.
+        desirable_weight: lambda_D.
+        undesirable_weight: lambda_U.
+    """
+
+    metric_denominators = PER_LABEL_METRICS
+
+    def __init__(
+        self, beta: float, eval_source: BatchSource, eval_max_batches: int, chunk_size: int = CHUNK_SIZE_TOKENS,
+        *, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+    ) -> None:
+        super().__init__(beta, eval_source, eval_max_batches, chunk_size)
+        self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
+
+    def count(self, batch: dict[str, Tensor]) -> int:
+        return batch["label"].shape[0]
+
+    def num_tokens(self, batch: dict[str, Tensor]) -> int:
+        """Non-padding tokens of the completions and the KL sequences of a host micro-batch."""
+        return int(batch["attention_mask"].sum() + batch["kl_attention_mask"].sum())
+
+    def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
+        with torch.no_grad():
+            kl_logps = completion_logprobs(model, batch, "kl_", self.chunk_size)
+        logps = completion_logprobs(model, batch, "", self.chunk_size)
+        losses, m = kto_loss(
+            logps, batch["ref_logprobs"], kl_logps, batch["ref_kl_logprobs"], batch["label"], self.beta,
+            self.desirable_weight, self.undesirable_weight,
+        )
+        return StepOutput(loss_sum=losses.sum(), metric_sums={k: v.sum() for k, v in m.items()})
+
+
+def kto_source(rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True) -> BatchSource:
+    """Batch source over prepared KTO rows, bucketed by the longer of completion and KL sequence."""
+    lengths = [max(len(r["input_ids"]), len(r["kl_input_ids"])) for r in rows]
+    return batch_source(rows, lengths, partial(collate_kto, pad_id=pad_id), micro_batch_size, seed, device,
+                        shuffle=shuffle)
+
+
+def _pair_length(row: dict) -> int:
+    return len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
+
+
+def _kto_length(row: dict) -> int:
+    return len(row["input_ids"]) + len(row["kl_input_ids"])
 
 
 @torch.no_grad()
 def reference_logprobs(
-    model: nn.Module, rows: list[dict], pad_id: int, batch_size: int, device, chunk_size: int = CHUNK_SIZE_TOKENS
+    model: nn.Module, rows: list[dict], pad_id: int, batch_size: int, device, chunk_size: int = CHUNK_SIZE_TOKENS,
+    *, kind: str = "pairs",
 ) -> list[list[float]]:
-    """[chosen, rejected] summed log-probs under ``model`` for each row, in row order.
+    """Summed completion log-probs under ``model`` for each row, in row order: [chosen, rejected]
+    of preference pairs (``kind="pairs"``, :func:`pair_logprobs`) or [completion, KL completion]
+    of KTO examples (``kind="kto"``, :func:`kto_logprobs`).
 
     ``model`` is the frozen reference, plain or as ``Backend.prepare_frozen`` placed it (an
     FSDP2 module, a ZeRO-3 engine); its LM head runs on completion positions only, in chunks
-    of ``chunk_size`` tokens (:func:`pair_logprobs`). Rows are batched in length order to
-    limit padding; results are put back in row order.
+    of ``chunk_size`` tokens. Rows are batched in length order to limit padding; results are
+    put back in row order.
+
+    Raises:
+        ValueError: an unknown ``kind``.
     """
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["chosen_input_ids"]) + len(rows[i]["rejected_input_ids"]))
+    if kind not in ("pairs", "kto"):
+        raise ValueError(f"unknown reference log-prob kind {kind!r} (pairs or kto)")
+    collate, forward, length = (
+        (collate_pairs, pair_logprobs, _pair_length) if kind == "pairs" else (collate_kto, kto_logprobs, _kto_length)
+    )
+    order = sorted(range(len(rows)), key=lambda i: length(rows[i]))
     out: list[list[float]] = [[0.0, 0.0] for _ in rows]
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        batch = {k: v.to(device) for k, v in collate_pairs([rows[i] for i in idx], pad_id).items()}
-        chosen, rejected = pair_logprobs(model, batch, chunk_size)
-        for i, c, r in zip(idx, chosen.tolist(), rejected.tolist()):
-            out[i] = [c, r]
+        batch = {k: v.to(device) for k, v in collate([rows[i] for i in idx], pad_id).items()}
+        first, second = forward(model, batch, chunk_size)
+        for i, a, b in zip(idx, first.tolist(), second.tolist()):
+            out[i] = [a, b]
     return out
 
 

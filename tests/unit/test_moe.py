@@ -1,0 +1,96 @@
+"""Mixture-of-experts pieces on their own: config checks, router discovery on a tiny Mixtral,
+the load-balancing loss against transformers' own, the expert-usage metrics by hand, and the
+fingerprint of configs that do not use them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from trainer_core.config import load_config
+from trainer_core.data.batching import collate_causal
+from trainer_core.data.tokenizer import train_tokenizer
+from trainer_core.errors import ConfigError
+from trainer_core.fingerprint import stage_fingerprint
+from trainer_core.models import load_causal_lm
+from trainer_core.training.moe import MoEObjective, with_moe
+from trainer_core.training.supervised import SFTObjective
+
+MIXTRAL = {"model.init.architecture": "mixtral", "model.init.hidden_size": 32, "model.init.intermediate_size": 32,
+           "model.init.num_hidden_layers": 2, "model.init.num_local_experts": 4, "model.init.num_experts_per_tok": 2}
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match=r"\['num_local_experts'\] apply to a mixture of experts"):
+        load_config(overrides={"model.init.num_local_experts": 4})
+    with pytest.raises(ConfigError, match="num_experts_per_tok=5 exceeds num_local_experts=4"):
+        load_config(overrides={**MIXTRAL, "model.init.num_experts_per_tok": 5})
+    with pytest.raises(ConfigError, match="online RL stages do not add the router loss"):
+        load_config(overrides={"grpo.moe.aux_loss_coef": 0.01})
+    init = load_config(overrides={"model.init.architecture": "mixtral"}).model.init
+    assert (init.experts, init.experts_per_token) == (4, 2)
+
+
+def test_fingerprints_change_only_when_moe_is_used():
+    base = stage_fingerprint(load_config(), "sft", {"data": "d", "model": "init"})
+    explicit = load_config(overrides={"sft.moe.aux_loss_coef": 0.0, "model.init.architecture": "llama"})
+    assert stage_fingerprint(explicit, "sft", {"data": "d", "model": "init"}) == base  # neutral values: not hashed
+    assert stage_fingerprint(load_config(overrides={"sft.moe.aux_loss_coef": 0.02}), "sft",
+                             {"data": "d", "model": "init"}) != base
+    assert stage_fingerprint(load_config(overrides=MIXTRAL), "sft", {"data": "d", "model": "init"}) != base
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    tokenizer = train_tokenizer(["one two three four five six seven eight nine ten"] * 20, 64, 1)
+    config = load_config(overrides=MIXTRAL)
+    return load_causal_lm("init", config.model, tokenizer, 0)
+
+
+def test_dense_model_keeps_its_objective_and_refuses_a_router_loss():
+    tokenizer = train_tokenizer(["one two three"] * 20, 64, 1)
+    dense = load_causal_lm("init", load_config().model, tokenizer, 0)
+    objective = SFTObjective(None, 0)
+    assert with_moe(dense, objective, 0.0, "sft") is objective
+    with pytest.raises(ConfigError, match=r"sft.moe.aux_loss_coef=0.01: the model has no mixture-of-experts routers"):
+        with_moe(dense, objective, 0.01, "sft")
+
+
+def test_router_loss_and_counts_of_one_micro_batch(mixtral):
+    objective = with_moe(mixtral, SFTObjective(None, 0), 0.1, "sft")
+    assert isinstance(objective, MoEObjective) and (objective.num_layers, objective.num_experts) == (2, 4)
+    batch = collate_causal([{"input_ids": [3, 5, 6, 7, 8], "loss_mask": [0, 1, 1, 1, 1]},
+                            {"input_ids": [3, 5, 6], "loss_mask": [0, 1, 1]}], pad_id=0)
+    out = objective.step(mixtral, batch)
+    # transformers' own loss from a plain forward with output_router_logits, padding masked
+    with torch.no_grad():
+        ref = mixtral(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
+    expected = load_balancing_loss_func(ref.router_logits, 4, 2, batch["attention_mask"])
+    assert float(out.aux_loss.detach()) == pytest.approx(0.1 * float(expected), rel=1e-5)
+    for layer in range(2):  # 8 real tokens, 2 experts each; the 2 padding positions are not counted
+        counts = [float(out.metric_sums[f"moe/layer{layer}/expert{e}/tokens"]) for e in range(4)]
+        assert sum(counts) == 16
+        chosen = torch.topk(ref.router_logits[layer], 2, dim=-1).indices[batch["attention_mask"].reshape(-1).bool()]
+        assert counts == [float((chosen == e).sum()) for e in range(4)]
+    with torch.no_grad():  # forwards without gradient are not captured
+        assert objective.step(mixtral, batch).aux_loss is None
+
+
+def test_finalize_metrics_by_hand(mixtral):
+    objective = with_moe(mixtral, SFTObjective(None, 0), 0.0, "sft")
+    sums = {"moe/aux_loss": torch.tensor(4.4), "moe/micro_batches": torch.tensor(2.0), "loss_part": torch.tensor(1.0)}
+    for layer, counts in enumerate(([4.0, 4.0, 4.0, 4.0], [8.0, 0.0, 6.0, 2.0])):
+        sums.update({f"moe/layer{layer}/expert{e}/tokens": torch.tensor(c) for e, c in enumerate(counts)})
+    out = objective.finalize_metrics(sums)
+    assert sums == {"loss_part": torch.tensor(1.0)}  # what it read is gone; the rest is the loop's to divide
+    assert float(out["moe/aux_loss"]) == pytest.approx(2.2)
+    assert float(out["moe/layer0/entropy"]) == pytest.approx(math.log(4))
+    shares = [0.5, 0.0, 0.375, 0.125]
+    assert [float(out[f"moe/layer1/expert{e}_share"]) for e in range(4)] == pytest.approx(shares)
+    assert (float(out["moe/layer1/min_share"]), float(out["moe/layer1/max_share"])) == (0.0, 0.5)
+    entropy = -sum(p * math.log(p) for p in shares if p)
+    assert float(out["moe/layer1/entropy"]) == pytest.approx(entropy, rel=1e-6)
+    assert float(out["moe/entropy"]) == pytest.approx((math.log(4) + entropy) / 2, rel=1e-6)

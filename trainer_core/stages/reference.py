@@ -1,0 +1,97 @@
+"""The frozen reference's log-probs of an offline preference stage (DPO, KTO), computed once.
+
+The reference's summed completion log-probs of every train and eval row the stage will read
+are computed at its start, committed under ``<output_uri>/reference/`` (manifest last, with the
+stage's fingerprint) and reused on resume; the reference model is then freed, so training holds
+only the policy. With LoRA (``lora.reference_model: disabled_adapter``) no reference model is
+loaded at all: the reference log-probs are the policy's with its (still untrained) adapter
+disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+
+from torch import nn
+
+from trainer_core.checkpoint.manifest import ArtifactWriter, load_verified
+from trainer_core.lora import adapter_disabled
+from trainer_core.stages.context import StageContext
+from trainer_core.storage import join_uri, read_bytes
+from trainer_core.training.supervised import reference_logprobs
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "eval")
+
+
+def load_or_compute_reference(
+    ctx: StageContext, needed: dict[str, list[int]], splits: dict[str, list[dict]], batch_size: int, *,
+    kind: str = "pairs", policy: nn.Module | None = None,
+) -> dict[str, dict[int, list[float]]]:
+    """Reference log-probs (split -> row index -> two values) of the rows each split will use.
+
+    Args:
+        ctx: the stage's context (its ``reference`` input, fingerprint and layout).
+        needed: split -> indices of the rows the run reads (``rows_used``).
+        splits: split -> prepared rows.
+        batch_size: rows per reference forward.
+        kind: ``pairs`` ([chosen, rejected]) or ``kto`` ([completion, KL completion]); see
+            :func:`~trainer_core.training.supervised.reference_logprobs`.
+        policy: the wrapped LoRA policy whose disabled adapter is the reference
+            (``ctx.reference_is_disabled_adapter``), or None to load the reference input as its
+            own model.
+
+    Returns:
+        Every rank gets the same values; rank 0 has committed them.
+    """
+    uri = ctx.layout.artifact("reference")
+    expected = ctx.fingerprint
+    reuse = False
+    if ctx.is_main:  # one decision for all ranks: a sharded reference needs every rank's forward
+        try:
+            reuse = load_verified(uri).config_hash == expected
+        except (FileNotFoundError, ValueError) as e:
+            log.info("computing reference log-probs (%s)", e.__class__.__name__)
+    if ctx.backend.broadcast_object(reuse):
+        log.info("reusing reference log-probs from %s", uri)
+        loaded = {s: json.loads(read_bytes(join_uri(uri, f"{s}.json"))) for s in SPLITS}
+        return {s: {int(i): v for i, v in values.items()} for s, values in loaded.items()}
+    if policy is None:
+        reference, disabled = ctx.backend.prepare_frozen(ctx.causal_lm("reference")), contextlib.nullcontext()
+    else:  # LoRA: the policy with its adapter off is the model it starts from; eval mode (no adapter dropout)
+        reference, disabled = policy, adapter_disabled(ctx.backend.unwrap(policy))
+        policy.eval()
+        log.info("reference: the policy with its LoRA adapter disabled (no reference model loaded)")
+    pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
+    values: dict[str, dict[int, list[float]]] = {}
+    with disabled:
+        for s, indices in needed.items():
+            with ctx.backend.autocast():  # the policy's compute precision: an unchanged policy's margin is 0
+                computed = reference_logprobs(reference, [splits[s][i] for i in indices], pad_id, batch_size, device,
+                                              kind=kind)
+            values[s] = dict(zip(indices, computed))
+            log.info("reference log-probs: %d of %d %s rows (the ones this run reads)", len(indices), len(splits[s]), s)
+    if policy is not None:
+        policy.train()
+    del reference
+    if not ctx.is_main:  # every rank computed the same values; rank 0 commits them
+        return values
+    writer = ArtifactWriter(uri, overwrite=True)
+    for s, v in values.items():
+        writer.write_bytes(f"{s}.json", json.dumps({str(i): lp for i, lp in v.items()}).encode())
+    writer.commit(
+        kind="final", stage=ctx.spec.stage, run_id=ctx.spec.run_id, config_hash=expected,
+        extra={"role": "reference_logprobs", "reference": ctx.input("reference")},
+    )
+    return values
+
+
+def attach_reference(splits: dict[str, list[dict]], values: dict[str, dict[int, list[float]]],
+                     keys: tuple[str, str]) -> None:
+    """Store each row's two reference log-probs in the row under ``keys`` (in place)."""
+    for s, rows in splits.items():
+        for i, pair in values[s].items():
+            rows[i][keys[0]], rows[i][keys[1]] = pair
