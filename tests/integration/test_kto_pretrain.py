@@ -7,7 +7,9 @@ model (wired by the stage registry), and KTO from SFT.
   1 - sigmoid(0) = 0.5), lowers its held-out loss, and separates the implied rewards of
   desirable and undesirable examples;
 - its reference log-probs (of each completion and of its mismatched KL sequence) are committed;
-- with LoRA its reference is the policy's disabled adapter: no reference model, same fixed point.
+- with LoRA its reference is the policy's disabled adapter: no reference model, same fixed point;
+- at 2 ranks (DDP) the KL estimate is averaged over the ranks, as TRL's, and the stage runs from
+  the same fixed point.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from trainer_core.registry import stage_inputs
 from trainer_core.spec import build_spec
 from trainer_core.storage import StageLayout, join_uri
 
-from .helpers import RUN_ID, run_stage, tiny_overrides, write_spec
+from .helpers import RUN_ID, run_stage, run_stage_ranks, tiny_overrides, write_spec
 from .test_backends import why_failed
 
 STAGES = ("prepare_data", "pretrain", "sft", "kto")
@@ -59,6 +61,13 @@ def extended(tmp_path_factory):
     run = run_stage(write_spec(spec, f"{output}.spec.json"))
     assert run.returncode == 0, why_failed(run)
     runs["kto_lora"] = (run, output, spec)
+    ddp = load_config(base=config.model_dump(mode="json"), overrides={
+        "kto.backend": {"name": "ddp", "nproc_per_node": 2}, "kto.max_steps": 4, "kto.eval_every": 4})
+    output = os.path.join(root, "kto_ddp")
+    spec = build_spec(ddp, "kto", RUN_ID, stage_inputs(ddp, "kto", outputs), output_uri=output)
+    run = run_stage_ranks(write_spec(spec, f"{output}.spec.json"), 2)
+    assert run.returncode == 0, why_failed(run)
+    runs["kto_ddp"] = (run, output, spec)
     return runs
 
 
@@ -117,3 +126,11 @@ def test_kto_with_lora_takes_the_disabled_adapter_as_reference(extended):
     assert float(first["train/loss"]) == pytest.approx(0.5, abs=1e-5)
     assert float(first["train/kl"]) == pytest.approx(0.0, abs=1e-5)
     assert read_manifest(StageLayout(output).artifact("reference")).stage == "kto"
+
+
+def test_kto_at_two_ranks_averages_the_reference_point(extended):
+    run, output, _ = extended["kto_ddp"]
+    steps = run.step_metrics()
+    assert float(steps[1]["train/loss"]) == pytest.approx(0.5, abs=1e-5)
+    assert sorted(steps) == [0, 1, 2, 3, 4] and "eval/kl" in steps[4]
+    assert read_manifest(StageLayout(output).final).world_size == 2

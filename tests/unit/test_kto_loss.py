@@ -76,3 +76,13 @@ def test_objective_reports_per_label_means():
     assert metrics["rewards/rejected"] == pytest.approx(0.1 * (lp + 6), rel=1e-5)
     assert metrics["count/chosen"] == pytest.approx(2 / 3)
     assert metrics["kl"] == pytest.approx(max(lp + 3, 0.0), abs=1e-6)
+
+
+def test_reference_point_from_the_caller_replaces_the_micro_batch_one():
+    logps = torch.tensor([-1.0, -2.0])
+    labels = torch.tensor([True, False])
+    local, _ = kto_loss(logps, logps - 0.5, logps, logps, labels, beta=1.0)  # own estimate: KL 0
+    shared, m = kto_loss(logps, logps - 0.5, logps, logps, labels, beta=1.0, kl=torch.tensor(0.3))
+    assert m["kl"].tolist() == pytest.approx([0.3, 0.3])
+    assert local.tolist() == pytest.approx([1 - sigmoid(0.5), 1 - sigmoid(-0.5)])
+    assert shared.tolist() == pytest.approx([1 - sigmoid(0.5 - 0.3), 1 - sigmoid(0.3 - 0.5)])

@@ -36,6 +36,7 @@ TINY = {
 
 def test_detect_kto_and_text():
     assert detect_format({"prompt": "p", "completion": "c", "label": True}) == "kto"
+    assert detect_format({"prompt": "p", "completion": "c", "label": "math"}) == "prompt_completion"  # not a kto label
     assert detect_format({"text": "t"}) == "text"
 
 
@@ -62,7 +63,10 @@ def test_text_examples():
     assert to_text_example({"question": "q?", "answer": "a\n#### 1"}, "gsm8k") == {"text": "q?\na\n#### 1"}
     assert to_text_example({"prompt": "p", "completion": "c"}, "prompt_completion") == {"text": "p\nc"}
     with pytest.raises(DataError, match=r"x:2: missing field 'text'"):
+        to_text_example({"body": "raw", "_source": "x:2"}, "text")
+    with pytest.raises(DataError, match=r"x:2: cannot detect the record format"):
         to_text_example({"body": "raw", "_source": "x:2"})
+    assert to_text_example({"question": "q?", "answer": "a"}) == {"text": "q?\na"}  # auto: detected, rendered
     with pytest.raises(DataError, match=r"has no raw-text rendering"):
         to_text_example({"prompt": "p", "chosen": "a", "rejected": "b"}, "prompt_completion")
 
@@ -188,3 +192,8 @@ def test_a_missing_optional_split_says_why(tmp_path):
     run_spec(spec)
     with pytest.raises(DataError, match=r"kto/train.parquet .* made without data.kto"):
         load_split(StageLayout(spec.output_uri).final, "kto/train")
+
+
+def test_kto_needs_two_examples_a_micro_batch():
+    with pytest.raises(ConfigError, match="kto.micro_batch_size must be at least 2"):
+        load_config(overrides={"kto.micro_batch_size": 1})

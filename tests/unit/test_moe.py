@@ -50,6 +50,18 @@ def mixtral():
     return load_causal_lm("init", config.model, tokenizer, 0)
 
 
+def test_routers_that_do_not_say_their_experts_get_no_statistics(mixtral, monkeypatch):
+    router = type(next(m for m in mixtral.modules() if type(m).__name__ == "MixtralTopKRouter"))
+    monkeypatch.delattr(router, "top_k", raising=False)
+    for module in mixtral.modules():
+        if isinstance(module, router):
+            monkeypatch.delattr(module, "top_k")
+    objective = SFTObjective(None, 0)
+    assert with_moe(mixtral, objective, 0.0, "sft") is objective
+    with pytest.raises(ConfigError, match=r"do not say their experts and top-k"):
+        with_moe(mixtral, objective, 0.02, "sft")
+
+
 def test_dense_model_keeps_its_objective_and_refuses_a_router_loss():
     tokenizer = train_tokenizer(["one two three"] * 20, 64, 1)
     dense = load_causal_lm("init", load_config().model, tokenizer, 0)
@@ -70,8 +82,9 @@ def test_router_loss_and_counts_of_one_micro_batch(mixtral):
         ref = mixtral(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
     expected = load_balancing_loss_func(ref.router_logits, 4, 2, batch["attention_mask"])
     assert float(out.aux_loss.detach()) == pytest.approx(0.1 * float(expected), rel=1e-5)
+    assert out.metric_sums["moe/expert_tokens"].shape == (2, 4)
     for layer in range(2):  # 8 real tokens, 2 experts each; the 2 padding positions are not counted
-        counts = [float(out.metric_sums[f"moe/layer{layer}/expert{e}/tokens"]) for e in range(4)]
+        counts = out.metric_sums["moe/expert_tokens"][layer].tolist()
         assert sum(counts) == 16
         chosen = torch.topk(ref.router_logits[layer], 2, dim=-1).indices[batch["attention_mask"].reshape(-1).bool()]
         assert counts == [float((chosen == e).sum()) for e in range(4)]
@@ -82,8 +95,7 @@ def test_router_loss_and_counts_of_one_micro_batch(mixtral):
 def test_finalize_metrics_by_hand(mixtral):
     objective = with_moe(mixtral, SFTObjective(None, 0), 0.0, "sft")
     sums = {"moe/aux_loss": torch.tensor(4.4), "moe/micro_batches": torch.tensor(2.0), "loss_part": torch.tensor(1.0)}
-    for layer, counts in enumerate(([4.0, 4.0, 4.0, 4.0], [8.0, 0.0, 6.0, 2.0])):
-        sums.update({f"moe/layer{layer}/expert{e}/tokens": torch.tensor(c) for e, c in enumerate(counts)})
+    sums["moe/expert_tokens"] = torch.tensor([[4.0, 4.0, 4.0, 4.0], [8.0, 0.0, 6.0, 2.0]])
     out = objective.finalize_metrics(sums)
     assert sums == {"loss_part": torch.tensor(1.0)}  # what it read is gone; the rest is the loop's to divide
     assert float(out["moe/aux_loss"]) == pytest.approx(2.2)

@@ -177,6 +177,14 @@ class KTOConfig(TrainStageConfig):
         None, description="Reference model URI; None: the policy's starting model (the SFT output)."
     )
 
+    @model_validator(mode="after")
+    def _kl_needs_a_batch(self) -> KTOConfig:
+        if self.micro_batch_size < 2:
+            raise ValueError("kto.micro_batch_size must be at least 2: the KL reference point is estimated from the "
+                             "micro-batch's mismatched pairs (with 1 it is the example's own implied reward; TRL refuses "
+                             "it too)")
+        return self
+
 
 class PretrainConfig(SupervisedStageConfig):
     """Continued pretraining: next-token loss on every token of packed raw text (``data.pretrain``)."""

@@ -80,7 +80,7 @@ def detect_format(record: dict) -> str:
 
     Returns:
         ``"gsm8k"`` (``question`` + ``answer``), ``"kto"`` (``prompt`` + ``completion`` +
-        ``label``), ``"prompt_completion"`` (``prompt`` + ``completion``, or ``prompt`` +
+        a boolean ``label``), ``"prompt_completion"`` (``prompt`` + ``completion``, or ``prompt`` +
         ``chosen`` + ``rejected``), ``"hh_rlhf"`` (``chosen`` + ``rejected`` without ``prompt``)
         or ``"text"`` (``text`` alone).
 
@@ -90,7 +90,7 @@ def detect_format(record: dict) -> str:
     keys = set(record)
     if {"question", "answer"} <= keys:
         return "gsm8k"
-    if {"prompt", "completion", "label"} <= keys:
+    if {"prompt", "completion", "label"} <= keys and isinstance(record["label"], bool):
         return "kto"
     if "prompt" in keys and ("completion" in keys or {"chosen", "rejected"} <= keys):
         return "prompt_completion"
@@ -261,7 +261,8 @@ def to_kto_examples(record: dict, fmt: str = "auto") -> list[dict]:
 def to_text_example(record: dict, fmt: str = "auto", field: str = "text") -> dict:
     """Canonical raw-text document ``{"text"}`` of one record, for continued pretraining.
 
-    text (and ``auto``): the record's ``field``. gsm8k: question and worked answer, one per line;
+    text (and ``auto`` when the record has ``field``): the record's ``field``. gsm8k: question and
+    worked answer, one per line;
     prompt_completion with a completion: prompt and completion likewise (a prompt given as
     messages is rendered by :func:`messages_to_text`).
 
@@ -269,7 +270,7 @@ def to_text_example(record: dict, fmt: str = "auto", field: str = "text") -> dic
         DataError: a missing field or a wrong type (names the source and field), or a format
             without a text rendering (preference pairs, kto).
     """
-    if fmt in ("auto", "text"):
+    if fmt == "text" or (fmt == "auto" and field in record):
         return _with_source({"text": _field(record, field)}, record)
     fmt = _resolve(record, fmt)
     if fmt == "gsm8k":

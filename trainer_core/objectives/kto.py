@@ -22,6 +22,8 @@ def kto_loss(
     beta: float,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
+    *,
+    kl: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-example KTO loss.
 
@@ -29,8 +31,8 @@ def kto_loss(
     ``z0 = max(0, mean(kl_logps - ref_kl_logps))`` (detached), the loss of a desirable example
     is ``lambda_D (1 - sigmoid(beta (r - z0)))`` and that of an undesirable one
     ``lambda_U (1 - sigmoid(beta (z0 - r)))``. ``z0`` estimates KL(policy || reference) from
-    mismatched (prompt, completion) pairs of the same micro-batch (TRL's KL completions);
-    TRL also averages it over the data-parallel ranks, this function over its arguments only.
+    mismatched (prompt, completion) pairs of the same micro-batch (TRL's KL completions); TRL
+    averages it over the data-parallel ranks too, which the caller does by passing ``kl``.
 
     Args:
         logps: [B] float32, the policy's summed log-probs of each example's completion.
@@ -42,6 +44,9 @@ def kto_loss(
         beta: the implied reward's scale (TRL's ``beta``).
         desirable_weight: lambda_D.
         undesirable_weight: lambda_U.
+        kl: scalar, ``mean(kl_logps - ref_kl_logps)`` as the caller computed it (averaged over
+            ranks); None: computed here from ``kl_logps`` and ``ref_kl_logps``. Clamped at 0 and
+            detached either way.
 
     Returns:
         ``(losses, metrics)``: losses [B] float32; metrics, each [B] and detached (summed by the
@@ -50,7 +55,7 @@ def kto_loss(
         and ``count/rejected`` (1 for the desirable / undesirable examples) and ``logps/chosen``,
         ``logps/rejected`` (likewise).
     """
-    kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+    kl = ((kl_logps - ref_kl_logps).mean() if kl is None else kl).detach().clamp(min=0)
     logratios = logps - ref_logps
     desirable = labels.bool()
     chosen_losses = 1 - torch.sigmoid(beta * (logratios - kl))

@@ -40,7 +40,7 @@ from trainer_core.storage import StageLayout, join_uri
 from trainer_core.tracking import MetricLogger
 from trainer_core.training.guard import nonfinite_weights
 from trainer_core.training.loop import BatchSource, Objective, TrainLoop, summarize
-from trainer_core.training.moe import with_moe
+from trainer_core.training.moe import MoEObjective, with_moe
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +271,8 @@ def train_stage(
     )
     resumed = loop.resume()
     progress = loop.run()
+    if isinstance(objective, MoEObjective):
+        objective.recorder.remove()
     metrics = summarize(progress)
     metrics["resumed"] = float(resumed)
     metrics["consumed_samples"] = float(progress.consumed_samples)

@@ -46,7 +46,9 @@ def run(ctx: StageContext) -> Manifest:
         reference = load_or_compute_reference(ctx, needed, splits, batch_size, kind="kto")
         model = ctx.backend.wrap(ctx.causal_lm("model"))
     attach_reference(splits, reference, ("ref_logprobs", "ref_kl_logprobs"))
+    backend = ctx.backend
+    mean_over_ranks = (lambda t: backend.all_reduce_sum(t) / backend.world_size) if backend.world_size > 1 else None
     objective = KTOObjective(cfg.beta, held_out, cfg.eval_max_batches, desirable_weight=cfg.desirable_weight,
-                             undesirable_weight=cfg.undesirable_weight)
+                             undesirable_weight=cfg.undesirable_weight, mean_over_ranks=mean_over_ranks)
     metrics = train_stage(ctx, model, objective, train, cfg)
     return commit_final(ctx, metrics, model=model)

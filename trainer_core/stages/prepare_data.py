@@ -152,8 +152,9 @@ def _load_documents(source: DataSource, config: PipelineConfig, metrics: dict[st
         records, fmt = make_sft_records(syn.num_problems, config.seed + 1, syn.max_operand), "gsm8k"
     else:
         records, fmt = _read(source, "pretrain"), source.format
-    adapter = partial(to_text_example, field=source.text_field)
-    return _adapt(records, "text" if fmt == "auto" else fmt, adapter, "pretrain", metrics)
+    if fmt == "auto" and source.text_field in records[0]:
+        fmt = "text"  # auto: the text field when the records have it, else the detected format rendered as text
+    return _adapt(records, fmt, partial(to_text_example, field=source.text_field), "pretrain", metrics)
 
 
 def _read(source: DataSource, name: str) -> list[dict]:
@@ -294,6 +295,9 @@ def _pretrain_table(tokenizer: Any, docs: list[dict], config: PipelineConfig, na
                     metrics: dict[str, float]) -> pa.Table:
     """Documents tokenised, each followed by EOS, joined and cut into blocks of
     ``max_length_tokens`` (the last block keeps the remainder when it has 2 tokens or more)."""
+    if not docs:
+        raise DataError(f"{name}: no documents left (after the held-out split and the decontamination; see the "
+                        "dropped counts)")
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ConfigError("the tokenizer has no eos_token: pretrain documents cannot be separated")

@@ -180,7 +180,7 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 
 def scalar_on(value: float | Tensor, device: torch.device) -> Tensor:
-    """``value`` as a float32 scalar on ``device``, copied without making the host wait
+    """``value`` as a float32 scalar (or tensor, when it is one) on ``device``, copied without making the host wait
     (``torch.tensor(x, device=cuda)`` copies synchronously: it waits for the stream)."""
     value = value if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float32)
     return value.to(device=device, dtype=torch.float32, non_blocking=True)
@@ -364,11 +364,16 @@ class TrainLoop:
         self, loss_sum: Tensor, num_tokens: int | Tensor, metric_sums: dict[str, Tensor]
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """Collective: a step's loss sum, token count and metric sums summed over every rank (one
-        all-reduce; the results stay on the device)."""
+        all-reduce; the results stay on the device). A metric sum may be a tensor of any shape
+        (a mixture of experts' [blocks, experts] counts); it comes back in its shape."""
         device, keys = self.backend.device, sorted(metric_sums)
-        local = torch.stack([scalar_on(v, device) for v in [loss_sum, num_tokens] + [metric_sums[k] for k in keys]])
-        summed = self.backend.all_reduce_sum(local)
-        return summed[0], summed[1], {k: summed[2 + j] for j, k in enumerate(keys)}
+        values = [scalar_on(v, device) for v in [loss_sum, num_tokens] + [metric_sums[k] for k in keys]]
+        summed = self.backend.all_reduce_sum(torch.cat([v.reshape(-1) for v in values]))
+        out, start = [], 0
+        for v in values:
+            out.append(summed[start : start + v.numel()].reshape(v.shape))
+            start += v.numel()
+        return out[0], out[1], dict(zip(keys, out[2:]))
 
     def _read(self) -> StepRecord | None:
         """Read every step not read yet in one device-to-host copy: the non-finite guard checks each

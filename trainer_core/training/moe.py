@@ -11,6 +11,8 @@ block; :class:`MoEObjective` wraps a stage's objective and, per micro-batch,
   padding tokens left out, as ``MixtralForCausalLM`` adds it when ``output_router_logits`` is on;
 - counts the top-k assignments of every expert in every block.
 
+The Switch loss assumes softmax top-k routing (Mixtral, Qwen2-MoE, OLMoE); routers that say
+nothing of their experts and top-k (``num_experts``, ``top_k``) get neither loss nor statistics.
 After each optimizer step the counts, summed over micro-batches and ranks, become per-block
 expert-usage metrics: ``moe/layer<l>/expert<e>_share`` (fraction of the block's assignments;
 uniform: 1/E), ``min_share``, ``max_share`` and ``entropy`` (nats, of the share distribution;
@@ -21,6 +23,7 @@ reference passes, KTO's KL sequences) are not captured.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -30,38 +33,64 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from trainer_core.errors import ConfigError
 from trainer_core.training.loop import Objective, StepOutput
 
+log = logging.getLogger(__name__)
 
-def _router_spec(model: nn.Module) -> tuple[type[nn.Module], int, Any] | None:
-    """(router class, index of the logits in its output, the model's config), or None for a dense model."""
+
+def _router_spec(model: nn.Module) -> tuple[type[nn.Module], int] | None:
+    """(router class, index of the logits in its output), or None for a dense model."""
     for module in model.modules():
         recordable = getattr(type(module), "_can_record_outputs", None) or {}
         recorder = recordable.get("router_logits")
         if recorder is not None and hasattr(recorder, "target_class"):
-            return recorder.target_class, recorder.index or 0, module.config
+            return recorder.target_class, recorder.index or 0
     return None
 
 
+def _routing(router: nn.Module) -> tuple[int, int] | None:
+    """(experts, experts per token) of a router module (its ``num_experts`` and ``top_k``, as
+    transformers' top-k routers keep them), or None when it does not say."""
+    experts, top_k = getattr(router, "num_experts", None), getattr(router, "top_k", None)
+    return (int(experts), int(top_k)) if isinstance(experts, int) and isinstance(top_k, int) else None
+
+
 class RouterRecorder:
-    """Forward hooks that keep the router logits of every forward run with gradient enabled.
+    """Forward hooks that keep the router logits, and the experts it chose, of every forward run
+    with gradient enabled.
+
+    The chosen experts are the router's own output when it returns them (an integer [tokens, k]
+    tensor last in its output tuple, as transformers' top-k routers do), else the top-k of the
+    logits.
 
     Args:
         routers: the router modules, in block order.
         index: where the logits sit in a router's output tuple.
+        top_k: experts per token.
     """
 
-    def __init__(self, routers: list[nn.Module], index: int) -> None:
+    def __init__(self, routers: list[nn.Module], index: int, top_k: int) -> None:
         self.logits: list[Tensor] = []
-        self.index = index
+        self.chosen: list[Tensor] = []
+        self.index, self.top_k = index, top_k
         self.handles = [router.register_forward_hook(self._hook) for router in routers]
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
-            self.logits.append(output[self.index] if isinstance(output, (tuple, list)) else output)
+        if not torch.is_grad_enabled():
+            return
+        logits = output[self.index] if isinstance(output, (tuple, list)) else output
+        last = output[-1] if isinstance(output, (tuple, list)) else None
+        if isinstance(last, Tensor) and not last.is_floating_point() and last.shape == (logits.shape[0], self.top_k):
+            chosen = last
+        else:
+            chosen = torch.topk(logits.detach(), self.top_k, dim=-1).indices
+        self.logits.append(logits)
+        self.chosen.append(chosen.detach())
 
-    def take(self) -> list[Tensor]:
-        """The logits captured since the last call ([tokens, E] each, in call order), and forget them."""
-        logits, self.logits = self.logits, []
-        return logits
+    def take(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The logits ([tokens, E]) and chosen experts ([tokens, k]) captured since the last call,
+        in call order; forgets them."""
+        out = self.logits, self.chosen
+        self.logits, self.chosen = [], []
+        return out
 
     def remove(self) -> None:
         """Remove the hooks."""
@@ -112,29 +141,27 @@ class MoEObjective:
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         self.recorder.take()  # drop what activation checkpointing's recompute captured in the last backward
         out = self.inner.step(model, batch)
-        logits = self.recorder.take()
+        logits, chosen = self.recorder.take()
         if not logits:
             return out
         if len(logits) % self.num_layers:
             raise RuntimeError(f"captured {len(logits)} router outputs, not a multiple of the {self.num_layers} blocks")
-        forwards = [logits[i : i + self.num_layers] for i in range(0, len(logits), self.num_layers)]
+        starts = range(0, len(logits), self.num_layers)
+        masks = [_token_mask(batch, logits[i].shape[0]) for i in starts]
         aux = torch.stack([
-            load_balancing_loss_func(tuple(f), self.num_experts, self.top_k, _token_mask(batch, f[0].shape[0]))
-            for f in forwards
+            load_balancing_loss_func(tuple(logits[i : i + self.num_layers]), self.num_experts, self.top_k, mask)
+            for i, mask in zip(starts, masks)
         ]).mean()
         counts = torch.zeros(self.num_layers, self.num_experts, device=aux.device)
-        for forward in forwards:
-            mask = _token_mask(batch, forward[0].shape[0])
-            for layer, layer_logits in enumerate(forward):
-                chosen = torch.topk(layer_logits.detach().float(), self.top_k, dim=-1).indices  # [tokens, k]
-                weight = torch.ones_like(chosen, dtype=torch.float32) if mask is None else (
-                    mask.to(torch.float32)[:, None].expand_as(chosen))
-                counts[layer].scatter_add_(0, chosen.reshape(-1), weight.reshape(-1))
+        for i, mask in zip(starts, masks):
+            for layer in range(self.num_layers):
+                experts = chosen[i + layer]  # [tokens, k]
+                weight = torch.ones(experts.shape, device=aux.device) if mask is None else (
+                    mask.to(aux.device, torch.float32)[:, None].expand(experts.shape))
+                counts[layer].scatter_add_(0, experts.reshape(-1).to(aux.device), weight.reshape(-1))
         sums = dict(out.metric_sums)
         sums["moe/aux_loss"], sums["moe/micro_batches"] = aux.detach(), torch.ones((), device=aux.device)
-        for layer in range(self.num_layers):
-            for expert in range(self.num_experts):
-                sums[f"moe/layer{layer}/expert{expert}/tokens"] = counts[layer, expert]
+        sums["moe/expert_tokens"] = counts
         aux_loss = self.aux_loss_coef * aux if self.aux_loss_coef else None
         return StepOutput(loss_sum=out.loss_sum, num_tokens=out.num_tokens, metric_sums=sums, aux_loss=aux_loss)
 
@@ -146,9 +173,9 @@ class MoEObjective:
             return {}
         out: dict[str, Tensor] = {"moe/aux_loss": metric_sums.pop("moe/aux_loss") / metric_sums.pop("moe/micro_batches")}
         entropies = []
+        all_counts = metric_sums.pop("moe/expert_tokens").float()  # [blocks, experts]
         for layer in range(self.num_layers):
-            keys = [f"moe/layer{layer}/expert{e}/tokens" for e in range(self.num_experts)]
-            counts = torch.stack([torch.as_tensor(metric_sums.pop(k)) for k in keys]).float()
+            counts = all_counts[layer]
             share = counts / counts.sum().clamp(min=1.0)
             for expert in range(self.num_experts):
                 out[f"moe/layer{layer}/expert{expert}_share"] = share[expert]
@@ -174,9 +201,16 @@ def with_moe(model: nn.Module, objective: Objective, aux_loss_coef: float, secti
             raise ConfigError(f"{section}.moe.aux_loss_coef={aux_loss_coef}: the model has no mixture-of-experts "
                               "routers")
         return objective
-    router_class, index, config = spec
+    router_class, index = spec
     routers = [m for m in model.modules() if isinstance(m, router_class)]
-    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts")
-    top_k = config.num_experts_per_tok
-    return MoEObjective(objective, RouterRecorder(routers, index), num_experts, top_k, aux_loss_coef)
+    routing = {_routing(r) for r in routers}
+    if len(routing) != 1 or None in routing:
+        if aux_loss_coef:
+            raise ConfigError(f"{section}.moe.aux_loss_coef={aux_loss_coef}: the routers of {router_class.__name__} "
+                              "do not say their experts and top-k (num_experts, top_k): no load-balancing loss here")
+        log.warning("%s: no expert statistics (the routers of %s do not say their experts and top-k)", section,
+                    router_class.__name__)
+        return objective
+    (num_experts, top_k), = routing
+    return MoEObjective(objective, RouterRecorder(routers, index, top_k), num_experts, top_k, aux_loss_coef)
 

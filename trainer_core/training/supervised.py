@@ -362,6 +362,9 @@ class KTOObjective(_OfflinePreferenceObjective):
         chunk_size: tokens per chunk of the LM head.
         desirable_weight: lambda_D.
         undesirable_weight: lambda_U.
+        mean_over_ranks: ``scalar -> its mean over the data-parallel ranks`` (a collective every
+            rank runs in every step and evaluation), for the KL estimate, as TRL gathers it;
+            None: this process's micro-batch alone (one device).
     """
 
     metric_denominators = PER_LABEL_METRICS
@@ -369,9 +372,11 @@ class KTOObjective(_OfflinePreferenceObjective):
     def __init__(
         self, beta: float, eval_source: BatchSource, eval_max_batches: int, chunk_size: int = CHUNK_SIZE_TOKENS,
         *, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+        mean_over_ranks: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         super().__init__(beta, eval_source, eval_max_batches, chunk_size)
         self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
+        self.mean_over_ranks = mean_over_ranks
 
     def count(self, batch: dict[str, Tensor]) -> int:
         return batch["label"].shape[0]
@@ -384,9 +389,12 @@ class KTOObjective(_OfflinePreferenceObjective):
         with torch.no_grad():
             kl_logps = completion_logprobs(model, batch, "kl_", self.chunk_size)
         logps = completion_logprobs(model, batch, "", self.chunk_size)
+        kl = (kl_logps - batch["ref_kl_logprobs"]).mean()
+        if self.mean_over_ranks is not None:
+            kl = self.mean_over_ranks(kl)
         losses, m = kto_loss(
             logps, batch["ref_logprobs"], kl_logps, batch["ref_kl_logprobs"], batch["label"], self.beta,
-            self.desirable_weight, self.undesirable_weight,
+            self.desirable_weight, self.undesirable_weight, kl=kl,
         )
         return StepOutput(loss_sum=losses.sum(), metric_sums={k: v.sum() for k, v in m.items()})
 
