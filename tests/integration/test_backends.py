@@ -252,10 +252,10 @@ class Runs:
         with open(out) as f:
             return json.load(f)
 
-    def _resume(self, name: str, nproc: int, from_output: str, step: int) -> Resume:
+    def _resume(self, name: str, nproc: int, from_output: str, step: int, backend: str = "fsdp2") -> Resume:
         output = self._dir(name)
         ckpt = copy_checkpoint(from_output, step, output)
-        run = run_stage_ranks(write_stage_spec(self.pipeline, "sft", "fsdp2", nproc, output), nproc)
+        run = run_stage_ranks(write_stage_spec(self.pipeline, "sft", backend, nproc, output), nproc)
         assert run.returncode == 0, why_failed(run)
         return Resume(run, ckpt, step, output)
 
@@ -265,6 +265,11 @@ class Runs:
         to_one = self._resume("elastic-2to1", 1, two, 8)
         to_two = self._resume("elastic-1to2", 2, to_one.output_uri, 12)
         return {"2to1": to_one, "1to2": to_two}
+
+    def _elastic_ds(self, backend: str) -> Resume:
+        """DeepSpeed SFT (``deepspeed-2`` or ``-3``): the 2-rank run's step-8 checkpoint resumed at 1 rank."""
+        two = self.result(f"stages:{backend}").output_uris["sft"]
+        return self._resume(f"elastic-{backend}-2to1", 1, two, 8, backend)
 
     def _kill(self, _: str) -> Killed:
         """DDP SFT: rank 1 SIGKILLed once the step-4 checkpoint is committed, then the same spec again."""
@@ -292,13 +297,15 @@ NEEDS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "test_stage_losses_track_single_device": lambda p: [f"stages:{p['backend']}", f"single:{p['stage']}"],
     "test_micro_batch_times_accumulation_on_every_backend": lambda p: ["accum"],
     "test_fsdp2_checkpoint_resumes_at_another_world_size": lambda p: ["stages:fsdp2", "elastic"],
+    "test_deepspeed_checkpoint_resumes_at_another_world_size": lambda p: [
+        f"stages:{p['backend']}", f"elastic_ds:{p['backend']}"],
     "test_desynchronised_replica_fails_the_save_on_every_rank": lambda p: ["replica"],
     "test_killed_rank_ends_the_job_and_relaunch_resumes": lambda p: ["stages:ddp", "kill"],
     "test_no_garbage_model_holds_the_process_group_when_it_is_destroyed": lambda p: [f"stages:{p['backend']}"],
 }
 ORDER = [
     "stages:fsdp2", "single:sft", "single:dpo", "stages:ddp", "kill", "elastic",
-    "stages:deepspeed-3", "stages:deepspeed-2", "accum", "replica",
+    "stages:deepspeed-3", "stages:deepspeed-2", "elastic_ds:deepspeed-2", "accum", "replica",
 ]
 """Submission order: longest chains first, every dependency before what waits on it."""
 
@@ -426,6 +433,30 @@ def test_fsdp2_checkpoint_resumes_at_another_world_size(runs):
         assert sorted(weights) == sorted(expected_weights)
         for key, tensor in expected_weights.items():
             torch.testing.assert_close(weights[key], tensor, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("backend", ["deepspeed-2"])
+def test_deepspeed_checkpoint_resumes_at_another_world_size(runs, backend):
+    """A ZeRO-2 checkpoint written by 2 ranks resumes at 1 rank through DeepSpeed's universal
+    checkpoint (``global_batch_size`` keeps the batch): the 1-rank run prints the uninterrupted
+    2-rank run's losses after the resume point (rel 1e-3) and ends with its weights (float32,
+    rtol 1e-4). (ZeRO-3 keeps its world size: ``DeepSpeedBackend.resumes_other_world_sizes``.)"""
+    uninterrupted = runs.result(f"stages:{backend}")
+    expected_lines = uninterrupted.run("sft").step_metrics()
+    expected_weights = final_weights(uninterrupted.output_uris["sft"])
+    resume = runs.result(f"elastic_ds:{backend}")
+    source = read_manifest(resume.checkpoint)
+    assert (source.backend, source.world_size) == ("deepspeed", 2)
+    assert f"resumed from {resume.checkpoint} at global_step {resume.step}" in resume.run.output, resume.run.tail()
+    assert "ZeRO partitions of 2 ranks, this run has 1: loading it as a universal checkpoint" in resume.run.output
+    after = {step: values for step, values in expected_lines.items() if step > resume.step}
+    assert_close_lines(resume.run.step_metrics(), after)
+    final = read_manifest(StageLayout(resume.output_uri).final)
+    assert (final.backend, final.world_size, final.global_step) == ("deepspeed", 1, STEPS)
+    weights = final_weights(resume.output_uri)
+    assert sorted(weights) == sorted(expected_weights)
+    for key, tensor in expected_weights.items():
+        torch.testing.assert_close(weights[key], tensor, rtol=1e-4, atol=1e-6, msg=f"{backend}: {key}")
 
 
 def test_desynchronised_replica_fails_the_save_on_every_rank(runs):
