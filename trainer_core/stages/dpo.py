@@ -14,8 +14,8 @@ from functools import partial
 
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.stages.context import StageContext, commit_final, train_stage
-from trainer_core.stages.reference import SPLITS, attach_reference, load_or_compute_reference
-from trainer_core.training.supervised import DPOObjective, collate_with_reference, pair_source, rows_used
+from trainer_core.stages.reference import SPLITS, policy_and_reference
+from trainer_core.training.supervised import DPOObjective, collate_with_reference, pair_source
 
 log = logging.getLogger(__name__)
 
@@ -35,24 +35,12 @@ def run(ctx: StageContext) -> Manifest:
         collate=partial(collate, packed=packed), max_tokens=cfg.max_tokens_per_micro_batch,
     )
     held_out = pair_source(splits["eval"], pad_id, cfg.micro_batch_size, seed, device, shuffle=False, collate=collate)
-    world_size = ctx.backend.world_size
-    needed = {
-        "train": rows_used(train, cfg.max_steps * cfg.accum_steps(world_size) * world_size),
-        "eval": rows_used(held_out, min(cfg.eval_max_batches, len(held_out.sampler))),
-    }
-    batch_size = cfg.micro_batch_size * cfg.accum_steps(world_size)
     objective = DPOObjective(cfg.beta, held_out, cfg.eval_max_batches, loss_type=cfg.loss_type,
                              label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma)
-    if not objective.needs_reference:
+    if objective.needs_reference:
+        model = policy_and_reference(ctx, cfg, train, held_out, splits, ("ref_chosen_logprobs", "ref_rejected_logprobs"))
+    else:
         log.info("loss_type %s is reference-free: no reference model or log-probs", cfg.loss_type)
         model = ctx.backend.wrap(ctx.causal_lm("model"))
-    elif ctx.reference_is_disabled_adapter:
-        model = ctx.backend.wrap(ctx.causal_lm("model"))
-        reference = load_or_compute_reference(ctx, needed, splits, batch_size, policy=model)
-    else:
-        reference = load_or_compute_reference(ctx, needed, splits, batch_size)
-        model = ctx.backend.wrap(ctx.causal_lm("model"))
-    if objective.needs_reference:
-        attach_reference(splits, reference, ("ref_chosen_logprobs", "ref_rejected_logprobs"))
     metrics = train_stage(ctx, model, objective, train, cfg)
     return commit_final(ctx, metrics, model=model)

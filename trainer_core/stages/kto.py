@@ -14,8 +14,8 @@ import logging
 
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.stages.context import StageContext, commit_final, train_stage
-from trainer_core.stages.reference import SPLITS, attach_reference, load_or_compute_reference
-from trainer_core.training.supervised import KTOObjective, kto_source, rows_used
+from trainer_core.stages.reference import SPLITS, policy_and_reference
+from trainer_core.training.supervised import KTOObjective, kto_source
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +33,7 @@ def run(ctx: StageContext) -> Manifest:
                     len(splits["train"]))
     train = kto_source(splits["train"], pad_id, cfg.micro_batch_size, seed, device)
     held_out = kto_source(splits["eval"], pad_id, cfg.micro_batch_size, seed, device, shuffle=False)
-    world_size = ctx.backend.world_size
-    needed = {
-        "train": rows_used(train, cfg.max_steps * cfg.accum_steps(world_size) * world_size),
-        "eval": rows_used(held_out, min(cfg.eval_max_batches, len(held_out.sampler))),
-    }
-    batch_size = cfg.micro_batch_size * cfg.accum_steps(world_size)
-    if ctx.reference_is_disabled_adapter:
-        model = ctx.backend.wrap(ctx.causal_lm("model"))
-        reference = load_or_compute_reference(ctx, needed, splits, batch_size, kind="kto", policy=model)
-    else:
-        reference = load_or_compute_reference(ctx, needed, splits, batch_size, kind="kto")
-        model = ctx.backend.wrap(ctx.causal_lm("model"))
-    attach_reference(splits, reference, ("ref_logprobs", "ref_kl_logprobs"))
+    model = policy_and_reference(ctx, cfg, train, held_out, splits, ("ref_logprobs", "ref_kl_logprobs"), kind="kto")
     backend = ctx.backend
     mean_over_ranks = (lambda t: backend.all_reduce_sum(t) / backend.world_size) if backend.world_size > 1 else None
     objective = KTOObjective(cfg.beta, held_out, cfg.eval_max_batches, desirable_weight=cfg.desirable_weight,

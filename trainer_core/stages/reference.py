@@ -17,10 +17,12 @@ import logging
 from torch import nn
 
 from trainer_core.checkpoint.manifest import ArtifactWriter, load_verified
+from trainer_core.config import TrainStageConfig
 from trainer_core.lora import adapter_disabled
 from trainer_core.stages.context import StageContext
 from trainer_core.storage import join_uri, read_bytes
-from trainer_core.training.supervised import reference_logprobs
+from trainer_core.training.loop import BatchSource
+from trainer_core.training.supervised import reference_logprobs, rows_used
 
 log = logging.getLogger(__name__)
 
@@ -95,3 +97,31 @@ def attach_reference(splits: dict[str, list[dict]], values: dict[str, dict[int, 
     for s, rows in splits.items():
         for i, pair in values[s].items():
             rows[i][keys[0]], rows[i][keys[1]] = pair
+
+
+def policy_and_reference(
+    ctx: StageContext, cfg: TrainStageConfig, train: BatchSource, held_out: BatchSource,
+    splits: dict[str, list[dict]], keys: tuple[str, str], *, kind: str = "pairs",
+) -> nn.Module:
+    """The wrapped policy, after the reference log-probs of the rows the run will read are in
+    ``splits`` under ``keys`` (:func:`load_or_compute_reference`, :func:`attach_reference`).
+
+    The rows read are the first ``max_steps`` optimizer steps' of ``train`` and the evaluated
+    batches of ``held_out``. With LoRA's disabled-adapter reference the policy is loaded first
+    (it is the reference); otherwise the reference model is loaded, used and freed before the
+    policy, so the two are never in memory together.
+    """
+    world_size = ctx.backend.world_size
+    needed = {
+        "train": rows_used(train, cfg.max_steps * cfg.accum_steps(world_size) * world_size),
+        "eval": rows_used(held_out, min(cfg.eval_max_batches, len(held_out.sampler))),
+    }
+    batch_size = cfg.micro_batch_size * cfg.accum_steps(world_size)
+    if ctx.reference_is_disabled_adapter:
+        model = ctx.backend.wrap(ctx.causal_lm("model"))
+        values = load_or_compute_reference(ctx, needed, splits, batch_size, kind=kind, policy=model)
+    else:
+        values = load_or_compute_reference(ctx, needed, splits, batch_size, kind=kind)
+        model = ctx.backend.wrap(ctx.causal_lm("model"))
+    attach_reference(splits, values, keys)
+    return model

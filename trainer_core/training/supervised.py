@@ -244,12 +244,21 @@ def pair_logprobs(
         logprobs = torch.zeros(2 * pairs, dtype=token_logprobs.dtype, device=token_logprobs.device)
         logprobs = logprobs.index_add(0, batch["sequence_ids"][0, 1:], token_logprobs[0])
     else:
-        input_ids, attention_mask, loss_mask = concat_pairs(batch)
-        token_logprobs = masked_token_logprobs(
-            model, input_ids, attention_mask, loss_mask, chunk_size=chunk_size, counted_index=batch.get("counted_index")
-        )
-        logprobs = sequence_logprobs(token_logprobs, shift_mask(loss_mask))
+        logprobs = padded_sequence_logprobs(model, *concat_pairs(batch), batch.get("counted_index"), chunk_size)
     return logprobs[:pairs], logprobs[pairs:]
+
+
+def padded_sequence_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, counted_index: Tensor | None,
+    chunk_size: int = CHUNK_SIZE_TOKENS,
+) -> Tensor:
+    """Summed log-probs [B] float32 of the counted tokens of each padded [B, T] row, the LM head
+    on counted positions only (:func:`~trainer_core.forward.masked_token_logprobs`;
+    ``counted_index`` the collated batch's, or None)."""
+    token_logprobs = masked_token_logprobs(
+        model, input_ids, attention_mask, loss_mask, chunk_size=chunk_size, counted_index=counted_index
+    )
+    return sequence_logprobs(token_logprobs, shift_mask(loss_mask))
 
 
 def collate_with_reference(rows: list[dict], pad_id: int, packed: bool = False) -> dict[str, Tensor]:
@@ -330,15 +339,12 @@ class DPOObjective(_OfflinePreferenceObjective):
 
 def completion_logprobs(model: nn.Module, batch: dict[str, Tensor], prefix: str = "",
                         chunk_size: int = CHUNK_SIZE_TOKENS) -> Tensor:
-    """Summed log-probs [B] float32 of the counted tokens of ``batch``'s ``<prefix>input_ids``
-    (``<prefix>attention_mask``, ``<prefix>loss_mask``, ``<prefix>counted_index``), the LM head
-    on counted positions only (:func:`~trainer_core.forward.masked_token_logprobs`)."""
-    loss_mask = batch[f"{prefix}loss_mask"]
-    token_logprobs = masked_token_logprobs(
-        model, batch[f"{prefix}input_ids"], batch[f"{prefix}attention_mask"], loss_mask, chunk_size=chunk_size,
-        counted_index=batch.get(f"{prefix}counted_index"),
+    """:func:`padded_sequence_logprobs` of ``batch``'s ``<prefix>input_ids``, ``<prefix>attention_mask``,
+    ``<prefix>loss_mask`` and ``<prefix>counted_index``: [B] float32."""
+    keys = ("input_ids", "attention_mask", "loss_mask")
+    return padded_sequence_logprobs(
+        model, *(batch[f"{prefix}{k}"] for k in keys), batch.get(f"{prefix}counted_index"), chunk_size
     )
-    return sequence_logprobs(token_logprobs, shift_mask(loss_mask))
 
 
 def kto_logprobs(model: nn.Module, batch: dict[str, Tensor], chunk_size: int = CHUNK_SIZE_TOKENS) -> tuple[Tensor, Tensor]:
