@@ -7,6 +7,8 @@ experts, top-2 routing) trained by the SFT stage, as real stage processes:
 - the stage's MLflow run holds the per-block expert statistics;
 - with ``moe.aux_loss_coef`` > 0 the router loss enters the training loss; with 0 it is only
   reported;
+- a router temperature schedule takes its temperature from the step (logged), changes the
+  routing of the training forwards, and leaves evaluation at step 0 as it was;
 - over 100 steps, the router loss (0.1) leaves the experts more evenly used than none does: the
   mean expert-usage entropy of the last 25 steps is higher, same seed and data.
 """
@@ -69,6 +71,7 @@ def runs(tmp_path_factory):
             "single": pool.submit(run, "single", {}, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run),
             "fsdp2": pool.submit(run, "fsdp2", {"backend.name": "fsdp2", "backend.nproc_per_node": 2}, 2),
             "no_aux": pool.submit(run, "no_aux", {"sft.moe.aux_loss_coef": 0.0}),
+            "tempered": pool.submit(run, "tempered", {"sft.moe.router_temperature": {"start": 2.0, "steps": 4}}),
             "long_aux": pool.submit(run, "long_aux", long),
             "long_no_aux": pool.submit(run, "long_no_aux", {**long, "sft.moe.aux_loss_coef": 0.0}),
         }
@@ -119,6 +122,18 @@ def test_router_loss_enters_the_training_loss_only_with_a_coefficient(runs):
     aux = float(plain["train/moe/aux_loss"])
     assert float(first["train/moe/aux_loss"]) == pytest.approx(aux, rel=1e-3)
     assert float(first["train/loss"]) - float(plain["train/loss"]) == pytest.approx(0.1 * aux, rel=2e-2)
+
+
+def test_router_temperature_follows_its_schedule(runs):
+    (plain, _), (tempered, _) = runs["single"], runs["tempered"]
+    steps, base = tempered.step_metrics(), plain.step_metrics()
+    assert [float(steps[s]["train/moe/router_temperature"]) for s in range(1, STEPS + 1)] == pytest.approx(
+        [2.0, 1.75, 1.5, 1.25, 1.0, 1.0, 1.0, 1.0])
+    assert "train/moe/router_temperature" not in base[1]
+    assert float(steps[0]["eval/loss"]) == pytest.approx(float(base[0]["eval/loss"]), rel=1e-6)  # temperature 1
+    # flatter routing probabilities from step 1 on: the router loss (mean probability x share) moves
+    assert steps[1]["train/moe/aux_loss"] != base[1]["train/moe/aux_loss"]
+    assert any(steps[s]["train/loss"] != base[s]["train/loss"] for s in range(1, STEPS + 1))
 
 
 def test_router_loss_balances_the_experts_over_100_steps(runs):

@@ -106,3 +106,64 @@ def test_finalize_metrics_by_hand(mixtral):
     entropy = -sum(p * math.log(p) for p in shares if p)
     assert float(out["moe/layer1/entropy"]) == pytest.approx(entropy, rel=1e-6)
     assert float(out["moe/entropy"]) == pytest.approx((math.log(4) + entropy) / 2, rel=1e-6)
+
+
+def test_router_temperature_schedule_by_hand():
+    from trainer_core.config import RouterTemperatureConfig
+    from trainer_core.training.moe import router_temperature
+
+    schedule = RouterTemperatureConfig(start=3.0, end=1.0, steps=4)
+    assert [router_temperature(schedule, done) for done in range(7)] == [3.0, 2.5, 2.0, 1.5, 1.0, 1.0, 1.0]
+    with pytest.raises(ConfigError, match="online RL stages do not schedule the router temperature"):
+        load_config(overrides={"grpo.moe.router_temperature": {"start": 2.0, "steps": 10}})
+    with pytest.raises(ConfigError, match="steps"):
+        load_config(overrides={"sft.moe.router_temperature": {"start": 2.0}})
+    base = stage_fingerprint(load_config(overrides=MIXTRAL), "sft", {"data": "d", "model": "init"})
+    tempered = load_config(overrides={**MIXTRAL, "sft.moe.router_temperature": {"start": 2.0, "steps": 10}})
+    assert stage_fingerprint(tempered, "sft", {"data": "d", "model": "init"}) != base
+
+
+def test_router_temperature_divides_the_training_router_logits(mixtral):
+    from trainer_core.config import RouterTemperatureConfig
+
+    schedule = RouterTemperatureConfig(start=4.0, end=1.0, steps=2)
+    objective = with_moe(mixtral, SFTObjective(None, 0), 0.0, "sft", schedule)
+    batch = collate_causal([{"input_ids": [3, 5, 6, 7, 8], "loss_mask": [0, 1, 1, 1, 1]}], pad_id=0)
+    try:
+        with torch.no_grad():
+            plain = mixtral(input_ids=batch["input_ids"], output_router_logits=True).router_logits
+        for done, temperature in [(0, 4.0), (1, 2.5), (2, 1.0)]:
+            objective.begin_step(done)
+            mixtral(input_ids=batch["input_ids"])  # gradient enabled: tempered, and recorded
+            logits, _ = objective.recorder.take()
+            # block 0 sees the same input: its logits are divided by T (block 1's input follows
+            # block 0's tempered routing)
+            assert torch.allclose(logits[0], plain[0] / temperature, atol=1e-6)
+            assert len(logits) == 2
+            metrics = objective.finalize_metrics({"moe/aux_loss": torch.tensor(2.0),
+                                                  "moe/micro_batches": torch.tensor(1.0),
+                                                  "moe/expert_tokens": torch.ones(2, 4)})
+            assert float(metrics["moe/router_temperature"]) == temperature
+        objective.begin_step(0)
+        with torch.no_grad():  # evaluation and reference passes route at temperature 1
+            again = mixtral(input_ids=batch["input_ids"], output_router_logits=True).router_logits
+        assert all(torch.equal(a, b) for a, b in zip(again, plain))
+    finally:
+        objective.remove_hooks()
+    mixtral(input_ids=batch["input_ids"])  # hooks gone: the committed model routes as it is
+    assert objective.recorder.take() == ([], [])
+
+
+def test_router_temperature_refused_for_dense_models_and_biased_routers(mixtral, monkeypatch):
+    from trainer_core.config import RouterTemperatureConfig
+
+    schedule = RouterTemperatureConfig(start=2.0, steps=5)
+    tokenizer = train_tokenizer(["one two three"] * 20, 64, 1)
+    dense = load_causal_lm("init", load_config().model, tokenizer, 0)
+    with pytest.raises(ConfigError, match=r"sft.moe.router_temperature: the model has no mixture-of-experts routers"):
+        with_moe(dense, SFTObjective(None, 0), 0.0, "sft", schedule)
+    router = next(m for m in mixtral.modules() if type(m).__name__ == "MixtralTopKRouter")
+    monkeypatch.setattr(router, "bias", torch.nn.Parameter(torch.zeros(4)), raising=False)
+    with pytest.raises(ConfigError, match=r"dpo.moe.router_temperature: the router MixtralTopKRouter is not a "
+                                          "bias-free linear map"):
+        with_moe(mixtral, SFTObjective(None, 0), 0.0, "dpo", schedule)

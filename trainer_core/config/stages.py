@@ -9,6 +9,16 @@ from pydantic import Field, model_validator
 from trainer_core.config.base import ConfigBase
 from trainer_core.errors import ConfigError
 
+class RouterTemperatureConfig(ConfigBase):
+    """A router temperature schedule: the routers' logits divided by a temperature that moves
+    linearly from ``start`` (the first optimizer step) to ``end`` (reached after ``steps`` steps,
+    then kept), in the training forwards only."""
+
+    start: float = Field(gt=0, description="Temperature of the first optimizer step (> 1 spreads the routing).")
+    end: float = Field(1.0, gt=0, description="Temperature from step `steps` on (1: the model as it is committed).")
+    steps: int = Field(ge=1, description="Optimizer steps over which the temperature moves from start to end.")
+
+
 class MoEConfig(ConfigBase):
     """Mixture-of-experts training of a model with routers (Mixtral, Qwen2-MoE, OLMoE, ...)."""
 
@@ -16,6 +26,11 @@ class MoEConfig(ConfigBase):
         0.0, ge=0, description="Weight of the routers' load-balancing loss (Switch Transformer eqs. 4-6, transformers' "
         "load_balancing_loss_func) added to the training loss. 0: none, which is transformers' own default "
         "(output_router_logits off); Mixtral's published coefficient is 0.02.",
+    )
+    router_temperature: RouterTemperatureConfig | None = Field(
+        None, description="Router temperature schedule {start, end, steps}: the router logits of the training "
+        "forwards divided by a temperature moved linearly from start to end over `steps` optimizer steps; None: "
+        "the routers as they are (temperature 1).",
     )
 
 
@@ -353,6 +368,9 @@ class RLStageConfig(TrainStageConfig):
         if self.moe.aux_loss_coef:
             raise ValueError(f"moe.aux_loss_coef={self.moe.aux_loss_coef}: the online RL stages do not add the router "
                              "loss (the supervised and preference stages do)")
+        if self.moe.router_temperature is not None:
+            raise ValueError("moe.router_temperature: the online RL stages do not schedule the router temperature "
+                             "(the supervised and preference stages do)")
         return self
 
 

@@ -265,14 +265,14 @@ def train_stage(
 
     A mixture-of-experts model trains with its routers' load-balancing loss (``cfg.moe``) and
     logs its expert usage (:mod:`trainer_core.training.moe`)."""
-    objective = with_moe(model, objective, cfg.moe.aux_loss_coef, ctx.spec.stage)
+    objective = with_moe(model, objective, cfg.moe.aux_loss_coef, ctx.spec.stage, cfg.moe.router_temperature)
     loop = TrainLoop(
         model=model, backend=ctx.backend, objective=objective, batches=train, cfg=cfg, session=ctx.checkpoint_session(cfg)
     )
     resumed = loop.resume()
     progress = loop.run()
     if isinstance(objective, MoEObjective):
-        objective.recorder.remove()
+        objective.remove_hooks()
     metrics = summarize(progress)
     metrics["resumed"] = float(resumed)
     metrics["consumed_samples"] = float(progress.consumed_samples)

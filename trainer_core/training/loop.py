@@ -85,6 +85,8 @@ class Objective(Protocol):
     the step's count. And ``finalize_metrics(metric_sums) -> dict[str, Tensor]``: called with
     the step's metric sums (summed over ranks); it removes the sums it consumes and returns
     metrics reported as they are (a mixture of experts' expert-usage shares and entropies).
+    And ``begin_step(steps_done: int)``: called before each optimizer step's first micro-batch
+    with the steps taken so far (``global_step``; a mixture of experts' router temperature).
     """
 
     def count(self, batch: dict[str, Tensor]) -> int:
@@ -315,6 +317,9 @@ class TrainLoop:
             timer: times the forward, backward and optimizer phases.
         """
         cfg, progress, backend, objective = self.cfg, self.progress, self.backend, self.objective
+        begin = getattr(objective, "begin_step", None)
+        if begin is not None:
+            begin(progress.global_step)
         drawn = [next(stream) for _ in range(self.accum_steps * backend.world_size)]
         hosts = [batch for batch, _, _ in drawn if batch is not None]
         counts = [objective.count(batch) for batch in hosts]

@@ -19,6 +19,12 @@ uniform: 1/E), ``min_share``, ``max_share`` and ``entropy`` (nats, of the share 
 uniform: ln E), and ``moe/entropy`` (their mean over blocks). Dropped tokens are not reported:
 these routers have no capacity limit and drop none. Forwards without gradient (evaluation,
 reference passes, KTO's KL sequences) are not captured.
+
+An optional router temperature schedule (``moe.router_temperature``: start, end, steps) divides
+the router logits of the training forwards by a temperature moved linearly from ``start`` to
+``end`` over ``steps`` optimizer steps (a function of ``global_step``, so a resumed run takes the
+same temperatures); > 1 spreads the routing early in training. Evaluation, reference passes and
+the committed model route at temperature 1.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from torch import Tensor, nn
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+from trainer_core.config import RouterTemperatureConfig
 from trainer_core.errors import ConfigError
 from trainer_core.training.loop import Objective, StepOutput
 
@@ -98,6 +105,47 @@ class RouterRecorder:
             handle.remove()
 
 
+def router_temperature(schedule: RouterTemperatureConfig, steps_done: int) -> float:
+    """The temperature of the optimizer step after ``steps_done`` steps: ``start`` at the first
+    step, moved linearly to ``end``, reached after ``schedule.steps`` steps and kept."""
+    frac = min(steps_done, schedule.steps) / schedule.steps
+    return schedule.start + (schedule.end - schedule.start) * frac
+
+
+class RouterTemperature:
+    """Forward pre-hooks that divide the routers' input hidden states by a temperature in forwards
+    run with gradient enabled. A router whose logits are a bias-free linear map of its input
+    (``F.linear(h, weight)``: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) then computes logits / T,
+    and its softmax, top-k choice and routing weights from them.
+
+    Args:
+        routers: the router modules.
+
+    Raises:
+        ConfigError: a router has a bias or no ``[experts, hidden]`` weight (its logits would not
+            scale with its input).
+    """
+
+    def __init__(self, routers: list[nn.Module]) -> None:
+        for router in routers:
+            weight, bias = getattr(router, "weight", None), getattr(router, "bias", None)
+            if not isinstance(weight, Tensor) or weight.dim() != 2 or bias is not None:
+                raise ConfigError(f"moe.router_temperature: the router {type(router).__name__} is not a bias-free "
+                                  "linear map of its input; its logits cannot be tempered here")
+        self.temperature = 1.0
+        self.handles = [router.register_forward_pre_hook(self._hook) for router in routers]
+
+    def _hook(self, module: nn.Module, args: tuple) -> tuple | None:
+        if self.temperature == 1.0 or not torch.is_grad_enabled():
+            return None
+        return (args[0] / self.temperature, *args[1:])
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for handle in self.handles:
+            handle.remove()
+
+
 def _token_mask(batch: dict[str, Tensor], rows: int) -> Tensor | None:
     """[rows] mask of the real tokens among a forward's ``rows`` router rows: the batch's
     attention mask (or chosen over rejected, the one forward of a pair batch, or the KTO
@@ -120,14 +168,17 @@ class MoEObjective:
         num_experts: E, experts per block.
         top_k: experts per token.
         aux_loss_coef: weight of the load-balancing loss (0: counted, not added).
+        temperature: the router temperature schedule and its hooks, or None (temperature 1).
     """
 
     def __init__(self, inner: Objective, recorder: RouterRecorder, num_experts: int, top_k: int,
-                 aux_loss_coef: float) -> None:
+                 aux_loss_coef: float,
+                 temperature: tuple[RouterTemperatureConfig, RouterTemperature] | None = None) -> None:
         self.inner = inner
         self.recorder = recorder
         self.num_experts, self.top_k, self.aux_loss_coef = num_experts, top_k, aux_loss_coef
         self.num_layers = len(recorder.handles)
+        self.temperature = temperature
 
     def __getattr__(self, name: str) -> Any:  # num_tokens, evaluate, metric_denominators, eval_source, ...
         return getattr(self.inner, name)
@@ -137,6 +188,19 @@ class MoEObjective:
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         return self.inner.evaluate(model)
+
+    def begin_step(self, steps_done: int) -> None:
+        """Set the router temperature of the optimizer step after ``steps_done`` steps (the loop
+        calls it before each step's first micro-batch)."""
+        if self.temperature is not None:
+            schedule, hooks = self.temperature
+            hooks.temperature = router_temperature(schedule, steps_done)
+
+    def remove_hooks(self) -> None:
+        """Remove the router hooks (after training: the committed model routes as it is)."""
+        self.recorder.remove()
+        if self.temperature is not None:
+            self.temperature[1].remove()
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         self.recorder.take()  # drop what activation checkpointing's recompute captured in the last backward
@@ -172,6 +236,8 @@ class MoEObjective:
         if "moe/aux_loss" not in metric_sums:
             return {}
         out: dict[str, Tensor] = {"moe/aux_loss": metric_sums.pop("moe/aux_loss") / metric_sums.pop("moe/micro_batches")}
+        if self.temperature is not None:
+            out["moe/router_temperature"] = torch.tensor(self.temperature[1].temperature)
         entropies = []
         all_counts = metric_sums.pop("moe/expert_tokens").float()  # [blocks, experts]
         for layer in range(self.num_layers):
@@ -187,30 +253,50 @@ class MoEObjective:
         return out
 
 
-def with_moe(model: nn.Module, objective: Objective, aux_loss_coef: float, section: str) -> Objective:
+def with_moe(model: nn.Module, objective: Objective, aux_loss_coef: float, section: str,
+             temperature: RouterTemperatureConfig | None = None) -> Objective:
     """``objective`` wrapped in a :class:`MoEObjective` when ``model`` (plain or wrapped by a
     backend) has routers; ``objective`` itself for a dense model.
 
+    Args:
+        model: the trained model.
+        objective: the stage's objective.
+        aux_loss_coef: ``<section>.moe.aux_loss_coef``.
+        section: the stage's config section (for messages).
+        temperature: ``<section>.moe.router_temperature``, or None.
+
     Raises:
-        ConfigError: ``aux_loss_coef`` is set for a model without routers (names
-            ``<section>.moe.aux_loss_coef``).
+        ConfigError: ``aux_loss_coef`` or ``temperature`` is set for a model without routers, or
+            for routers that do not say their experts and top-k (names ``<section>.moe...``);
+            ``temperature`` for routers that are not a bias-free linear map.
     """
     spec = _router_spec(model)
     if spec is None:
         if aux_loss_coef:
             raise ConfigError(f"{section}.moe.aux_loss_coef={aux_loss_coef}: the model has no mixture-of-experts "
                               "routers")
+        if temperature is not None:
+            raise ConfigError(f"{section}.moe.router_temperature: the model has no mixture-of-experts routers")
         return objective
     router_class, index = spec
     routers = [m for m in model.modules() if isinstance(m, router_class)]
     routing = {_routing(r) for r in routers}
     if len(routing) != 1 or None in routing:
-        if aux_loss_coef:
-            raise ConfigError(f"{section}.moe.aux_loss_coef={aux_loss_coef}: the routers of {router_class.__name__} "
-                              "do not say their experts and top-k (num_experts, top_k): no load-balancing loss here")
+        if aux_loss_coef or temperature is not None:
+            what = f"aux_loss_coef={aux_loss_coef}" if aux_loss_coef else "router_temperature"
+            raise ConfigError(f"{section}.moe.{what}: the routers of {router_class.__name__} "
+                              "do not say their experts and top-k (num_experts, top_k): no load-balancing loss or "
+                              "router temperature here")
         log.warning("%s: no expert statistics (the routers of %s do not say their experts and top-k)", section,
                     router_class.__name__)
         return objective
     (num_experts, top_k), = routing
-    return MoEObjective(objective, RouterRecorder(routers, index, top_k), num_experts, top_k, aux_loss_coef)
+    tempered = None
+    if temperature is not None:
+        try:
+            tempered = (temperature, RouterTemperature(routers))
+        except ConfigError as e:
+            raise ConfigError(f"{section}.{e}") from e
+    return MoEObjective(objective, RouterRecorder(routers, index, top_k), num_experts, top_k, aux_loss_coef,
+                        tempered)
 
