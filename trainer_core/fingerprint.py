@@ -55,6 +55,7 @@ ADDED_FIELDS: dict[str, object] = {
     "kto": None, "pretrain": None, "text_field": "text",
     # issue 16: mixture-of-experts models (model.init and every training stage's moe section)
     "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(),
+    "num_proc": 1,  # issue 15: data.num_proc, prepare_data's tokenising processes (same output for any value)
 }
 """Fields added to stage sections after runs were committed, with the value that reproduces the
 earlier behaviour: hashed only when set to something else, so that the fingerprints of runs

@@ -58,7 +58,7 @@ def test_synthetic_run_writes_committed_splits(storage_root):
     assert read_manifest(out) == manifest and verify(out, hashes=True) == []
     assert (manifest.kind, manifest.stage, manifest.run_id) == ("final", "prepare_data", "run-1")
     paths = {f.path for f in manifest.files}
-    assert {f"{n}.parquet" for n in SPLIT_NAMES} | {"tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= paths
+    assert {f"{n}/part-00000.parquet" for n in SPLIT_NAMES} | {"tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= paths
     m = manifest.metrics
     # 40 problems, 25% held out but capped at 8; 20 pairs, 5 held out
     assert (m["num_sft_train"], m["num_sft_eval"], m["num_eval_problems"]) == (32, 8, 8)
@@ -71,14 +71,14 @@ def test_parquet_columns_and_types(tmp_path):
     spec = _spec(str(tmp_path))
     run(spec)
     out = StageLayout(spec.output_uri).final
-    schema = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "sft/train.parquet"))))
+    schema = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "sft/train/part-00000.parquet"))))
     assert schema.names == ["prompt", "completion", "answer", "messages_json", "input_ids", "loss_mask", "num_tokens"]
     assert schema.field("input_ids").type == pa.list_(pa.int32()) and schema.field("loss_mask").type == pa.list_(pa.int8())
     assert schema.field("num_tokens").type == pa.int32()
-    pref = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "preference/eval.parquet"))))
+    pref = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "preference/eval/part-00000.parquet"))))
     assert pref.names == ["messages_json", "chosen", "rejected", "chosen_input_ids", "chosen_loss_mask",
                           "rejected_input_ids", "rejected_loss_mask"]
-    probs = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "eval_problems.parquet"))))
+    probs = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "eval_problems/part-00000.parquet"))))
     assert probs.names == ["messages_json", "answer", "prompt_input_ids"]
 
 

@@ -113,6 +113,10 @@ class DataConfig(ConfigBase):
     max_prompt_length_tokens: int = Field(
         192, ge=4, description="Max prompt tokens; longer prompts keep their last tokens."
     )
+    num_proc: int = Field(
+        1, ge=1, description="Processes that tokenise in prepare_data (chunks of rows, results in order: the "
+        "output is the same for any value); 1: in the prepare_data process itself.",
+    )
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> DataConfig:

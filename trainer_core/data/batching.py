@@ -1,4 +1,5 @@
-"""Training-time batching: collation into padded tensors and a resumable length-bucketed sampler.
+"""Training-time batching: collation into padded and packed tensors (the samplers that choose each
+micro-batch's rows are in :mod:`trainer_core.data.samplers`, re-exported here).
 
 Shape legend: B batch (micro-batch size), T tokens (the longest row of the batch).
 All collated tensors are ``torch.long``. ``attention_mask`` is 1 = real token, 0 = padding;
@@ -8,19 +9,22 @@ next-token prediction is the loss function's job).
 Rows are dicts of ``list[int]`` (or anything ``torch.as_tensor`` accepts) as stored by
 ``prepare_data``.
 
-The sampler's order is a pure function of ``(seed, epoch)``, so a run resumed at a
-:class:`DataPosition` reads exactly the micro-batches it would have read without stopping.
 """
 
 from __future__ import annotations
 
-import math
-import random
-from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from trainer_core.data.samplers import (  # noqa: F401 - re-exported: the samplers were defined here first
+    BatchList,
+    BucketedBatchSampler,
+    DataPosition,
+    PackedBatchSampler,
+    iterate_batches,
+)
 
 
 def _padded(seqs: Sequence[Sequence[int]], length: int, value: int, left: bool = False) -> Tensor:
@@ -184,202 +188,6 @@ def collate_prompts_left(rows: Sequence[dict], pad_id: int, key: str | None = No
         "input_ids": _padded(ids, length, pad_id, left=True),
         "attention_mask": _padded([[1] * len(s) for s in ids], length, 0, left=True),
     }
-
-
-class BucketedBatchSampler:
-    """Deterministic length-bucketed micro-batches of row indices.
-
-    For epoch ``e``: shuffle all indices with ``random.Random(seed + e)``, cut them into
-    chunks of ``micro_batch_size * bucket_size_multiplier``, sort each chunk by length (so a
-    micro-batch holds rows of similar length: little padding), split it into micro-batches
-    and shuffle the micro-batch order with the same RNG. With ``drop_last`` the
-    ``len(lengths) % micro_batch_size`` indices at the end of the shuffled order are left out
-    (a random set, not the longest rows). With ``shuffle=False`` nothing is shuffled.
-    """
-
-    def __init__(
-        self,
-        lengths: list[int],
-        micro_batch_size: int,
-        seed: int,
-        shuffle: bool = True,
-        bucket_size_multiplier: int = 50,
-        drop_last: bool = False,
-    ) -> None:
-        """Store and validate.
-
-        Raises:
-            ValueError: ``micro_batch_size`` or ``bucket_size_multiplier`` below 1, or an epoch
-                would have no micro-batch (no rows, or fewer than one full batch with ``drop_last``).
-        """
-        if micro_batch_size < 1 or bucket_size_multiplier < 1:
-            raise ValueError(
-                f"micro_batch_size and bucket_size_multiplier must be >= 1, got {micro_batch_size}, "
-                f"{bucket_size_multiplier}"
-            )
-        self.lengths = list(lengths)
-        self.micro_batch_size = micro_batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.bucket_size_multiplier = bucket_size_multiplier
-        self.drop_last = drop_last
-        if len(self) == 0:
-            raise ValueError(
-                f"{len(self.lengths)} rows give no micro-batch of {micro_batch_size} (drop_last={drop_last})"
-            )
-
-    def __len__(self) -> int:
-        """Micro-batches per epoch."""
-        n = len(self.lengths)
-        return n // self.micro_batch_size if self.drop_last else math.ceil(n / self.micro_batch_size)
-
-    def batches(self, epoch: int) -> list[list[int]]:
-        """The micro-batches (lists of row indices) of ``epoch``, a function of ``(seed, epoch)`` only."""
-        rng = random.Random(self.seed + epoch)
-        order = list(range(len(self.lengths)))
-        if self.shuffle:
-            rng.shuffle(order)
-        if self.drop_last:
-            order = order[: len(order) - len(order) % self.micro_batch_size]
-        chunk = self.micro_batch_size * self.bucket_size_multiplier
-        out: list[list[int]] = []
-        for start in range(0, len(order), chunk):
-            bucket = sorted(order[start : start + chunk], key=self.lengths.__getitem__)
-            out.extend(bucket[i : i + self.micro_batch_size] for i in range(0, len(bucket), self.micro_batch_size))
-        if self.shuffle:
-            rng.shuffle(out)
-        return out
-
-
-@dataclass
-class DataPosition:
-    """Where the data stream stands: ``batch_index`` is the index of the NEXT micro-batch of ``epoch``."""
-
-    epoch: int = 0
-    batch_index: int = 0
-
-    def to_dict(self) -> dict[str, int]:
-        """``{"epoch", "batch_index"}`` (JSON-ready)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DataPosition:
-        """Inverse of :meth:`to_dict`.
-
-        Raises:
-            ValueError: a missing key, a non-integer or a negative value.
-        """
-        try:
-            epoch, batch_index = data["epoch"], data["batch_index"]
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"data position needs 'epoch' and 'batch_index', got {data!r}") from e
-        for name, value in (("epoch", epoch), ("batch_index", batch_index)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"data position {name} must be a non-negative int, got {value!r}")
-        return cls(epoch=epoch, batch_index=batch_index)
-
-
-def iterate_batches(sampler, position: DataPosition) -> Iterator[tuple[list[int], DataPosition]]:
-    """Endless micro-batches of ``sampler`` (:class:`BucketedBatchSampler` or
-    :class:`PackedBatchSampler`) from ``position`` on, each with the position AFTER it.
-
-    After the last micro-batch of an epoch the position is ``(epoch + 1, 0)``.
-
-    Raises:
-        ValueError: ``position.batch_index`` beyond the epoch's micro-batches.
-    """
-    if position.epoch < 0:
-        raise ValueError(f"data position {position} has a negative epoch")
-    epoch, start = position.epoch, position.batch_index
-    batches = sampler.batches(epoch)
-    if not 0 <= start <= len(batches):
-        raise ValueError(f"data position {position} is outside an epoch of {len(batches)} micro-batches")
-    while True:
-        num_batches = len(batches)
-        for i in range(start, num_batches):
-            after = DataPosition(epoch, i + 1) if i + 1 < num_batches else DataPosition(epoch + 1, 0)
-            yield batches[i], after
-        epoch, start = epoch + 1, 0
-        batches = sampler.batches(epoch)
-
-
-class PackedBatchSampler:
-    """Deterministic micro-batches of row indices packed under a token budget (padding-free).
-
-    For epoch ``e``: shuffle all indices with ``random.Random(seed + e)`` (none with
-    ``shuffle=False``), cut them into chunks of ``chunk_rows``, pack each chunk first-fit
-    decreasing (longest row first, into the first micro-batch with room, so bins fill up to the
-    budget), then shuffle the micro-batch order with the same RNG. A micro-batch holds a varying
-    number of rows and at most ``max_tokens`` tokens, with no
-    padding. Duck-types :class:`BucketedBatchSampler` (``len``, ``batches``); the number of
-    micro-batches depends on the order, so it may differ between epochs (``len`` is epoch 0's;
-    :func:`iterate_batches` takes each epoch's own).
-
-    Args:
-        lengths: tokens of each row (for a preference pair: chosen + rejected).
-        max_tokens: the token budget of a micro-batch (``max_tokens_per_micro_batch``).
-        seed: order seed.
-        shuffle: shuffle the rows each epoch.
-        chunk_rows: rows packed together (first-fit decreasing is quadratic in a chunk's bins).
-
-    Raises:
-        ValueError: no rows, ``max_tokens`` below 1, or a row longer than ``max_tokens`` (named
-            by its index).
-    """
-
-    drop_last = False
-
-    def __init__(
-        self, lengths: list[int], max_tokens: int, seed: int, shuffle: bool = True, chunk_rows: int = 4096
-    ) -> None:
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
-        if not lengths:
-            raise ValueError("no rows to pack")
-        longest = max(range(len(lengths)), key=lengths.__getitem__)
-        if lengths[longest] > max_tokens:
-            raise ValueError(
-                f"row {longest} has {lengths[longest]} tokens, more than max_tokens_per_micro_batch={max_tokens}: "
-                "raise the budget or lower data.max_length_tokens"
-            )
-        self.lengths = list(lengths)
-        self.max_tokens = max_tokens
-        self.seed = seed
-        self.shuffle = shuffle
-        self.chunk_rows = chunk_rows
-        self._num_batches = len(self._pack(0))
-
-    def _pack(self, epoch: int) -> list[list[int]]:
-        rng = random.Random(self.seed + epoch)
-        order = list(range(len(self.lengths)))
-        if self.shuffle:
-            rng.shuffle(order)
-        out: list[list[int]] = []
-        for start in range(0, len(order), self.chunk_rows):
-            chunk = sorted(order[start : start + self.chunk_rows], key=lambda i: -self.lengths[i])
-            bins: list[list[int]] = []
-            room: list[int] = []
-            for i in chunk:
-                n = self.lengths[i]
-                slot = next((b for b, free in enumerate(room) if free >= n), None)
-                if slot is None:
-                    bins.append([])
-                    room.append(self.max_tokens)
-                    slot = len(bins) - 1
-                bins[slot].append(i)
-                room[slot] -= n
-            out.extend(bins)
-        if self.shuffle:
-            rng.shuffle(out)
-        return out
-
-    def __len__(self) -> int:
-        """Micro-batches of epoch 0 (another epoch may pack into a few more or fewer)."""
-        return self._num_batches
-
-    def batches(self, epoch: int) -> list[list[int]]:
-        """The micro-batches (lists of row indices) of ``epoch``, a function of ``(seed, epoch)`` only."""
-        return self._pack(epoch)
 
 
 def _packed(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], pad_id: int) -> dict[str, Tensor]:

@@ -1,61 +1,241 @@
-"""Reading what prepare_data committed: tokenised Parquet splits and the tokenizer.
+"""Reading what prepare_data committed: tokenised splits, memory-mapped, and the tokenizer.
 
 The writer is the ``prepare_data`` stage (``trainer_core/stages/prepare_data.py``, which
 documents the columns); every other stage reads its output through this module.
+
+A split is committed as Parquet (:mod:`trainer_core.data.shards`: shards, or one file in outputs
+written before sharding). Parquet is compressed, so it cannot be mapped as it is: the first
+reader on a machine converts each file, a row group at a time, into an uncompressed Arrow IPC
+file in a local cache, ``<tempdir>/posttrain-cache/arrow/<sha256 of the Parquet file>.arrow``
+(``TMPDIR`` moves it; a lock file lets one rank convert while the others wait), and every reader
+maps that file. The cache is keyed by the content hash the manifest records, so it is reused by
+every run with the same data and never stale; nothing removes it. Remote outputs (``s3://``,
+``memory://``) are streamed into the same cache. A process then holds no row as a Python object
+until it asks for it: :class:`PreparedRows` turns one row into a dict when it is indexed, and
+only the pages of the rows read become resident (file-backed pages, which count in the
+process's RSS as they are touched but are shared by the ranks of a machine and reclaimable).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import fcntl
+import os
+import tempfile
+import uuid
+from collections.abc import Sequence
+from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trainer_core import storage
-from trainer_core.checkpoint.manifest import MANIFEST_NAME
+from trainer_core.checkpoint.manifest import MANIFEST_NAME, FileEntry, read_manifest
+from trainer_core.data.shards import split_files
 from trainer_core.data.tokenizer import load_tokenizer
 from trainer_core.errors import DataError
 from trainer_core.storage import join_uri
 
 SPLIT_NAMES = ("sft/train", "sft/eval", "preference/train", "preference/eval", "eval_problems")
-"""Parquet files (without suffix) of every prepared-data directory, for :func:`load_split`."""
+"""Splits of every prepared-data directory, for :func:`load_split`."""
 
 OPTIONAL_SPLIT_NAMES = ("kto/train", "kto/eval", "pretrain/train", "pretrain/eval")
-"""Parquet files a prepared-data directory holds only when its config set their source
+"""Splits a prepared-data directory holds only when its config set their source
 (``data.kto``, ``data.pretrain``)."""
 
-
-def _committed(data_uri: str) -> None:
-    if not storage.exists(join_uri(data_uri, MANIFEST_NAME)):
-        raise DataError(f"{data_uri} is not a committed prepare_data output (no {MANIFEST_NAME})")
+CACHE_BATCH_ROWS = 8192
+"""Rows per record batch of a cached Arrow file (what a Parquet file is decoded by at a time)."""
 
 
-def load_split(data_uri: str, name: str) -> list[dict]:
-    """Rows of one prepared Parquet file, e.g. ``load_split(uri, "sft/train")``.
+def _manifest_files(data_uri: str) -> list[FileEntry]:
+    try:
+        return read_manifest(data_uri).files
+    except FileNotFoundError as e:
+        raise DataError(f"{data_uri} is not a committed prepare_data output (no {MANIFEST_NAME})") from e
+
+
+def arrow_cache_dir() -> str:
+    """The local directory of the memory-mappable copies of prepared Parquet files."""
+    return os.path.join(tempfile.gettempdir(), storage.CACHE_DIRNAME, "arrow")
+
+
+def _parquet_to_arrow(uri: str, local_path: str) -> None:
+    """Decode the Parquet file ``uri`` into the uncompressed Arrow IPC file ``local_path``,
+    :data:`CACHE_BATCH_ROWS` rows at a time."""
+    fs, path = storage.url_to_fs(uri)
+    with fs.open(path, "rb") as f:
+        try:
+            parquet = pq.ParquetFile(f)
+        except pa.ArrowInvalid as e:
+            raise DataError(f"{uri}: not a readable Parquet file: {e}") from e
+        with pa.OSFile(local_path, "wb") as sink, pa.ipc.new_file(sink, parquet.schema_arrow) as writer:
+            for batch in parquet.iter_batches(batch_size=CACHE_BATCH_ROWS):
+                writer.write_batch(batch)
+
+
+def local_arrow(uri: str, sha256: str) -> str:
+    """The path of the cached Arrow IPC copy of the Parquet file ``uri`` (content ``sha256``),
+    converting it first when the cache does not hold it.
+
+    Raises:
+        DataError: ``uri`` is missing or not Parquet.
+    """
+    path = os.path.join(arrow_cache_dir(), f"{sha256}.arrow")
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter per machine; the others wait, then map its file
+        if not os.path.exists(path):
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            try:
+                _parquet_to_arrow(uri, tmp)
+                os.replace(tmp, path)
+            except FileNotFoundError as e:
+                raise DataError(f"prepared split file not found: {uri}") from e
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+    return path
+
+
+def load_table(data_uri: str, name: str) -> pa.Table:
+    """One prepared split as a memory-mapped Arrow table (zero-copy: no row is read yet).
+
+    Args:
+        data_uri: the prepare_data final directory (any fsspec URI).
+        name: one of :data:`SPLIT_NAMES` or :data:`OPTIONAL_SPLIT_NAMES` (``.parquet`` optional).
+
+    Raises:
+        DataError: the directory is not committed, or the split is missing or not Parquet.
+    """
+    name = name.removesuffix(".parquet")
+    entries = split_files(_manifest_files(data_uri), name)
+    if not entries:
+        data_set = name.split("/", 1)[0]
+        hint = (f": this prepare_data output was made without data.{data_set}"
+                if name in OPTIONAL_SPLIT_NAMES else "")
+        uri = join_uri(data_uri, f"{name}.parquet")
+        raise DataError(f"prepared split not found: {uri} (splits: {list(SPLIT_NAMES)}){hint}")
+    tables = []
+    for entry in entries:
+        local = local_arrow(join_uri(data_uri, entry.path), entry.sha256)
+        tables.append(pa.ipc.open_file(pa.memory_map(local, "r")).read_all())
+    return pa.concat_tables(tables)
+
+
+def load_split(data_uri: str, name: str) -> PreparedRows:
+    """Rows of one prepared split, e.g. ``load_split(uri, "sft/train")``, read lazily.
 
     Args:
         data_uri: the prepare_data final directory (any fsspec URI).
         name: one of :data:`SPLIT_NAMES` or :data:`OPTIONAL_SPLIT_NAMES` (``.parquet`` optional).
 
     Returns:
-        One dict per row; list columns come back as ``list[int]``.
+        A read-only sequence of row dicts over the memory-mapped split (:class:`PreparedRows`);
+        list columns come back as ``list[int]``.
 
     Raises:
-        DataError: the directory is not committed, or the file is missing or not Parquet.
+        DataError: the directory is not committed, or the split is missing or not Parquet.
     """
-    _committed(data_uri)
-    uri = join_uri(data_uri, name if name.endswith(".parquet") else f"{name}.parquet")
-    try:
-        raw = storage.read_bytes(uri)
-    except FileNotFoundError as e:
-        data_set = name.split("/", 1)[0]
-        hint = (f": this prepare_data output was made without data.{data_set}"
-                if name.removesuffix(".parquet") in OPTIONAL_SPLIT_NAMES else "")
-        raise DataError(f"prepared split not found: {uri} (splits: {list(SPLIT_NAMES)}){hint}") from e
-    try:
-        return pq.read_table(pa.BufferReader(raw)).to_pylist()
-    except pa.ArrowInvalid as e:
-        raise DataError(f"{uri}: not a readable Parquet file: {e}") from e
+    return PreparedRows(load_table(data_uri, name), name.removesuffix(".parquet"))
+
+
+class _Row(dict):
+    """A row dict whose item assignments are kept by the :class:`PreparedRows` it came from."""
+
+    __slots__ = ("_owner", "_index")
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._owner._extra.setdefault(self._index, {})[key] = value
+
+    def __reduce__(self) -> tuple:
+        return dict, (dict(self),)  # pickled and copied as a plain dict, never with its table
+
+
+class PreparedRows(Sequence):
+    """The rows of a prepared split as a sequence of dicts, backed by an Arrow table.
+
+    ``rows[i]`` builds row ``i``'s dict when asked (about 20 us for an SFT row); iteration
+    converts one record batch at a time; ``rows[a:b]`` is a list. Nothing is cached, so memory
+    does not grow with the rows read. The one write kept is an item assignment on a row
+    (``rows[i]["ref_logprobs"] = x``, as DPO and KTO attach reference log-probs): it is stored by
+    row index and added to that row whenever it is read again.
+
+    Args:
+        table: the split (e.g. from :func:`load_table`).
+        name: the split's name, for messages.
+    """
+
+    def __init__(self, table: pa.Table, name: str = "rows") -> None:
+        self.table = table
+        self.name = name
+        self._batches = [b for b in table.to_batches() if b.num_rows]
+        self._starts = np.cumsum([0] + [b.num_rows for b in self._batches])
+        self._extra: dict[int, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __repr__(self) -> str:
+        return f"PreparedRows({self.name!r}, {len(self)} rows)"
+
+    def _row(self, index: int, data: dict) -> _Row:
+        row = _Row(data)
+        row._owner, row._index = self, index
+        extra = self._extra.get(index)
+        if extra:
+            dict.update(row, extra)
+        return row
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            rows = self.table.slice(start, max(stop - start, 0)).to_pylist()
+            return [self._row(start + i, row) for i, row in enumerate(rows)]
+        index = int(key)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"{self.name}: row {key} of {len(self)}")
+        batch = int(np.searchsorted(self._starts, index, side="right")) - 1
+        (data,) = self._batches[batch].slice(index - int(self._starts[batch]), 1).to_pylist()
+        return self._row(index, data)
+
+    def __iter__(self) -> Iterator[dict]:
+        for batch, start in zip(self._batches, self._starts.tolist()):
+            for i, data in enumerate(batch.to_pylist()):
+                yield self._row(start + i, data)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def column(self, name: str) -> pa.ChunkedArray:
+        """Column ``name`` (zero-copy)."""
+        return self.table.column(name)
+
+    def values(self, name: str) -> list:
+        """Column ``name`` as a Python list (for scalar columns: ``label``, ``answer``)."""
+        return self.table.column(name).to_pylist()
+
+    def list_lengths(self, name: str) -> np.ndarray:
+        """``[len(self)]`` int64: the length of list column ``name`` in each row (from the offsets,
+        no row is converted); e.g. ``list_lengths("input_ids")`` = tokens per row."""
+        lengths = pc.list_value_length(self.table.column(name))
+        return lengths.to_numpy().astype(np.int64, copy=False)
+
+    def nonnull_indices(self, name: str) -> np.ndarray:
+        """int64 indices of the rows whose ``name`` is not null, in order."""
+        valid = pc.is_valid(self.table.column(name)).to_numpy(zero_copy_only=False)
+        return np.flatnonzero(valid)
 
 
 def load_tokenizer_from(data_uri: str) -> Any:
@@ -65,7 +245,7 @@ def load_tokenizer_from(data_uri: str) -> Any:
         DataError: the directory is not committed or has no tokenizer.
         ConfigError: the tokenizer files cannot be loaded.
     """
-    _committed(data_uri)
+    _manifest_files(data_uri)
     try:
         local = storage.materialize(join_uri(data_uri, "tokenizer"))
     except (FileNotFoundError, NotADirectoryError) as e:

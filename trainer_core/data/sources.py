@@ -6,12 +6,16 @@ Every record comes back as a plain ``dict`` with one added key, ``"_source"``:
 plain-text file (``.txt``) gives one record per non-blank line, the line (without its newline)
 under the source's ``text_field``, as ``datasets``' ``text`` loader reads it.
 
+:func:`iter_records` streams: memory stays bounded whatever the file's size (a line, or a
+Parquet batch, at a time; ``hf://`` ids through ``datasets`` streaming).
+
 Files are opened through ``fsspec``, so any URI works (local path, ``file://``, ``s3://``,
 ``memory://``); compressed files (``.jsonl.gz``, ``.json.bz2``, ...) are decompressed on the fly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -39,22 +43,34 @@ _DECOMPRESSION_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error, lzma.LZMAError)
 
 
 def read_records(source: DataSource) -> list[dict]:
-    """All records of ``source`` (at most ``source.max_rows``), each with ``"_source"`` set.
+    """All records of ``source`` (at most ``source.max_rows``) in a list: :func:`iter_records`
+    collected. For small inputs (eval files, tests); prepare_data streams with :func:`iter_records`.
+
+    Raises:
+        As :func:`iter_records`.
+    """
+    return list(iter_records(source))
+
+
+def iter_records(source: DataSource) -> Iterator[dict]:
+    """The records of ``source`` (at most ``source.max_rows``), each with ``"_source"`` set, read
+    in bounded memory: JSON lines one at a time, Parquet in batches of
+    :data:`_PARQUET_BATCH_ROWS` rows, ``hf://`` ids with ``datasets`` streaming.
 
     Args:
         source: the data source; ``source.uri`` ends in ``.jsonl`` / ``.json`` (one JSON object
             per line, blank lines skipped), ``.parquet`` or ``.txt`` (one record per non-blank
             line), or is ``hf://<dataset id>`` (read with
-            ``datasets.load_dataset(id, split=source.split)``).
+            ``datasets.load_dataset(id, split=source.split, streaming=True)``).
 
-    Returns:
+    Yields:
         Records in file order; each a dict with the file's fields plus ``"_source"``.
 
     Raises:
         DataError: ``source.uri`` is None, has an unknown extension, does not exist or is a
             directory; a JSONL line is not valid JSON or not a JSON object (the message names
             ``file:line``); a compressed file is corrupt or truncated; a Parquet file cannot be
-            read; the source holds no records.
+            read; the source holds no records (raised when the iteration ends).
         ConfigError: no permission to read it, or no S3 credentials for an ``s3://`` URI (the
             message names the URI).
     """
@@ -62,32 +78,39 @@ def read_records(source: DataSource) -> list[dict]:
     if uri is None:
         raise DataError("data source has no uri (None selects the synthetic task, not a file)")
     if uri.startswith(HF_PREFIX):
-        records = _read_hf(uri, source.split, source.max_rows)
+        records = _iter_hf(uri, source.split)
     else:
         kind = _file_kind(uri)
-        reader = {"jsonl": _iter_jsonl, "parquet": _iter_parquet,
-                  "text": lambda u: _iter_text(u, source.text_field)}[kind]
-        records = []
-        try:
-            for record in reader(uri):
-                records.append(record)
-                if source.max_rows is not None and len(records) >= source.max_rows:
-                    break
-        except FileNotFoundError as e:
-            raise DataError(f"data file not found: {uri}") from e
-        except IsADirectoryError as e:
-            raise DataError(f"data uri is a directory, not a file: {uri}") from e
-        except PosttrainError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a known kind gets its input named; the rest propagates
-            error = classify(e, where=f"reading {uri}")
-            if error is None:
-                raise
-            raise error from e
-    if not records:
+        records = {"jsonl": _iter_jsonl, "parquet": _iter_parquet,
+                   "text": lambda u: _iter_text(u, source.text_field)}[kind](uri)
+    count = 0
+    with _named_errors(uri):
+        for record in records:
+            count += 1
+            yield record
+            if source.max_rows is not None and count >= source.max_rows:
+                break  # before the next record is read: a bad line after max_rows is never parsed
+    if not count:
         raise DataError(f"{uri}: no records")
-    logger.info("read %d records from %s", len(records), uri)
-    return records
+    logger.info("read %d records from %s", count, uri)
+
+
+@contextlib.contextmanager
+def _named_errors(uri: str) -> Iterator[None]:
+    """Library errors raised while ``uri`` is read, as the project's errors naming it."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise DataError(f"data file not found: {uri}") from e
+    except IsADirectoryError as e:
+        raise DataError(f"data uri is a directory, not a file: {uri}") from e
+    except PosttrainError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a known kind gets its input named; the rest propagates
+        error = classify(e, where=f"reading {uri}")
+        if error is None:
+            raise
+        raise error from e
 
 
 def _file_kind(uri: str) -> str:
@@ -186,24 +209,20 @@ def _iter_parquet(uri: str) -> Iterator[dict]:
                 yield record
 
 
-def _read_hf(uri: str, split: str, max_rows: int | None) -> list[dict]:
-    """Records of a Hugging Face ``datasets`` split (``hf://<id>``)."""
+def _iter_hf(uri: str, split: str) -> Iterator[dict]:
+    """Records of a Hugging Face ``datasets`` split (``hf://<id>``), streamed."""
     import datasets
 
     dataset_id = uri[len(HF_PREFIX) :].rstrip("/")
     if not dataset_id:
         raise DataError(f"{uri}: empty Hugging Face dataset id")
     try:
-        ds = datasets.load_dataset(dataset_id, split=split)
+        ds = datasets.load_dataset(dataset_id, split=split, streaming=True)
     except FileNotFoundError as e:  # DatasetNotFoundError, DataFilesNotFoundError, EmptyDatasetError
         raise DataError(f"data set not found: {uri} (split {split!r}): {e}") from e
     except ValueError as e:  # unknown split, unsupported layout
         raise DataError(f"{uri}: cannot load split {split!r}: {e}") from e
-    if max_rows is not None:
-        ds = ds.select(range(min(max_rows, len(ds))))
-    records = []
     for row, record in enumerate(ds, start=1):
         record = dict(record)
         record["_source"] = f"{uri}:{row}"
-        records.append(record)
-    return records
+        yield record

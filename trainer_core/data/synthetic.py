@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Iterator
 
 NAMES = (("Tom", "He"), ("Anna", "She"), ("Ben", "He"), ("Mia", "She"), ("Sam", "He"), ("Lily", "She"))
 """Problem subjects with their pronoun."""
@@ -105,7 +106,16 @@ def _check(num: int, max_operand: int) -> None:
 
 
 def make_sft_records(num: int, seed: int, max_operand: int) -> list[dict]:
-    """``num`` GSM8K-format records ``{"question", "answer"}``.
+    """``num`` GSM8K-format records ``{"question", "answer"}``: :func:`iter_sft_records` in a list.
+
+    Raises:
+        ValueError: ``num < 1`` or ``max_operand < 2``.
+    """
+    return list(iter_sft_records(num, seed, max_operand))
+
+
+def iter_sft_records(num: int, seed: int, max_operand: int) -> Iterator[dict]:
+    """``num`` GSM8K-format records ``{"question", "answer"}``, drawn one at a time.
 
     Args:
         num: number of problems.
@@ -113,15 +123,16 @@ def make_sft_records(num: int, seed: int, max_operand: int) -> list[dict]:
         max_operand: largest starting amount or added / removed amount.
 
     Raises:
-        ValueError: ``num < 1`` or ``max_operand < 2``.
+        ValueError: ``num < 1`` or ``max_operand < 2`` (at the call, not at the first record).
     """
     _check(num, max_operand)
-    rng = random.Random(seed)
-    records = []
+    return _sft_stream(num, random.Random(seed), max_operand)
+
+
+def _sft_stream(num: int, rng: random.Random, max_operand: int) -> Iterator[dict]:
     for _ in range(num):
         question, name, start, steps, obj = _draw_problem(rng, max_operand)
-        records.append({"question": question, "answer": "\n".join(_solution_lines(name, obj, start, steps, None))})
-    return records
+        yield {"question": question, "answer": "\n".join(_solution_lines(name, obj, start, steps, None))}
 
 
 def _values(start: int, steps: list[_Step]) -> list[int]:
@@ -150,7 +161,17 @@ def _corrupt(rng: random.Random, name: str, obj: str, start: int, steps: list[_S
 
 
 def make_preference_records(num: int, seed: int, max_operand: int) -> list[dict]:
-    """``num`` preference records ``{"prompt", "chosen", "rejected"}``.
+    """``num`` preference records ``{"prompt", "chosen", "rejected"}``: :func:`iter_preference_records`
+    in a list.
+
+    Raises:
+        ValueError: ``num < 1`` or ``max_operand < 2``.
+    """
+    return list(iter_preference_records(num, seed, max_operand))
+
+
+def iter_preference_records(num: int, seed: int, max_operand: int) -> Iterator[dict]:
+    """``num`` preference records ``{"prompt", "chosen", "rejected"}``, drawn one at a time.
 
     chosen is the correct worked solution; rejected is a corrupted one: with probability 3/4 one
     arithmetic step is off by 1-3 and the error is carried through the later steps, otherwise
@@ -158,17 +179,18 @@ def make_preference_records(num: int, seed: int, max_operand: int) -> list[dict]
 
     Args:
         num: number of pairs.
-        seed: seed of the pair stream (distinct from :func:`make_sft_records`'s for the same seed).
-        max_operand: as in :func:`make_sft_records`.
+        seed: seed of the pair stream (distinct from :func:`iter_sft_records`'s for the same seed).
+        max_operand: as in :func:`iter_sft_records`.
 
     Raises:
-        ValueError: ``num < 1`` or ``max_operand < 2``.
+        ValueError: ``num < 1`` or ``max_operand < 2`` (at the call, not at the first record).
     """
     _check(num, max_operand)
-    rng = random.Random(f"preference:{seed}")
-    records = []
+    return _preference_stream(num, random.Random(f"preference:{seed}"), max_operand)
+
+
+def _preference_stream(num: int, rng: random.Random, max_operand: int) -> Iterator[dict]:
     for _ in range(num):
         question, name, start, steps, obj = _draw_problem(rng, max_operand)
         chosen = "\n".join(_solution_lines(name, obj, start, steps, None))
-        records.append({"prompt": question, "chosen": chosen, "rejected": _corrupt(rng, name, obj, start, steps)})
-    return records
+        yield {"prompt": question, "chosen": chosen, "rejected": _corrupt(rng, name, obj, start, steps)}

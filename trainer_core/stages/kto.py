@@ -25,7 +25,7 @@ def run(ctx: StageContext) -> Manifest:
     cfg, seed = ctx.config.kto, ctx.config.seed
     pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
     splits = {s: ctx.load_rows(f"kto/{s}") for s in SPLITS}
-    desirable = sum(r["label"] for r in splits["train"])
+    desirable = sum(splits["train"].values("label"))  # from the column: no row is built
     ratio = cfg.desirable_weight * desirable / max(cfg.undesirable_weight * (len(splits["train"]) - desirable), 1)
     if not 1.0 <= ratio <= 4 / 3:
         log.warning("kto: desirable_weight x #desirable / (undesirable_weight x #undesirable) = %.3g, outside the "

@@ -1,21 +1,22 @@
 """prepare_data stage: read, adapt, split and tokenise every data set; write Parquet + tokenizer.
 
 Output directory (``<output_uri>/final``), committed by ``manifest.json`` written last; read by
-:mod:`trainer_core.data.prepared`::
+:mod:`trainer_core.data.prepared`. Each split ``<name>`` is written as Parquet shards
+``<name>/part-00000.parquet``, ... (:mod:`trainer_core.data.shards`); its columns::
 
-    sft/train.parquet, sft/eval.parquet
+    sft/train, sft/eval
         prompt str, completion str, answer str|null, messages_json str,
         input_ids list<int32>, loss_mask list<int8> (1 = counted in the loss), num_tokens int32
-    preference/train.parquet, preference/eval.parquet
+    preference/train, preference/eval
         messages_json, chosen, rejected, chosen_input_ids, chosen_loss_mask,
         rejected_input_ids, rejected_loss_mask
-    eval_problems.parquet
+    eval_problems
         messages_json, answer str, prompt_input_ids list<int32>
-    kto/train.parquet, kto/eval.parquet          (only with data.kto set)
+    kto/train, kto/eval          (only with data.kto set)
         messages_json, completion str, label bool (True = desirable), input_ids, loss_mask,
         kl_input_ids, kl_loss_mask (the prompt with the previous example's completion: the
         mismatched pair of KTO's reference-point KL estimate, as TRL builds it)
-    pretrain/train.parquet, pretrain/eval.parquet  (only with data.pretrain set)
+    pretrain/train, pretrain/eval  (only with data.pretrain set)
         input_ids list<int32> (documents joined by EOS, cut into blocks of max_length_tokens; a
         split's last block may be shorter), num_tokens int32; every token is a loss token
     tokenizer/   (save_pretrained files)
@@ -32,26 +33,43 @@ not parse (a handful in the public data) are skipped and counted, unless more th
 KTO examples made from preference pairs are split pair by pair (a pair's two completions stay in
 one split), then shuffled with the seed. Pretrain documents are split before they are packed, and
 documents that contain an eval problem's question are dropped (counted).
+
+Memory stays bounded whatever the data's size: each data set is read once as a stream and its
+canonical examples staged in a local Arrow file (:mod:`trainer_core.data.staging`); the split
+works on indices (the same rows, in the same order, as shuffling the whole list did); the
+tokenizer's training texts and the tokenised rows are made chunk by chunk
+(:data:`CHUNK_ROWS` rows), in ``data.num_proc`` worker processes when it is above 1
+(:mod:`trainer_core.data.parallel`), and written in order, so the output does not depend on
+``num_proc``.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import logging
-import random
-import statistics
 import tempfile
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
 from trainer_core.config import DataSource, PipelineConfig
+from trainer_core.data.encode import (  # noqa: F401 - the schemas are part of this stage's documented output
+    EVAL_PROBLEMS_SCHEMA,
+    KTO_SCHEMA,
+    PREFERENCE_SCHEMA,
+    PRETRAIN_SCHEMA,
+    SCHEMAS,
+    SFT_SCHEMA,
+    Chunk,
+    ChunkCounts,
+    ChunkEncoder,
+    cut_blocks,
+    render_texts,
+)
 from trainer_core.data.formats import (
-    DialogueParseError,
     detect_format,
     to_eval_problem,
     to_kto_examples,
@@ -59,331 +77,274 @@ from trainer_core.data.formats import (
     to_sft_example,
     to_text_example,
 )
-from trainer_core.data.sources import read_records
-from trainer_core.data.synthetic import make_preference_records, make_sft_records
-from trainer_core.data.tokenizer import encode_chat, load_tokenizer, render_chat, train_tokenizer
+from trainer_core.data.parallel import ChunkMap
+from trainer_core.data.shards import ShardWriter
+from trainer_core.data.sources import iter_records
+from trainer_core.data.staging import (  # noqa: F401 - MAX_INVALID_FRACTION: documented here
+    MAX_INVALID_FRACTION,
+    ExampleStore,
+    group_examples,
+    mask_containing,
+    mask_in,
+    messages_json,
+    shuffled,
+    split_order,
+    stage_examples,
+)
+from trainer_core.data.synthetic import iter_preference_records, iter_sft_records
+from trainer_core.data.tokenizer import encode_chat, load_tokenizer, train_tokenizer
 from trainer_core.errors import ConfigError, DataError
 from trainer_core.stages.context import StageContext
 
 logger = logging.getLogger(__name__)
 
 STAGE = "prepare_data"
-MAX_INVALID_FRACTION = 0.05
-"""Largest fraction of a data set's records that may fail to parse (and be skipped)."""
+CHUNK_ROWS = 2048
+"""Examples per unit of tokenising work (and per Parquet row group of the output)."""
 
 
-_IDS = pa.list_(pa.int32())
-_MASK = pa.list_(pa.int8())
-SFT_SCHEMA = pa.schema(
-    [("prompt", pa.string()), ("completion", pa.string()), ("answer", pa.string()), ("messages_json", pa.string()),
-     ("input_ids", _IDS), ("loss_mask", _MASK), ("num_tokens", pa.int32())]
-)
-PREFERENCE_SCHEMA = pa.schema(
-    [("messages_json", pa.string()), ("chosen", pa.string()), ("rejected", pa.string()),
-     ("chosen_input_ids", _IDS), ("chosen_loss_mask", _MASK), ("rejected_input_ids", _IDS),
-     ("rejected_loss_mask", _MASK)]
-)
-EVAL_PROBLEMS_SCHEMA = pa.schema([("messages_json", pa.string()), ("answer", pa.string()), ("prompt_input_ids", _IDS)])
-KTO_SCHEMA = pa.schema(
-    [("messages_json", pa.string()), ("completion", pa.string()), ("label", pa.bool_()), ("input_ids", _IDS),
-     ("loss_mask", _MASK), ("kl_input_ids", _IDS), ("kl_loss_mask", _MASK)]
-)
-PRETRAIN_SCHEMA = pa.schema([("input_ids", _IDS), ("num_tokens", pa.int32())])
+@dataclass
+class Split:
+    """A data set's staged examples and its split: row indices into ``store``, in output order."""
+
+    store: ExampleStore
+    train: np.ndarray
+    eval: np.ndarray
 
 
-def _messages_json(messages: list[dict[str, str]]) -> str:
-    return json.dumps(messages, ensure_ascii=False)
-
-
-def _adapt(records: list[dict], fmt: str, adapter: Callable[[dict, str], dict], name: str,
-           metrics: dict[str, float]) -> list[dict]:
-    """Apply ``adapter`` to every record; skip (and count) unparsable dialogues up to the limit."""
-    if fmt == "auto":
-        fmt = detect_format(records[0])
-    examples, invalid = [], []
-    for record in records:
-        try:
-            examples.append(adapter(record, fmt))
-        except DialogueParseError as e:
-            invalid.append(str(e))
-    metrics[f"num_{name}_invalid"] = len(invalid)
-    if invalid:
-        logger.warning("%s: skipped %d unparsable records, e.g. %s", name, len(invalid), invalid[:3])
-    if len(invalid) > MAX_INVALID_FRACTION * len(records):
-        raise DataError(
-            f"{name}: {len(invalid)} of {len(records)} records do not parse as format {fmt!r} "
-            f"(more than {MAX_INVALID_FRACTION:.0%}); first: {invalid[0]}"
-        )
-    return examples
-
-
-def _load(source: DataSource, name: str, config: PipelineConfig, metrics: dict[str, float]) -> list[dict]:
-    """Canonical examples of the ``sft`` or ``preference`` data set (synthetic when uri is None)."""
-    syn = config.data.synthetic
-    if name == "sft":
-        adapter: Callable[[dict, str], dict] = to_sft_example
-        if source.uri is None:
-            records = make_sft_records(syn.num_problems, config.seed, syn.max_operand)
-            return _adapt(records, "gsm8k", adapter, name, metrics)
-    else:
-        adapter = to_preference_example
-        if source.uri is None:
-            records = make_preference_records(syn.num_pairs, config.seed, syn.max_operand)
-            return _adapt(records, "prompt_completion", adapter, name, metrics)
-    return _adapt(_read(source, name), source.format, adapter, name, metrics)
-
-
-def _load_kto(source: DataSource, config: PipelineConfig, metrics: dict[str, float]) -> list[list[dict]]:
-    """The KTO examples of each ``data.kto`` record (two of a preference pair); the synthetic
-    preference pairs, unpaired, when its uri is None."""
-    if source.uri is None:
-        syn = config.data.synthetic
-        records, fmt = make_preference_records(syn.num_pairs, config.seed, syn.max_operand), "prompt_completion"
-    else:
-        records, fmt = _read(source, "kto"), source.format
-    return _adapt(records, fmt, to_kto_examples, "kto", metrics)
-
-
-def _load_documents(source: DataSource, config: PipelineConfig, metrics: dict[str, float]) -> list[dict]:
-    """The raw-text documents of ``data.pretrain``; the synthetic problems with their worked
-    solutions (drawn with seed + 1) as plain text when its uri is None."""
-    if source.uri is None:
-        syn = config.data.synthetic
-        records, fmt = make_sft_records(syn.num_problems, config.seed + 1, syn.max_operand), "gsm8k"
-    else:
-        records, fmt = _read(source, "pretrain"), source.format
-    if fmt == "auto" and source.text_field in records[0]:
-        fmt = "text"  # auto: the text field when the records have it, else the detected format rendered as text
-    return _adapt(records, fmt, partial(to_text_example, field=source.text_field), "pretrain", metrics)
-
-
-def _read(source: DataSource, name: str) -> list[dict]:
-    """``read_records(source)``, its errors prefixed with the config field (``data.<name>.uri``)."""
+def _read(source: DataSource, name: str) -> Iterator[dict]:
+    """``iter_records(source)``, its errors prefixed with the config field (``data.<name>.uri``)."""
     try:
-        return read_records(source)
+        yield from iter_records(source)
     except (ConfigError, DataError) as e:
         raise type(e)(f"data.{name}.uri: {e}") from e
+
+
+def _text_format(field: str, record: dict) -> str:
+    """``auto`` for pretrain: the text field when the records have it, else the detected format."""
+    return "text" if field in record else detect_format(record)
+
+
+def _stage(name: str, source: DataSource, config: PipelineConfig, tmp: str, metrics: dict[str, float]) -> ExampleStore:
+    """Stream data set ``name`` (the synthetic task when its uri is None) into a local store."""
+    syn, seed = config.data.synthetic, config.seed
+    synthetic: dict[str, Callable[[], Iterator[dict]]] = {
+        "sft": lambda: iter_sft_records(syn.num_problems, seed, syn.max_operand),
+        "preference": lambda: iter_preference_records(syn.num_pairs, seed, syn.max_operand),
+        "kto": lambda: iter_preference_records(syn.num_pairs, seed, syn.max_operand),
+        "pretrain": lambda: iter_sft_records(syn.num_problems, seed + 1, syn.max_operand),  # problems as plain text
+    }
+    adapters: dict[str, tuple[Callable, str, str]] = {  # adapter, store kind, synthetic records' format
+        "sft": (to_sft_example, "sft", "gsm8k"),
+        "preference": (to_preference_example, "preference", "prompt_completion"),
+        "kto": (to_kto_examples, "kto", "prompt_completion"),
+        "pretrain": (partial(to_text_example, field=source.text_field), "text", "gsm8k"),
+    }
+    adapter, kind, synthetic_format = adapters[name]
+    if source.uri is None:
+        records, fmt = synthetic[name](), synthetic_format
+    else:
+        records, fmt = _read(source, name), source.format
+    resolve = partial(_text_format, source.text_field) if name == "pretrain" else None
+    return stage_examples(records, fmt, adapter, name, kind, f"{tmp}/{name}.arrow", metrics, resolve)
 
 
 def split_train_eval(examples: list[dict], seed: int, eval_fraction: float, max_eval_rows: int,
                      name: str = "data") -> tuple[list[dict], list[dict]]:
     """Shuffle with ``random.Random(seed)``; the first ``round(n * eval_fraction)`` rows (at least
-    1, at most ``max_eval_rows``) are the eval split, the rest the train split.
+    1, at most ``max_eval_rows``) are the eval split, the rest the train split
+    (:func:`~trainer_core.data.staging.split_order` on a list).
 
     Raises:
         DataError: fewer than 2 examples.
     """
-    if len(examples) < 2:
-        raise DataError(f"{name}: {len(examples)} usable record(s); need at least 2 to hold out an eval split")
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    num_eval = min(max_eval_rows, max(1, round(len(examples) * eval_fraction)), len(examples) - 1)
-    return [examples[i] for i in order[num_eval:]], [examples[i] for i in order[:num_eval]]
+    train, held_out = split_order(len(examples), seed, eval_fraction, max_eval_rows, name)
+    return [examples[i] for i in train], [examples[i] for i in held_out]
 
 
-def _eval_problems(config: PipelineConfig, sft_eval: list[dict], metrics: dict[str, float]) -> list[dict]:
+def _eval_problems(config: PipelineConfig, sft: Split, metrics: dict[str, float]) -> list[dict]:
     """Eval problems from ``data.eval`` (its first ``max_eval_rows``), else the held-out SFT rows with answers."""
     data = config.data
     if data.eval.uri is None:
-        return [{"messages": ex["messages"], "answer": ex["answer"]} for ex in sft_eval if ex["answer"] is not None]
-    records = _read(data.eval, "eval")
-    fmt = detect_format(records[0]) if data.eval.format == "auto" else data.eval.format
-    problems = [to_eval_problem(r, fmt) for r in records[: data.max_eval_rows]]
-    metrics["num_eval_problems_read"] = len(records)
+        return [{"messages": ex["messages"], "answer": ex["answer"]} for ex in sft.store.take(sft.eval)
+                if ex["answer"] is not None]
+    fmt, problems, num_read = data.eval.format, [], 0
+    for record in _read(data.eval, "eval"):
+        fmt = detect_format(record) if fmt == "auto" else fmt
+        if num_read < data.max_eval_rows:
+            problems.append(to_eval_problem(record, fmt))
+        num_read += 1
+    metrics["num_eval_problems_read"] = num_read
     return problems
 
 
-def _decontaminate(examples: list[dict], problems: list[dict], name: str, metrics: dict[str, float]) -> list[dict]:
+def _decontaminate(split: Split, problems: list[dict], name: str, metrics: dict[str, float]) -> None:
     """Drop train examples whose prompt messages equal an eval problem's."""
-    held_out = {_messages_json(p["messages"]) for p in problems}
-    kept = [ex for ex in examples if _messages_json(ex["messages"]) not in held_out]
-    metrics[f"num_{name}_dropped_overlap"] = len(examples) - len(kept)
-    return kept
+    overlap = mask_in(split.store, "messages_json", {messages_json(p["messages"]) for p in problems})
+    kept = split.train[~overlap[split.train]]
+    metrics[f"num_{name}_dropped_overlap"] = len(split.train) - len(kept)
+    split.train = kept
 
 
-def _decontaminate_documents(docs: list[dict], problems: list[dict], metrics: dict[str, float]) -> list[dict]:
+def _decontaminate_documents(docs: Split, problems: list[dict], metrics: dict[str, float]) -> None:
     """Drop pretrain documents that contain the text of an eval problem's last user turn."""
     questions = {p["messages"][-1]["content"] for p in problems if p["messages"][-1]["content"].strip()}
-    kept = [d for d in docs if not any(q in d["text"] for q in questions)]
-    metrics["num_pretrain_train_dropped_overlap"] = len(docs) - len(kept)
-    return kept
+    kept = docs.train[~mask_containing(docs.store, "text", questions)[docs.train]]
+    metrics["num_pretrain_train_dropped_overlap"] = len(docs.train) - len(kept)
+    docs.train = kept
 
 
-def _tokenizer_texts(splits: dict[str, list[dict]]) -> list[str]:
-    """Training conversations, chat-rendered (special tokens included), and raw pretrain
-    documents: the tokenizer-training corpus."""
-    def chat(ex: dict, completion: str) -> str:
-        return render_chat(ex["messages"] + [{"role": "assistant", "content": completion}])
-
-    texts = [chat(ex, ex["completion"]) for ex in splits["sft/train"]]
-    texts += [chat(ex, ex[side]) for ex in splits["preference/train"] for side in ("chosen", "rejected")]
-    texts += [chat(ex, ex["completion"]) for ex in splits.get("kto/train", [])]
-    texts += [doc["text"] for doc in splits.get("pretrain/train", [])]
-    return texts
+def _kto_split(store: ExampleStore, config: PipelineConfig) -> Split:
+    """KTO examples split record by record (a pair's two sides stay together), then each split's
+    examples shuffled with the seed (a pair's sides apart: mismatched KL neighbours)."""
+    data = config.data
+    groups = len(store.group_starts) - 1
+    train, held_out = split_order(groups, config.seed, data.eval_fraction, data.max_eval_rows, "kto")
+    train, held_out = group_examples(store, train), group_examples(store, held_out)
+    return Split(store, train[shuffled(len(train), config.seed)], held_out[shuffled(len(held_out), config.seed)])
 
 
-def _build_tokenizer(config: PipelineConfig, splits: dict[str, list[dict]]) -> Any:
-    if config.model.init is not None:
-        texts = _tokenizer_texts(splits)
+def _splits(config: PipelineConfig, tmp: str, metrics: dict[str, float]) -> tuple[dict[str, Split], list[dict]]:
+    """Every data set staged and split (train decontaminated against the eval problems), and the
+    eval problems."""
+    data = config.data
+    sets: dict[str, Split] = {}
+    for name in ("sft", "preference"):
+        store = _stage(name, getattr(data, name), config, tmp, metrics)
+        sets[name] = Split(store, *split_order(len(store), config.seed, data.eval_fraction, data.max_eval_rows, name))
+    problems = _eval_problems(config, sets["sft"], metrics)
+    _decontaminate(sets["sft"], problems, "sft_train", metrics)
+    _decontaminate(sets["preference"], problems, "preference_train", metrics)
+    if data.kto is not None:
+        sets["kto"] = _kto_split(_stage("kto", data.kto, config, tmp, metrics), config)
+        _decontaminate(sets["kto"], problems, "kto_train", metrics)
+    if data.pretrain is not None:
+        store = _stage("pretrain", data.pretrain, config, tmp, metrics)
+        sets["pretrain"] = Split(store, *split_order(len(store), config.seed, data.eval_fraction, data.max_eval_rows,
+                                                      "pretrain"))
+        _decontaminate_documents(sets["pretrain"], problems, metrics)
+    return sets, problems
+
+
+def _chunks(kind: str, store: ExampleStore, indices: np.ndarray, kl_indices: np.ndarray | None = None) -> Iterator[Chunk]:
+    for a in range(0, len(indices), CHUNK_ROWS):
+        kl = None if kl_indices is None else kl_indices[a : a + CHUNK_ROWS]
+        yield Chunk(kind, store.path, store.kind, len(store), indices[a : a + CHUNK_ROWS], kl)
+
+
+def _build_tokenizer(config: PipelineConfig, sets: dict[str, Split]) -> Any:
+    """A BPE trained on the train splits' chat-rendered conversations and raw documents (texts
+    rendered chunk by chunk, in ``num_proc`` processes), or the model's own tokenizer."""
+    if config.model.init is None:
+        return load_tokenizer(config.model.name_or_path, trust_remote_code=config.model.trust_remote_code)
+    with ChunkMap(render_texts, config.data.num_proc) as pool:
+        chunks = (chunk for name in ("sft", "preference", "kto", "pretrain") if name in sets
+                  for chunk in _chunks(name, sets[name].store, sets[name].train))
+        texts = (text for batch in pool.map(chunks) for text in batch)
         return train_tokenizer(texts, config.tokenizer.vocab_size, config.tokenizer.min_frequency)
-    return load_tokenizer(config.model.name_or_path, trust_remote_code=config.model.trust_remote_code)
 
 
-def _sft_table(tokenizer: Any, examples: list[dict], config: PipelineConfig, name: str,
-               metrics: dict[str, float]) -> pa.Table:
-    data, rows, dropped = config.data, [], 0
-    for ex in examples:
-        enc = encode_chat(tokenizer, ex["messages"], ex["completion"], data.max_length_tokens,
-                          data.max_prompt_length_tokens)
-        if not any(enc["loss_mask"]):
-            dropped += 1
-            continue
-        rows.append({"prompt": ex["prompt"], "completion": ex["completion"], "answer": ex["answer"],
-                     "messages_json": _messages_json(ex["messages"]), "input_ids": enc["input_ids"],
-                     "loss_mask": enc["loss_mask"], "num_tokens": len(enc["input_ids"])})
-    metrics[f"num_{name}_dropped_empty"] = dropped
-    metrics[f"mean_{name}_tokens"] = statistics.fmean(r["num_tokens"] for r in rows) if rows else 0.0
-    return _table(rows, SFT_SCHEMA, name)
+def _write_rows(pool: ChunkMap, out: ShardWriter, chunks: Iterator[Chunk]) -> ChunkCounts:
+    total = ChunkCounts()
+    for batch, counts in pool.map(chunks):
+        out.write(batch)
+        total.add(counts)
+    return total
 
 
-def _preference_table(tokenizer: Any, examples: list[dict], config: PipelineConfig, name: str,
-                      metrics: dict[str, float]) -> pa.Table:
-    data, rows, identical, empty = config.data, [], 0, 0
-    for ex in examples:
-        enc = {side: encode_chat(tokenizer, ex["messages"], ex[side], data.max_length_tokens,
-                                 data.max_prompt_length_tokens) for side in ("chosen", "rejected")}
-        if not (any(enc["chosen"]["loss_mask"]) and any(enc["rejected"]["loss_mask"])):
-            empty += 1
-            continue
-        if enc["chosen"]["input_ids"] == enc["rejected"]["input_ids"]:
-            identical += 1
-            continue
-        row = {"messages_json": _messages_json(ex["messages"]), "chosen": ex["chosen"], "rejected": ex["rejected"]}
-        for side in ("chosen", "rejected"):
-            row[f"{side}_input_ids"], row[f"{side}_loss_mask"] = enc[side]["input_ids"], enc[side]["loss_mask"]
-        rows.append(row)
-    metrics[f"num_{name}_dropped_empty"] = empty
-    metrics[f"num_{name}_dropped_identical"] = identical
-    lengths = [len(r[f"{s}_input_ids"]) for r in rows for s in ("chosen", "rejected")]
-    metrics[f"mean_{name}_tokens"] = statistics.fmean(lengths) if lengths else 0.0
-    return _table(rows, PREFERENCE_SCHEMA, name)
+def _write_examples(pool: ChunkMap, out: ShardWriter, split: Split, which: str, kind: str,
+                    metrics: dict[str, float]) -> int:
+    """Tokenise one split of an SFT, preference or KTO data set; returns its rows."""
+    indices = getattr(split, which)
+    kl = np.roll(indices, 1) if kind == "kto" else None  # example i's KL completion: example i - 1's
+    counts = _write_rows(pool, out, _chunks(kind, split.store, indices, kl))
+    name = out.name.replace("/", "_")
+    metrics[f"num_{name}_dropped_empty"] = counts.dropped_empty
+    if kind == "preference":
+        metrics[f"num_{name}_dropped_identical"] = counts.dropped_identical
+    if kind == "kto":
+        metrics[f"num_{name}_desirable"] = counts.desirable
+    metrics[f"mean_{name}_tokens"] = counts.mean_tokens()
+    return out.close()
 
 
-def _kto_table(tokenizer: Any, examples: list[dict], config: PipelineConfig, name: str,
-               metrics: dict[str, float]) -> pa.Table:
-    """KTO rows; example i's KL sequence is its prompt with example i - 1's completion (the
-    first takes the last's), TRL's mismatched pairs (``KTOTrainer._prepare_dataset``)."""
-    data, rows, empty = config.data, [], 0
-    for i, ex in enumerate(examples):
-        enc = encode_chat(tokenizer, ex["messages"], ex["completion"], data.max_length_tokens,
-                          data.max_prompt_length_tokens)
-        if not any(enc["loss_mask"]):
-            empty += 1
-            continue
-        kl = encode_chat(tokenizer, ex["messages"], examples[i - 1]["completion"], data.max_length_tokens,
-                         data.max_prompt_length_tokens)
-        rows.append({"messages_json": _messages_json(ex["messages"]), "completion": ex["completion"],
-                     "label": ex["label"], "input_ids": enc["input_ids"], "loss_mask": enc["loss_mask"],
-                     "kl_input_ids": kl["input_ids"], "kl_loss_mask": kl["loss_mask"]})
-    metrics[f"num_{name}_dropped_empty"] = empty
-    metrics[f"num_{name}_desirable"] = sum(r["label"] for r in rows)
-    metrics[f"mean_{name}_tokens"] = statistics.fmean(len(r["input_ids"]) for r in rows) if rows else 0.0
-    return _table(rows, KTO_SCHEMA, name)
-
-
-def _pretrain_table(tokenizer: Any, docs: list[dict], config: PipelineConfig, name: str,
-                    metrics: dict[str, float]) -> pa.Table:
-    """Documents tokenised, each followed by EOS, joined and cut into blocks of
-    ``max_length_tokens`` (the last block keeps the remainder when it has 2 tokens or more)."""
-    if not docs:
+def _write_documents(pool: ChunkMap, out: ShardWriter, split: Split, which: str, tokenizer: Any,
+                     block: int, metrics: dict[str, float]) -> int:
+    """Pretrain documents tokenised, each followed by EOS, joined and cut into blocks of ``block``
+    tokens (the last block keeps the remainder when it has 2 tokens or more); returns the blocks."""
+    indices, name = getattr(split, which), out.name.replace("/", "_")
+    if len(indices) == 0:
         raise DataError(f"{name}: no documents left (after the held-out split and the decontamination; see the "
                         "dropped counts)")
-    eos = tokenizer.eos_token_id
-    if eos is None:
+    if tokenizer.eos_token_id is None:
         raise ConfigError("the tokenizer has no eos_token: pretrain documents cannot be separated")
-    stream = [t for ids in tokenizer([d["text"] for d in docs], add_special_tokens=False)["input_ids"]
-              for t in (*ids, eos)]
-    block = config.data.max_length_tokens
-    rows = [{"input_ids": stream[i : i + block], "num_tokens": len(stream[i : i + block])}
-            for i in range(0, len(stream), block) if len(stream) - i >= 2]
-    metrics[f"num_{name}_documents"] = len(docs)
-    metrics[f"num_{name}_tokens"] = sum(r["num_tokens"] for r in rows)
-    return _table(rows, PRETRAIN_SCHEMA, name)
+    carry: list[int] = []
+    num_tokens = 0
+    for batch, _ in pool.map(_chunks("pretrain", split.store, indices)):
+        blocks, carry = cut_blocks(carry + batch.column("input_ids")[0].as_py(), block)
+        _write_blocks(out, blocks)
+        num_tokens += sum(len(b) for b in blocks)
+    if len(carry) >= 2:
+        _write_blocks(out, [carry])
+        num_tokens += len(carry)
+    metrics[f"num_{name}_documents"] = len(indices)
+    metrics[f"num_{name}_tokens"] = num_tokens
+    return out.close()
 
 
-def _problems_table(tokenizer: Any, problems: list[dict], config: PipelineConfig,
-                    metrics: dict[str, float]) -> pa.Table:
+def _write_blocks(out: ShardWriter, blocks: list[list[int]]) -> None:
+    rows = [{"input_ids": b, "num_tokens": len(b)} for b in blocks]
+    out.write(pa.RecordBatch.from_pylist(rows, schema=PRETRAIN_SCHEMA))
+
+
+def _write_problems(out: ShardWriter, tokenizer: Any, problems: list[dict], config: PipelineConfig,
+                    metrics: dict[str, float]) -> int:
     data, rows = config.data, []
     for p in problems:
         ids = encode_chat(tokenizer, p["messages"], None, data.max_length_tokens, data.max_prompt_length_tokens)
-        rows.append({"messages_json": _messages_json(p["messages"]), "answer": p["answer"],
+        rows.append({"messages_json": messages_json(p["messages"]), "answer": p["answer"],
                      "prompt_input_ids": ids["input_ids"]})
     metrics["mean_eval_problems_prompt_tokens"] = (
-        statistics.fmean(len(r["prompt_input_ids"]) for r in rows) if rows else 0.0
+        sum(len(r["prompt_input_ids"]) for r in rows) / len(rows) if rows else 0.0
     )
     if not rows:
         logger.warning("no eval problems (no held-out row has a '#### <answer>'); exact-match eval is skipped")
-    return pa.Table.from_pylist(rows, schema=EVAL_PROBLEMS_SCHEMA)
+    out.write(pa.RecordBatch.from_pylist(rows, schema=EVAL_PROBLEMS_SCHEMA))
+    return out.close()
 
 
-def _table(rows: list[dict], schema: pa.Schema, name: str) -> pa.Table:
-    if not rows:
-        raise DataError(f"{name}: no rows left after tokenising and dropping (see the dropped counts)")
-    return pa.Table.from_pylist(rows, schema=schema)
+def _write_splits(writer: ArtifactWriter, tokenizer: Any, sets: dict[str, Split], problems: list[dict],
+                  config: PipelineConfig, tmp: str, metrics: dict[str, float]) -> list[str]:
+    """Tokenise and write every split, in order; returns their names.
 
-
-def _parquet_bytes(table: pa.Table) -> bytes:
-    buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
-    return buffer.getvalue()
-
-
-def _splits(config: PipelineConfig, metrics: dict[str, float]) -> dict[str, list[dict]]:
-    """Canonical examples of every split, decontaminated against the eval problems."""
+    Raises:
+        DataError: a split left with no rows.
+    """
     data = config.data
-    sft = _load(data.sft, "sft", config, metrics)
-    pref = _load(data.preference, "preference", config, metrics)
-    sft_train, sft_eval = split_train_eval(sft, config.seed, data.eval_fraction, data.max_eval_rows, "sft")
-    pref_train, pref_eval = split_train_eval(pref, config.seed, data.eval_fraction, data.max_eval_rows, "preference")
-    problems = _eval_problems(config, sft_eval, metrics)
-    splits = {
-        "sft/train": _decontaminate(sft_train, problems, "sft_train", metrics),
-        "sft/eval": sft_eval,
-        "preference/train": _decontaminate(pref_train, problems, "preference_train", metrics),
-        "preference/eval": pref_eval,
-        "eval_problems": problems,
-    }
-    if data.kto is not None:
-        kto = _load_kto(data.kto, config, metrics)
-        kto_train, kto_eval = split_train_eval(kto, config.seed, data.eval_fraction, data.max_eval_rows, "kto")
-        for split, groups in (("train", kto_train), ("eval", kto_eval)):
-            examples = [ex for group in groups for ex in group]
-            random.Random(config.seed).shuffle(examples)  # a pair's two sides apart: mismatched KL neighbours
-            splits[f"kto/{split}"] = examples
-        splits["kto/train"] = _decontaminate(splits["kto/train"], problems, "kto_train", metrics)
-    if data.pretrain is not None:
-        docs = _load_documents(data.pretrain, config, metrics)
-        docs_train, docs_eval = split_train_eval(docs, config.seed, data.eval_fraction, data.max_eval_rows, "pretrain")
-        splits["pretrain/train"] = _decontaminate_documents(docs_train, problems, metrics)
-        splits["pretrain/eval"] = docs_eval
-    return splits
-
-
-def _tables(tokenizer: Any, splits: dict[str, list[dict]], config: PipelineConfig,
-            metrics: dict[str, float]) -> dict[str, pa.Table]:
-    tables = {}
-    for name in ("sft/train", "sft/eval"):
-        tables[name] = _sft_table(tokenizer, splits[name], config, name.replace("/", "_"), metrics)
-    for name in ("preference/train", "preference/eval"):
-        tables[name] = _preference_table(tokenizer, splits[name], config, name.replace("/", "_"), metrics)
-    tables["eval_problems"] = _problems_table(tokenizer, splits["eval_problems"], config, metrics)
-    for name, build in (("kto/train", _kto_table), ("kto/eval", _kto_table),
-                        ("pretrain/train", _pretrain_table), ("pretrain/eval", _pretrain_table)):
-        if name in splits:
-            tables[name] = build(tokenizer, splits[name], config, name.replace("/", "_"), metrics)
-    for name, table in tables.items():
-        metrics[f"num_{name.replace('/', '_')}"] = table.num_rows
-    return tables
+    encoder = ChunkEncoder(tokenizer, data.max_length_tokens, data.max_prompt_length_tokens)
+    num_rows: dict[str, int] = {}
+    with ChunkMap(encoder, data.num_proc) as pool:
+        for set_name in ("sft", "preference", "eval_problems", "kto", "pretrain"):
+            if set_name == "eval_problems":
+                out = ShardWriter(writer, set_name, EVAL_PROBLEMS_SCHEMA, tmp)
+                num_rows[set_name] = _write_problems(out, tokenizer, problems, config, metrics)
+                continue
+            if set_name not in sets:
+                continue
+            for which in ("train", "eval"):
+                name = f"{set_name}/{which}"
+                out = ShardWriter(writer, name, SCHEMAS[set_name], tmp)
+                if set_name == "pretrain":
+                    rows = _write_documents(pool, out, sets[set_name], which, tokenizer, data.max_length_tokens, metrics)
+                else:
+                    rows = _write_examples(pool, out, sets[set_name], which, set_name, metrics)
+                if not rows:
+                    raise DataError(f"{name.replace('/', '_')}: no rows left after tokenising and dropping (see the "
+                                    "dropped counts)")
+                num_rows[name] = rows
+    for name, rows in num_rows.items():
+        metrics[f"num_{name.replace('/', '_')}"] = rows
+    return list(num_rows)
 
 
 def _source_names(config: PipelineConfig) -> dict[str, str]:
@@ -410,18 +371,16 @@ def run(ctx: StageContext) -> Manifest:
     """
     config = ctx.config
     metrics: dict[str, float] = {}
-    splits = _splits(config, metrics)
-    tokenizer = _build_tokenizer(config, splits)
-    metrics["vocab_size"] = len(tokenizer)
-    tables = _tables(tokenizer, splits, config, metrics)
-    writer = ArtifactWriter(ctx.layout.final, overwrite=True)
-    for name, table in tables.items():
-        writer.write_bytes(f"{name}.parquet", _parquet_bytes(table))
-    with tempfile.TemporaryDirectory(prefix="posttrain-tokenizer-") as local:
-        tokenizer.save_pretrained(local)
-        writer.write_dir(local, prefix="tokenizer")
+    with tempfile.TemporaryDirectory(prefix="posttrain-prepare-") as tmp:
+        sets, problems = _splits(config, tmp, metrics)
+        tokenizer = _build_tokenizer(config, sets)
+        metrics["vocab_size"] = len(tokenizer)
+        writer = ArtifactWriter(ctx.layout.final, overwrite=True)
+        splits = _write_splits(writer, tokenizer, sets, problems, config, tmp, metrics)
+        tokenizer.save_pretrained(f"{tmp}/tokenizer")
+        writer.write_dir(f"{tmp}/tokenizer", prefix="tokenizer")
     extra = {
-        "splits": list(tables),
+        "splits": splits,
         "sources": _source_names(config),
         "tokenizer_trained": config.model.init is not None,
         "pad_token_id": tokenizer.pad_token_id,

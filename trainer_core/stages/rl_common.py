@@ -41,14 +41,14 @@ def load_prompts(ctx: StageContext, cfg: RLStageConfig) -> list[PromptItem]:
     Raises:
         ConfigError: no usable prompt.
     """
-    rows = ctx.load_rows("sft/train")
-    if needs_answers(cfg.reward):
-        rows = [r for r in rows if r["answer"] is not None]
-    if not rows:
+    split = ctx.load_rows("sft/train")
+    usable = split.nonnull_indices("answer").tolist() if needs_answers(cfg.reward) else range(len(split))
+    if not usable:
         raise ConfigError("no RL prompts: sft/train has no rows (with a final answer, for the verifier reward)")
-    if cfg.num_prompts is not None and cfg.num_prompts < len(rows):
-        keep = sorted(random.Random(f"rl-prompts:{ctx.config.seed}").sample(range(len(rows)), cfg.num_prompts))
-        rows = [rows[i] for i in keep]
+    if cfg.num_prompts is not None and cfg.num_prompts < len(usable):
+        keep = sorted(random.Random(f"rl-prompts:{ctx.config.seed}").sample(range(len(usable)), cfg.num_prompts))
+        usable = [usable[i] for i in keep]
+    rows = [split[i] for i in usable]  # only the prompts used become Python objects
     data = ctx.config.data
     return [PromptItem(messages_of(r), prompt_ids(ctx.tokenizer, messages_of(r), data), r["answer"]) for r in rows]
 
