@@ -54,6 +54,7 @@ from tasks.commands import trainer_command
 from tasks.failures import BadStageInput, LaunchAborted, StageFailed, raise_for_result, retry_condition
 from trainer_core.config import BackendConfig
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
+from trainer_core.processes import LAUNCH_ID_ENV, kill_marked, marked_pids
 
 __all__ = [
     "LAUNCH_ID_ENV",
@@ -78,9 +79,6 @@ _EOF = object()
 
 _EXIT_DRAIN_S = 2.0
 """After the child exits, wait this long for EOF (a grandchild may still hold the pipe)."""
-
-LAUNCH_ID_ENV = "POSTTRAIN_LAUNCH_ID"
-"""Environment variable marking every process of one launch (see the module docstring)."""
 
 WATCH_PID_ENV = "POSTTRAIN_WATCH_PID"
 """Environment variable naming the launching process: trainers (ranks under torchrun included,
@@ -150,70 +148,15 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
-def marked_pids(launch_id: str) -> list[int]:
-    """Live processes whose environment holds ``POSTTRAIN_LAUNCH_ID=<launch_id>`` (Linux ``/proc``).
-
-    Args:
-        launch_id: The id given to one launch.
-
-    The variable holds the ids of nested launches joined by ``:`` (a launch inside a launched
-    process keeps its parent's ids), so an outer launch's sweep reaches inner ones too.
-
-    Returns:
-        Their pids; empty where ``/proc`` is missing. Zombies (empty environment) and other
-        users' processes (unreadable) are not listed.
-    """
-    prefix, wanted = f"{LAUNCH_ID_ENV}=".encode(), launch_id.encode()
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    pids = []
-    for name in names:
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:  # gone, or not ours
-            continue
-        for entry in environ.split(b"\0"):
-            if entry.startswith(prefix) and wanted in entry[len(prefix) :].split(b":"):
-                pids.append(int(name))
-                break
-    return pids
-
-
-def _running(pid: int) -> bool:
-    """False once ``pid`` is gone or a zombie (dead, waiting for its parent to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _kill_tree(proc: subprocess.Popen, launch_id: str) -> list[int]:
     """SIGKILL the child's group, then every process carrying ``launch_id``, and wait until they
-    are dead (a killed process drops its environment before it is a zombie).
+    are dead (:func:`trainer_core.processes.kill_marked`).
 
     Returns:
         The pids still running after ``_KILL_SWEEP_S`` (e.g. stuck in uninterruptible sleep).
     """
     _signal_group(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + _KILL_SWEEP_S
-    killed: set[int] = set()
-    while True:
-        pids = marked_pids(launch_id)  # again each round: a process may fork while being swept
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        killed = {pid for pid in killed | set(pids) if _running(pid)}
-        if not killed or time.monotonic() > deadline:
-            return sorted(killed)
-        time.sleep(0.02)
+    return kill_marked(launch_id, _KILL_SWEEP_S)
 
 
 def _terminate_group(proc: subprocess.Popen, grace_s: float) -> None:

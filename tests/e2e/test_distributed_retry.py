@@ -25,6 +25,7 @@ from flows.pipeline import post_training_pipeline
 from test_retry_resume import (
     KILL_AT,
     MAX_STEPS,
+    checkpoint_manifest,
     pipeline_config,
     single_thread_trainers,  # noqa: F401  (fixture)
     task_log_lines,
@@ -32,7 +33,7 @@ from test_retry_resume import (
     wait_for,
 )
 from trainer_core.checkpoint.lease import LEASE_NAME
-from trainer_core.checkpoint.manifest import MANIFEST_NAME, step_dirname
+from trainer_core.checkpoint.manifest import MANIFEST_NAME
 from trainer_core.storage import RunLayout
 
 _RESUMED = re.compile(r"resumed from \S+ at global_step (\d+)")
@@ -70,7 +71,7 @@ def test_one_rank_killed_fails_the_attempt_and_the_retry_resumes(prefect_api, tm
         root, ["prepare_data", "sft"], **{"backend.name": "fsdp2", "backend.nproc_per_node": 2, "backend.device": "cpu"}
     )
     stage_dir = Path(RunLayout(str(root), run_id).stage("sft").output)
-    checkpoint = stage_dir / "checkpoints" / step_dirname(KILL_AT) / MANIFEST_NAME
+    checkpoint = checkpoint_manifest(stage_dir, KILL_AT)
     done, outcome = threading.Event(), {}
 
     def run_flow() -> None:

@@ -88,10 +88,17 @@ def single_thread_trainers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
 
 
+def checkpoint_manifest(stage_dir: Path, step: int) -> Path:
+    """The manifest path pattern of the stage's checkpoint of ``step`` (any attempt's directory,
+    ``step-XXXXXXXX-<attempt>``), for :func:`wait_for`."""
+    return stage_dir / "checkpoints" / f"{step_dirname(step)}*" / MANIFEST_NAME
+
+
 def wait_for(path: Path, deadline_s: float, done: threading.Event, poll_s: float = 0.01) -> None:
-    """Poll until ``path`` exists; fail if ``done`` is set first or ``deadline_s`` passes."""
+    """Poll until ``path`` (a glob pattern allowed) exists; fail if ``done`` is set first or
+    ``deadline_s`` passes."""
     end = time.monotonic() + deadline_s
-    while not path.exists():
+    while not any(Path("/").glob(str(path).lstrip("/"))):
         if done.is_set():
             raise AssertionError(f"the flow ended before {path} appeared")
         if time.monotonic() > end:
@@ -139,7 +146,7 @@ def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
     config = pipeline_config(root, ["prepare_data", "sft"])
     stage_dir = Path(RunLayout(str(root), run_id).stage("sft").output)
     data_final = Path(RunLayout(str(root), run_id).stage("prepare_data").final)
-    checkpoint = stage_dir / "checkpoints" / step_dirname(KILL_AT) / MANIFEST_NAME
+    checkpoint = checkpoint_manifest(stage_dir, KILL_AT)
 
     done, outcome = threading.Event(), {}
 

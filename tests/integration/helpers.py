@@ -25,7 +25,7 @@ import safetensors.torch
 import torch
 
 from trainer_core import storage
-from trainer_core.checkpoint.manifest import MANIFEST_NAME, step_dirname
+from trainer_core.checkpoint.manifest import MANIFEST_NAME, parse_step_dirname, step_dirname
 from trainer_core.config import PipelineConfig, load_config
 from trainer_core.registry import TRAINING_STAGES
 from trainer_core.spec import StageSpec, build_spec
@@ -234,10 +234,20 @@ def run_stage(
     return run
 
 
+def step_checkpoints(output_uri: str, step: int, committed: bool = True) -> list[str]:
+    """URIs of the ``step-XXXXXXXX[-<attempt>]`` checkpoint directories of ``step`` under
+    ``output_uri`` (only those with a manifest when ``committed``), by name."""
+    ckpts = StageLayout(output_uri).checkpoints
+    if not storage.exists(ckpts):
+        return []
+    names = sorted(n for n in storage.list_dirs(ckpts) if (parse_step_dirname(n) or (None,))[0] == step)
+    uris = [join_uri(ckpts, n) for n in names]
+    return [u for u in uris if storage.exists(join_uri(u, MANIFEST_NAME))] if committed else uris
+
+
 def after_checkpoint(output_uri: str, step: int) -> Callable[[list[str]], bool]:
-    """Kill condition: the ``step-XXXXXXXX`` checkpoint of ``output_uri`` is committed (manifest on storage)."""
-    manifest = join_uri(StageLayout(output_uri).checkpoints, step_dirname(step), MANIFEST_NAME)
-    return lambda _lines: storage.exists(manifest)
+    """Kill condition: a checkpoint of ``step`` under ``output_uri`` is committed (manifest on storage)."""
+    return lambda _lines: bool(step_checkpoints(output_uri, step))
 
 
 def after_step(stage: str, step: int) -> Callable[[list[str]], bool]:
@@ -247,18 +257,23 @@ def after_step(stage: str, step: int) -> Callable[[list[str]], bool]:
 
 
 def committed_steps(output_uri: str) -> list[int]:
-    """Global steps of the checkpoints of ``output_uri`` that have a manifest, ascending."""
+    """Global steps of the checkpoints of ``output_uri`` that have a manifest, ascending (a step
+    committed by two attempts listed once)."""
     ckpts = StageLayout(output_uri).checkpoints
-    steps = []
+    steps = set()
     for name in storage.list_dirs(ckpts):
-        if name.startswith("step-") and storage.exists(join_uri(ckpts, name, MANIFEST_NAME)):
-            steps.append(int(name.removeprefix("step-")))
+        parsed = parse_step_dirname(name)
+        if parsed is not None and storage.exists(join_uri(ckpts, name, MANIFEST_NAME)):
+            steps.add(parsed[0])
     return sorted(steps)
 
 
 def checkpoint_uri(output_uri: str, step: int) -> str:
-    """``<output_uri>/checkpoints/step-XXXXXXXX``."""
-    return join_uri(StageLayout(output_uri).checkpoints, step_dirname(step))
+    """The checkpoint directory of ``step`` under ``output_uri``: the (last by name) committed one,
+    else the last one written, else where an attempt-less save would put it
+    (``<output_uri>/checkpoints/step-XXXXXXXX``)."""
+    found = step_checkpoints(output_uri, step) or step_checkpoints(output_uri, step, committed=False)
+    return found[-1] if found else join_uri(StageLayout(output_uri).checkpoints, step_dirname(step))
 
 
 def final_weights(output_uri: str) -> dict[str, torch.Tensor]:

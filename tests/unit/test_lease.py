@@ -74,3 +74,111 @@ def test_live_renewing_writer_keeps_the_lease_against_a_waiting_one(tmp_path):
     with StageLease(prefix, owner="live", ttl_s=0.6):
         with pytest.raises(LeaseHeldError, match="live"):
             StageLease(prefix, owner="second", ttl_s=0.6).acquire(wait_s=1.5)
+
+
+# --- attempts of one owner and the write fence ------------------------------------------------
+
+_HOLDER = """
+import os, subprocess, sys, time
+from trainer_core.checkpoint.lease import StageLease
+lease = StageLease(sys.argv[1], owner="task-run-1", ttl_s=30, attempt="a1")
+lease.acquire()
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+print(rank.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_new_attempt_stops_the_earlier_attempts_processes_first(tmp_path):
+    """A retry of the same task run (same owner, new attempt) on the same host SIGKILLs every
+    process of the attempt it replaces, found by the launch id they carry (here a 'rank' in a
+    session of its own, as torchrun starts ranks), then takes the lease without waiting for it
+    to expire; the old attempt's fence then refuses its writes."""
+    import os
+    import subprocess
+    import sys
+
+    from trainer_core.checkpoint.lease import LeaseLostError, WriteFence
+
+    prefix = str(tmp_path / "stage")
+    env = {**os.environ, "POSTTRAIN_LAUNCH_ID": "outer:launch-a"}
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, prefix], env=env, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        rank = int(holder.stdout.readline())
+        record = json.loads(storage.read_bytes(join_uri(prefix, LEASE_NAME)))
+        assert (record["attempt"], record["launch_id"], record["pid"]) == ("a1", "launch-a", holder.pid)
+        old_fence = WriteFence(prefix, "task-run-1", "a1")
+        old_fence.check("a checkpoint")
+        t0 = time.monotonic()
+        retry = StageLease(prefix, owner="task-run-1", ttl_s=30, attempt="b2")
+        retry.acquire(wait_s=0)  # no wait for the live lease: its processes are stopped instead
+        took = time.monotonic() - t0
+        assert holder.wait(timeout=10) == -9
+        assert not _running(rank)
+        assert took < 10, took
+        assert json.loads(storage.read_bytes(join_uri(prefix, LEASE_NAME)))["attempt"] == "b2"
+        with pytest.raises(LeaseLostError, match=r"held by task-run-1 \(attempt b2\), not by this attempt"):
+            old_fence.check("a checkpoint")
+        retry.fence().check("a checkpoint")
+        retry.release()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_earlier_attempt_on_another_host_is_waited_for(tmp_path):
+    """Processes on another host cannot be stopped from here: its live lease is waited for (and
+    refused when it stays live), as another owner's would be; nothing is killed."""
+    prefix = str(tmp_path / "stage")
+    record = {"owner": "task-run-1", "attempt": "a1", "launch_id": "launch-a", "host": "another-host",
+              "pid": 1, "pidns": "pid:[1]", "expires_at": time.time() + 30}
+    storage.write_bytes(join_uri(prefix, LEASE_NAME), json.dumps(record).encode())
+    t0 = time.monotonic()
+    with pytest.raises(LeaseHeldError, match="task-run-1"):
+        StageLease(prefix, owner="task-run-1", ttl_s=30, attempt="b2").acquire(wait_s=0.5)
+    assert time.monotonic() - t0 >= 0.5
+    assert json.loads(storage.read_bytes(join_uri(prefix, LEASE_NAME)))["attempt"] == "a1"
+
+
+def test_superseded_attempt_stops_renewing_and_keeps_its_hands_off(tmp_path):
+    """The old attempt's heartbeat sees the same owner's new attempt, sets ``lost`` and neither
+    renews nor, on release, deletes the new attempt's lease."""
+    prefix = str(tmp_path / "stage")
+    old = StageLease(prefix, owner="w", ttl_s=0.3, attempt="a1")
+    old.acquire()
+    takeover = {"owner": "w", "attempt": "b2", "expires_at": time.time() + 60}
+    storage.write_bytes(join_uri(prefix, LEASE_NAME), json.dumps(takeover).encode())
+    assert old.lost.wait(1.0)
+    time.sleep(0.2)
+    old.release()
+    assert json.loads(storage.read_bytes(join_uri(prefix, LEASE_NAME))) == takeover
+
+
+def test_collective_fence_check_raises_on_every_rank(tmp_path):
+    """Under a distributed backend rank 0 reads the lease and broadcasts what it found: a rank
+    whose own read would pass raises too."""
+    from trainer_core.checkpoint.lease import LeaseLostError, WriteFence, check_fence
+
+    prefix = str(tmp_path / "stage")
+    storage.write_bytes(join_uri(prefix, LEASE_NAME), json.dumps({"owner": "w", "attempt": "b2"}).encode())
+
+    class Rank1:
+        rank, world_size = 1, 2
+
+        def broadcast_object(self, obj, src=0):
+            assert obj is None  # rank 1 does not read the lease itself
+            return "lease.json is held by w (attempt b2), not by this attempt"
+
+    with pytest.raises(LeaseLostError, match="attempt b2"):
+        check_fence(WriteFence(prefix, "w", "b2"), Rank1(), "a checkpoint")
+    check_fence(None, Rank1(), "a checkpoint")  # no fence: nothing checked, no collective

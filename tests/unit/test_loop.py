@@ -247,3 +247,40 @@ def test_a_nonfinite_evaluation_fails_the_stage_before_its_checkpoint(root):
     with pytest.raises(NonFiniteError, match=r"non-finite eval/loss=nan at global_step 3 \(held-out evaluation"):
         loop.run()
     assert storage.list_dirs(join_uri(root, "checkpoints")) == []
+
+
+class _Fence:
+    """A write fence that can be revoked (another attempt took the lease over)."""
+
+    def __init__(self) -> None:
+        self.revoked = False
+        self.checked: list[str] = []
+
+    def check(self, what: str) -> None:
+        from trainer_core.checkpoint.lease import LeaseLostError
+
+        self.checked.append(what)
+        if self.revoked:
+            raise LeaseLostError(f"taken over: {what} is not written")
+
+
+def test_attempt_checkpoints_have_names_of_their_own_and_are_fenced(root):
+    """A session of an attempt writes ``step-XXXXXXXX-<attempt>`` directories, which resume finds
+    beside another attempt's; once its fence is revoked it writes nothing more."""
+    from trainer_core.checkpoint.lease import LeaseLostError
+
+    loop = _loop(root, max_steps=3, async_save=False)
+    loop.session.attempt, fence = "a1b2", _Fence()
+    loop.session.fence = fence
+    loop.run()
+    ckpts = join_uri(root, "checkpoints")
+    assert storage.list_dirs(ckpts) == ["step-00000003-a1b2"]
+    assert find_latest(ckpts)[0] == join_uri(ckpts, "step-00000003-a1b2")
+    assert any("manifest" in what for what in fence.checked) and any("purge" in what for what in fence.checked)
+    resumed = _loop(root, max_steps=6, async_save=False)
+    resumed.session.attempt, resumed.session.fence = "c3d4", _Fence()
+    assert resumed.resume() and resumed.progress.global_step == 3
+    resumed.session.fence.revoked = True
+    with pytest.raises(LeaseLostError, match="taken over"):
+        resumed.run()
+    assert storage.list_dirs(ckpts) == ["step-00000003-a1b2"]  # the fenced attempt wrote no directory

@@ -1,22 +1,34 @@
-"""One writer per stage prefix: a lease object with an owner and an expiry.
+"""One writer per stage prefix: a lease object with an owner, an attempt and an expiry.
 
 A trainer takes ``<stage output>/lease.json`` before it writes anything and renews it from a
-heartbeat thread; the flow takes ``<run>/lease.json`` for a whole pipeline run the same way. A second process that finds a live lease held by another owner is refused
-with :class:`LeaseHeldError`. An expired lease (its holder died without releasing it) is taken
-over: a writer that finds a live lease waits up to one ``ttl_s`` for it to lapse before it is
-refused, so a relaunch after a hard kill (SIGKILL, OOM) goes on once the dead holder's lease
-expires, while a second live writer, which keeps renewing, is refused. The same owner may
-take its own lease again at once: a Prefect retry of a task run passes the same
-``writer_id``, so it does not wait for the attempt it replaces. A lease records its holder's
-host and pid: on the same host, a lease whose process is gone is stale at once (its holder was
+heartbeat thread; the flow takes ``<run>/lease.json`` for a whole pipeline run the same way. A
+second process that finds a live lease held by another owner is refused with
+:class:`LeaseHeldError`. An expired lease (its holder died without releasing it) is taken over:
+a writer that finds a live lease waits up to one ``ttl_s`` for it to lapse before it is refused,
+so a relaunch after a hard kill (SIGKILL, OOM) goes on once the dead holder's lease expires,
+while a second live writer, which keeps renewing, is refused. A lease records its holder's host
+and pid: on the same host, a lease whose process is gone is stale at once (its holder was
 killed), without waiting for it to expire.
+
+Attempts and fencing: a Prefect retry of a task run passes the same ``writer_id`` (owner), but
+each launch of a stage is an attempt of its own (``attempt``: the launch id its processes carry,
+``trainer_core/processes.py``). A new attempt of the same owner does not wait for the attempt it
+replaces, but first makes sure that attempt's processes are gone: on the same host it SIGKILLs
+every process carrying the old attempt's launch id (torchrun ranks orphaned by a killed agent
+included) and waits for them; on another host it waits for the old lease to lapse, like another
+owner. The holder's heartbeat notices a takeover (owner or attempt changed) and stops renewing;
+every rank checks the lease through a :class:`WriteFence` before it writes a checkpoint or a
+commit, so the ranks of an attempt whose lease was taken over stop (:class:`LeaseLostError`)
+before writing. Checkpoints are written under attempt-unique names
+(``checkpoint/session.py``), so a write already under way when the lease changed hands lands in
+files no other attempt reads or writes.
 
 Object stores have no compare-and-swap through fsspec, so acquisition is
 write-then-read-back: two processes starting within the same moment could both believe they
 hold the lease until the next heartbeat, when the loser logs an error and sets ``lost``. The
-lease guards against a second pipeline run or a stray manual relaunch, not against
-adversaries. Times are UTC epoch seconds from the writers' clocks; keep them within a small
-fraction of ``ttl_s`` of each other.
+lease guards against a second pipeline run, a stray manual relaunch or an orphaned attempt, not
+against adversaries. Times are UTC epoch seconds from the writers' clocks; keep them within a
+small fraction of ``ttl_s`` of each other.
 """
 
 from __future__ import annotations
@@ -24,13 +36,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import signal
 import socket
 import threading
 import time
 import uuid
+from typing import Any
 
 from trainer_core import storage
-from trainer_core.errors import PosttrainError
+from trainer_core.errors import EXIT_FAILED, PosttrainError
+from trainer_core.processes import LAUNCH_ID_ENV, current_launch_id, kill_marked, process_running
 from trainer_core.storage import join_uri
 
 log = logging.getLogger(__name__)
@@ -38,8 +54,26 @@ log = logging.getLogger(__name__)
 LEASE_NAME = "lease.json"
 
 
+_SUPERSEDE_TIMEOUT_S = 10.0
+"""How long a new attempt waits for the processes of the attempt it replaces to die."""
+
+
 class LeaseHeldError(PosttrainError):
     """Another live writer holds the stage's lease."""
+
+
+class LeaseLostError(PosttrainError):
+    """This attempt's lease was taken over (another owner, or a newer attempt of the same owner):
+    it must not write. A crash of the superseded attempt, not bad input."""
+
+    exit_code = EXIT_FAILED
+
+
+def new_attempt_id(launch_id: str | None = None) -> str:
+    """The attempt id of a launch: the first 12 lowercase letters and digits of ``launch_id``
+    (a launcher's is a uuid4 hex), or 12 fresh hex digits (a process not started by a launcher)."""
+    cleaned = re.sub(r"[^0-9a-z]", "", (launch_id or "").lower())[:12]
+    return cleaned or uuid.uuid4().hex[:12]
 
 
 def default_owner() -> str:
@@ -48,13 +82,14 @@ def default_owner() -> str:
 
 
 def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, another user's
         return True
-    return True
+    return process_running(pid) if os.path.isdir("/proc") else True
 
 
 def _pid_namespace() -> str:
@@ -74,10 +109,14 @@ def holder_alive(record: dict, now: float | None = None) -> bool:
     now = time.time() if now is None else now
     if record.get("expires_at", 0) <= now:
         return False
-    same_pids = record.get("host") == socket.gethostname() and record.get("pidns") == _pid_namespace() != ""
-    if same_pids and isinstance(record.get("pid"), int):
+    if _same_pids(record) and isinstance(record.get("pid"), int):
         return _process_alive(record["pid"])
     return True
+
+
+def _same_pids(record: dict) -> bool:
+    """Whether ``record`` was written on this host in this pid namespace (its pids are ours)."""
+    return record.get("host") == socket.gethostname() and record.get("pidns") == _pid_namespace() != ""
 
 
 def read_lease(prefix_uri: str) -> dict | None:
@@ -91,14 +130,81 @@ def read_lease(prefix_uri: str) -> dict | None:
     return {**record, "live": holder_alive(record)}
 
 
+class WriteFence:
+    """What a rank checks before it writes: that the lease is still held by its own attempt.
+
+    Args:
+        prefix_uri: the directory the lease guards (the stage's output).
+        owner: the attempt's writer identity.
+        attempt: the attempt id.
+    """
+
+    def __init__(self, prefix_uri: str, owner: str, attempt: str) -> None:
+        self.uri = join_uri(prefix_uri, LEASE_NAME)
+        self.owner, self.attempt = owner, attempt
+
+    def check(self, what: str) -> None:
+        """Raise unless the lease names this owner and attempt (one read of ``lease.json``).
+
+        Args:
+            what: what was about to be written (for the message).
+
+        Raises:
+            LeaseLostError: the lease is gone, unreadable, or held by another owner or attempt.
+        """
+        try:
+            record = json.loads(storage.read_bytes(self.uri))
+        except FileNotFoundError:
+            record = None
+        except ValueError:
+            record = {}
+        if record is not None and record.get("owner") == self.owner and record.get("attempt") == self.attempt:
+            return
+        holder = "nobody" if record is None else f"{record.get('owner')} (attempt {record.get('attempt')})"
+        raise LeaseLostError(f"{self.uri} is held by {holder}, not by this attempt ({self.owner}, attempt "
+                             f"{self.attempt}): it was taken over; {what} is not written")
+
+
+def check_fence(fence: WriteFence | None, backend: Any, what: str, collective: bool = True) -> None:
+    """Raise :class:`LeaseLostError` unless the stage's lease is still this attempt's.
+
+    Args:
+        fence: the attempt's fence; None: nothing checked.
+        backend: the running backend (rank, world size, ``broadcast_object``).
+        what: what is about to be written (for the message).
+        collective: under a distributed backend, rank 0 reads the lease and broadcasts what it
+            found, so every rank raises alike and none is left waiting in a collective of the
+            write; False: this rank checks on its own (no collective).
+    """
+    if fence is None:
+        return
+    if not collective or backend.world_size == 1:
+        fence.check(what)
+        return
+    problem = None
+    if backend.rank == 0:
+        try:
+            fence.check(what)
+        except LeaseLostError as e:
+            problem = str(e)
+    problem = backend.broadcast_object(problem)
+    if problem is not None:
+        raise LeaseLostError(problem)
+
+
 class StageLease:
     """The writer lease of one output prefix (a stage's output directory, or a whole run's).
 
     Args:
         prefix_uri: the directory the lease guards.
-        owner: writer identity; the same string may re-take its own lease.
+        owner: writer identity; the same string may take the lease over from its own earlier
+            attempt (see the module docstring).
         ttl_s: seconds a lease lives without renewal.
         what: what a second writer would be doing, for the refusal message.
+        attempt: this attempt's id (default: a fresh one).
+        launch_id: the launch id this attempt's processes carry on this host (default: this
+            process's innermost ``POSTTRAIN_LAUNCH_ID``), by which a later attempt of the same
+            owner stops them.
 
     Raises:
         ValueError: ``ttl_s`` is not positive.
@@ -107,13 +213,17 @@ class StageLease:
     def __init__(
         self, prefix_uri: str, owner: str | None = None, ttl_s: float = 30.0,
         what: str = "another process is training this stage of this run",
+        attempt: str | None = None, launch_id: str | None = None,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.prefix_uri = prefix_uri
         self.uri = join_uri(prefix_uri, LEASE_NAME)
         self.owner = owner or default_owner()
         self.ttl_s = ttl_s
         self.what = what
+        self.attempt = attempt or new_attempt_id()
+        self.launch_id = launch_id or current_launch_id()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = threading.Event()
@@ -129,15 +239,55 @@ class StageLease:
 
     def _write(self) -> None:
         record = {
-            "owner": self.owner, "expires_at": time.time() + self.ttl_s, "pid": os.getpid(),
-            "host": socket.gethostname(), "pidns": _pid_namespace(),
+            "owner": self.owner, "attempt": self.attempt, "launch_id": self.launch_id,
+            "expires_at": time.time() + self.ttl_s, "pid": os.getpid(), "host": socket.gethostname(),
+            "pidns": _pid_namespace(),
         }
         storage.write_bytes(self.uri, json.dumps(record).encode())
 
+    def _mine(self, record: dict) -> bool:
+        """Whether ``record`` is this attempt's (a record without an attempt, written before
+        attempts existed, counts as the owner's own)."""
+        return record.get("owner") == self.owner and record.get("attempt", self.attempt) == self.attempt
+
+    def fence(self) -> WriteFence:
+        """The fence of this attempt (what its ranks check before writing)."""
+        return WriteFence(self.prefix_uri, self.owner, self.attempt)
+
+    def _supersede(self, current: dict | None) -> None:
+        """Stop the processes of this owner's earlier attempt, when ``current`` is its lease on
+        this host: SIGKILL every process carrying its launch id (not one of this process's own
+        ids) and its holder's pid, and wait up to ``_SUPERSEDE_TIMEOUT_S`` for them to die."""
+        if not current or current.get("owner") != self.owner or self._mine(current) or not _same_pids(current):
+            return
+        launch_id, pid = current.get("launch_id"), current.get("pid")
+        own_ids = set(os.environ.get(LAUNCH_ID_ENV, "").split(":"))
+        if not launch_id or launch_id in own_ids:
+            return
+        also = {pid} if isinstance(pid, int) and pid != os.getpid() else set()
+        if also:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                also = set()
+        survivors = kill_marked(launch_id, _SUPERSEDE_TIMEOUT_S, also=also)
+        log.warning("attempt %s of %s takes %s over from attempt %s: its processes (launch %s) stopped%s",
+                    self.attempt, self.owner, self.uri, current.get("attempt"), launch_id,
+                    f"; still running: {survivors}" if survivors else "")
+
+    def _held_by_another(self, current: dict | None) -> bool:
+        """Whether ``current`` is a live lease of another owner or attempt (an earlier attempt
+        of this owner in this very process, which ended without releasing, is not live)."""
+        if not current or self._mine(current) or not holder_alive(current):
+            return False
+        return not (current.get("owner") == self.owner and _same_pids(current) and current.get("pid") == os.getpid())
+
     def check_free(self) -> None:
-        """Raise :class:`LeaseHeldError` (naming the holder) when another live writer holds the lease."""
+        """Raise :class:`LeaseHeldError` (naming the holder) when another live writer holds the
+        lease: another owner, or an earlier attempt of this owner (on another host, or whose
+        processes survived :meth:`_supersede`)."""
         current = self._read()
-        if current and current.get("owner") != self.owner and holder_alive(current):
+        if self._held_by_another(current):
             left = current["expires_at"] - time.time()
             where = f" (pid {current['pid']} on {current['host']})" if "host" in current else ""
             raise LeaseHeldError(
@@ -158,6 +308,7 @@ class StageLease:
                 a live writer), or was taken at the same moment (checked after writing).
         """
         deadline = time.time() + (self.ttl_s + 5 if wait_s is None else wait_s)
+        self._supersede(self._read())
         while True:
             try:
                 self.check_free()
@@ -170,7 +321,7 @@ class StageLease:
         self._write()
         time.sleep(0.05)
         current = self._read()
-        if current is None or current.get("owner") != self.owner:
+        if current is None or not self._mine(current):
             raise LeaseHeldError(f"{self.uri} was taken by {current and current.get('owner')} at the same time")
         self._thread = threading.Thread(target=self._heartbeat, name="lease-heartbeat", daemon=True)
         self._thread.start()
@@ -180,8 +331,9 @@ class StageLease:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 current = self._read()
-                if current is not None and current.get("owner") != self.owner:
-                    log.error("lease %s was taken over by %s", self.uri, current.get("owner"))
+                if current is not None and not self._mine(current):
+                    log.error("lease %s was taken over by %s (attempt %s)", self.uri, current.get("owner"),
+                              current.get("attempt"))
                     self.lost.set()
                     return
                 self._write()
@@ -194,7 +346,7 @@ class StageLease:
         if self._thread is not None:
             self._thread.join(timeout=5)
         current = self._read()
-        if current is not None and current.get("owner") == self.owner:
+        if current is not None and self._mine(current):
             storage.remove(self.uri, recursive=False)
 
     def __enter__(self) -> StageLease:

@@ -5,8 +5,8 @@ each file's size and SHA-256 from the bytes it wrote, then writes ``manifest.jso
 directory without a valid manifest does not exist: :func:`find_latest` skips it, and
 :func:`purge_checkpoints` deletes it once a newer checkpoint is committed.
 
-Checkpoint layout under a stage's ``checkpoints/`` directory: ``step-{global_step:08d}/``
-(see :func:`step_dirname`).
+Checkpoint layout under a stage's ``checkpoints/``: ``step-{global_step:08d}[-{attempt}]/``
+(:func:`step_dirname`): a stage attempt writes its own directories, never another attempt's.
 """
 
 from __future__ import annotations
@@ -375,26 +375,30 @@ def load_verified(dir_uri: str) -> Manifest:
     return manifest
 
 
-def step_dirname(step: int, prefix: str = "step-") -> str:
-    """``step-00000042`` for step 42: the directory name of a checkpoint.
+def step_dirname(step: int, prefix: str = "step-", attempt: str | None = None) -> str:
+    """``step-00000042`` for step 42 (``step-00000042-<attempt>`` for an attempt's): a checkpoint's directory name.
 
     Raises:
-        ValueError: ``step`` is negative or not an int.
+        ValueError: ``step`` is negative or not an int; ``attempt`` is not lowercase letters and
+            digits.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"global step must be a non-negative int, got {step!r}")
-    return f"{prefix}{step:0{STEP_DIGITS}d}"
+    if attempt is not None and not re.fullmatch(r"[0-9a-z]+", attempt):
+        raise ValueError(f"attempt must be lowercase letters and digits, got {attempt!r}")
+    return f"{prefix}{step:0{STEP_DIGITS}d}" + (f"-{attempt}" if attempt else "")
+
+
+def parse_step_dirname(name: str, prefix: str = "step-") -> tuple[int, str | None] | None:
+    """``(global step, attempt or None)`` of a checkpoint directory name, or None for another name."""
+    m = re.fullmatch(re.escape(prefix) + r"(\d{%d,})(?:-([0-9a-z]+))?" % STEP_DIGITS, name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 def _steps(checkpoints_uri: str, prefix: str) -> list[tuple[int, str]]:
-    """``(step, dir name)`` of each child named ``<prefix><8+ digits>``, newest first."""
-    pattern = re.compile(re.escape(prefix) + r"(\d{%d,})$" % STEP_DIGITS)
-    found = []
-    for name in storage.list_dirs(checkpoints_uri):
-        m = pattern.match(name)
-        if m:
-            found.append((int(m.group(1)), name))
-    return sorted(found, reverse=True)
+    """``(step, dir name)`` of each child named ``<prefix><8+ digits>[-<attempt>]``, newest first."""
+    parsed = [(parse_step_dirname(name, prefix), name) for name in storage.list_dirs(checkpoints_uri)]
+    return sorted(((p[0], name) for p, name in parsed if p is not None), reverse=True)
 
 
 def _checkpoint_problem(dir_uri: str, step: int, hashes: bool) -> tuple[Manifest | None, str]:
@@ -449,6 +453,9 @@ def purge_checkpoints(checkpoints_uri: str, keep_last: int, keep: set[str] | Non
     and the newest valid one. Uncommitted (manifest-less) directories older than the newest
     committed one are deleted too; newer ones may be writes in progress and are left alone.
     "Valid" here is the cheap check: the manifest reads and every file has its size (no hashing).
+    The caller holds the stage's lease: another attempt's older uncommitted directory is that of
+    an attempt stopped, or fenced before its manifest (``checkpoint/lease.py``); a file it was
+    still writing may reappear there, garbage for a later purge, never a checkpoint.
 
     Args:
         checkpoints_uri: directory of ``step-XXXXXXXX`` checkpoints.

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from trainer_core.checkpoint.components import RankWriter, StagedWriter
+from trainer_core.checkpoint.lease import check_fence
 from trainer_core.checkpoint.manifest import Manifest, purge_checkpoints, step_dirname
 from trainer_core.checkpoint.train_state import (
     METRICS_FILE,
@@ -168,6 +169,10 @@ class CheckpointSession:
         asynchronous: upload in the background where a save is not a collective (the
             single-device backend); False always writes in step.
         validate_replicas: compare replicated components' checksums across ranks before writing.
+        attempt: this stage attempt's id: checkpoints go to ``step-XXXXXXXX-<attempt>/``, never
+            into a directory another attempt writes; None: ``step-XXXXXXXX/``.
+        fence: checked on every rank before a checkpoint is written, committed or purged (the
+            stage's lease still held by this attempt); None: no check.
     """
 
     def __init__(
@@ -183,8 +188,12 @@ class CheckpointSession:
         keep_last: int = 2,
         asynchronous: bool = True,
         validate_replicas: bool = True,
+        attempt: str | None = None,
+        fence: Any = None,
     ) -> None:
         self.uri = uri
+        self.attempt = attempt
+        self.fence = fence
         self.backend = backend
         self.stage = stage
         self.fingerprint = fingerprint
@@ -263,7 +272,7 @@ class CheckpointSession:
         Raises:
             ReplicaMismatchError: a replicated component differs across ranks (nothing committed).
         """
-        uri = join_uri(self.uri, step_dirname(progress.global_step))
+        uri = join_uri(self.uri, self.dirname(progress.global_step))
         snapshot = copy.deepcopy(progress)
         batch = self.metrics.take()
         all_files = {**(files or {}), METRICS_FILE: json.dumps(batch).encode()}
@@ -283,9 +292,18 @@ class CheckpointSession:
 
         self._saver.submit(job)
 
+    def dirname(self, global_step: int) -> str:
+        """The directory name of this session's checkpoint of ``global_step``."""
+        return step_dirname(global_step, attempt=self.attempt)
+
+    def _check_fence(self, what: str, collective: bool = True) -> None:
+        check_fence(self.fence, self.backend, what, collective)
+
     def _commit(self, uri: str, put: Callable[[RankWriter], None], progress: TrainProgress, batch: MetricBatch) -> None:
+        self._check_fence(f"checkpoint {uri}")
         out = RankWriter(uri, self.backend, validate_replicas=self.validate_replicas)
         put(out)
+        self._check_fence(f"the manifest of {uri}")
         evals = {k: float(v) for k, v in progress.history.items() if k.startswith("eval/") and isinstance(v, (int, float))}
         out.commit(
             kind="checkpoint",
@@ -297,6 +315,7 @@ class CheckpointSession:
         )
         if self.backend.rank == 0:
             self.metrics.commit(batch)
+            self._check_fence(f"the purge of old checkpoints under {self.uri}", collective=False)
             keep = {progress.best_checkpoint} if progress.best_checkpoint else set()
             purge_checkpoints(self.uri, keep_last=self.keep_last, keep=keep)
 

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from trainer_core.backends import Backend
+from trainer_core.checkpoint.lease import WriteFence, check_fence
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.config import LoraConfig, PipelineConfig, TrainStageConfig
@@ -61,6 +62,10 @@ class StageContext:
             and without tracking).
         print_timing: also print each step's wall-time metrics on a line of their own (the RL
             stages: the time split of an iteration).
+        attempt: this launch's attempt id (the same on every rank): its checkpoints are written
+            under names of their own; None: plain ``step-XXXXXXXX`` names.
+        fence: what every rank checks before it writes (the stage's lease still held by this
+            attempt, ``trainer_core.checkpoint.lease``); None: no check.
     """
 
     spec: StageSpec
@@ -68,6 +73,13 @@ class StageContext:
     tokenizer: PreTrainedTokenizerBase | None
     metrics: MetricLogger
     print_timing: bool = False
+    attempt: str | None = None
+    fence: WriteFence | None = None
+
+    def check_fence(self, what: str) -> None:
+        """Collective: raise ``LeaseLostError`` on every rank unless this attempt still holds the
+        stage's lease (see :func:`~trainer_core.checkpoint.lease.check_fence`)."""
+        check_fence(self.fence, self.backend, what)
 
     @property
     def config(self) -> PipelineConfig:
@@ -153,6 +165,8 @@ class StageContext:
             keep_last=cfg.keep_last_checkpoints,
             asynchronous=cfg.async_save if asynchronous is None else asynchronous,
             validate_replicas=validate,
+            attempt=self.attempt,
+            fence=self.fence,
         )
 
     @property
@@ -304,6 +318,8 @@ def commit_final(
 
     Raises:
         NonFiniteError: a weight of ``model`` is NaN or infinite (on every rank; nothing written).
+        LeaseLostError: another attempt took the stage's lease over (on every rank; nothing
+            written).
     """
     backend = ctx.backend
     weights = backend.full_state_dict(model) if model is not None and backend.name != "single" else None
@@ -326,6 +342,7 @@ def commit_final(
             f"stage {ctx.spec.stage}: the final model has non-finite weights ({len(bad)} tensors, e.g. "
             f"{', '.join(bad[:3])}); it is not committed"
         )
+    ctx.check_fence(f"the final output {ctx.layout.final}")
     manifest = _write_final(ctx, metrics, model, weights, files, extra, adapter) if ctx.is_main else None
     if backend.world_size == 1:
         return manifest
@@ -381,6 +398,7 @@ def _write_final(ctx, metrics, model, weights, files, extra, adapter: AdapterCom
         save_pretrained_to(writer, ctx.backend.unwrap(model), ctx.tokenizer, state_dict=weights)
     for relpath, data in (files or {}).items():
         writer.write_bytes(relpath, data)
+    check_fence(ctx.fence, ctx.backend, f"the manifest of {writer.uri}", collective=False)  # rank 0 alone here
     manifest = writer.commit(
         kind="final",
         stage=ctx.spec.stage,

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 from trainer_core import storage
 from trainer_core.backends import Backend, build_backend
-from trainer_core.checkpoint.lease import StageLease
+from trainer_core.checkpoint.lease import StageLease, WriteFence, default_owner, new_attempt_id
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import PipelineConfig, resolve_local_root
 from trainer_core.data.prepared import load_tokenizer_from
 from trainer_core.mlflow_model import ensure_stage_model
+from trainer_core.processes import current_launch_id
 from trainer_core.registry import get_stage, stage_inputs
 from trainer_core.spec import StageSpec, build_spec, committed_outputs
 from trainer_core.stages.context import StageContext
@@ -64,12 +65,18 @@ def run_spec(spec: StageSpec, backend: Backend | None = None) -> Manifest:
         main = backend.rank == 0
         metrics = MetricLogger(spec.tracking_uri if main else None, spec.mlflow_run_id if main else None)
         try:
-            # Rank 0 holds the stage's writer lease for the whole job; other ranks write only
-            # between its barriers.
-            lease = StageLease(spec.output_uri, owner=spec.writer_id, ttl_s=spec.config.launch.lease_ttl_s)
+            # Rank 0 holds the stage's writer lease for the whole job, as this launch's attempt;
+            # every rank checks it (the fence) before it writes.
+            identity = (new_attempt_id(current_launch_id()), spec.writer_id or default_owner())
+            attempt, owner = identity if backend.world_size == 1 else backend.broadcast_object(identity)
+            lease = StageLease(spec.output_uri, owner=owner, ttl_s=spec.config.launch.lease_ttl_s, attempt=attempt)
             with lease if main else contextlib.nullcontext():
+                if backend.world_size > 1:
+                    backend.barrier()  # the lease is taken before any rank reads or writes the stage's files
                 tokenizer = load_tokenizer_from(spec.inputs["data"]) if "data" in spec.inputs else None
-                manifest = module.run(StageContext(spec=spec, backend=backend, tokenizer=tokenizer, metrics=metrics))
+                ctx = StageContext(spec=spec, backend=backend, tokenizer=tokenizer, metrics=metrics, attempt=attempt,
+                                   fence=WriteFence(spec.output_uri, owner, attempt))
+                manifest = module.run(ctx)
             if main:  # committed: the final model as an MLflow model of the stage run (when tracked)
                 ensure_stage_model(spec, manifest.global_step)
             return manifest

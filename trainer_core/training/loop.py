@@ -39,7 +39,6 @@ from torch import Tensor, nn
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainer_core.backends.base import Backend
-from trainer_core.checkpoint.manifest import step_dirname
 from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import TrainStageConfig
@@ -467,7 +466,7 @@ class TrainLoop:
         overlap the next steps on one process. The steps not read yet are read first, so a
         non-finite one fails the stage before its checkpoint and the progress saved is complete."""
         self._read()
-        self._track_best(step_dirname(self.progress.global_step))
+        self._track_best(self.session.dirname(self.progress.global_step))
         self.session.save(self.progress, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
 
     def _track_best(self, name: str) -> None:

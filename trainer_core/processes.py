@@ -1,0 +1,97 @@
+"""Processes of one launch, found and stopped by the launch id they carry (Linux ``/proc``).
+
+Every process a stage task launches carries ``POSTTRAIN_LAUNCH_ID`` in its environment, and its
+descendants inherit it: torchrun's ranks too, which run in sessions of their own, out of reach
+of a process-group kill. The launcher (``tasks/launch.py``) sweeps a launch's processes when the
+launch ends; a stage's writer lease (``trainer_core/checkpoint/lease.py``) stops a previous
+attempt's processes before a retry takes the stage over. The variable holds the ids of nested
+launches joined by ``:``, innermost last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+LAUNCH_ID_ENV = "POSTTRAIN_LAUNCH_ID"
+"""Environment variable marking every process of one launch (see the module docstring)."""
+
+
+def current_launch_id() -> str | None:
+    """The innermost launch id of this process (the last of ``POSTTRAIN_LAUNCH_ID``), or None
+    when it was not started by a launcher."""
+    ids = [i for i in os.environ.get(LAUNCH_ID_ENV, "").split(":") if i]
+    return ids[-1] if ids else None
+
+
+def marked_pids(launch_id: str) -> list[int]:
+    """Live processes whose environment holds ``POSTTRAIN_LAUNCH_ID=<launch_id>`` (Linux ``/proc``).
+
+    Args:
+        launch_id: The id given to one launch.
+
+    The variable holds the ids of nested launches joined by ``:`` (a launch inside a launched
+    process keeps its parent's ids), so an outer launch's sweep reaches inner ones too.
+
+    Returns:
+        Their pids, this process excluded; empty where ``/proc`` is missing. Zombies (empty
+        environment) and other users' processes (unreadable) are not listed.
+    """
+    prefix, wanted = f"{LAUNCH_ID_ENV}=".encode(), launch_id.encode()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    pids = []
+    for name in names:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:  # gone, or not ours
+            continue
+        for entry in environ.split(b"\0"):
+            if entry.startswith(prefix) and wanted in entry[len(prefix) :].split(b":"):
+                pids.append(int(name))
+                break
+    return pids
+
+
+def process_running(pid: int) -> bool:
+    """False once ``pid`` is gone or a zombie (dead, waiting for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def kill_marked(launch_id: str, timeout_s: float = 3.0, also: set[int] | None = None) -> list[int]:
+    """SIGKILL every process carrying ``launch_id`` (and the pids in ``also``) until none runs.
+
+    Sweeps again each round (a process may fork while being swept) and waits until each one
+    killed is gone or a zombie (a killed process drops its environment before it is a zombie).
+
+    Args:
+        launch_id: the launch whose processes are stopped.
+        timeout_s: how long to keep sweeping.
+        also: pids killed and waited for as well (e.g. a launch's own child, already signalled).
+
+    Returns:
+        The pids still running after ``timeout_s`` (e.g. stuck in uninterruptible sleep).
+    """
+    deadline = time.monotonic() + timeout_s
+    killed: set[int] = set(also or ())
+    while True:
+        pids = marked_pids(launch_id)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        killed = {pid for pid in killed | set(pids) if process_running(pid)}
+        if not killed or time.monotonic() > deadline:
+            return sorted(killed)
+        time.sleep(0.02)
