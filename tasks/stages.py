@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from mlflow import MlflowClient
@@ -34,6 +34,8 @@ from prefect.runtime import task_run as prefect_task_run
 from tasks import mlflow_models, tracking
 from tasks.commands import trainer_command
 from tasks.failures import raise_for_result
+from tasks.k8s_job import run_trainer_job
+from tasks.k8s_manifest import pin_rendezvous, trainer_job
 from tasks.launch import launch_stage_process, retry_condition
 from tasks.reports import StageProgress, artifact_key, log_curves, mlflow_ui_url, png_markdown, run_link_markdown
 from tasks.results import PipelineRun, StageResult, utc_now
@@ -202,6 +204,9 @@ def _mark_failed(mlflow_run_id: str, tracking_uri: str, log: Any) -> None:
 def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResult:
     """Run one stage's trainer process and report its committed result.
 
+    A stage whose backend has ``nnodes > 1`` runs as a Kubernetes Indexed Job instead of a local
+    process (``tasks/k8s_job.py``); its committed output is read the same way.
+
     Args:
         stage: Stage name (``trainer_core.registry.STAGE_ORDER``).
         run: The pipeline run (config, run id, MLflow tracking URI and parent run).
@@ -212,7 +217,8 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
         committed output already carries the fingerprint it would produce now.
 
     Raises:
-        BadStageInput: the trainer exited with code 2 (bad config or data; not retried).
+        BadStageInput: the trainer exited with code 2 (bad config or data; not retried), or a
+            multi-node stage whose storage root or tracking URI the pods cannot reach.
         StageFailed: any other trainer failure or timeout (retried per ``config.launch``).
     """
     log = get_run_logger()
@@ -229,20 +235,27 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
                                                       log_missing=_model_logger(stage, spec_uri, env, config, log))
             reused = reused.model_copy(update={"model_uri": model_uri})
         return reused
+    # Several nodes: a Kubernetes Job whose pods meet at its pod 0 (tasks/k8s_job.py); it holds no slots here.
+    job = trainer_job(config, stage, run.run_id, spec_uri, run.tracking_uri) if config.backend_for(stage).nnodes > 1 else None
+    if job is not None:
+        spec_config = pin_rendezvous(spec_config, stage, job.rdzv_endpoint)
     spec = spec.model_copy(update={"mlflow_run_id": _stage_run_id(run, stage, spec.fingerprint)})
     storage.write_json(spec_uri, spec.model_copy(update={"config": spec_config}).model_dump(mode="json"))
     log.info("stage %s: spec %s, inputs %s", stage, spec_uri, inputs)
     try:
         cmd = trainer_command(spec_uri, config.backend_for(stage), rdzv_id=f"{run.run_id}-{stage}")
         progress = StageProgress(stage, config.section(stage).max_steps, log=log) if get_stage(stage).trains else None
-        with gpu_slots(stage, config, log):
+        with gpu_slots(stage, config, log) if job is None else nullcontext():
             if progress is not None:
                 progress.start()
             started_at = utc_now()
-            result = launch_stage_process(
-                cmd, env=env, log=log, timeout_s=config.launch.timeout_s, group=prefect_flow_run.id,
-                on_line=progress.on_line if progress is not None else None,
-            )
+            on_line = progress.on_line if progress is not None else None
+            if job is not None:
+                result = run_trainer_job(job, log=log, timeout_s=config.launch.timeout_s, group=prefect_flow_run.id,
+                                         on_line=on_line)
+            else:
+                result = launch_stage_process(cmd, env=env, log=log, timeout_s=config.launch.timeout_s,
+                                              group=prefect_flow_run.id, on_line=on_line)
             ended_at = utc_now()
         raise_for_result(result, stage)
         if progress is not None:
