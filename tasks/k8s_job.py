@@ -56,7 +56,7 @@ from tasks.k8s_status import (
     pod_result,
     terminated,
 )
-from tasks.launch import LaunchResult, LineLogger, _Output
+from tasks.launch import LaunchResult, LineLogger, Output
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 
 _TICK_S = 0.2
@@ -68,7 +68,7 @@ _DRAIN_S = 10.0
 _ENV_MEMORY = "POSTTRAIN_K8S_MEMORY_LIMIT (and _MEMORY_REQUEST)"
 
 
-async def _follow_node0(api: KubeApi, view: JobView, out: _Output, poll_s: float, log: LineLogger) -> None:
+async def _follow_node0(api: KubeApi, view: JobView, out: Output, poll_s: float, log: LineLogger) -> None:
     """Stream node 0's log into ``out`` until its container has ended, reconnecting (and skipping
     the lines already seen, by timestamp) when the connection drops while it runs, and reading
     once more after it ended (what it wrote after a dropped stream)."""
@@ -117,7 +117,7 @@ class _Run:
     job: TrainerJob
     settings: JobSettings
     log: LineLogger
-    out: _Output
+    out: Output
     start: float
     tail_lines: int
 
@@ -269,7 +269,7 @@ async def _run_job(job: TrainerJob, settings: JobSettings, log: LineLogger, time
                 settings = settings.inherit(await api.get("pod", settings.flow_pod))
             except (KubeError, BadStageInput) as e:
                 log.info("flow-run pod %s not read (%s); trainer pods take the template's defaults", settings.flow_pod, e)
-        run = _Run(api, job, settings, log, _Output(log, tail_lines, on_line), start, tail_lines)
+        run = _Run(api, job, settings, log, Output(log, tail_lines, on_line), start, tail_lines)
         await run.replace_previous(abort)
         kept = False
         try:

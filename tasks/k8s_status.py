@@ -13,7 +13,7 @@ from typing import Any
 from tasks.failures import RankFailure, blamed_failure, parse_torchrun_failures
 from tasks.k8s_api import KubeApi
 from tasks.k8s_manifest import CONTAINER, INDEX_ANNOTATION, JobSettings
-from tasks.launch import LaunchResult, LineLogger, _Output
+from tasks.launch import LaunchResult, LineLogger, Output
 from trainer_core.errors import EXIT_BAD_INPUT
 
 _CANNOT_START = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
@@ -141,7 +141,7 @@ class Quiet:
 def pod_result(lines: list[str], returncode: int, tail_lines: int) -> LaunchResult:
     """A pod's log lines read as a local launch's output would be (merged tail, each rank's tail,
     torchrun's own lines), so :func:`~tasks.failures.raise_for_result` reads it the same way."""
-    out = _Output(Quiet(), tail_lines)
+    out = Output(Quiet(), tail_lines)
     for line in lines:
         out.add(line)
     return LaunchResult(returncode=returncode, tail=list(out.tail), wall_s=0.0, timed_out=False,

@@ -62,6 +62,7 @@ __all__ = [
     "LaunchAborted",
     "LaunchResult",
     "LineLogger",
+    "Output",
     "StageFailed",
     "abort_launches",
     "forget_launch_group",
@@ -170,7 +171,7 @@ def _terminate_group(proc: subprocess.Popen, grace_s: float) -> None:
     _signal_group(proc.pid, signal.SIGKILL)
 
 
-class _Output:
+class Output:
     """Where each output line goes: the merged tail, its rank's tail, or the launcher's lines;
     then the log and the ``on_line`` callback (whose errors are logged once and never raised)."""
 
@@ -204,7 +205,7 @@ class _Output:
 def _forward(
     proc: subprocess.Popen,
     lines: queue.Queue,
-    out: _Output,
+    out: Output,
     deadline: float | None,
     poll_interval_s: float,
     abort: threading.Event | None = None,
@@ -235,7 +236,7 @@ def _forward(
             return False
 
 
-def _drain(lines: queue.Queue, out: _Output) -> None:
+def _drain(lines: queue.Queue, out: Output) -> None:
     while True:
         try:
             item = lines.get_nowait()
@@ -315,7 +316,7 @@ def launch_stage_process(
         raise LaunchAborted("the stage's flow run was interrupted before its trainer started; nothing launched")
     launch_id = uuid.uuid4().hex
     proc, lines, reader = _spawn(cmd, env, launch_id)
-    out = _Output(log, tail_lines, on_line)
+    out = Output(log, tail_lines, on_line)
     timed_out = False
     try:
         timed_out = _forward(proc, lines, out, deadline, poll_interval_s, abort)
