@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import pickle
 import random
 from pathlib import Path
@@ -21,7 +22,7 @@ from trainer_core.config import DataSource, load_config
 from trainer_core.data import prepared, sources
 from trainer_core.data.formats import to_kto_examples, to_sft_example
 from trainer_core.data.parallel import ChunkMap
-from trainer_core.data.prepared import PreparedRows, load_split, load_table
+from trainer_core.data.prepared import PreparedRows, _mapped, load_split, load_table
 from trainer_core.data.samplers import BucketedBatchSampler, PackedBatchSampler
 from trainer_core.data.shards import ShardWriter, split_files
 from trainer_core.data.sources import iter_records
@@ -130,9 +131,18 @@ def _square(x: int) -> int:
     return x * x
 
 
-def test_chunk_map_keeps_order_in_worker_processes():
+def _env(_: int) -> str | None:
+    import os
+
+    return os.environ.get("TOKENIZERS_PARALLELISM")
+
+
+def test_chunk_map_keeps_order_in_worker_processes(monkeypatch):
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     with ChunkMap(_square, 2) as pool:
         assert list(pool.map(range(7))) == [x * x for x in range(7)]
+    with ChunkMap(_env, 2) as pool:  # the workers' tokenizers run single-threaded; this process keeps its pool
+        assert set(pool.map(range(4))) == {"false"} and "TOKENIZERS_PARALLELISM" not in os.environ
     with ChunkMap(_square, 2) as pool, pytest.raises(DataError, match="chunk 7 is bad"):
         list(pool.map(range(10)))
     with pytest.raises(ValueError, match="num_proc"):
@@ -267,3 +277,30 @@ def test_samplers_take_a_lengths_array():
             assert all(isinstance(b, list) for b in batches) and batches[-1] == list(batches)[-1]
     first = list(itertools.chain.from_iterable(BucketedBatchSampler(lengths, 8, seed=2).batches(0)))
     assert sorted(first) == list(range(200))
+
+
+def load_rows_of(path: str) -> PreparedRows:
+    table, maps = _mapped([path])
+    return PreparedRows(table, "a", [path], maps)
+
+
+def _rss_file_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+def test_reading_rows_leaves_few_file_pages_resident(tmp_path, monkeypatch):
+    """Random reads of a 96 MB split: the mapping's pages are released every few rows, so the
+    process's resident file pages grow by far less than the file (without the release, every page
+    the reads and the kernel's fault-around touched would stay mapped)."""
+    monkeypatch.setattr(prepared, "RELEASE_EVERY_ROWS", 4)  # at most 4 rows' folios mapped at once
+    path = str(tmp_path / "rows.arrow")
+    texts = pa.array(["x" * 2000] * 48_000)
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, pa.schema([("a", pa.string())])) as writer:
+        for batch in pa.table({"a": texts}).to_batches(max_chunksize=8192):
+            writer.write_batch(batch)
+    rows = load_rows_of(path)
+    before = _rss_file_kb()
+    for i in random.Random(0).sample(range(48_000), 3000):
+        assert len(rows[i]["a"]) == 2000
+    assert _rss_file_kb() - before < 48 * 1024

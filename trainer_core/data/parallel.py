@@ -4,9 +4,9 @@ prepare_data tokenises chunk by chunk; with ``data.num_proc`` > 1 the chunks go 
 ``multiprocessing`` pool (``fork`` where the platform has it, else ``spawn``) and come back in
 submission order, so the output does not depend on the number of processes. At most
 ``2 * num_proc`` chunks are in flight: the results held at once stay bounded whatever the size
-of the data set. Before forking, ``TOKENIZERS_PARALLELISM`` is set to ``false`` (the ``tokenizers``
-library would otherwise warn in every worker, having used its thread pool in the parent, and
-turn parallelism off there anyway); the parent's value is restored when the pool closes.
+of the data set. The workers start with ``TOKENIZERS_PARALLELISM=false`` (the ``tokenizers``
+library would otherwise warn in every forked worker, its thread pool having been used in the
+parent, and turn it off there anyway); the parent keeps its own setting.
 """
 
 from __future__ import annotations
@@ -50,15 +50,20 @@ class ChunkMap:
         self.worker = worker
         self.num_proc = num_proc
         self._pool: Any = None
-        self._saved_env: str | None = None
 
     def __enter__(self) -> ChunkMap:
         if self.num_proc > 1:
             method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-            self._saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            context = multiprocessing.get_context(method)
-            self._pool = context.Pool(self.num_proc, initializer=_install, initargs=(self.worker,))
+            saved = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers' environment, from their start on
+            try:
+                context = multiprocessing.get_context(method)
+                self._pool = context.Pool(self.num_proc, initializer=_install, initargs=(self.worker,))
+            finally:  # this process keeps its own setting (its BPE training uses the thread pool)
+                if saved is None:
+                    os.environ.pop("TOKENIZERS_PARALLELISM", None)
+                else:
+                    os.environ["TOKENIZERS_PARALLELISM"] = saved
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -69,10 +74,6 @@ class ChunkMap:
                 self._pool.terminate()
             self._pool.join()
             self._pool = None
-            if self._saved_env is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = self._saved_env
 
     def map(self, tasks: Iterable[Any]) -> Iterator[Any]:
         """``worker(task)`` for each task, in order; a worker's exception is raised here."""

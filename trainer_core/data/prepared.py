@@ -19,6 +19,7 @@ process's RSS as they are touched but are shared by the ranks of a machine and r
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import tempfile
 import uuid
@@ -46,6 +47,10 @@ OPTIONAL_SPLIT_NAMES = ("kto/train", "kto/eval", "pretrain/train", "pretrain/eva
 
 CACHE_BATCH_ROWS = 8192
 """Rows per record batch of a cached Arrow file (what a Parquet file is decoded by at a time)."""
+
+RELEASE_EVERY_ROWS = 16
+"""Rows a :class:`PreparedRows` reads between two releases of its mappings' resident pages (each
+row read maps a few hundred KiB of file pages on a kernel with large page-cache folios)."""
 
 
 def _manifest_files(data_uri: str) -> list[FileEntry]:
@@ -110,7 +115,26 @@ def load_table(data_uri: str, name: str) -> pa.Table:
     Raises:
         DataError: the directory is not committed, or the split is missing or not Parquet.
     """
-    name = name.removesuffix(".parquet")
+    return _mapped(_local_files(data_uri, name.removesuffix(".parquet")))[0]
+
+
+def _mapped(paths: list[str]) -> tuple[pa.Table, list[mmap.mmap]]:
+    """The Arrow IPC files ``paths`` memory-mapped (read-only, shared), as one table (zero-copy),
+    and the mappings."""
+    tables, maps = [], []
+    for path in paths:
+        with open(path, "rb") as f:
+            maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        tables.append(pa.ipc.open_file(pa.BufferReader(pa.py_buffer(maps[-1]))).read_all())
+    return pa.concat_tables(tables), maps
+
+
+def _local_files(data_uri: str, name: str) -> list[str]:
+    """The cached Arrow copies of split ``name``'s files, in row order.
+
+    Raises:
+        DataError: the directory is not committed, or the split is missing or not Parquet.
+    """
     entries = split_files(_manifest_files(data_uri), name)
     if not entries:
         data_set = name.split("/", 1)[0]
@@ -118,11 +142,7 @@ def load_table(data_uri: str, name: str) -> pa.Table:
                 if name in OPTIONAL_SPLIT_NAMES else "")
         uri = join_uri(data_uri, f"{name}.parquet")
         raise DataError(f"prepared split not found: {uri} (splits: {list(SPLIT_NAMES)}){hint}")
-    tables = []
-    for entry in entries:
-        local = local_arrow(join_uri(data_uri, entry.path), entry.sha256)
-        tables.append(pa.ipc.open_file(pa.memory_map(local, "r")).read_all())
-    return pa.concat_tables(tables)
+    return [local_arrow(join_uri(data_uri, entry.path), entry.sha256) for entry in entries]
 
 
 def load_split(data_uri: str, name: str) -> PreparedRows:
@@ -139,7 +159,10 @@ def load_split(data_uri: str, name: str) -> PreparedRows:
     Raises:
         DataError: the directory is not committed, or the split is missing or not Parquet.
     """
-    return PreparedRows(load_table(data_uri, name), name.removesuffix(".parquet"))
+    name = name.removesuffix(".parquet")
+    paths = _local_files(data_uri, name)
+    table, maps = _mapped(paths)
+    return PreparedRows(table, name, paths, maps)
 
 
 class _Row(dict):
@@ -158,20 +181,34 @@ class _Row(dict):
 class PreparedRows(Sequence):
     """The rows of a prepared split as a sequence of dicts, backed by an Arrow table.
 
-    ``rows[i]`` builds row ``i``'s dict when asked (about 20 us for an SFT row); iteration
-    converts one record batch at a time; ``rows[a:b]`` is a list. Nothing is cached, so memory
-    does not grow with the rows read. The one write kept is an item assignment on a row
-    (``rows[i]["ref_logprobs"] = x``, as DPO and KTO attach reference log-probs): it is stored by
-    row index and added to that row whenever it is read again.
+    ``rows[i]`` builds row ``i``'s dict when asked (about 20 us for an SFT row) from the mapped
+    table; ``rows[a:b]`` is a list. Iteration converts one record batch at a time, read from
+    ``paths`` (not through the mapping: a pass over every row leaves no page of the file
+    resident). Nothing is cached, so memory does not grow with the rows read. The one write kept
+    is an item assignment on a row (``rows[i]["ref_logprobs"] = x``, as DPO and KTO attach
+    reference log-probs): it is stored by row index and added to that row whenever it is read
+    again. Column-wise reads (:meth:`list_lengths`, :meth:`values`) build no row.
+
+    Reading a row faults in the pages around it (the kernel maps the whole page-cache folio, or
+    up to 64 KiB around the fault, and reads ahead); those file pages count in the process's RSS. Every
+    :data:`RELEASE_EVERY_ROWS` rows read, the mappings are released (``madvise(MADV_DONTNEED)``:
+    the pages stay in the page cache, shared with the other ranks, and a later read maps them
+    again), so a rank's resident set does not grow with the rows it has read.
 
     Args:
-        table: the split (e.g. from :func:`load_table`).
+        table: the split (e.g. memory-mapped by :func:`load_table`).
         name: the split's name, for messages.
+        paths: the Arrow IPC files ``table`` maps, in order (None: iterate ``table`` itself).
+        maps: the mappings of ``paths`` (None: nothing to release).
     """
 
-    def __init__(self, table: pa.Table, name: str = "rows") -> None:
+    def __init__(self, table: pa.Table, name: str = "rows", paths: list[str] | None = None,
+                 maps: list[mmap.mmap] | None = None) -> None:
         self.table = table
         self.name = name
+        self.paths = paths
+        self._maps = maps or []
+        self._reads = 0
         self._batches = [b for b in table.to_batches() if b.num_rows]
         self._starts = np.cumsum([0] + [b.num_rows for b in self._batches])
         self._extra: dict[int, dict[str, Any]] = {}
@@ -181,6 +218,13 @@ class PreparedRows(Sequence):
 
     def __repr__(self) -> str:
         return f"PreparedRows({self.name!r}, {len(self)} rows)"
+
+    def _count_reads(self, rows: int) -> None:
+        self._reads += rows
+        if self._reads >= RELEASE_EVERY_ROWS:
+            self._reads = 0
+            for mapping in self._maps:
+                mapping.madvise(mmap.MADV_DONTNEED)
 
     def _row(self, index: int, data: dict) -> _Row:
         row = _Row(data)
@@ -196,6 +240,7 @@ class PreparedRows(Sequence):
             if step != 1:
                 return [self[i] for i in range(start, stop, step)]
             rows = self.table.slice(start, max(stop - start, 0)).to_pylist()
+            self._count_reads(len(rows))
             return [self._row(start + i, row) for i, row in enumerate(rows)]
         index = int(key)
         if index < 0:
@@ -204,12 +249,25 @@ class PreparedRows(Sequence):
             raise IndexError(f"{self.name}: row {key} of {len(self)}")
         batch = int(np.searchsorted(self._starts, index, side="right")) - 1
         (data,) = self._batches[batch].slice(index - int(self._starts[batch]), 1).to_pylist()
+        self._count_reads(1)
         return self._row(index, data)
 
     def __iter__(self) -> Iterator[dict]:
-        for batch, start in zip(self._batches, self._starts.tolist()):
+        start = 0
+        for batch in self._read_batches():
             for i, data in enumerate(batch.to_pylist()):
                 yield self._row(start + i, data)
+            start += batch.num_rows
+
+    def _read_batches(self) -> Iterator[pa.RecordBatch]:
+        if self.paths is None:
+            yield from self._batches
+            return
+        for path in self.paths:
+            with pa.OSFile(path, "rb") as source:
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    yield reader.get_batch(i)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
