@@ -304,3 +304,15 @@ def test_reading_rows_leaves_few_file_pages_resident(tmp_path, monkeypatch):
     for i in random.Random(0).sample(range(48_000), 3000):
         assert len(rows[i]["a"]) == 2000
     assert _rss_file_kb() - before < 48 * 1024
+
+
+def test_a_committed_file_that_is_not_parquet_is_a_data_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    uri = str(tmp_path / "final")
+    writer = ArtifactWriter(uri)
+    writer.write_bytes("sft/train/part-00000.parquet", b"not parquet at all")
+    writer.commit(kind="final", stage="prepare_data", run_id="r", config_hash="h")
+    with pytest.raises(DataError, match=r"part-00000.parquet: not a readable Parquet file"):
+        load_split(uri, "sft/train")
+    left = [p.name for p in Path(prepared.arrow_cache_dir()).iterdir() if not p.name.endswith(".lock")]
+    assert left == []  # no partial cache file

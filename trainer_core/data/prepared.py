@@ -12,8 +12,9 @@ maps that file. The cache is keyed by the content hash the manifest records, so 
 every run with the same data and never stale; nothing removes it. Remote outputs (``s3://``,
 ``memory://``) are streamed into the same cache. A process then holds no row as a Python object
 until it asks for it: :class:`PreparedRows` turns one row into a dict when it is indexed, and
-only the pages of the rows read become resident (file-backed pages, which count in the
-process's RSS as they are touched but are shared by the ranks of a machine and reclaimable).
+only the pages of the last rows read stay resident (file-backed pages, shared by the ranks of a
+machine: they count in a process's RSS while mapped, and are released every
+:data:`RELEASE_EVERY_ROWS` rows).
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ def _parquet_to_arrow(uri: str, local_path: str) -> None:
     with fs.open(path, "rb") as f:
         try:
             parquet = pq.ParquetFile(f)
-        except pa.ArrowInvalid as e:
+            with pa.OSFile(local_path, "wb") as sink, pa.ipc.new_file(sink, parquet.schema_arrow) as writer:
+                for batch in parquet.iter_batches(batch_size=CACHE_BATCH_ROWS):
+                    writer.write_batch(batch)
+        except pa.ArrowInvalid as e:  # an OSError (disk full writing the cache) keeps its kind
             raise DataError(f"{uri}: not a readable Parquet file: {e}") from e
-        with pa.OSFile(local_path, "wb") as sink, pa.ipc.new_file(sink, parquet.schema_arrow) as writer:
-            for batch in parquet.iter_batches(batch_size=CACHE_BATCH_ROWS):
-                writer.write_batch(batch)
 
 
 def local_arrow(uri: str, sha256: str) -> str:
