@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import random
 from array import array
 from typing import Any, Callable, Iterable, Iterator
@@ -39,6 +40,9 @@ MAX_INVALID_FRACTION = 0.05
 
 STAGE_BATCH_ROWS = 4096
 """Examples per record batch of a store file."""
+
+RELEASE_EVERY_BATCHES = 8
+"""Record batches :meth:`ExampleStore.take` reads between two releases of its mapping's pages."""
 
 STORE_SCHEMAS: dict[str, pa.Schema] = {
     "sft": pa.schema([("prompt", pa.string()), ("completion", pa.string()), ("answer", pa.string()),
@@ -88,8 +92,9 @@ class ExampleStore:
         """The examples at ``indices`` (any order, repeats allowed) as dicts of the store's columns
         plus ``messages`` (decoded from ``messages_json``, except for ``text``).
 
-        The file is mapped for this call only, so a process's resident memory holds the pages of
-        the rows taken, not the file.
+        The file is mapped for this call only, and the mapping's resident pages are released
+        every :data:`RELEASE_EVERY_BATCHES` record batches read (a few rows of a batch map most
+        of its pages), so a process's resident memory holds a few batches, not the file.
         """
         index = np.asarray(indices, dtype=np.int64)
         if len(index) and (index.min() < 0 or index.max() >= self.num_rows):
@@ -97,11 +102,16 @@ class ExampleStore:
         order = np.argsort(index // STAGE_BATCH_ROWS, kind="stable")  # group the takes by record batch
         batch_of = index[order] // STAGE_BATCH_ROWS
         firsts = np.flatnonzero(np.diff(batch_of, prepend=-1))
-        with pa.memory_map(self.path, "r") as source:
-            reader = pa.ipc.open_file(source)
-            parts = [reader.get_batch(int(batch_of[a])).take(pa.array(index[order[a:b]] % STAGE_BATCH_ROWS))
-                     for a, b in zip(firsts, [*firsts[1:], len(index)])]
-            taken = pa.Table.from_batches(parts, schema=reader.schema).to_pylist()
+        parts = []
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
+            reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapping)))
+            for n, (a, b) in enumerate(zip(firsts, [*firsts[1:], len(index)]), start=1):
+                rows_at = pa.array(index[order[a:b]] % STAGE_BATCH_ROWS)
+                parts.append(pa.Table.from_batches([reader.get_batch(int(batch_of[a])).take(rows_at)]).to_pylist())
+                if n % RELEASE_EVERY_BATCHES == 0:
+                    mapping.madvise(mmap.MADV_DONTNEED)
+            del reader  # its buffers point into the mapping, which closes here
+        taken = [row for part in parts for row in part]
         rows: list[dict] = [{}] * len(index)
         for position, row in zip(order.tolist(), taken):
             rows[position] = row
