@@ -13,7 +13,8 @@ Per process it reports the wall time and the peak resident set: ``VmHWM`` from
 ``/proc/<pid>/status``, sampled every 0.1 s for the process and its children (prepare_data's
 workers), and the peak anonymous RSS (``RssAnon``, sampled: memory the process itself
 allocated, without the file pages it maps), plus ``ru_maxrss`` from ``wait4`` (the largest of
-the process and its children). For SFT it also reports the time to the first step line.
+the process and its children), and the CPU seconds of the main process and of its workers
+(``/proc/<pid>/stat``, sampled likewise). For SFT it also reports the time to the first step line.
 
 ``--code-root`` runs another checkout's code (e.g. a ``git archive`` of the commit before the
 change) on the same data, for a before/after comparison. The machine's load is recorded with
@@ -76,6 +77,16 @@ def _status_kb(pid: int) -> dict[str, int]:
     return out
 
 
+def _cpu_ticks_of(pid: int) -> int:
+    """User + system CPU clock ticks of a live process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _children(pid: int) -> list[int]:
     found = []
     try:
@@ -109,6 +120,7 @@ class TreeMonitor:
                 seen.add(pid)
                 stack.extend(_children(pid))
                 status = _status_kb(pid)
+                status["cpu_ticks"] = _cpu_ticks_of(pid)
                 peak = self.peaks.setdefault(pid, {})
                 for key, value in status.items():
                     peak[key] = max(peak.get(key, 0), value)
@@ -149,7 +161,9 @@ def run_process(spec_path: Path, code_root: Path, env: dict[str, str], log_path:
         "peak_rss_mb": main.get("VmHWM", 0) / 1024,
         "peak_anon_mb": main.get("RssAnon", 0) / 1024,
         "peak_file_mb": main.get("RssFile", 0) / 1024,
+        "main_cpu_s": main.get("cpu_ticks", 0) / os.sysconf("SC_CLK_TCK"),
         "workers": len(workers),
+        "workers_cpu_s": sum(p.get("cpu_ticks", 0) for p in workers) / os.sysconf("SC_CLK_TCK"),
         "worker_peak_rss_mb": max((p.get("VmHWM", 0) for p in workers), default=0) / 1024,
         "maxrss_tree_mb": usage.ru_maxrss / 1024,
         "cpu_s": own_cpu_s,
@@ -218,13 +232,15 @@ def bench_rows(num_rows: int, num_procs: list[int], steps: int, work: Path, code
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'rows':>9} {'process':<18} {'num_proc':>8} {'wall s':>8} {'CPU s':>7} {'1st step s':>10} "
-          f"{'peak RSS MB':>11} {'peak anon MB':>12} {'workers MB':>10} {'others':>7}")
+    print(f"\n{'rows':>9} {'process':<16} {'np':>2} {'wall s':>7} {'CPU s':>6} {'main':>6} {'workers':>7} "
+          f"{'1st step':>8} {'peak RSS':>8} {'anon':>5} {'wk RSS':>6} {'others':>6}")
     for r in results:
         first = "-" if r["first_step_s"] is None else f"{r['first_step_s']:.1f}"
-        print(f"{r['rows']:>9,} {r['process']:<18} {r['num_proc'] or '-':>8} {r['wall_s']:>8.1f} {r['cpu_s']:>7.1f} {first:>10} "
-              f"{r['peak_rss_mb']:>11.0f} {r['peak_anon_mb']:>12.0f} {r['worker_peak_rss_mb']:>10.0f} "
-              f"{r['others_cpu_share'] or 0:>6.0%}")
+        print(f"{r['rows']:>9,} {r['process']:<16} {r['num_proc'] or '-':>2} {r['wall_s']:>7.1f} {r['cpu_s']:>6.1f} "
+              f"{r['main_cpu_s']:>6.1f} {r['workers_cpu_s']:>7.1f} {first:>8} {r['peak_rss_mb']:>8.0f} "
+              f"{r['peak_anon_mb']:>5.0f} {r['worker_peak_rss_mb']:>6.0f} {r['others_cpu_share'] or 0:>6.0%}")
+    print("(seconds; memory in MB; CPU s: the process and its children; main / workers: sampled per process; "
+          "wk RSS: the largest child's peak; others: the CPU share other processes took meanwhile)")
 
 
 def main() -> None:
