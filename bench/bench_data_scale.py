@@ -43,7 +43,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from common import _cpu_ticks  # noqa: E402
 from trainer_core.checkpoint.manifest import read_manifest  # noqa: E402
 from trainer_core.config import load_config  # noqa: E402
 from trainer_core.spec import build_spec  # noqa: E402
@@ -75,6 +74,17 @@ def _status_kb(pid: int) -> dict[str, int]:
     except (OSError, ValueError):
         return {}
     return out
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(total, idle) clock ticks of all CPUs since boot, from ``/proc/stat`` (as ``common.py``
+    reads them, without its torch import); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(values), values[3] + values[4]
 
 
 def _cpu_ticks_of(pid: int) -> int:
