@@ -22,7 +22,7 @@ from trainer_core.config import DataSource, load_config
 from trainer_core.data import prepared, sources
 from trainer_core.data.formats import to_kto_examples, to_sft_example
 from trainer_core.data.parallel import ChunkMap
-from trainer_core.data.prepared import PreparedRows, _mapped, load_split, load_table
+from trainer_core.data.prepared import PreparedRows, _mapped, load_split, load_table, row_lengths
 from trainer_core.data.samplers import BucketedBatchSampler, PackedBatchSampler
 from trainer_core.data.shards import ShardWriter, split_files
 from trainer_core.data.sources import iter_records
@@ -258,6 +258,7 @@ def test_prepared_rows_are_a_lazy_sequence(tmp_path):
     assert [r.get("ref_logprobs") for r in rows][4] == -1.5
     assert type(pickle.loads(pickle.dumps(rows[4]))) is dict
     assert rows.list_lengths("input_ids").tolist() == [i % 5 for i in range(10)]
+    assert row_lengths(rows, "input_ids").tolist() == row_lengths(expected, "input_ids").tolist() == [i % 5 for i in range(10)]
     assert rows.nonnull_indices("answer").tolist() == [0, 3, 6, 9] and sum(rows.values("label")) == 5
 
 

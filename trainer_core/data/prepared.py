@@ -297,6 +297,18 @@ class PreparedRows(Sequence):
         return np.flatnonzero(valid)
 
 
+def row_lengths(rows: Sequence[dict], column: str) -> np.ndarray:
+    """``[len(rows)]`` int64: the length of list column ``column`` in each row; from the Arrow
+    offsets for :class:`PreparedRows` (no row is built), else row by row (a list of dicts).
+
+    Raises:
+        KeyError: a row without ``column``.
+    """
+    if isinstance(rows, PreparedRows):
+        return rows.list_lengths(column)
+    return np.fromiter((len(row[column]) for row in rows), dtype=np.int64, count=len(rows))
+
+
 def load_tokenizer_from(data_uri: str) -> Any:
     """The tokenizer saved by prepare_data under ``<data_uri>/tokenizer`` (downloaded if remote).
 
