@@ -55,7 +55,6 @@ ADDED_FIELDS: dict[str, object] = {
     "kto": None, "pretrain": None, "text_field": "text",
     # issue 16: mixture-of-experts models (model.init and every training stage's moe section)
     "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(),
-    "num_proc": 1,  # issue 15: data.num_proc, prepare_data's tokenising processes (same output for any value)
 }
 """Fields added to stage sections after runs were committed, with the value that reproduces the
 earlier behaviour: hashed only when set to something else, so that the fingerprints of runs
@@ -65,15 +64,20 @@ committed before them (and their resume) are unchanged."""
 POST_HOC_FIELDS = ("gates",)
 """Fields judged by the flow after a stage committed (evaluate's quality gates): never hashed."""
 
+RUNTIME_FIELDS = ("num_proc",)
+"""Fields that change how a stage runs, not what it commits (``data.num_proc``: prepare_data's
+tokenising processes; the output is byte-identical for any value): never hashed."""
+
 
 def _not_hashed(section) -> dict[str, Any]:
     """Fields of a stage section that do not change its result, as a pydantic ``exclude``: the
-    backend override, the LoRA override (hashed resolved, when enabled, by the caller), the :data:`POST_HOC_FIELDS`, the accumulation steps when
+    backend override, the LoRA override (hashed resolved, when enabled, by the caller), the :data:`POST_HOC_FIELDS` and
+    :data:`RUNTIME_FIELDS`, the accumulation steps when
     ``global_batch_size`` fixes the batch (they follow the world size), and :data:`ADDED_FIELDS`
     at their neutral value, in sub-sections too (``generation.engine``)."""
     fields = type(section).model_fields
     out: dict[str, Any] = {name: True for name in ("backend", "lora") if name in fields}
-    out |= {name: True for name in POST_HOC_FIELDS if name in fields}
+    out |= {name: True for name in (*POST_HOC_FIELDS, *RUNTIME_FIELDS) if name in fields}
     if getattr(section, "global_batch_size", None) is not None:
         out["grad_accum_steps"] = True
     out |= {name: True for name, neutral in ADDED_FIELDS.items() if name in fields and getattr(section, name) == neutral}

@@ -81,3 +81,14 @@ def test_fingerprints_of_the_demo_config_are_those_runs_were_committed_with():
     for stage, overrides in changed.items():
         for override in overrides:
             assert stage_fingerprint(load_config(demo, overrides=override), stage, inputs) != got[stage], override
+
+
+def test_data_num_proc_is_never_hashed():
+    """prepare_data's output is byte-identical for any data.num_proc (tests/unit/test_data_streaming.py):
+    running it with more processes must not invalidate the data or anything downstream."""
+    from trainer_core.config import load_config
+    from trainer_core.fingerprint import stage_fingerprint
+
+    one = stage_fingerprint(load_config(), "prepare_data", {})
+    assert stage_fingerprint(load_config(overrides={"data.num_proc": 2}), "prepare_data", {}) == one
+    assert stage_fingerprint(load_config(overrides={"data.max_eval_rows": 7}), "prepare_data", {}) != one

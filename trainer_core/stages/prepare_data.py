@@ -375,6 +375,7 @@ def run(ctx: StageContext) -> Manifest:
         sets, problems = _splits(config, tmp, metrics)
         tokenizer = _build_tokenizer(config, sets)
         metrics["vocab_size"] = len(tokenizer)
+        ctx.check_fence(f"the prepared data {ctx.layout.final}")
         writer = ArtifactWriter(ctx.layout.final, overwrite=True)
         splits = _write_splits(writer, tokenizer, sets, problems, config, tmp, metrics)
         tokenizer.save_pretrained(f"{tmp}/tokenizer")
@@ -388,6 +389,7 @@ def run(ctx: StageContext) -> Manifest:
         "max_length_tokens": config.data.max_length_tokens,
         "max_prompt_length_tokens": config.data.max_prompt_length_tokens,
     }
+    ctx.check_fence(f"the manifest of {writer.uri}")
     manifest = writer.commit(kind="final", stage=STAGE, run_id=ctx.spec.run_id, config_hash=ctx.fingerprint,
                              metrics={k: float(v) for k, v in metrics.items()}, extra=extra)
     logger.info("prepare_data committed %s: %s", writer.uri, {k: v for k, v in metrics.items() if k.startswith("num_")})

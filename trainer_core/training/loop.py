@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import resource
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -104,13 +104,15 @@ class BatchSource:
     """Deterministic micro-batches of a tokenised split.
 
     Attributes:
-        rows: the split's rows (dicts from the prepared Parquet).
+        rows: the split's rows: a list of dicts, or the lazy memory-mapped
+            :class:`~trainer_core.data.prepared.PreparedRows` of a prepared split (a row is built
+            when its micro-batch is collated, on the rank that trains on it).
         sampler: length-bucketed batch sampler, fully determined by (seed, epoch).
         collate: rows -> tensors dict.
         device: where batches go.
     """
 
-    rows: list[dict]
+    rows: Sequence[dict]
     sampler: BucketedBatchSampler
     collate: Callable[[list[dict]], dict[str, Tensor]]
     device: torch.device

@@ -11,10 +11,11 @@ Shape legend: B batch (sequences, or pairs for the pairwise objectives), T token
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import islice
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -30,6 +31,7 @@ from trainer_core.data.batching import (
     is_packed,
     iterate_batches,
 )
+from trainer_core.data.prepared import row_lengths
 from trainer_core.errors import ConfigError
 from trainer_core.forward import masked_nll_sum, masked_token_logprobs, packed_sequence_scores
 from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS
@@ -41,8 +43,8 @@ from trainer_core.training.loop import BatchSource, StepOutput
 
 
 def batch_source(
-    rows: list[dict],
-    lengths: list[int],
+    rows: Sequence[dict],
+    lengths: Sequence[int] | np.ndarray,
     collate: Callable[[list[dict]], dict[str, Tensor]],
     micro_batch_size: int,
     seed: int,
@@ -56,7 +58,7 @@ def batch_source(
     Raises:
         ConfigError: ``rows`` is empty, or a row is longer than ``max_tokens``.
     """
-    if not rows:
+    if not len(rows):
         raise ConfigError("a training or eval split is empty: check the data config and max lengths")
     if max_tokens is None:
         sampler = BucketedBatchSampler(lengths, micro_batch_size, seed=seed, shuffle=shuffle)
@@ -141,7 +143,7 @@ def causal_source(
     rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True, max_tokens: int | None = None
 ):
     """Batch source over prepared causal-LM rows (``input_ids``/``loss_mask``), packed when ``max_tokens`` is set."""
-    lengths = [len(r["input_ids"]) for r in rows]
+    lengths = row_lengths(rows, "input_ids")
     collate = partial(collate_causal if max_tokens is None else collate_causal_packed, pad_id=pad_id)
     return batch_source(rows, lengths, collate, micro_batch_size, seed, device, shuffle=shuffle, max_tokens=max_tokens)
 
@@ -152,10 +154,8 @@ def pair_source(
 ):
     """Batch source over prepared preference rows: bucketed by the longer of each pair, or (``max_tokens``
     set) packed by the tokens of both sides. ``collate`` replaces the default collation of the layout."""
-    if max_tokens is None:
-        lengths = [max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in rows]
-    else:
-        lengths = [len(r["chosen_input_ids"]) + len(r["rejected_input_ids"]) for r in rows]
+    chosen, rejected = row_lengths(rows, "chosen_input_ids"), row_lengths(rows, "rejected_input_ids")
+    lengths = np.maximum(chosen, rejected) if max_tokens is None else chosen + rejected
     collate = collate or partial(collate_pairs if max_tokens is None else collate_pairs_packed, pad_id=pad_id)
     return batch_source(rows, lengths, collate, micro_batch_size, seed, device, shuffle=shuffle, max_tokens=max_tokens)
 
@@ -407,7 +407,7 @@ class KTOObjective(_OfflinePreferenceObjective):
 
 def kto_source(rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True) -> BatchSource:
     """Batch source over prepared KTO rows, bucketed by the longer of completion and KL sequence."""
-    lengths = [max(len(r["input_ids"]), len(r["kl_input_ids"])) for r in rows]
+    lengths = np.maximum(row_lengths(rows, "input_ids"), row_lengths(rows, "kl_input_ids"))
     return batch_source(rows, lengths, partial(collate_kto, pad_id=pad_id), micro_batch_size, seed, device,
                         shuffle=shuffle)
 
