@@ -120,6 +120,7 @@ class _Run:
     out: Output
     start: float
     tail_lines: int
+    flow_pod: dict[str, Any] | None = None
 
     async def remove(self, kinds: tuple[str, ...] = ("job", "service", "secret")) -> list[str]:
         """Delete the Job and its objects (best effort: failures are logged); the kinds that existed."""
@@ -156,8 +157,15 @@ class _Run:
             await asyncio.sleep(min(self.settings.poll_interval_s, 1.0))
 
     async def submit(self, timeout_s: float | None) -> None:
-        """Create the Job, then its Service and Secret owned by it."""
+        """Create the Job, then its Service and Secret owned by it. In a cluster the Job is owned
+        by the flow-run pod: the pod's deletion (eviction, a killed flow run) has Kubernetes'
+        garbage collector delete the Job and its pods, as a local launch's ranks exit when their
+        launcher is gone."""
         manifests = trainer_manifests(self.job, self.settings, self.api.namespace, timeout_s)
+        meta = (self.flow_pod or {}).get("metadata", {})
+        if meta.get("uid") and meta.get("name"):
+            manifests.job["metadata"]["ownerReferences"] = [
+                {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}]
         created = await self.api.create("job", manifests.job)
         owner = {"apiVersion": "batch/v1", "kind": "Job", "name": self.job.name, "uid": created["metadata"]["uid"]}
         for kind, body in (("service", manifests.service), ("secret", manifests.secret)):
@@ -264,12 +272,14 @@ async def _run_job(job: TrainerJob, settings: JobSettings, log: LineLogger, time
     """:func:`run_trainer_job`'s work, in its event loop: replace, submit, watch, report, clean up."""
     start = time.monotonic()
     async with await KubeApi.connect(settings) as api:
+        flow_pod = None
         if settings.flow_pod:
             try:
-                settings = settings.inherit(await api.get("pod", settings.flow_pod))
+                flow_pod = await api.get("pod", settings.flow_pod)
+                settings = settings.inherit(flow_pod)
             except (KubeError, BadStageInput) as e:
                 log.info("flow-run pod %s not read (%s); trainer pods take the template's defaults", settings.flow_pod, e)
-        run = _Run(api, job, settings, log, Output(log, tail_lines, on_line), start, tail_lines)
+        run = _Run(api, job, settings, log, Output(log, tail_lines, on_line), start, tail_lines, flow_pod)
         await run.replace_previous(abort)
         kept = False
         try:

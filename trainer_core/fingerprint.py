@@ -54,7 +54,7 @@ ADDED_FIELDS: dict[str, object] = {
     # issue 16: KTO and continued pretraining (data.kto, data.pretrain and a DataSource's text_field)
     "kto": None, "pretrain": None, "text_field": "text",
     # issue 16: mixture-of-experts models (model.init and every training stage's moe section)
-    "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(),
+    "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(), "router_temperature": None,
 }
 """Fields added to stage sections after runs were committed, with the value that reproduces the
 earlier behaviour: hashed only when set to something else, so that the fingerprints of runs

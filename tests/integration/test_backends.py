@@ -277,9 +277,10 @@ class Runs:
         spec = write_stage_spec(self.pipeline, "sft", "ddp", 2, output, writer_id=f"itest-{uuid.uuid4().hex[:8]}")
         killed = run_stage_ranks(spec, 2, kill_rank=1, kill_when=after_checkpoint(output, SAVE_EVERY), timeout_s=180)
         committed = committed_steps(output)
-        relaunch = run_stage_ranks(spec, 2)
         step = committed[-1] if committed else 0
-        return Killed(killed, committed, Resume(relaunch, checkpoint_uri(output, step), step, output))
+        resume_from = checkpoint_uri(output, step)  # before the relaunch, whose purge may remove it
+        relaunch = run_stage_ranks(spec, 2)
+        return Killed(killed, committed, Resume(relaunch, resume_from, step, output))
 
     def _replica(self, _: str) -> dict[str, Any]:
         out = self._dir("replica")

@@ -269,7 +269,8 @@ def test_a_job_deleted_by_someone_else_fails_the_stage(cluster, job):
 
 
 def test_trainer_pods_take_the_flow_run_pods_image_and_secrets(cluster, job):
-    flow_pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "flow-run-abc", "namespace": "posttrain"},
+    flow_pod = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "flow-run-abc", "namespace": "posttrain", "uid": "uid-of-the-flow-run-pod"},
                 "spec": {"serviceAccountName": "posttrain-worker", "imagePullSecrets": [{"name": "regcred"}],
                          "containers": [{"name": "prefect-job", "image": "registry.example.com/posttrain:7",
                                          "envFrom": [{"secretRef": {"name": "team-s3", "optional": False}},
@@ -283,6 +284,9 @@ def test_trainer_pods_take_the_flow_run_pods_image_and_secrets(cluster, job):
     assert pod["containers"][0]["image"] == "registry.example.com/posttrain:7"
     assert pod["containers"][0]["envFrom"] == flow_pod["spec"]["containers"][0]["envFrom"]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}] and pod["serviceAccountName"] == "posttrain-worker"
+    # the Job is the flow-run pod's: if that pod goes (evicted, killed), Kubernetes deletes the Job
+    assert cluster.created[0]["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "flow-run-abc", "uid": "uid-of-the-flow-run-pod"}]
 
 
 def test_config_credentials_travel_in_a_secret_owned_by_the_job(cluster):

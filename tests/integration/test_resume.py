@@ -120,6 +120,9 @@ class Resumed:
         resume_step: the step the relaunch must resume from (0: it must start over).
         resume_state: ``trainer_state.json`` of that checkpoint, read before the relaunch.
         resumed: the relaunch.
+        resume_uri: that checkpoint's directory, found before the relaunch (which writes its own
+            attempt's directories and may purge this one).
+        damaged_uri: the checkpoint directory damaged before the relaunch (None: none).
     """
 
     stage: str
@@ -129,6 +132,8 @@ class Resumed:
     resume_step: int
     resume_state: dict | None
     resumed: StageRun
+    resume_uri: str | None = None
+    damaged_uri: str | None = None
 
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -160,16 +165,17 @@ def kill_and_resume(
         if len(scenario.variants) > 1:
             uri = os.path.join(workdir, variant)
             shutil.copytree(output_uri, uri)
-        valid = list(committed)
+        valid, damaged = list(committed), None
         if DAMAGES[variant] is not None:
-            DAMAGES[variant](checkpoint_uri(uri, valid.pop()))
+            damaged = checkpoint_uri(uri, valid.pop())
+            DAMAGES[variant](damaged)
         resume_step = valid[-1] if valid else 0
-        state = None
+        state, resume_uri = None, checkpoint_uri(uri, resume_step) if resume_step else None
         if resume_step:
-            state = json.loads(storage.read_bytes(join_uri(checkpoint_uri(uri, resume_step), "trainer_state.json")))
+            state = json.loads(storage.read_bytes(join_uri(resume_uri, "trainer_state.json")))
         spec = pipeline.write_spec(stage, uri, os.path.join(workdir, f"{variant}.json"), writer_id)
         resumed = run_stage(spec, env=env)
-        outcomes[variant] = Resumed(stage, uri, killed, committed, resume_step, state, resumed)
+        outcomes[variant] = Resumed(stage, uri, killed, committed, resume_step, state, resumed, resume_uri, damaged)
     return outcomes
 
 
@@ -210,7 +216,7 @@ def assert_exact_resume(outcome: Resumed, pipeline: TinyPipeline) -> None:
         assert values.items() <= baseline[step].items(), f"killed run diverged at step {step}"
     assert resumed.returncode == 0, resumed.tail()
     if outcome.resume_step:
-        ckpt = checkpoint_uri(outcome.output_uri, outcome.resume_step)
+        ckpt = outcome.resume_uri
         assert f"resumed from {ckpt} at global_step {outcome.resume_step}" in resumed.output, resumed.tail()
         expected = {step: values for step, values in baseline.items() if step > outcome.resume_step}
     else:
@@ -238,7 +244,7 @@ def test_sigkill_at_random_step_then_resume_is_bit_exact(outcomes, tiny_pipeline
 
 
 def _skip_warning(outcome: Resumed) -> str:
-    skipped = checkpoint_uri(outcome.output_uri, outcome.committed_at_kill[-1])
+    skipped = outcome.damaged_uri
     lines = [line for line in outcome.resumed.lines if "WARNING" in line and f"skipping checkpoint {skipped}:" in line]
     assert lines, f"no warning about skipping {skipped}:\n{outcome.resumed.tail()}"
     return lines[0]

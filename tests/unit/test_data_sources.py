@@ -148,6 +148,25 @@ def test_hf_id_of_a_local_dataset_dir(tmp_path, monkeypatch):
         read_records(DataSource(uri=f"hf://{tmp_path / 'missing'}"))
 
 
+def test_hf_split_slices_and_offline_hubs_read_without_streaming(tmp_path, monkeypatch):
+    """Streaming refuses a sliced split and reads the hub; a sliced split, or an offline hub
+    (the download cache), is read memory-mapped instead, with the same records."""
+    import datasets
+
+    from trainer_core.data.sources import _hf_streams
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    assert _hf_streams("train") and not _hf_streams("train[:10]")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert not _hf_streams("train")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "train.jsonl").write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in "abc"))
+    records = read_records(DataSource(uri=f"hf://{ds}", split="train[1:3]"))
+    assert [r["question"] for r in records] == ["b", "c"]
+
+
 @needs_shared_data
 def test_real_files_first_rows():
     gsm = read_records(DataSource(uri=str(GSM8K), max_rows=3))

@@ -317,3 +317,24 @@ def test_a_committed_file_that_is_not_parquet_is_a_data_error(tmp_path, monkeypa
         load_split(uri, "sft/train")
     left = [p.name for p in Path(prepared.arrow_cache_dir()).iterdir() if not p.name.endswith(".lock")]
     assert left == []  # no partial cache file
+
+
+def test_a_damaged_arrow_cache_file_is_converted_again(tmp_path, monkeypatch):
+    """A cache file that is not a whole Arrow IPC file (a crash, a full disk) is not mapped: the
+    split is converted again from its Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainer_core.data import prepared
+
+    monkeypatch.setattr(prepared, "arrow_cache_dir", lambda: str(tmp_path / "cache"))
+    source = tmp_path / "split.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2], [3]]}), source)
+    path = prepared.local_arrow(str(source), "abc123")
+    whole = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(whole[: len(whole) // 2])  # truncated
+    assert prepared.local_arrow(str(source), "abc123") == path
+    assert open(path, "rb").read() == whole
+    with pa.OSFile(path, "rb") as f:
+        assert pa.ipc.open_file(f).read_all().column("input_ids").to_pylist() == [[1, 2], [3]]

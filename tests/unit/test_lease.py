@@ -177,8 +177,57 @@ def test_collective_fence_check_raises_on_every_rank(tmp_path):
 
         def broadcast_object(self, obj, src=0):
             assert obj is None  # rank 1 does not read the lease itself
-            return "lease.json is held by w (attempt b2), not by this attempt"
+            return ("lost", "lease.json is held by w (attempt b2), not by this attempt")
 
     with pytest.raises(LeaseLostError, match="attempt b2"):
         check_fence(WriteFence(prefix, "w", "b2"), Rank1(), "a checkpoint")
     check_fence(None, Rank1(), "a checkpoint")  # no fence: nothing checked, no collective
+
+    class Rank0:
+        rank, world_size = 0, 2
+        sent = None
+
+        def broadcast_object(self, obj, src=0):
+            Rank0.sent = obj
+            return obj
+
+    class Unreadable(WriteFence):
+        def check(self, what):
+            raise PermissionError("access denied")
+
+    # rank 0 cannot read the lease: it tells the other ranks before raising, not only itself
+    with pytest.raises(OSError, match="rank 0 could not read .*lease.json before a checkpoint: PermissionError"):
+        check_fence(Unreadable(prefix, "w", "b2"), Rank0(), "a checkpoint")
+    assert Rank0.sent[0] == "error"
+    check_fence(WriteFence(prefix, "w", "b2"), Rank0(), "a checkpoint")  # held: passes on every rank
+    assert Rank0.sent is None
+
+
+def test_a_reused_pid_is_neither_live_nor_killed(tmp_path):
+    """A record's pid names its holder only with the start time it recorded: a later process
+    given the same pid (another pod of the same Job name, a long gap) is not the holder, so the
+    lease is stale and nothing is signalled; a superseding attempt kills by launch id only."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from trainer_core.checkpoint.lease import _boot_id, _pid_namespace, _process_start, holder_alive
+
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # no launch id
+    try:
+        here = {"host": socket.gethostname(), "pidns": _pid_namespace(), "boot_id": _boot_id(),
+                "expires_at": time.time() + 30}
+        record = {**here, "owner": "task-run-1", "attempt": "a1", "launch_id": "launch-gone", "pid": bystander.pid,
+                  "pid_start": _process_start(bystander.pid) - 1}
+        assert not holder_alive(record)
+        assert holder_alive({**record, "pid_start": _process_start(bystander.pid)})
+        prefix = str(tmp_path / "stage")
+        storage.write_bytes(join_uri(prefix, LEASE_NAME), json.dumps(record).encode())
+        lease = StageLease(prefix, owner="task-run-1", ttl_s=30, attempt="b2")
+        lease.acquire(wait_s=0)
+        assert bystander.poll() is None  # its pid was in the record, but it carries no launch id
+        lease.release()
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -43,6 +43,15 @@ def test_fingerprints_change_only_when_moe_is_used():
     assert stage_fingerprint(load_config(overrides=MIXTRAL), "sft", {"data": "d", "model": "init"}) != base
 
 
+def test_a_moe_section_hashes_as_before_the_router_temperature():
+    """A stage committed with a router loss before ``moe.router_temperature`` existed keeps its
+    fingerprint: the section hashed is ``{"aux_loss_coef": 0.02}``, without the new field."""
+    from trainer_core.fingerprint import _not_hashed
+
+    section = load_config(overrides={"sft.moe.aux_loss_coef": 0.02}).sft
+    assert section.model_dump(mode="json", exclude=_not_hashed(section))["moe"] == {"aux_loss_coef": 0.02}
+
+
 @pytest.fixture(scope="module")
 def mixtral():
     tokenizer = train_tokenizer(["one two three four five six seven eight nine ten"] * 20, 64, 1)

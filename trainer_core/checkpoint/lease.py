@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import re
-import signal
 import socket
 import threading
 import time
@@ -92,6 +91,25 @@ def _process_alive(pid: int) -> bool:
     return process_running(pid) if os.path.isdir("/proc") else True
 
 
+def _process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22):
+    with the pid, the identity of a process (a pid is reused, a pid and start time are not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _boot_id() -> str:
+    """This machine's boot id (the kernel's, shared by the containers on it), or ''."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _pid_namespace() -> str:
     """This process's pid namespace (``pid:[inode]``): pids compare only within one."""
     try:
@@ -103,20 +121,24 @@ def _pid_namespace() -> str:
 def holder_alive(record: dict, now: float | None = None) -> bool:
     """Whether the lease ``record`` (``lease.json``'s content) is held by a live writer.
 
-    Live: not expired and, when it was written on this host in this pid namespace (containers
-    sharing a host name do not share pids), its process still exists.
+    Live: not expired and, when it was written on this machine in this pid namespace (containers
+    sharing a host name do not share pids), its process still exists (the same process: its pid
+    with the start time the record holds, not a later process given the same pid).
     """
     now = time.time() if now is None else now
     if record.get("expires_at", 0) <= now:
         return False
     if _same_pids(record) and isinstance(record.get("pid"), int):
-        return _process_alive(record["pid"])
+        started = record.get("pid_start")
+        return _process_alive(record["pid"]) and (started is None or started == _process_start(record["pid"]))
     return True
 
 
 def _same_pids(record: dict) -> bool:
-    """Whether ``record`` was written on this host in this pid namespace (its pids are ours)."""
-    return record.get("host") == socket.gethostname() and record.get("pidns") == _pid_namespace() != ""
+    """Whether ``record`` was written on this machine (host name and boot id, when recorded) in
+    this pid namespace: whether its pids are ours."""
+    same_boot = record.get("boot_id") in (None, _boot_id())
+    return same_boot and record.get("host") == socket.gethostname() and record.get("pidns") == _pid_namespace() != ""
 
 
 def read_lease(prefix_uri: str) -> dict | None:
@@ -175,6 +197,10 @@ def check_fence(fence: WriteFence | None, backend: Any, what: str, collective: b
         collective: under a distributed backend, rank 0 reads the lease and broadcasts what it
             found, so every rank raises alike and none is left waiting in a collective of the
             write; False: this rank checks on its own (no collective).
+
+    Raises:
+        LeaseLostError: the lease is another attempt's (on every rank when ``collective``).
+        OSError: rank 0 could not read the lease (on every rank when ``collective``).
     """
     if fence is None:
         return
@@ -186,10 +212,13 @@ def check_fence(fence: WriteFence | None, backend: Any, what: str, collective: b
         try:
             fence.check(what)
         except LeaseLostError as e:
-            problem = str(e)
+            problem = ("lost", str(e))
+        except Exception as e:  # noqa: BLE001 - broadcast first: the other ranks wait for rank 0's answer
+            problem = ("error", f"rank 0 could not read {fence.uri} before {what}: {type(e).__name__}: {e}")
     problem = backend.broadcast_object(problem)
     if problem is not None:
-        raise LeaseLostError(problem)
+        kind, message = problem
+        raise LeaseLostError(message) if kind == "lost" else OSError(message)
 
 
 class StageLease:
@@ -241,7 +270,7 @@ class StageLease:
         record = {
             "owner": self.owner, "attempt": self.attempt, "launch_id": self.launch_id,
             "expires_at": time.time() + self.ttl_s, "pid": os.getpid(), "host": socket.gethostname(),
-            "pidns": _pid_namespace(),
+            "pidns": _pid_namespace(), "boot_id": _boot_id(), "pid_start": _process_start(os.getpid()),
         }
         storage.write_bytes(self.uri, json.dumps(record).encode())
 
@@ -256,21 +285,17 @@ class StageLease:
 
     def _supersede(self, current: dict | None) -> None:
         """Stop the processes of this owner's earlier attempt, when ``current`` is its lease on
-        this host: SIGKILL every process carrying its launch id (not one of this process's own
-        ids) and its holder's pid, and wait up to ``_SUPERSEDE_TIMEOUT_S`` for them to die."""
+        this machine: SIGKILL every process carrying its launch id (not one of this process's own
+        ids; the holder carries it too) and wait up to ``_SUPERSEDE_TIMEOUT_S`` for them to die.
+        Only processes marked with that launch id are signalled, never a pid taken from the
+        record (on another pod of the same name a pid means another process)."""
         if not current or current.get("owner") != self.owner or self._mine(current) or not _same_pids(current):
             return
-        launch_id, pid = current.get("launch_id"), current.get("pid")
+        launch_id = current.get("launch_id")
         own_ids = set(os.environ.get(LAUNCH_ID_ENV, "").split(":"))
         if not launch_id or launch_id in own_ids:
             return
-        also = {pid} if isinstance(pid, int) and pid != os.getpid() else set()
-        if also:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                also = set()
-        survivors = kill_marked(launch_id, _SUPERSEDE_TIMEOUT_S, also=also)
+        survivors = kill_marked(launch_id, _SUPERSEDE_TIMEOUT_S)
         log.warning("attempt %s of %s takes %s over from attempt %s: its processes (launch %s) stopped%s",
                     self.attempt, self.owner, self.uri, current.get("attempt"), launch_id,
                     f"; still running: {survivors}" if survivors else "")
@@ -280,7 +305,8 @@ class StageLease:
         of this owner in this very process, which ended without releasing, is not live)."""
         if not current or self._mine(current) or not holder_alive(current):
             return False
-        return not (current.get("owner") == self.owner and _same_pids(current) and current.get("pid") == os.getpid())
+        this_process = current.get("pid") == os.getpid() and current.get("pid_start") in (None, _process_start(os.getpid()))
+        return not (current.get("owner") == self.owner and _same_pids(current) and this_process)
 
     def check_free(self) -> None:
         """Raise :class:`LeaseHeldError` (naming the holder) when another live writer holds the

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from trainer_core.checkpoint.components import RankWriter, StagedWriter
-from trainer_core.checkpoint.lease import check_fence
+from trainer_core.checkpoint.lease import LeaseLostError, check_fence
 from trainer_core.checkpoint.manifest import Manifest, purge_checkpoints, step_dirname
 from trainer_core.checkpoint.train_state import (
     METRICS_FILE,
@@ -299,6 +299,17 @@ class CheckpointSession:
     def _check_fence(self, what: str, collective: bool = True) -> None:
         check_fence(self.fence, self.backend, what, collective)
 
+    def _may_purge(self) -> bool:
+        """Rank 0 alone, after a commit: whether the lease is still this attempt's. A purge is
+        skipped, not raised, when it is not: the other ranks are already past the save, and the
+        next save's collective check stops every rank alike."""
+        try:
+            self._check_fence(f"the purge of old checkpoints under {self.uri}", collective=False)
+        except LeaseLostError as e:
+            log.error("%s", e)
+            return False
+        return True
+
     def _commit(self, uri: str, put: Callable[[RankWriter], None], progress: TrainProgress, batch: MetricBatch) -> None:
         self._check_fence(f"checkpoint {uri}")
         out = RankWriter(uri, self.backend, validate_replicas=self.validate_replicas)
@@ -315,7 +326,8 @@ class CheckpointSession:
         )
         if self.backend.rank == 0:
             self.metrics.commit(batch)
-            self._check_fence(f"the purge of old checkpoints under {self.uri}", collective=False)
+            if not self._may_purge():
+                return
             keep = {progress.best_checkpoint} if progress.best_checkpoint else set()
             purge_checkpoints(self.uri, keep_last=self.keep_last, keep=keep)
 

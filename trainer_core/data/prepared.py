@@ -80,6 +80,16 @@ def _parquet_to_arrow(uri: str, local_path: str) -> None:
             raise DataError(f"{uri}: not a readable Parquet file: {e}") from e
 
 
+def _readable_arrow(path: str) -> bool:
+    """Whether ``path`` exists and is a whole Arrow IPC file (its footer reads)."""
+    try:
+        with pa.OSFile(path, "rb") as f:
+            pa.ipc.open_file(f)
+        return True
+    except (FileNotFoundError, pa.ArrowInvalid):
+        return False
+
+
 def local_arrow(uri: str, sha256: str) -> str:
     """The path of the cached Arrow IPC copy of the Parquet file ``uri`` (content ``sha256``),
     converting it first when the cache does not hold it.
@@ -88,15 +98,17 @@ def local_arrow(uri: str, sha256: str) -> str:
         DataError: ``uri`` is missing or not Parquet.
     """
     path = os.path.join(arrow_cache_dir(), f"{sha256}.arrow")
-    if os.path.exists(path):
+    if _readable_arrow(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(f"{path}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter per machine; the others wait, then map its file
-        if not os.path.exists(path):
+        if not _readable_arrow(path):  # absent, or damaged (a crash, a full disk): converted again
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
             try:
                 _parquet_to_arrow(uri, tmp)
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())  # on disk before it is named: a crash leaves no half file under the name
                 os.replace(tmp, path)
             except FileNotFoundError as e:
                 raise DataError(f"prepared split file not found: {uri}") from e

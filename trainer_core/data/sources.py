@@ -19,6 +19,7 @@ import contextlib
 import gzip
 import json
 import logging
+import os
 import lzma
 import zlib
 from typing import Any, Iterator
@@ -209,15 +210,26 @@ def _iter_parquet(uri: str) -> Iterator[dict]:
                 yield record
 
 
+def _hf_streams(split: str) -> bool:
+    """Whether a ``datasets`` split is read streaming: yes, unless the split is sliced
+    (``train[:1000]``, which streaming refuses) or the hub is offline (``HF_HUB_OFFLINE`` /
+    ``HF_DATASETS_OFFLINE``: streaming reads the hub, the download cache is what is there). A
+    non-streaming split is downloaded into ``datasets``' cache and iterated memory-mapped, also in
+    bounded memory."""
+    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+                  for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return "[" not in split and not offline
+
+
 def _iter_hf(uri: str, split: str) -> Iterator[dict]:
-    """Records of a Hugging Face ``datasets`` split (``hf://<id>``), streamed."""
+    """Records of a Hugging Face ``datasets`` split (``hf://<id>``), streamed (:func:`_hf_streams`)."""
     import datasets
 
     dataset_id = uri[len(HF_PREFIX) :].rstrip("/")
     if not dataset_id:
         raise DataError(f"{uri}: empty Hugging Face dataset id")
     try:
-        ds = datasets.load_dataset(dataset_id, split=split, streaming=True)
+        ds = datasets.load_dataset(dataset_id, split=split, streaming=_hf_streams(split))
     except FileNotFoundError as e:  # DatasetNotFoundError, DataFilesNotFoundError, EmptyDatasetError
         raise DataError(f"data set not found: {uri} (split {split!r}): {e}") from e
     except ValueError as e:  # unknown split, unsupported layout

@@ -174,9 +174,9 @@ def stage_examples(
             num_rows += len(examples)
             if group_starts is not None:
                 group_starts.append(num_rows)
-            if len(buffer) >= STAGE_BATCH_ROWS:
-                writer.write_batch(pa.RecordBatch.from_pylist(buffer, schema=schema))
-                buffer = []
+            while len(buffer) >= STAGE_BATCH_ROWS:  # exactly STAGE_BATCH_ROWS a batch: take() indexes by it
+                writer.write_batch(pa.RecordBatch.from_pylist(buffer[:STAGE_BATCH_ROWS], schema=schema))
+                buffer = buffer[STAGE_BATCH_ROWS:]
         if buffer:
             writer.write_batch(pa.RecordBatch.from_pylist(buffer, schema=schema))
     _check_invalid(name, fmt, num_records, invalid, metrics)

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from trainer_core.backends import Backend
-from trainer_core.checkpoint.lease import WriteFence, check_fence
+from trainer_core.checkpoint.lease import LeaseLostError, WriteFence, check_fence
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.config import LoraConfig, PipelineConfig, TrainStageConfig
@@ -320,6 +320,8 @@ def commit_final(
         NonFiniteError: a weight of ``model`` is NaN or infinite (on every rank; nothing written).
         LeaseLostError: another attempt took the stage's lease over (on every rank; nothing
             written).
+        Exception: whatever failed rank 0's write (there; a ``RuntimeError`` naming it on the
+            other ranks, which would otherwise wait for its manifest).
     """
     backend = ctx.backend
     weights = backend.full_state_dict(model) if model is not None and backend.name != "single" else None
@@ -343,10 +345,19 @@ def commit_final(
             f"{', '.join(bad[:3])}); it is not committed"
         )
     ctx.check_fence(f"the final output {ctx.layout.final}")
-    manifest = _write_final(ctx, metrics, model, weights, files, extra, adapter) if ctx.is_main else None
     if backend.world_size == 1:
-        return manifest
-    data = backend.broadcast_object(manifest.model_dump(mode="json") if manifest is not None else None)
+        return _write_final(ctx, metrics, model, weights, files, extra, adapter)
+    result: tuple[str, Any] | None = None
+    if ctx.is_main:  # the other ranks wait for rank 0's outcome, whatever it is
+        try:
+            result = ("ok", _write_final(ctx, metrics, model, weights, files, extra, adapter).model_dump(mode="json"))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks have it
+            result, error = (type(e).__name__, f"rank 0 failed to commit {ctx.layout.final}: {e}"), e
+    kind, data = backend.broadcast_object(result)
+    if kind != "ok":
+        if ctx.is_main:
+            raise error
+        raise LeaseLostError(data) if kind == LeaseLostError.__name__ else RuntimeError(f"{kind}: {data}")
     return Manifest.model_validate(data)
 
 

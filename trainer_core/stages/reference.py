@@ -16,7 +16,6 @@ import logging
 
 from torch import nn
 
-from trainer_core.checkpoint.lease import check_fence
 from trainer_core.checkpoint.manifest import ArtifactWriter, load_verified
 from trainer_core.config import TrainStageConfig
 from trainer_core.lora import adapter_disabled
@@ -80,9 +79,9 @@ def load_or_compute_reference(
     if policy is not None:
         policy.train()
     del reference
+    ctx.check_fence(f"the reference log-probs {uri}")  # collective: every rank stops alike
     if not ctx.is_main:  # every rank computed the same values; rank 0 commits them
         return values
-    check_fence(ctx.fence, ctx.backend, f"the reference log-probs {uri}", collective=False)  # rank 0 alone here
     writer = ArtifactWriter(uri, overwrite=True)
     for s, v in values.items():
         writer.write_bytes(f"{s}.json", json.dumps({str(i): lp for i, lp in v.items()}).encode())

@@ -132,13 +132,23 @@ class RouterTemperature:
             if not isinstance(weight, Tensor) or weight.dim() != 2 or bias is not None:
                 raise ConfigError(f"moe.router_temperature: the router {type(router).__name__} is not a bias-free "
                                   "linear map of its input; its logits cannot be tempered here")
-        self.temperature = 1.0
+        self._scale = torch.ones(())  # updated in place: a compiled block sees a tensor, not a new constant
         self.handles = [router.register_forward_pre_hook(self._hook) for router in routers]
 
+    @property
+    def temperature(self) -> float:
+        """The temperature of the training forwards now."""
+        return float(self._scale)
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self._scale.fill_(value)
+
     def _hook(self, module: nn.Module, args: tuple) -> tuple | None:
-        if self.temperature == 1.0 or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return None
-        return (args[0] / self.temperature, *args[1:])
+        hidden = args[0]  # divided by 1.0 once the schedule has ended: exact, the same bits
+        return (hidden / self._scale.to(device=hidden.device, dtype=hidden.dtype), *args[1:])
 
     def remove(self) -> None:
         """Remove the hooks."""
