@@ -266,10 +266,14 @@ class Runs:
         to_two = self._resume("elastic-1to2", 2, to_one.output_uri, 12)
         return {"2to1": to_one, "1to2": to_two}
 
-    def _elastic_ds(self, backend: str) -> Resume:
-        """DeepSpeed SFT (``deepspeed-2`` or ``-3``): the 2-rank run's step-8 checkpoint resumed at 1 rank."""
+    def _elastic_ds(self, backend: str) -> dict[str, Resume]:
+        """DeepSpeed SFT (``deepspeed-2`` or ``-3``): the 2-rank run's step-8 checkpoint resumed at
+        1 rank; for ZeRO-3 (parameters partitioned too) also that run's step-12 resumed at 2."""
         two = self.result(f"stages:{backend}").output_uris["sft"]
-        return self._resume(f"elastic-{backend}-2to1", 1, two, 8, backend)
+        to_one = self._resume(f"elastic-{backend}-2to1", 1, two, 8, backend)
+        if backend != "deepspeed-3":
+            return {"2to1": to_one}
+        return {"2to1": to_one, "1to2": self._resume(f"elastic-{backend}-1to2", 2, to_one.output_uri, 12, backend)}
 
     def _kill(self, _: str) -> Killed:
         """DDP SFT: rank 1 SIGKILLed once the step-4 checkpoint is committed, then the same spec again."""
@@ -306,7 +310,7 @@ NEEDS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 }
 ORDER = [
     "stages:fsdp2", "single:sft", "single:dpo", "stages:ddp", "kill", "elastic",
-    "stages:deepspeed-3", "stages:deepspeed-2", "elastic_ds:deepspeed-2", "accum", "replica",
+    "stages:deepspeed-3", "stages:deepspeed-2", "elastic_ds:deepspeed-2", "elastic_ds:deepspeed-3", "accum", "replica",
 ]
 """Submission order: longest chains first, every dependency before what waits on it."""
 
@@ -436,28 +440,33 @@ def test_fsdp2_checkpoint_resumes_at_another_world_size(runs):
             torch.testing.assert_close(weights[key], tensor, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
 
 
-@pytest.mark.parametrize("backend", ["deepspeed-2"])
+@pytest.mark.parametrize("backend", ["deepspeed-2", "deepspeed-3"])
 def test_deepspeed_checkpoint_resumes_at_another_world_size(runs, backend):
-    """A ZeRO-2 checkpoint written by 2 ranks resumes at 1 rank through DeepSpeed's universal
-    checkpoint (``global_batch_size`` keeps the batch): the 1-rank run prints the uninterrupted
-    2-rank run's losses after the resume point (rel 1e-3) and ends with its weights (float32,
-    rtol 1e-4). (ZeRO-3 keeps its world size: ``DeepSpeedBackend.resumes_other_world_sizes``.)"""
+    """A ZeRO-2 or ZeRO-3 checkpoint written by 2 ranks resumes at 1 rank through DeepSpeed's
+    universal checkpoint (``global_batch_size`` keeps the batch), and for ZeRO-3 the 1-rank run's
+    checkpoint resumes at 2 again: each prints the uninterrupted 2-rank run's losses after the
+    resume point (rel 1e-3) and ends with its weights (float32, rtol 1e-4). Before
+    ``untie_step_counts``, ZeRO-3's 2 -> 1 resume failed this at step 12 (eval perplexity 105.5
+    against 105.1)."""
     uninterrupted = runs.result(f"stages:{backend}")
     expected_lines = uninterrupted.run("sft").step_metrics()
     expected_weights = final_weights(uninterrupted.output_uris["sft"])
-    resume = runs.result(f"elastic_ds:{backend}")
-    source = read_manifest(resume.checkpoint)
-    assert (source.backend, source.world_size) == ("deepspeed", 2)
-    assert f"resumed from {resume.checkpoint} at global_step {resume.step}" in resume.run.output, resume.run.tail()
-    assert "ZeRO partitions of 2 ranks, this run has 1: loading it as a universal checkpoint" in resume.run.output
-    after = {step: values for step, values in expected_lines.items() if step > resume.step}
-    assert_close_lines(resume.run.step_metrics(), after)
-    final = read_manifest(StageLayout(resume.output_uri).final)
-    assert (final.backend, final.world_size, final.global_step) == ("deepspeed", 1, STEPS)
-    weights = final_weights(resume.output_uri)
-    assert sorted(weights) == sorted(expected_weights)
-    for key, tensor in expected_weights.items():
-        torch.testing.assert_close(weights[key], tensor, rtol=1e-4, atol=1e-6, msg=f"{backend}: {key}")
+    for name, resume in runs.result(f"elastic_ds:{backend}").items():
+        world_size = 1 if name == "2to1" else 2
+        source = read_manifest(resume.checkpoint)
+        assert (source.backend, source.world_size) == ("deepspeed", 3 - world_size)
+        assert f"resumed from {resume.checkpoint} at global_step {resume.step}" in resume.run.output, resume.run.tail()
+        converted = (f"ZeRO partitions of {3 - world_size} ranks, this run has {world_size}: "
+                     "loading it as a universal checkpoint")
+        assert converted in resume.run.output, resume.run.tail()
+        after = {step: values for step, values in expected_lines.items() if step > resume.step}
+        assert_close_lines(resume.run.step_metrics(), after)
+        final = read_manifest(StageLayout(resume.output_uri).final)
+        assert (final.backend, final.world_size, final.global_step) == ("deepspeed", world_size, STEPS)
+        weights = final_weights(resume.output_uri)
+        assert sorted(weights) == sorted(expected_weights)
+        for key, tensor in expected_weights.items():
+            torch.testing.assert_close(weights[key], tensor, rtol=1e-4, atol=1e-6, msg=f"{backend} {name}: {key}")
 
 
 def test_desynchronised_replica_fails_the_save_on_every_rank(runs):
@@ -531,3 +540,4 @@ def test_no_garbage_model_holds_the_process_group_when_it_is_destroyed(runs, bac
     assert sorted(found) == [0, 1], job.tail()
     unreachable = {rank: garbage for rank, (_, garbage) in found.items()}
     assert unreachable == {0: {}, 1: {}}, f"wrapped models (live, unreachable) per rank at destroy: {found}"
+

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from trainer_core.backends.deepspeed_zero import saved_world_size
+import torch
+
+from trainer_core.backends.deepspeed_zero import saved_world_size, untie_step_counts
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.checkpoint.train_state import resume_problem
 
@@ -15,16 +17,48 @@ def manifest(world_size: int) -> Manifest:
                     world_size=world_size, global_step=8, files=[], extra={"checkpoint_format": "deepspeed"})
 
 
-def backend(world_size: int, reshards: bool) -> SimpleNamespace:
-    return SimpleNamespace(name="deepspeed", checkpoint_format="deepspeed", world_size=world_size,
-                           resumes_other_world_sizes=reshards)
+def backend(world_size: int) -> SimpleNamespace:
+    return SimpleNamespace(name="deepspeed", checkpoint_format="deepspeed", world_size=world_size)
 
 
-def test_zero3_keeps_its_world_size_zero2_does_not():
-    assert resume_problem(manifest(2), backend(1, reshards=True), "h") is None
-    assert resume_problem(manifest(2), backend(1, reshards=False), "h") == (
-        "DeepSpeed ZeRO-3 partitions of 2 ranks; this run has 1")
-    assert resume_problem(manifest(2), backend(2, reshards=False), "h") is None
+def test_a_deepspeed_checkpoint_of_any_world_size_is_resumable():
+    for world_size in (1, 2, 3):
+        assert resume_problem(manifest(2), backend(world_size), "h") is None
+    assert resume_problem(manifest(2), backend(1), "other") == "written with another config (h)"
+
+
+def test_untie_step_counts_gives_each_group_its_own_counter():
+    """The DeepSpeed 0.19.8 ZeRO-3 universal load's shape: one ``step`` tensor in every sub-group's
+    state. Stepped one group at a time (as ZeRO-3 steps its optimizer), the shared counter reaches
+    10 for the second group on the first step after a resume at 8; untied, both groups are at 9."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+
+    def resumed() -> torch.optim.AdamW:
+        opt = torch.optim.AdamW([{"params": [p]} for p in params], lr=1e-3)
+        shared = torch.tensor(8.0)
+        for p in params:
+            opt.state[p] = {"step": shared, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        return opt
+
+    def step_group_by_group(opt: torch.optim.AdamW) -> list[float]:
+        groups = [g["params"] for g in opt.param_groups]
+        for i, group in enumerate(opt.param_groups):  # ZeRO-3: one sub-group's params at a time
+            for j, g in enumerate(opt.param_groups):
+                g["params"] = groups[j] if j == i else []
+            for p in groups[i]:
+                p.grad = torch.ones_like(p)
+            opt.step()
+        for g, ps in zip(opt.param_groups, groups):
+            g["params"] = ps
+        return [float(opt.state[p]["step"]) for p in params]
+
+    assert step_group_by_group(resumed()) == [10.0, 10.0]  # the bug: group 1 stepped at 10, not 9
+    opt = resumed()
+    assert untie_step_counts(opt) == 1
+    assert opt.state[params[0]]["step"] is not opt.state[params[1]]["step"]
+    assert step_group_by_group(opt) == [9.0, 9.0]
+    assert untie_step_counts(opt) == 0
+    assert untie_step_counts(None) == 0
 
 
 def test_saved_world_size_counts_the_optimizer_partitions(tmp_path):

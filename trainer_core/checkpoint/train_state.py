@@ -112,8 +112,7 @@ def resume_problem(manifest: Manifest, backend: Any, config_hash: str | None) ->
     """Why a checkpoint cannot be resumed by ``backend`` (None when it can).
 
     A checkpoint written under another config or in another backend's format is not resumed
-    from, nor one of another world size where the backend cannot reshard it
-    (``resumes_other_world_sizes`` false: DeepSpeed ZeRO-3). DCP reshards; DeepSpeed ZeRO-1/2
+    from. Any world size is: full checkpoints hold whole tensors, DCP reshards, and DeepSpeed
     converts a checkpoint of another world size to a universal one (``backends/deepspeed_zero.py``).
     """
     if manifest.config_hash != config_hash:
@@ -121,8 +120,6 @@ def resume_problem(manifest: Manifest, backend: Any, config_hash: str | None) ->
     fmt = checkpoint_format_of(manifest)
     if fmt != backend.checkpoint_format:
         return f"format {fmt!r} (backend {manifest.backend}); backend {backend.name} reads {backend.checkpoint_format!r}"
-    if manifest.world_size != backend.world_size and not getattr(backend, "resumes_other_world_sizes", True):
-        return f"DeepSpeed ZeRO-3 partitions of {manifest.world_size} ranks; this run has {backend.world_size}"
     return None
 
 
