@@ -22,7 +22,7 @@ each run (``cpu_s``: CPU seconds of the process and its children; ``others_cpu_s
 share of the machine's CPU capacity other processes used meanwhile).
 
     .venv/bin/python bench/bench_data_scale.py --rows 10000 100000 --num-proc 1 2
-    .venv/bin/python bench/bench_data_scale.py --rows 1000000 --num-proc 2
+    .venv/bin/python bench/bench_data_scale.py --rows 1000000 --num-proc 2 --sft-cache cold warm
 """
 
 from __future__ import annotations
@@ -212,8 +212,11 @@ def _write_spec(spec, path: Path) -> Path:
     return path
 
 
-def bench_rows(num_rows: int, num_procs: list[int], steps: int, work: Path, code_root: Path, env: dict) -> list[dict]:
-    """prepare_data at each num_proc, then SFT, on ``num_rows`` rows; one result per process."""
+def bench_rows(num_rows: int, num_procs: list[int], steps: int, work: Path, code_root: Path, env: dict,
+               sft_cache: list[str]) -> list[dict]:
+    """prepare_data at each num_proc, then SFT once per ``sft_cache`` state (``cold``: the Arrow
+    cache emptied first, ``warm``: as the previous run left it), on ``num_rows`` rows; one result
+    per process."""
     sft_uri = work / f"gsm8k-{num_rows}.jsonl"
     write_repeated_gsm8k(sft_uri, num_rows)
     results, files = [], {}
@@ -234,19 +237,24 @@ def bench_rows(num_rows: int, num_procs: list[int], steps: int, work: Path, code
         r["outputs_identical_across_num_proc"] = identical
     spec = build_spec(_config(work, sft_uri, num_procs[-1], steps), "sft", f"rows{num_rows}",
                       {"data": data_uri, "model": "init"})
-    r = run_process(_write_spec(spec, work / f"rows{num_rows}-sft.json"), code_root, env, work / f"rows{num_rows}-sft.log")
-    results.append({"rows": num_rows, "process": f"sft ({steps} steps)", "num_proc": None, **r})
-    print(json.dumps(results[-1]), flush=True)
+    spec_path = _write_spec(spec, work / f"rows{num_rows}-sft.json")
+    for cache in sft_cache:
+        if cache == "cold":  # the first reader on a machine converts the split to the Arrow cache
+            shutil.rmtree(Path(env["TMPDIR"]) / "posttrain-cache", ignore_errors=True)
+        shutil.rmtree(spec.output_uri, ignore_errors=True)  # a fresh stage, not a resume
+        r = run_process(spec_path, code_root, env, work / f"rows{num_rows}-sft-{cache}.log")
+        results.append({"rows": num_rows, "process": f"sft ({steps} steps, {cache})", "num_proc": None, **r})
+        print(json.dumps(results[-1]), flush=True)
     sft_uri.unlink()
     return results
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'rows':>9} {'process':<16} {'np':>2} {'wall s':>7} {'CPU s':>6} {'main':>6} {'workers':>7} "
+    print(f"\n{'rows':>9} {'process':<22} {'np':>2} {'wall s':>7} {'CPU s':>6} {'main':>6} {'workers':>7} "
           f"{'1st step':>8} {'peak RSS':>8} {'anon':>5} {'wk RSS':>6} {'others':>6}")
     for r in results:
         first = "-" if r["first_step_s"] is None else f"{r['first_step_s']:.1f}"
-        print(f"{r['rows']:>9,} {r['process']:<16} {r['num_proc'] or '-':>2} {r['wall_s']:>7.1f} {r['cpu_s']:>6.1f} "
+        print(f"{r['rows']:>9,} {r['process']:<22} {r['num_proc'] or '-':>2} {r['wall_s']:>7.1f} {r['cpu_s']:>6.1f} "
               f"{r['main_cpu_s']:>6.1f} {r['workers_cpu_s']:>7.1f} {first:>8} {r['peak_rss_mb']:>8.0f} "
               f"{r['peak_anon_mb']:>5.0f} {r['worker_peak_rss_mb']:>6.0f} {r['others_cpu_share'] or 0:>6.0%}")
     print("(seconds; memory in MB; CPU s: the process and its children; main / workers: sampled per process; "
@@ -258,6 +266,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--num-proc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--sft-cache", nargs="+", choices=["cold", "warm"], default=["cold", "warm"],
+                        help="SFT runs per row count: with the Arrow cache emptied first (cold) or kept (warm)")
     parser.add_argument("--code-root", type=Path, default=REPO_ROOT, help="checkout whose code the processes run")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a fresh temporary directory")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (outputs, logs, specs)")
@@ -272,7 +282,7 @@ def main() -> None:
     results = []
     try:
         for num_rows in args.rows:
-            results += bench_rows(num_rows, args.num_proc, args.steps, work, args.code_root.resolve(), env)
+            results += bench_rows(num_rows, args.num_proc, args.steps, work, args.code_root.resolve(), env, args.sft_cache)
     finally:
         print_table(results)
         args.out.parent.mkdir(exist_ok=True)

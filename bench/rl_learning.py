@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", default=str(REPO / ".bench" / "rl-learning"))
     parser.add_argument("--window", type=int, default=5, help="iterations in the first and last windows")
     parser.add_argument("--reuse", action="store_true", help="judge an existing finished run of a seed")
+    parser.add_argument("--judge", nargs="+", choices=sorted(CURVES), default=list(CURVES),
+                        help="the RL stages to judge (e.g. grpo alone, with --set 'stages=[prepare_data,sft,grpo,evaluate]')")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override (repeatable)")
     return parser.parse_args(argv)
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             summary_path, seconds = _run_demo(args.config, seed, root, args.overrides)
         summary = json.loads(summary_path.read_text())
-        histories = _histories(root, list(CURVES))
+        histories = _histories(root, args.judge)
         row = {"seed": seed, "wall_s": seconds, "exact_match": _exact_match(summary)}
         for stage, values in histories.items():
             row[stage] = {**window_gain(values, args.window), "values": values}
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"seed {seed}: {seconds:.0f} s; " + "; ".join(
             f"{stage} {CURVES[stage]} first {row[stage]['first']:.4f} last {row[stage]['last']:.4f} "
             f"gain {row[stage]['gain']:+.4f} (2 SE {2 * row[stage]['se']:.4f}: "
-            f"{'learns' if row[stage]['learns'] else 'NOT shown'})" for stage in CURVES
+            f"{'learns' if row[stage]['learns'] else 'NOT shown'})" for stage in args.judge
         ) + f"; exact match {json.dumps(em, sort_keys=True)}", flush=True)
     work.mkdir(parents=True, exist_ok=True)
     (work / "rl_learning.json").write_text(json.dumps({"config": args.config, "window": args.window,

@@ -262,6 +262,24 @@ def test_prepared_rows_are_a_lazy_sequence(tmp_path):
     assert rows.nonnull_indices("answer").tolist() == [0, 3, 6, 9] and sum(rows.values("label")) == 5
 
 
+def test_list_lengths_read_the_offsets_of_every_layout():
+    """Sliced chunks (a non-zero array offset), nulls whose segment is not empty (allowed by the
+    Arrow format), large lists, several chunks: the lengths equal ``list_value_length``'s, null -> 0."""
+    values = pa.array(range(20), pa.int32())
+    with_null = pa.ListArray.from_arrays(pa.array([0, 2, 5, 9, 9, 12], pa.int32()), values,
+                                         mask=pa.array([False, False, True, False, False]))
+    large = pa.LargeListArray.from_arrays(pa.array([0, 3, 3, 7], pa.int64()), values)
+    for column, expected in (
+        (pa.chunked_array([with_null.slice(1, 3), with_null.slice(0, 2)]), [3, 0, 0, 2, 3]),
+        (pa.chunked_array([large.slice(1)]), [0, 4]),
+    ):
+        rows = PreparedRows(pa.table({"input_ids": column}), "sft/train")
+        assert rows.list_lengths("input_ids").tolist() == expected
+        assert rows.list_lengths("input_ids").dtype == np.int64
+    with pytest.raises(TypeError, match="column 'label' is int64, not a list column"):
+        PreparedRows(pa.table({"label": [1, 2]}), "sft/train").list_lengths("label")
+
+
 # -- samplers from a lengths column ---------------------------------------------------------------
 
 
