@@ -121,6 +121,7 @@ def stage_config(pipeline: TinyPipeline, backend: str, nproc: int) -> PipelineCo
         "backend.name": backend, "backend.nproc_per_node": nproc, "backend.device": "cpu",
         **BACKENDS.get(backend, {}),
         "sft.global_batch_size": 2 * MICRO_BATCH_SIZE,
+        "sft.weight_decay": 0.1,  # two param groups that differ (decay / no decay), on every backend
         "dpo.grad_accum_steps": 2 // nproc,
     }
     for stage in STAGES:
@@ -445,7 +446,8 @@ def test_deepspeed_checkpoint_resumes_at_another_world_size(runs, backend):
     """A ZeRO-2 or ZeRO-3 checkpoint written by 2 ranks resumes at 1 rank through DeepSpeed's
     universal checkpoint (``global_batch_size`` keeps the batch), and for ZeRO-3 the 1-rank run's
     checkpoint resumes at 2 again: each prints the uninterrupted 2-rank run's losses after the
-    resume point (rel 1e-3) and ends with its weights (float32, rtol 1e-4). Before
+    resume point (rel 1e-3) and ends with its weights (float32, rtol 1e-4). SFT runs with
+    ``weight_decay`` 0.1, so the no-decay group's settings must survive the load. Before
     ``untie_step_counts``, ZeRO-3's 2 -> 1 resume failed this at step 12 (eval perplexity 105.5
     against 105.1)."""
     uninterrupted = runs.result(f"stages:{backend}")

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from trainer_core.backends.deepspeed_zero import saved_world_size, untie_step_counts
+from trainer_core.backends.deepspeed_zero import (
+    group_hyperparameters,
+    restore_group_hyperparameters,
+    saved_world_size,
+    untie_step_counts,
+)
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.checkpoint.train_state import resume_problem
 
@@ -74,3 +80,32 @@ def test_saved_world_size_counts_the_optimizer_partitions(tmp_path):
     empty.mkdir()
     (empty / "mp_rank_00_model_states.pt").write_bytes(b"")
     assert saved_world_size(str(empty)) is None
+
+
+def test_group_settings_survive_a_load_that_copies_group_0():
+    """DeepSpeed 0.19.8's ZeRO-3 universal load copies the saved group 0's settings (weight decay
+    included) into every group; the groups' own settings come back, the loaded learning rate stays."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    opt = torch.optim.AdamW([{"params": [params[0]], "weight_decay": 0.1},
+                             {"params": [params[1]], "weight_decay": 0.0}], lr=1e-3)
+    before = group_hyperparameters(opt)
+    for group in opt.param_groups:  # what the load does
+        group.update({"weight_decay": 0.1, "lr": 7e-4})
+    restore_group_hyperparameters(opt, before)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert [g["lr"] for g in opt.param_groups] == [7e-4, 7e-4]
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
+    with pytest.raises(RuntimeError, match="had 1 param groups before loading and 2 after"):
+        restore_group_hyperparameters(opt, before[:1])
+    assert group_hyperparameters(None) == []
+
+
+def test_untie_step_counts_places_steps_as_torch_does():
+    """float32 on the CPU for a plain AdamW, on the parameter's device for a fused one (CPU here)."""
+    param = torch.nn.Parameter(torch.ones(2))
+    for fused in (False, True):
+        opt = torch.optim.AdamW([param], lr=1e-3, fused=fused)
+        opt.state[param] = {"step": torch.tensor(8, dtype=torch.float64)}
+        assert untie_step_counts(opt) == 0
+        step = opt.state[param]["step"]
+        assert (step.dtype, step.device.type, float(step)) == (torch.float32, "cpu", 8.0)

@@ -24,8 +24,9 @@ uploaded under ``deepspeed/`` of the checkpoint directory; loading downloads the
 first converted to DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``, every
 parameter and its optimizer state whole, with ``--inject_missing_state`` since no Megatron
 client writes ``universal_checkpoint_info``) and loaded with ``checkpoint.load_universal``, which
-re-partitions it over this run's ranks; after a ZeRO-3 load the optimizer's step counters are
-untied (:func:`untie_step_counts`, a DeepSpeed 0.19.8 bug).
+re-partitions it over this run's ranks. After a universal load each param group gets its own
+settings back (:func:`restore_group_hyperparameters`) and each state its own step counter
+(:func:`untie_step_counts`): DeepSpeed 0.19.8's ZeRO-3 loader shares both between groups.
 """
 
 from __future__ import annotations
@@ -246,6 +247,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 to_universal(os.path.join(tmp, DS_TAG), os.path.join(load_dir, DS_TAG))
             else:
                 load_dir = tmp
+            inner = getattr(model.optimizer, "optimizer", None)  # the torch optimizer ZeRO wraps
+            groups = group_hyperparameters(inner)
             config, before = model._config, model._config.load_universal_checkpoint
             config.load_universal_checkpoint = universal
             try:
@@ -256,38 +259,72 @@ class DeepSpeedBackend(ProcessGroupBackend):
                 config.load_universal_checkpoint = before
             if path is None:
                 raise RuntimeError(f"DeepSpeed could not load the checkpoint at {uri}")
-            if universal:
-                untie_step_counts(getattr(model.optimizer, "optimizer", None))
+            if universal and inner is not None:
+                restore_group_hyperparameters(inner, groups)
+                untie_step_counts(inner)
 
 
 _PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
 
+def group_hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
+    """Each param group's settings but its parameters and its learning rate (which the LR
+    schedule sets and a checkpoint restores): what :func:`restore_group_hyperparameters` puts back."""
+    if optimizer is None:
+        return []
+    return [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
+
+
+def restore_group_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Put back each param group's own settings after a universal load.
+
+    DeepSpeed 0.19.8's ZeRO-3 universal load copies the saved param group 0's settings into every
+    group, so the loop's no-decay group (norms, biases; ``weight_decay`` 0) took the decay group's
+    ``weight_decay``. The settings come from this run's config, which the checkpoint's fingerprint
+    says is the saved run's.
+
+    Raises:
+        RuntimeError: the optimizer has another number of groups than before the load.
+    """
+    if len(groups) != len(optimizer.param_groups):
+        raise RuntimeError(f"the optimizer had {len(groups)} param groups before loading and "
+                           f"{len(optimizer.param_groups)} after")
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update(saved)
+
+
 def untie_step_counts(optimizer: torch.optim.Optimizer | None) -> int:
-    """Give every parameter's optimizer state its own ``step`` tensor; returns how many were shared.
+    """Give every parameter's optimizer state its own ``step`` tensor, placed as torch's own
+    ``Optimizer.load_state_dict`` places it (float32; on the parameter's device for a fused or
+    capturable optimizer, on the CPU otherwise); returns how many were shared.
 
     DeepSpeed 0.19.8's ZeRO-3 universal load (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``)
-    puts the *same* ``step`` tensor into the state of every parameter sub-group. ZeRO-3 steps its
-    wrapped optimizer once per sub-group, and torch's Adam/AdamW increments ``step`` in place, so
-    with k sub-groups the shared counter advanced k times per optimizer step and every group but
-    the first took its bias correction (Kingma & Ba 2015, Alg. 1) at a wrong step. Measured on the
-    tiny pipeline's SFT (2 sub-groups: decay / no decay): a 2 -> 1 rank resume at step 8 printed
-    the uninterrupted losses at step 9 and was 1.3e-3 (relative) off by step 20; with the counters
-    untied it prints them to the last bit. States whose ``step`` is a number, not a tensor
-    (DeepSpeedCPUAdam), are left alone.
+    puts the *same* ``step`` tensor, read on the CPU, into the state of every parameter sub-group.
+    ZeRO-3 steps its wrapped optimizer once per sub-group, and torch's Adam/AdamW increments
+    ``step`` in place, so with k sub-groups the shared counter advanced k times per optimizer step
+    and every group but the first took its bias correction (Kingma & Ba 2015, Alg. 1) at a wrong
+    step. Measured on the tiny pipeline's SFT (2 sub-groups: decay / no decay): a 2 -> 1 rank
+    resume at step 8 printed the uninterrupted losses at step 9 and was 1.3e-3 (relative) off by
+    step 20; with the counters untied its unrounded losses equal an uninterrupted 1-rank run's.
+    States whose ``step`` is a number, not a tensor (DeepSpeedCPUAdam), are left alone. The
+    device placement for a fused optimizer on CUDA is unverified (no GPU run).
     """
     if optimizer is None:
         return 0
+    on_param_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
     seen: set[int] = set()
     shared = 0
-    for state in optimizer.state.values():
+    for param, state in optimizer.state.items():
         step = state.get("step")
         if not torch.is_tensor(step):
             continue
         if id(step) in seen:
-            state["step"] = step.clone()
+            step = step.clone()
             shared += 1
-        seen.add(id(step))
+        else:
+            seen.add(id(step))
+        device = param.device if on_param_device else torch.device("cpu")
+        state["step"] = step.to(device=device, dtype=torch.float32)
     return shared
 
 

@@ -229,8 +229,8 @@ class CheckpointSession:
                 own layout check); called on every rank with the same manifest.
 
         Returns:
-            What was loaded, or None (no checkpoint, or none with this fingerprint, format,
-            world size or layout: a warning says why). Rank 0 re-logs the metrics the
+            What was loaded, or None (no checkpoint, or none with this fingerprint, format or
+            layout: a warning says why). Rank 0 re-logs the metrics the
             checkpoint covers that the tracker lacks.
         """
         found = find_resumable(self.uri, self.backend, self.fingerprint)
