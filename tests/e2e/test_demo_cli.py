@@ -109,8 +109,12 @@ def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
         with safe_open(weights, "pt") as f:  # LoRA commits the merged model: plain keys only
             assert f.keys() and not [k for k in f.keys() if "lora_" in k], name
     assert summary["mlflow"]["tracking_uri"] == f"sqlite:///{root / 'mlflow.db'}"
+    evaluated = summary["stages"]["evaluate"]["metrics"]
     for policy in ("dpo", "ppo", "grpo"):
-        assert f"{policy}_vs_sft/win_rate" in summary["stages"]["evaluate"]["metrics"]
+        assert f"{policy}_vs_sft/win_rate" in evaluated
+        gain = evaluated[f"{policy}/exact_match"] - evaluated["sft/exact_match"]
+        assert evaluated[f"{policy}_vs_sft/exact_match_gain"] == pytest.approx(gain, abs=1e-9)
+        assert evaluated[f"{policy}_vs_sft/exact_match_gain_se"] >= 0
     for rl in ("ppo", "grpo"):
         assert {"first/reward_mean", "reward_mean"} <= set(summary["stages"][rl]["metrics"])
 

@@ -42,6 +42,7 @@ _DATA_OVERRIDES = {
     "data.synthetic.num_pairs": 120,
     "data.max_length_tokens": 96,
     "data.max_prompt_length_tokens": 48,
+    "data.eval_fraction": 0.1,
     "data.max_eval_rows": 32,
     "tokenizer.vocab_size": 300,
     "model.init.hidden_size": 32,

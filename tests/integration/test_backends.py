@@ -415,6 +415,24 @@ def test_micro_batch_times_accumulation_on_every_backend(runs, tiny_pipeline, tm
                             assert logged[step][key] == pytest.approx(other, rel=FLOAT_REL), where
 
 
+def assert_resumed_like_uninterrupted(resume, backend: str, world_size: int, expected_lines: dict,
+                                      expected_weights: dict[str, torch.Tensor], name: str) -> None:
+    """``resume`` (a run resumed at ``world_size`` ranks from the other world size's checkpoint)
+    says where it resumed, prints the uninterrupted run's lines after that step (rel 1e-3), commits
+    at ``world_size`` and ends with the uninterrupted run's weights (float32, rtol 1e-4)."""
+    source = read_manifest(resume.checkpoint)
+    assert (source.backend, source.world_size) == (backend, 3 - world_size)
+    assert f"resumed from {resume.checkpoint} at global_step {resume.step}" in resume.run.output, resume.run.tail()
+    after = {step: values for step, values in expected_lines.items() if step > resume.step}
+    assert_close_lines(resume.run.step_metrics(), after)
+    final = read_manifest(StageLayout(resume.output_uri).final)
+    assert (final.backend, final.world_size, final.global_step) == (backend, world_size, STEPS)
+    weights = final_weights(resume.output_uri)
+    assert sorted(weights) == sorted(expected_weights)
+    for key, tensor in expected_weights.items():
+        torch.testing.assert_close(weights[key], tensor, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
 def test_fsdp2_checkpoint_resumes_at_another_world_size(runs):
     """A DCP checkpoint written by 2 ranks resumes at 1 rank (``global_batch_size`` keeps the
     batch: 2 micro-batches a step instead of 1 per rank), and one written by that 1-rank run
@@ -426,19 +444,9 @@ def test_fsdp2_checkpoint_resumes_at_another_world_size(runs):
     elastic = runs.result("elastic")
     for name, world_size in (("2to1", 1), ("1to2", 2)):
         resume = elastic[name]
-        source = read_manifest(resume.checkpoint)
-        assert (source.backend, source.world_size) == ("fsdp2", 3 - world_size)
-        assert f"resumed from {resume.checkpoint} at global_step {resume.step}" in resume.run.output, resume.run.tail()
+        assert_resumed_like_uninterrupted(resume, "fsdp2", world_size, expected_lines, expected_weights, name)
         no_rng = f"checkpoint {resume.checkpoint} has no RNG state for rank 1 (written by 1 ranks)"
         assert (no_rng in resume.run.output) == (world_size == 2)  # a new rank keeps its seeded generator
-        after = {step: values for step, values in expected_lines.items() if step > resume.step}
-        assert_close_lines(resume.run.step_metrics(), after)
-        final = read_manifest(StageLayout(resume.output_uri).final)
-        assert (final.backend, final.world_size, final.global_step) == ("fsdp2", world_size, STEPS)
-        weights = final_weights(resume.output_uri)
-        assert sorted(weights) == sorted(expected_weights)
-        for key, tensor in expected_weights.items():
-            torch.testing.assert_close(weights[key], tensor, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
 
 
 @pytest.mark.parametrize("backend", ["deepspeed-2", "deepspeed-3"])
@@ -455,20 +463,11 @@ def test_deepspeed_checkpoint_resumes_at_another_world_size(runs, backend):
     expected_weights = final_weights(uninterrupted.output_uris["sft"])
     for name, resume in runs.result(f"elastic_ds:{backend}").items():
         world_size = 1 if name == "2to1" else 2
-        source = read_manifest(resume.checkpoint)
-        assert (source.backend, source.world_size) == ("deepspeed", 3 - world_size)
-        assert f"resumed from {resume.checkpoint} at global_step {resume.step}" in resume.run.output, resume.run.tail()
         converted = (f"ZeRO partitions of {3 - world_size} ranks, this run has {world_size}: "
                      "loading it as a universal checkpoint")
         assert converted in resume.run.output, resume.run.tail()
-        after = {step: values for step, values in expected_lines.items() if step > resume.step}
-        assert_close_lines(resume.run.step_metrics(), after)
-        final = read_manifest(StageLayout(resume.output_uri).final)
-        assert (final.backend, final.world_size, final.global_step) == ("deepspeed", world_size, STEPS)
-        weights = final_weights(resume.output_uri)
-        assert sorted(weights) == sorted(expected_weights)
-        for key, tensor in expected_weights.items():
-            torch.testing.assert_close(weights[key], tensor, rtol=1e-4, atol=1e-6, msg=f"{backend} {name}: {key}")
+        assert_resumed_like_uninterrupted(resume, "deepspeed", world_size, expected_lines, expected_weights,
+                                          f"{backend} {name}")
 
 
 def test_desynchronised_replica_fails_the_save_on_every_rank(runs):

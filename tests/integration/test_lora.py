@@ -221,6 +221,38 @@ def test_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_only(runs,
     assert moments(ckpt) == 2 * adapters and moments(full_ckpt) == 2 * total
 
 
+def tensor_elements(obj: Any) -> int:
+    """Elements of every tensor anywhere in a loaded DeepSpeed file (dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel()
+    if isinstance(obj, dict):
+        return sum(tensor_elements(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_elements(v) for v in obj)
+    return 0
+
+
+@pytest.mark.parametrize("backend", ["deepspeed-2", "deepspeed-3"])
+def test_deepspeed_lora_checkpoint_holds_the_adapters_only(runs, tiny_pipeline, backend):
+    """A 2-rank ZeRO-2 / ZeRO-3 LoRA checkpoint (``exclude_frozen_parameters``): its files hold the
+    adapters' fp32 master copies and two AdamW moments, and under ZeRO-2 their weights (4.0 x the
+    adapter elements; ZeRO-3: 3.0 x), never a frozen base weight: at most 4.5 x, where the tiny
+    model's own weights are 6.9 x. Before ``frozen_aliases_excluded`` the tied, frozen ``lm_head``
+    stayed in the ZeRO-2 checkpoint (6.3 x)."""
+    _, outputs = runs.result(f"ranks-{backend}")
+    ckpt = checkpoint_uri(outputs["sft"], STEPS)
+    ds = join_uri(ckpt, "deepspeed")
+    files = [path for path in storage.list_files(ds) if path.endswith(".pt")]
+    assert any("optim_states" in path for path in files) and any("model_states" in path for path in files), files
+    elements = sum(tensor_elements(torch.load(io.BytesIO(storage.read_bytes(join_uri(ds, path))), map_location="cpu",
+                                              weights_only=False)) for path in files)
+    _, single = runs.result("sft")
+    adapters = adapter_count(safetensors.torch.load(storage.read_bytes(join_uri(checkpoint_uri(single, STEPS),
+                                                                                 "model.safetensors"))))
+    base = sum(v.numel() for v in final_weights(tiny_pipeline.baseline_uris["sft"]).values())
+    assert 3 * adapters <= elements <= 4.5 * adapters < base, (elements, adapters, base)
+
+
 def test_committed_model_is_base_plus_scaled_b_times_a(runs, tiny_pipeline):
     _, output = runs.result("sft")
     merged = final_weights(output)

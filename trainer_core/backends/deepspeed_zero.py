@@ -221,8 +221,10 @@ class DeepSpeedBackend(ProcessGroupBackend):
         with tempfile.TemporaryDirectory(prefix=f"posttrain-ds-rank{self.rank}-") as tmp:
             os.makedirs(os.path.join(tmp, DS_TAG), exist_ok=True)
             # LoRA: the frozen base weights are the stage's input, not part of the checkpoint.
-            model.save_checkpoint(tmp, tag=DS_TAG, client_state={}, save_latest=False,
-                                  exclude_frozen_parameters=partly_frozen(model))
+            frozen = partly_frozen(model)
+            with frozen_aliases_excluded(model) if frozen else contextlib.nullcontext():
+                model.save_checkpoint(tmp, tag=DS_TAG, client_state={}, save_latest=False,
+                                      exclude_frozen_parameters=frozen)
             for root, _, files in os.walk(tmp):
                 for name in sorted(files):
                     rel = os.path.relpath(os.path.join(root, name), tmp).replace(os.sep, "/")
@@ -248,7 +250,7 @@ class DeepSpeedBackend(ProcessGroupBackend):
             else:
                 load_dir = tmp
             inner = getattr(model.optimizer, "optimizer", None)  # the torch optimizer ZeRO wraps
-            groups = group_hyperparameters(inner)
+            groups = group_hyperparameters(inner) if universal else []
             config, before = model._config, model._config.load_universal_checkpoint
             config.load_universal_checkpoint = universal
             try:
@@ -262,6 +264,34 @@ class DeepSpeedBackend(ProcessGroupBackend):
             if universal and inner is not None:
                 restore_group_hyperparameters(inner, groups)
                 untie_step_counts(inner)
+
+
+@contextlib.contextmanager
+def frozen_aliases_excluded(engine: Any) -> Any:
+    """While open, ``engine.module_state_dict(exclude_frozen_parameters=True)`` also drops a frozen
+    parameter's second name.
+
+    DeepSpeed 0.19.8 drops the names ``module.named_parameters()`` lists, which names a shared
+    tensor once: a tied ``lm_head.weight`` (the frozen embedding under LoRA) stayed in every ZeRO-1/2
+    checkpoint, vocab x hidden elements (in the tiny test model 9,600 beside the adapters' 4,096;
+    in Qwen2.5-0.5B's, 136M). Loading is unaffected: the module loads non-strictly, and the tied
+    head is the input model's embedding.
+    """
+    original = engine.module_state_dict
+
+    def module_state_dict(*args: Any, exclude_frozen_parameters: bool = False, **kwargs: Any) -> dict:
+        state = original(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+        if exclude_frozen_parameters and state is not None:
+            for name, param in engine.module.named_parameters(remove_duplicate=False):
+                if not param.requires_grad:
+                    state.pop(name, None)
+        return state
+
+    engine.module_state_dict = module_state_dict
+    try:
+        yield
+    finally:
+        del engine.module_state_dict
 
 
 _PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")

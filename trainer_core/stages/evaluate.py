@@ -9,6 +9,10 @@ Metrics (each present when its models were trained in this run):
 - ``<policy>/exact_match``: greedy generation exact-match of the final number on held-out
   GSM8K-style problems, for ``base`` (when the base model is pretrained), ``sft``, ``dpo``,
   ``ppo`` and ``grpo``.
+- ``<policy>_vs_sft/exact_match_gain``, ``<policy>_vs_sft/exact_match_gain_se`` (every trained
+  policy but SFT, when SFT was trained): the policy's exact match minus SFT's on the same problems, and
+  the standard error of that paired difference (:func:`paired_gain`): a gain within about twice
+  its standard error is not a difference these problems can show.
 - ``<policy>_vs_sft/win_rate`` (``dpo``, ``ppo``, ``grpo``): fraction of held-out preference
   prompts where the reward model scores the policy's completion above the SFT policy's (ties
   count one half).
@@ -56,6 +60,38 @@ def exact_match(ctx: StageContext, policy: nn.Module, problems: list[dict]) -> t
     completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, ctx.backend.device, ctx.config.seed)
     hits = [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(completions, problems)]
     return sum(hits) / max(len(hits), 1), completions
+
+
+def paired_gain(baseline: list[bool], other: list[bool]) -> tuple[float, float]:
+    """Mean of ``other - baseline`` over the same problems, and its standard error.
+
+    The per-problem differences ``d_i`` are -1, 0 or 1; the error is ``std(d) / sqrt(n)`` with the
+    sample standard deviation (n - 1), the paired-difference standard error (McNemar's setting:
+    only problems that one policy solves and the other does not move it).
+
+    Args:
+        baseline: the baseline policy's verdict per problem.
+        other: the other policy's verdict on the same problems, in the same order.
+
+    Returns:
+        (gain, standard error); the error is 0.0 for fewer than 2 problems.
+
+    Raises:
+        ValueError: the lists differ in length or are empty.
+
+    Worked values: baseline [1, 1, 0, 0], other [1, 0, 1, 1]: d = [0, -1, 1, 1], gain 0.25,
+    sample variance 2.75 / 3, standard error sqrt(2.75 / 3) / 2 = 0.4787.
+    """
+    if len(baseline) != len(other) or not baseline:
+        raise ValueError(f"paired_gain needs two equally long, non-empty verdict lists, got {len(baseline)} "
+                         f"and {len(other)}")
+    diffs = [float(b) - float(a) for a, b in zip(baseline, other)]
+    n = len(diffs)
+    gain = sum(diffs) / n
+    if n < 2:
+        return gain, 0.0
+    variance = sum((d - gain) ** 2 for d in diffs) / (n - 1)
+    return gain, (variance / n) ** 0.5
 
 
 def _sft_metrics(ctx: StageContext, sft: nn.Module) -> dict[str, float]:
@@ -162,6 +198,10 @@ def run(ctx: StageContext) -> Manifest:
         name: [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(texts, problems)]
         for name, texts in completions.items()
     }
+    if "sft" in verdicts and problems:
+        for name in (n for n in verdicts if n not in ("sft", "base")):
+            gain, se = paired_gain(verdicts["sft"], verdicts[name])
+            metrics[f"{name}_vs_sft/exact_match_gain"], metrics[f"{name}_vs_sft/exact_match_gain_se"] = gain, se
     samples = sample_rows(problems, completions, verdicts, rewards)
     ctx.log_metrics(metrics, 0)
     if ctx.is_main:

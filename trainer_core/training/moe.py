@@ -132,23 +132,34 @@ class RouterTemperature:
             if not isinstance(weight, Tensor) or weight.dim() != 2 or bias is not None:
                 raise ConfigError(f"moe.router_temperature: the router {type(router).__name__} is not a bias-free "
                                   "linear map of its input; its logits cannot be tempered here")
-        self._scale = torch.ones(())  # updated in place: a compiled block sees a tensor, not a new constant
+        self._value = 1.0
+        # One scale per (device, dtype) the routers' inputs come in, updated in place: no host-to-device
+        # copy per router forward, and a compiled block sees a tensor, not a new constant.
+        self._scales: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self.handles = [router.register_forward_pre_hook(self._hook) for router in routers]
 
     @property
     def temperature(self) -> float:
         """The temperature of the training forwards now."""
-        return float(self._scale)
+        return self._value
 
     @temperature.setter
     def temperature(self, value: float) -> None:
-        self._scale.fill_(value)
+        self._value = float(value)
+        value32 = torch.tensor(self._value, dtype=torch.float32)  # rounded as the first placement rounds it
+        for scale in self._scales.values():
+            scale.copy_(value32)
 
     def _hook(self, module: nn.Module, args: tuple) -> tuple | None:
         if not torch.is_grad_enabled():
             return None
         hidden = args[0]  # divided by 1.0 once the schedule has ended: exact, the same bits
-        return (hidden / self._scale.to(device=hidden.device, dtype=hidden.dtype), *args[1:])
+        key = (hidden.device, hidden.dtype)
+        scale = self._scales.get(key)
+        if scale is None:
+            scale = torch.full((), self._value, dtype=torch.float32).to(device=hidden.device, dtype=hidden.dtype)
+            self._scales[key] = scale
+        return (hidden / scale, *args[1:])
 
     def remove(self) -> None:
         """Remove the hooks."""

@@ -1,0 +1,39 @@
+"""``trainer_core.stages.evaluate.paired_gain``: a policy's exact match against SFT's on the same
+problems, with the standard error of the paired difference, against hand-worked values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainer_core.stages.evaluate import paired_gain
+
+
+def test_paired_gain_hand_worked():
+    # d = [0, -1, 1, 1]: mean 0.25; squared deviations 0.0625 + 1.5625 + 0.5625 + 0.5625 = 2.75.
+    gain, se = paired_gain([True, True, False, False], [True, False, True, True])
+    assert gain == pytest.approx(0.25)
+    assert se == pytest.approx(math.sqrt(2.75 / 3) / 2)  # 0.4787
+
+
+def test_paired_gain_counts_only_discordant_problems():
+    # 1000 problems: 75 solved by the baseline only, 95 by the other only, the rest alike.
+    baseline = [True] * 75 + [False] * 95 + [True] * 200 + [False] * 630
+    other = [False] * 75 + [True] * 95 + [True] * 200 + [False] * 630
+    gain, se = paired_gain(baseline, other)
+    assert gain == pytest.approx(0.02)
+    # sum (d - 0.02)^2 = 95 * 0.98^2 + 75 * 1.02^2 + 830 * 0.02^2 = 169.6
+    assert se == pytest.approx(math.sqrt(169.6 / 999 / 1000))  # 0.0130
+    assert paired_gain(other, baseline) == pytest.approx((-0.02, se))
+
+
+def test_paired_gain_of_identical_verdicts_is_exactly_zero():
+    assert paired_gain([True, False, True], [True, False, True]) == (0.0, 0.0)
+    assert paired_gain([True], [False]) == (-1.0, 0.0)  # one problem: no error estimate
+
+
+@pytest.mark.parametrize("baseline, other", [([], []), ([True], [True, False])])
+def test_paired_gain_refuses_unpaired_verdicts(baseline, other):
+    with pytest.raises(ValueError, match="equally long, non-empty"):
+        paired_gain(baseline, other)
