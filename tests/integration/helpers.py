@@ -40,6 +40,7 @@ SAVE_EVERY = 4
 _DATA_OVERRIDES = {
     "data.synthetic.num_problems": 200,
     "data.synthetic.num_pairs": 120,
+    "data.synthetic.max_operand": 20,
     "data.max_length_tokens": 96,
     "data.max_prompt_length_tokens": 48,
     "data.eval_fraction": 0.1,
