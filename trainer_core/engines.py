@@ -77,6 +77,7 @@ import torch
 from torch import Tensor, nn
 
 from trainer_core.config import GenerationConfig
+from trainer_core.static_decode import grouped_decode_attention, typed_static_cache
 
 CHECK_EVERY_STEPS = 16
 """Decode steps between "all rows ended?" host reads with a compiled (CUDA-graph) decode step."""
@@ -305,6 +306,10 @@ class StaticCacheEngine:
     On CPU in fp32 with ``compile`` off it samples the same tokens as :class:`HFEngine` (and
     log-probs equal within 1e-5): the same draws from the same generator, logits that differ only
     in float rounding (attention over the whole cache, the LM head on the last position only).
+    While it generates, an ``sdpa`` model attends with
+    :func:`trainer_core.static_decode.sdpa_grouped_decode` (no copies of
+    grouped KV heads); its keys and values are cached in one dtype (autocast's under
+    ``bf16-mixed``, see :func:`trainer_core.static_decode.typed_static_cache`).
 
     Args:
         model: an HF causal LM, or a module holding one (``PolicyAndValue``, DDP): its parameters
@@ -349,8 +354,6 @@ class StaticCacheEngine:
     def _reserve(self, num_rows: int, length: int) -> Any:
         """A reset ``StaticCache`` of ``num_rows`` x at least ``length`` tokens: the one kept from
         the last call when it fits (same rows and dtype, long enough), else a new one."""
-        from transformers import StaticCache
-
         if self.compiled:
             length = math.ceil(length / CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE
         key = (num_rows, self._kv_dtype())
@@ -359,7 +362,7 @@ class StaticCacheEngine:
             self._cache.reset()
             return self._cache
         self.release()
-        self._cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self._cache = typed_static_cache(self.model.config, length, key[1])
         self._cache_key = (*key, length)
         return self._cache
 
@@ -375,6 +378,11 @@ class StaticCacheEngine:
         generator: torch.Generator,
     ) -> Generated:
         """See :meth:`GenerationEngine.generate`."""
+        with grouped_decode_attention(self.model):
+            return self._generate(prompt_ids, prompt_mask, gen, eos_id, pad_id, generator)
+
+    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
+                  generator: torch.Generator) -> Generated:
         num_rows, prompt_len = prompt_ids.shape
         cache = self._reserve(num_rows, prompt_len + gen.max_new_tokens)
         length = self._cache_key[2]

@@ -95,7 +95,7 @@ def from_pretrained_merged(auto_class, source: str, **kwargs) -> nn.Module:
 
 
 def _from_pretrained(load, source: str, model: ModelConfig, **kwargs) -> nn.Module:
-    """``load(path, ...)`` with the errors of an unusable source made :class:`ConfigError`\ s naming it."""
+    """``load(path, ...)`` with the errors of an unusable source made :class:`ConfigError` errors naming it."""
     path = local_model_path(source)
     try:
         return load(path, trust_remote_code=model.trust_remote_code, **kwargs)

@@ -73,6 +73,7 @@ def server_stack(tmp: Path) -> Iterator[dict]:
         PREFECT_HOME=str(tmp / "prefect-home"),
         PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_API_LOG_RETRYABLE_ERRORS="true",  # a 503's cause (SQLite busy) in prefect-server.log
         MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
     )
     procs = {

@@ -40,6 +40,7 @@ TYPED_MAX_STEPS = 30
 RUN_TIMEOUT_S = 900
 """The demo runs every stage but a 30-step SFT: about 8 minutes on 2 CPU cores."""
 UI_TIMEOUT_MS = 60_000
+SUBMIT_ATTEMPTS = 3
 MARKUP = ("``", ":func:", ":class:", ":meth:")
 
 
@@ -77,9 +78,9 @@ def demo_settings() -> dict:
 
 
 @contextmanager
-def evidence(page, where: Path, worker_log: Path) -> Iterator[None]:
+def evidence(page, where: Path, worker_log: Path, server_log: Path) -> Iterator[None]:
     """On a failure: a screenshot and the HTML of ``page`` under ``where``, named (with the worker
-    log's tail) in the re-raised assertion."""
+    log's and the Prefect server log's tails) in the re-raised assertion."""
     try:
         yield
     except Exception as e:
@@ -90,8 +91,10 @@ def evidence(page, where: Path, worker_log: Path) -> Iterator[None]:
         except Exception as capture_error:  # noqa: BLE001
             shot = html = f"(not captured: {capture_error})"
         tail = worker_log.read_text()[-4000:] if worker_log.exists() else "(no worker log)"
+        server = server_log.read_text()[-4000:] if server_log.exists() else "(no server log)"
         raise AssertionError(f"{type(e).__name__}: {e}\npage {page.url}\nscreenshot {shot}\nhtml {html}\n"
-                             f"worker log tail ({worker_log}):\n{tail}") from e
+                             f"worker log tail ({worker_log}):\n{tail}\n"
+                             f"Prefect server log tail ({server_log}):\n{server}") from e
 
 
 def form_text(page) -> str:
@@ -116,7 +119,7 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
     page.set_default_timeout(UI_TIMEOUT_MS)
     flow_run_id = None
     try:
-        with evidence(page, tmp_path, worker_log):
+        with evidence(page, tmp_path, worker_log, stack["tmp"] / "prefect-server.log"):
             # The V1 UI (still served, one click away) renders the same form, in plain text.
             page.goto(f"{ui}/deployments/deployment/{deployment.id}/run")
             expect(page.get_by_text("Max steps", exact=True).first).to_be_visible()
@@ -141,10 +144,7 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             max_steps.fill(str(TYPED_MAX_STEPS))
             expect(max_steps).to_have_value(str(TYPED_MAX_STEPS))
 
-            with page.expect_response(lambda r: r.url.endswith(f"/deployments/{deployment.id}/create_flow_run")
-                                      and r.request.method == "POST") as created:
-                page.get_by_role("button", name="Submit", exact=True).click()
-            response = created.value
+            response = submit(page, deployment.id)
             assert response.ok, f"create_flow_run answered {response.status}: {response.text()}"
             flow_run_id = response.json()["id"]
             assert response.json()["parameters"]["settings"]["sft"]["max_steps"] == TYPED_MAX_STEPS
@@ -167,6 +167,29 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
                 if not api.read_flow_run(flow_run_id).state.is_final():
                     api.set_flow_run_state(flow_run_id, Cancelled(), force=True)
         stop(worker)
+
+
+def submit(page, deployment_id, attempts: int = SUBMIT_ATTEMPTS):
+    """Click the form's Submit and return the ``create_flow_run`` response; on a 503, click again
+    (up to ``attempts`` clicks), as a person does when the UI reports the error and keeps the form.
+
+    Prefect's server answers 503 for the errors it calls retryable (SQLite busy: its own services
+    and the worker write to the same file; ``prefect.server.api.server.is_client_retryable_exception``)
+    and its Python client retries them; the UI does not. A 503's transaction is rolled back, so
+    no run is created (the caller checks that exactly one run came of the form)."""
+    def click():
+        with page.expect_response(lambda r: r.url.endswith(f"/deployments/{deployment_id}/create_flow_run")
+                                  and r.request.method == "POST") as created:
+            page.get_by_role("button", name="Submit", exact=True).click()
+        return created.value
+
+    response = click()
+    for _ in range(attempts - 1):
+        if response.status != 503:
+            break
+        time.sleep(2)
+        response = click()
+    return response
 
 
 def runs_of(api, deployment_id) -> list:

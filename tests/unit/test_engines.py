@@ -29,6 +29,7 @@ from trainer_core.engines import (
     _top_p_filter,
     build_engine,
 )
+from trainer_core.static_decode import GROUPED_DECODE_ATTENTION, grouped_decode_attention, sdpa_grouped_decode
 
 PAD, EOS, VOCAB = 0, 1, 64
 PROMPT_LENGTHS = (3, 7, 5, 1, 7, 2)
@@ -314,6 +315,60 @@ def test_static_decode_step_traces_as_one_graph(policy):
     assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_static_engine_under_bf16_autocast_keeps_one_cache_dtype(policy, compiled):
+    """bf16-mixed (fp32 weights, bf16 autocast), as the trainer samples: RoPE hands the cache fp32
+    keys and bf16 values; both are kept in bf16 (transformers 5.17's ``StaticLayer`` took the keys'
+    dtype for both buffers and failed on the values, on an H100). The decode step also traces
+    as one graph under autocast; the log-probs match a full autocast forward within bf16 rounding."""
+    options = {"backend": "eager", "fullgraph": True} if compiled else None
+    engine = StaticCacheEngine(policy, "cpu", compile=compiled, compile_options=options)
+    gen = _gen(max_new_tokens=12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for call in range(2):  # a new cache, then the kept one reset
+            out = _run(engine, gen, call)
+            _check_layout(out, gen.max_new_tokens)
+            diff = (out.logprobs - _full_forward_logprobs(policy, out, gen.temperature)).abs().max().item()
+            assert diff < 0.1, (call, diff)
+    assert engine._cache_key[1] == torch.bfloat16
+    assert {(layer.keys.dtype, layer.values.dtype) for layer in engine._cache.layers} == {(torch.bfloat16,) * 2}
+    assert next(policy.parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_sdpa_grouped_decode_is_sdpa_attention(q_len):
+    """Query heads grouped onto their KV head (one-token query) give transformers' ``sdpa``
+    attention (which repeats the KV heads), with a padding mask; longer queries are handed to it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layer = nn.Module()
+    layer.num_key_value_groups, layer.is_causal = 3, True
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(4, 6, q_len, 8, generator=g)
+    key, value = torch.randn(2, 4, 2, 10, 8, generator=g).unbind(0)
+    mask = torch.rand(4, 1, q_len, 10, generator=g) > 0.3
+    mask[..., 0] = True  # every row attends somewhere
+    want, _ = sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)
+    got, weights = sdpa_grouped_decode(layer, query, key, value, mask, scaling=0.3)
+    assert got.shape == want.shape == (4, q_len, 6, 8) and weights is None
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+
+
+def test_static_engine_attends_with_grouped_decode_while_generating(policy):
+    seen: list[str] = []
+    handle = policy.register_forward_pre_hook(lambda module, args: seen.append(module.config._attn_implementation))
+    try:
+        assert policy.config._attn_implementation == "sdpa"
+        _run(StaticCacheEngine(policy, "cpu"), _gen(max_new_tokens=4), 0)
+    finally:
+        handle.remove()
+    assert len(seen) >= 2 and set(seen) == {GROUPED_DECODE_ATTENTION}  # the prefill and the decode steps
+    assert policy.config._attn_implementation == "sdpa"  # restored
+    with pytest.raises(RuntimeError, match="boom"), grouped_decode_attention(policy):
+        raise RuntimeError("boom")
+    assert policy.config._attn_implementation == "sdpa"
+
+
 # --- the registry --------------------------------------------------------------------------------
 
 
@@ -336,7 +391,7 @@ def test_static_engine_refuses_a_sharded_policy():
         StaticCacheEngine(model, "cpu")
 
 
-# --- GPU (unverified until run on one) -----------------------------------------------------------
+# --- GPU (passed on one H100, 2026-11-26) --------------------------------------------------------
 
 
 @pytest.mark.gpu
