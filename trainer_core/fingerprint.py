@@ -55,6 +55,8 @@ ADDED_FIELDS: dict[str, object] = {
     "kto": None, "pretrain": None, "text_field": "text",
     # issue 16: mixture-of-experts models (model.init and every training stage's moe section)
     "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(), "router_temperature": None,
+    # issue 13: the ptx term of the online RL stages
+    "ptx_coef": 0.0, "ptx_rows_per_step": 16,
 }
 """Fields added to stage sections after runs were committed, with the value that reproduces the
 earlier behaviour: hashed only when set to something else, so that the fingerprints of runs

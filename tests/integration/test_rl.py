@@ -1,5 +1,5 @@
 """Online RL stages as real trainer processes: PPO with the learned reward model and GRPO with the
-verifier run end to end and log TRL's metrics; SIGKILL mid-run then resume gives the same later
+verifier (and the ptx term) run end to end and log TRL's metrics; SIGKILL mid-run then resume gives the same later
 metrics and the same final weights (policy and value head) as an uninterrupted run; GRPO raises
 the verifier reward and PPO the reward model's score on the synthetic task.
 """
@@ -57,10 +57,12 @@ _RL_OVERRIDES = {
     "learning_rate": 1e-3,
 }
 _STAGE_OVERRIDES = {
-    # Adaptive KL: the controller's state must survive the resume too.
-    "ppo": {"adaptive_kl": True, "kl_target": 0.5, "kl_horizon": 100},
-    # A KL term, so the reference model is loaded and used.
-    "grpo": {"group_size": 4, "kl_coef": 0.05},
+    # Adaptive KL: the controller's state must survive the resume too; the ptx term beside a
+    # value head.
+    "ppo": {"adaptive_kl": True, "kl_target": 0.5, "kl_horizon": 100, "ptx_coef": 0.5, "ptx_rows_per_step": 4},
+    # A KL term, so the reference model is loaded and used; the ptx term, whose rows a resume
+    # must draw as the uninterrupted run did.
+    "grpo": {"group_size": 4, "kl_coef": 0.05, "ptx_coef": 0.5, "ptx_rows_per_step": 4},
 }
 
 PPO_METRICS = (
@@ -124,6 +126,7 @@ def test_grpo_runs_and_logs_group_metrics(rl_baselines):
     assert sorted(steps) == list(range(1, RL_STEPS + 1))
     for metrics in steps.values():
         assert {"objective/kl", "policy/clipfrac_avg", "loss/policy_avg", "val/ratio", "reward_mean"} <= set(metrics)
+        assert 0 < float(metrics["train/ptx_loss"]) < 20  # a mean NLL over the demonstrations' completion tokens
     assert "value_head.safetensors" not in storage.list_files(StageLayout(output).final)
 
 

@@ -1,7 +1,7 @@
 """Online RL stages at 2 gloo ranks on CPU, launched the way the stage tasks launch them
-(``torchrun`` through ``tasks.launch``): PPO and GRPO on DDP, FSDP2 and DeepSpeed ZeRO-3 commit an
-HF policy with finite metrics; the backends train the same policy (same prompts and samples per
-rank, the loss normalised by the tokens of every rank); a 2-rank FSDP2 PPO run SIGKILLed after a
+(``torchrun`` through ``tasks.launch``): PPO and GRPO (with the ptx term) on DDP, FSDP2 and
+DeepSpeed ZeRO-3 commit an HF policy with finite metrics; the backends train the same policy
+(same prompts and samples per rank, the loss normalised by the tokens of every rank); a 2-rank FSDP2 PPO run SIGKILLed after a
 checkpoint resumes to the same metrics and weights as an uninterrupted one.
 
 In-process checks, ranks stood in for by threads (no launcher, a second each): a PPO step split
@@ -72,8 +72,9 @@ _STAGE_OVERRIDES = {
     # Adaptive KL: the controller is replicated state, fed the KL of every rank's sequences.
     "ppo": {"adaptive_kl": True, "kl_target": 0.5, "kl_horizon": 100},
     # The learned reward (the tiny policy almost never earns the verifier's): non-zero
-    # advantages, and a frozen reward model sharded under FSDP2 / ZeRO-3 besides the reference.
-    "grpo": {"group_size": 4, "kl_coef": 0.05, "reward.kind": "reward_model"},
+    # advantages, and a frozen reward model sharded under FSDP2 / ZeRO-3 besides the reference;
+    # the ptx term: one more forward and backward per step on every rank.
+    "grpo": {"group_size": 4, "kl_coef": 0.05, "reward.kind": "reward_model", "ptx_coef": 0.5, "ptx_rows_per_step": 2},
 }
 
 
@@ -162,6 +163,7 @@ def test_two_ranks_commit_an_hf_policy_with_finite_metrics(tiny_pipeline, runs, 
         bad = {k: v for k, v in metrics.items() if not math.isfinite(float(v))}
         assert not bad, f"step {step}: {bad}"
         assert float(metrics["train/consumed_samples"]) == step * 4 * (4 if case.stage == "grpo" else 1)
+        assert ("train/ptx_loss" in metrics) == (case.stage == "grpo")
     manifest = read_manifest(StageLayout(output).final)
     assert (manifest.global_step, manifest.world_size, manifest.backend) == (RL_STEPS, 2, case.backend)
     policy, sft = final_weights(output), final_weights(tiny_pipeline.baseline_uris["sft"])

@@ -357,6 +357,12 @@ class RLStageConfig(TrainStageConfig):
         None, ge=1, description="Sequences per forward over a rollout batch (policy, reference, value head, "
         "reward model) and per backward in a mini-batch (gradients accumulated); None: all at once."
     )
+    ptx_coef: float = Field(
+        0.0, ge=0, description="Weight of a supervised loss on the prepared sft/train demonstrations added to "
+        "every optimizer step (InstructGPT's PPO-ptx, eq. 2; OpenRLHF's ptx_coef): keeps what the policy "
+        "learnt outside the RL prompts; 0: off. See trainer_core.training.ptx."
+    )
+    ptx_rows_per_step: int = Field(16, ge=1, description="Demonstrations per rank in each optimizer step's ptx loss.")
     importance_sampling_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling: weight each token's loss by "
         "min(exp(trainer logprob - engine logprob), cap) where the engine's numerics differ from the "

@@ -63,6 +63,20 @@ def _reward_fn(ctx: StageContext, cfg: RLStageConfig) -> RewardFunction:
     return build_reward(cfg.reward, load if needs_reward_model(cfg.reward) else None)
 
 
+def _demonstrations(ctx: StageContext, cfg: RLStageConfig) -> list[dict] | None:
+    """The ptx term's rows (the prepared ``sft/train`` split) with ``ptx_coef`` > 0, else None.
+
+    Raises:
+        ConfigError: ``ptx_coef`` > 0 and the split has no row.
+    """
+    if cfg.ptx_coef <= 0:
+        return None
+    rows = ctx.load_rows("sft/train")
+    if not len(rows):
+        raise ConfigError(f"{ctx.spec.stage}.ptx_coef={cfg.ptx_coef}: the prepared sft/train split has no row")
+    return rows
+
+
 def value_head_bytes(state: dict[str, Tensor]) -> bytes:
     """A value head's weights (its full state dict: ``weight`` [1, H], ``bias`` [1]) as safetensors bytes."""
     return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()})
@@ -97,7 +111,7 @@ def run_rl_stage(
         backend=backend, tokenizer=ctx.tokenizer, cfg=cfg, algo=algo, model=model, reference=reference,
         reward_fn=reward_fn, prompts=prompts, seed=seed,
         session=ctx.checkpoint_session(cfg, extra={"rl_checkpoint": RL_CHECKPOINT_LAYOUT}),
-        reference_is_disabled_adapter=disabled_adapter,
+        reference_is_disabled_adapter=disabled_adapter, demonstrations=_demonstrations(ctx, cfg),
     )
     resumed = trainer.resume()
     log.info("%s: %d prompts, %s x %d rank(s) on %s, resumed=%s", ctx.spec.stage, len(prompts), backend.name,

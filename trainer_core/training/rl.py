@@ -16,8 +16,8 @@ One iteration (``global_step`` counts iterations, as ``max_steps`` does), on eve
    ``num_mini_batches`` parts in a seeded random order (see :meth:`RLTrainer.update` for uneven
    parts); one optimizer step per mini-batch, the loss normalised by the mini-batch's
    sizes summed over ranks (the step one device takes on the union of the ranks' rows), its rows
-   forward and backward ``forward_micro_batch_size`` at a time; the LR schedule steps once per
-   iteration;
+   forward and backward ``forward_micro_batch_size`` at a time, plus the ptx term with
+   ``ptx_coef`` (:mod:`trainer_core.training.ptx`); the LR schedule steps once per iteration;
 4. update the KL controller with the KL of the whole batch, log metrics computed over every
    rank's sequences and tokens with the iteration's time split (rank 0 prints them), checkpoint
    every ``save_every`` iterations.
@@ -39,9 +39,8 @@ to MLflow once the checkpoint covering them is committed.
 
 Unused fields of the shared stage config: ``micro_batch_size``, ``grad_accum_steps``,
 ``global_batch_size`` (a DeepSpeed engine takes one step per mini-batch, accumulated over its
-micro-batches), ``eval_every``,
-``eval_max_batches``, ``keep_best_metric``, ``early_stopping_patience``; held-out evaluation
-is the ``evaluate`` stage's job.
+micro-batches), ``eval_every``, ``eval_max_batches``, ``keep_best_metric``,
+``early_stopping_patience``; held-out evaluation is the ``evaluate`` stage's job.
 
 Shape legend: N sequences (this rank's), T completion tokens.
 """
@@ -51,7 +50,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -80,6 +79,7 @@ from trainer_core.training.rl_batches import (  # noqa: F401 (also the loop's pu
     groups_with_signal, logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
     row_slices, sampler_seed,
 )
+from trainer_core.training.ptx import ptx_backward
 from trainer_core.training.timing import PhaseTimer, phase_timer
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class RLTrainer:
             RL_CHECKPOINT_LAYOUT}`` so that its manifests carry this loop's layout.
         reference_is_disabled_adapter: the reference is the LoRA policy with its adapter disabled
             (:func:`~trainer_core.lora.adapter_disabled`; ``reference`` is then None).
+        demonstrations: the prepared ``sft/train`` rows of the ptx term (``cfg.ptx_coef`` > 0).
     """
 
     backend: Backend
@@ -128,6 +129,7 @@ class RLTrainer:
     session: CheckpointSession
     progress: TrainProgress = field(default_factory=TrainProgress)
     reference_is_disabled_adapter: bool = False
+    demonstrations: Sequence[dict] | None = None
 
     def __post_init__(self) -> None:
         cfg, backend = self.cfg, self.backend
@@ -136,8 +138,7 @@ class RLTrainer:
         self.module: PolicyAndValue = backend.unwrap(self.model)  # gradient-free forwards
         self.scheduler = build_scheduler(self.optimizer, cfg)
         kl = cfg.kl_coef
-        adaptive = AdaptiveKLController(kl, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else None
-        self.kl_ctl = adaptive or FixedKLController(kl)
+        self.kl_ctl = AdaptiveKLController(kl, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(kl)
         self.generator = torch.Generator(device=backend.device).manual_seed(sampler_seed(self.seed, backend.rank))
         self.metrics = self.session.metrics
         self.engine = self._build_engine()
@@ -182,10 +183,8 @@ class RLTrainer:
         padded = collate_prompts_left([{"input_ids": p.input_ids} for p in items], tok.pad_token_id)
         p_ids, p_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device).float()
         with timer.phase("generation"), backend.autocast():
-            generated = self.engine.generate(
-                p_ids, p_mask, cfg.generation, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                generator=self.generator,
-            )
+            generated = self.engine.generate(p_ids, p_mask, cfg.generation, eos_id=tok.eos_token_id,
+                                             pad_id=tok.pad_token_id, generator=self.generator)
         c_ids, c_mask = generated.completion_ids, generated.completion_mask
         decoded = tok.batch_decode(c_ids.masked_fill(c_mask == 0, tok.pad_token_id), skip_special_tokens=True)
         texts = [t.strip() for t in decoded]
@@ -323,7 +322,7 @@ class RLTrainer:
             shift = rank * batch.num_sequences % cfg.num_mini_batches
             for rows in parts[shift:] + parts[:shift]:
                 mb = batch.select(rows) if len(rows) else masked_row(batch)
-                for k, v in self.train_step(mb).items():
+                for k, v in self.train_step(mb, count).items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
         return {k: v / count for k, v in sums.items()}
@@ -341,8 +340,9 @@ class RLTrainer:
             parts += [masked_row(mb)] * (most - len(parts))
         return parts
 
-    def train_step(self, mb: RolloutBatch) -> dict[str, Tensor]:
-        """One optimizer step on a mini-batch (this rank's rows of it), collective.
+    def train_step(self, mb: RolloutBatch, step_index: int = 0) -> dict[str, Tensor]:
+        """One optimizer step on a mini-batch (this rank's rows of it; ``step_index``: the step's
+        index in the iteration, which draws the ptx rows), collective.
 
         The mini-batch's sizes over all ranks (:class:`MiniBatchCounts`) divide the loss (the
         backend undoes its averaging over ranks), so the step is the one a single device takes on
@@ -350,17 +350,18 @@ class RLTrainer:
         backward in micro-batches whose gradients accumulate into that same step.
 
         Returns:
-            Scalar metrics over every rank's tokens: the algorithm's, ``train/loss`` and
-            ``train/grad_norm`` (before clipping).
+            Scalar metrics over every rank's tokens: the algorithm's, ``train/loss``,
+            ``train/grad_norm`` (before clipping) and with ``ptx_coef`` ``train/ptx_loss``.
         """
         backend, cfg = self.backend, self.cfg
+        ptx = cfg.ptx_coef > 0 and self.demonstrations is not None
         mask = mb.completion_mask
         sizes = backend.all_reduce_sum(torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).float())
         counts = MiniBatchCounts(num_tokens=sizes[0].clamp(min=1.0), num_sequences=sizes[1].clamp(min=1.0))
         parts = self._micro_batches(mb)
         loss_sum, metric_sums = torch.zeros((), device=mask.device), {}
         for index, part in enumerate(parts):
-            with backend.grad_sync(self.model, is_last_micro_batch=index == len(parts) - 1):
+            with backend.grad_sync(self.model, is_last_micro_batch=index == len(parts) - 1 and not ptx):
                 with backend.autocast():
                     out = self.forward(self.model, part.prompt_ids, part.prompt_mask, part.completion_ids,
                                        part.completion_mask)
@@ -369,6 +370,8 @@ class RLTrainer:
             loss_sum = loss_sum + loss.detach().float()
             for k, v in sums.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + v.float()
+        if ptx:  # x num_tokens: the metrics below are sums over ranks / num_tokens
+            metric_sums["train/ptx_loss"] = counts.num_tokens * ptx_backward(self, step_index)
         grad_norm = backend.optimizer_step(
             self.model, self.optimizer, cfg.max_grad_norm, skip_nonfinite=cfg.max_nonfinite_steps > 0
         )
