@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from trainer_core.data.batching import collate_prompts_left
+from trainer_core.data.batching import _padded, collate_prompts_left
 from trainer_core.errors import ConfigError
 from trainer_core.rollout import policy_forward
 
@@ -75,16 +75,11 @@ def collate_demonstrations(rows: Sequence[dict], pad_id: int, device: torch.devi
     """
     if not rows:
         raise ValueError("collate_demonstrations needs at least one row")
-    parts = [split_demonstration(r) for r in rows]
-    prompts = collate_prompts_left([{"input_ids": p} for p, _, _ in parts], pad_id)
-    length = max(len(c) for _, c, _ in parts)
-    completion_ids = torch.full((len(parts), length), pad_id, dtype=torch.long)
-    completion_mask = torch.zeros((len(parts), length), dtype=torch.long)
-    for i, (_, ids, mask) in enumerate(parts):
-        completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        completion_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.long)
+    prompt_ids, completion_ids, completion_mask = zip(*(split_demonstration(r) for r in rows))
+    prompts = collate_prompts_left([{"input_ids": p} for p in prompt_ids], pad_id)
+    length = max(len(c) for c in completion_ids)
     return PtxBatch(prompts["input_ids"].to(device), prompts["attention_mask"].to(device),
-                    completion_ids.to(device), completion_mask.to(device))
+                    _padded(completion_ids, length, pad_id).to(device), _padded(completion_mask, length, 0).to(device))
 
 
 def ptx_row_indices(num_rows: int, rows_per_step: int, seed: int, global_step: int, step_index: int,

@@ -74,12 +74,12 @@ from trainer_core.rollout import PolicyAndValue, PolicyForward, RolloutBatch, ma
 from trainer_core.storage import join_uri, read_bytes
 from trainer_core.training.guard import check_finite_metrics, check_finite_tensors, finite_only, step_is_finite
 from trainer_core.training.loop import _peak_memory_bytes, build_optimizer, build_scheduler
+from trainer_core.training.ptx import ptx_backward
 from trainer_core.training.rl_batches import (  # noqa: F401 (also the loop's public names)
     Algorithm, MiniBatchCounts, SampledRound, _reference_forward, check_rl_config, concat_rounds, engine_config,
     groups_with_signal, logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
     row_slices, sampler_seed,
 )
-from trainer_core.training.ptx import ptx_backward
 from trainer_core.training.timing import PhaseTimer, phase_timer
 
 log = logging.getLogger(__name__)
