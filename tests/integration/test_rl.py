@@ -181,8 +181,8 @@ _TREND_OVERRIDES = {
     "grpo.learning_rate": 1.0e-3,
     "grpo.generation.max_new_tokens": 64,
     "grpo.generation.temperature": 1.0,
-    # Pinned: the demo's own GRPO recipe (a 512-prompt pool, 4 mini-batches after a warmup, a KL
-    # term) is measured by the demo.
+    # Pinned: the demo's own GRPO recipe (a 512-prompt pool, 4 mini-batches after a warmup, the
+    # ptx term) is measured by the demo.
     "grpo.kl_coef": 0.0,
     "grpo.num_prompts": None,
     "grpo.num_mini_batches": 1,

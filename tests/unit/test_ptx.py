@@ -9,7 +9,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer_core.errors import ConfigError
 from trainer_core.rollout import PolicyAndValue, policy_forward
-from trainer_core.training.ptx import collate_demonstrations, ptx_nll, ptx_row_indices, split_demonstration
+from trainer_core.training.ptx import (
+    check_demonstrations,
+    collate_demonstrations,
+    ptx_nll,
+    ptx_row_indices,
+    split_demonstration,
+)
 
 PAD = 0
 
@@ -76,3 +82,12 @@ def test_ptx_loss_equals_the_causal_lm_loss_on_the_same_tokens():
     assert ours.item() == pytest.approx((nll_sum / count).item(), abs=1e-5)
     ours.backward()
     assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_a_ptx_term_without_demonstrations_is_refused():
+    row = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
+    for missing in (None, []):
+        with pytest.raises(ConfigError, match=r"grpo.ptx_coef=0.5 needs demonstrations"):
+            check_demonstrations("grpo", 0.5, missing)
+    check_demonstrations("grpo", 0.5, [row])
+    check_demonstrations("ppo", 0.0, None)

@@ -114,6 +114,18 @@ def ptx_nll(logprobs: Tensor, completion_mask: Tensor, num_ranks: int) -> Tensor
     return -(logprobs * mask).sum() / mask.sum().clamp(min=1.0) / num_ranks
 
 
+def check_demonstrations(stage: str, ptx_coef: float, demonstrations: Sequence[dict] | None) -> None:
+    """Refuse a ptx term without data, instead of training without it.
+
+    Raises:
+        ConfigError: ``ptx_coef`` > 0 and ``demonstrations`` is None or empty (the stages pass the
+            prepared ``sft/train`` rows; a library caller must pass them too).
+    """
+    if ptx_coef > 0 and not demonstrations:
+        raise ConfigError(f"{stage}.ptx_coef={ptx_coef} needs demonstrations (the prepared sft/train rows): "
+                          "RLTrainer got none; pass demonstrations= or set ptx_coef to 0")
+
+
 def ptx_backward(trainer: RLTrainer, step_index: int) -> Tensor:
     """Forward and backward of ``ptx_coef`` x the ptx loss on this rank's rows for the optimizer
     step ``step_index`` of the iteration after ``trainer.progress.global_step``, as the step's last

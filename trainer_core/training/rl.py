@@ -74,7 +74,7 @@ from trainer_core.rollout import PolicyAndValue, PolicyForward, RolloutBatch, ma
 from trainer_core.storage import join_uri, read_bytes
 from trainer_core.training.guard import check_finite_metrics, check_finite_tensors, finite_only, step_is_finite
 from trainer_core.training.loop import _peak_memory_bytes, build_optimizer, build_scheduler
-from trainer_core.training.ptx import ptx_backward
+from trainer_core.training.ptx import check_demonstrations, ptx_backward
 from trainer_core.training.rl_batches import (  # noqa: F401 (also the loop's public names)
     Algorithm, MiniBatchCounts, SampledRound, _reference_forward, check_rl_config, concat_rounds, engine_config,
     groups_with_signal, logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
@@ -114,7 +114,8 @@ class RLTrainer:
             RL_CHECKPOINT_LAYOUT}`` so that its manifests carry this loop's layout.
         reference_is_disabled_adapter: the reference is the LoRA policy with its adapter disabled
             (:func:`~trainer_core.lora.adapter_disabled`; ``reference`` is then None).
-        demonstrations: the prepared ``sft/train`` rows of the ptx term (``cfg.ptx_coef`` > 0).
+        demonstrations: the prepared ``sft/train`` rows of the ptx term; required when ``cfg.ptx_coef`` > 0
+            (ConfigError otherwise).
     """
 
     backend: Backend
@@ -133,6 +134,7 @@ class RLTrainer:
 
     def __post_init__(self) -> None:
         cfg, backend = self.cfg, self.backend
+        check_demonstrations(self.session.stage, cfg.ptx_coef, self.demonstrations)
         engine_cfg = engine_config(cfg, self.algo.samples_per_prompt, backend.world_size)
         self.model, self.optimizer = backend.setup_optimizer(self.model, build_optimizer(self.model, cfg), engine_cfg)
         self.module: PolicyAndValue = backend.unwrap(self.model)  # gradient-free forwards
@@ -354,7 +356,7 @@ class RLTrainer:
             ``train/grad_norm`` (before clipping) and with ``ptx_coef`` ``train/ptx_loss``.
         """
         backend, cfg = self.backend, self.cfg
-        ptx = cfg.ptx_coef > 0 and self.demonstrations is not None
+        ptx = cfg.ptx_coef > 0
         mask = mb.completion_mask
         sizes = backend.all_reduce_sum(torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).float())
         counts = MiniBatchCounts(num_tokens=sizes[0].clamp(min=1.0), num_sequences=sizes[1].clamp(min=1.0))
