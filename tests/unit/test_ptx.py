@@ -86,8 +86,8 @@ def test_ptx_loss_equals_the_causal_lm_loss_on_the_same_tokens():
 
 def test_a_ptx_term_without_demonstrations_is_refused():
     row = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
-    for missing in (None, []):
-        with pytest.raises(ConfigError, match=r"grpo.ptx_coef=0.5 needs demonstrations"):
+    for missing, got in ((None, "none"), ([], "an empty split")):
+        with pytest.raises(ConfigError, match=rf"grpo.ptx_coef=0.5 needs demonstrations .* got {got}"):
             check_demonstrations("grpo", 0.5, missing)
     check_demonstrations("grpo", 0.5, [row])
     check_demonstrations("ppo", 0.0, None)

@@ -65,16 +65,8 @@ def _reward_fn(ctx: StageContext, cfg: RLStageConfig) -> RewardFunction:
 
 def _demonstrations(ctx: StageContext, cfg: RLStageConfig) -> list[dict] | None:
     """The ptx term's rows (the prepared ``sft/train`` split) with ``ptx_coef`` > 0, else None.
-
-    Raises:
-        ConfigError: ``ptx_coef`` > 0 and the split has no row.
-    """
-    if cfg.ptx_coef <= 0:
-        return None
-    rows = ctx.load_rows("sft/train")
-    if not len(rows):
-        raise ConfigError(f"{ctx.spec.stage}.ptx_coef={cfg.ptx_coef}: the prepared sft/train split has no row")
-    return rows
+    An empty split is refused by :class:`RLTrainer` (``ptx.check_demonstrations``)."""
+    return ctx.load_rows("sft/train") if cfg.ptx_coef > 0 else None
 
 
 def value_head_bytes(state: dict[str, Tensor]) -> bytes:

@@ -122,8 +122,10 @@ def check_demonstrations(stage: str, ptx_coef: float, demonstrations: Sequence[d
             prepared ``sft/train`` rows; a library caller must pass them too).
     """
     if ptx_coef > 0 and not demonstrations:
-        raise ConfigError(f"{stage}.ptx_coef={ptx_coef} needs demonstrations (the prepared sft/train rows): "
-                          "RLTrainer got none; pass demonstrations= or set ptx_coef to 0")
+        got = "none" if demonstrations is None else "an empty split"
+        raise ConfigError(f"{stage}.ptx_coef={ptx_coef} needs demonstrations (the prepared sft/train rows) and got "
+                          f"{got}: prepare SFT data with rows (library: RLTrainer(demonstrations=...)), or set "
+                          "ptx_coef to 0")
 
 
 def ptx_backward(trainer: RLTrainer, step_index: int) -> Tensor:
