@@ -203,6 +203,9 @@ _TREND_OVERRIDES = {
     "ppo.kl_coef": 0.01,
     "ppo.vf_coef": 0.5,
     "ppo.adaptive_kl": False,
+    # Pinned (the demo's PPO takes 1.0 since 2026-11-27): the cosine decay to a tenth that this
+    # trend was measured with.
+    "ppo.min_lr_ratio": 0.1,
     "ppo.generation.max_new_tokens": 64,
     "ppo.generation.temperature": 0.7,
 }
