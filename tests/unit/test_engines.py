@@ -3,8 +3,10 @@ the sampling loop of ``rollout.py`` before the engines samples (a copy kept here
 and both return the log-probs a full forward gives the sampled tokens (temperature-scaled,
 without the top-p cut).
 
-Worked expectation: the engines draw from one generator with the same ``_next_tokens``, so for
-the same seed the tokens are equal; the static engine's logits differ from the dynamic cache's
+Worked expectation: the engines draw from one generator, the ``hf`` engine with
+``torch.multinomial`` (``_next_tokens``), the static one with the exponential race that
+``torch.multinomial`` itself runs for one sample (``_sample_with_noise``: the same draws to the
+bit), so for the same seed the tokens are equal; the static engine's logits differ from the dynamic cache's
 only in float rounding (attention over the whole reserved cache, the LM head on the last
 position only: about 5e-7 in the log-probs here), too little to move a multinomial draw in
 these seeds.
@@ -26,6 +28,10 @@ from trainer_core.engines import (
     Generated,
     HFEngine,
     StaticCacheEngine,
+    _exponential_noise,
+    _next_tokens,
+    _sample_with_noise,
+    _token_logprobs,
     _top_p_filter,
     build_engine,
 )
@@ -313,6 +319,51 @@ def test_static_decode_step_traces_as_one_graph(policy):
     assert engine._cache_key[2] == 128  # 7 + 12 rounded up to CACHE_LEN_MULTIPLE
     assert torch.equal(got.completion_ids, want.completion_ids)
     assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8), (0.0, 1.0)])
+def test_sample_with_noise_draws_what_multinomial_draws(temperature, top_p):
+    """The static engine's sampler against ``torch.multinomial`` (the ``hf`` engine's): from two
+    generators in the same state, the same tokens for every row of 40 draws (-inf logits
+    included), the generators in the same state after, and the log-probs of
+    ``_token_logprobs``."""
+    gen = _gen(temperature=temperature, top_p=top_p)
+    g_multinomial, g_race = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    data = torch.Generator().manual_seed(5)
+    for draw in range(40):
+        logits = torch.randn(8, 300, generator=data) * 4
+        if draw % 4 == 0:
+            logits[:, ::3] = float("-inf")
+        want = _next_tokens(logits, gen, g_multinomial)
+        noise = _exponential_noise(torch.empty(8, 300), g_race) if temperature > 0 else None
+        token, logprob = _sample_with_noise(logits, noise, temperature, top_p)
+        assert torch.equal(token, want), draw
+        assert torch.equal(logprob, _token_logprobs(logits, want, temperature))
+    assert torch.equal(g_multinomial.get_state(), g_race.get_state())
+
+
+def test_static_decode_step_compiles_with_inductor(policy):
+    """The decode step and the sampler compiled by inductor (CPU code, no CUDA graphs), as one
+    graph: the ``hf`` engine's tokens with temperature and top-p, log-probs within 1e-5."""
+    engine = StaticCacheEngine(policy, "cpu", compile=True, check_every=4, compile_options={"fullgraph": True})
+    gen = _gen(max_new_tokens=12, temperature=0.7, top_p=0.8)
+    want = _run(HFEngine(policy), gen, 2)
+    for _ in range(2):  # compile, then reuse the kept cache and noise buffer
+        got = _run(engine, gen, 2)
+        assert torch.equal(got.completion_ids, want.completion_ids)
+        assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+def test_static_engine_refuses_nan_logits():
+    """NaN logits (a broken policy) fail the call with a clear error, as ``torch.multinomial``
+    fails the ``hf`` engine's, instead of returning tokens drawn from nothing."""
+    model = _tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight[5] = float("nan")
+    with pytest.raises(RuntimeError, match="invalid probabilities"):
+        _run(StaticCacheEngine(model, "cpu"), _gen(max_new_tokens=4), 0)
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        _run(HFEngine(model), _gen(max_new_tokens=4), 0)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
