@@ -32,7 +32,8 @@ Engines (:data:`ENGINES`, chosen by ``generation.engine``):
   Unsharded policies only (single device, DDP). It serves the
   policy's own parameters (colocated): the optimizer updates them in place, at the addresses the
   CUDA graphs read, so ``load_weights`` of that same model costs nothing; a different model's
-  weights are copied into the engine's in place. ``release`` drops the KV cache.
+  weights are copied into the engine's in place. ``release`` drops the KV cache and the
+  sampler's noise buffer.
 
 Static cache, as transformers 5.x has it (checked 5.17 and 5.23, ``cache_utils.StaticLayer``):
 the model's forward takes no ``cache_position``; each layer writes the new keys at its own
@@ -48,11 +49,12 @@ extra steps after the last row ended sample padding (masked, trimmed from the re
 completions are the same, but the generator advances by up to ``CHECK_EVERY_STEPS - 1`` more
 draws than the ``hf`` engine's (still deterministic for a given engine, seed and device).
 
-Memory and CUDA graphs: ``release`` frees the cache tensors (back to PyTorch's allocator, for the
-update to use); the next call reserves a new cache, whose address may differ, and the CUDA graph
-trees then re-record the decode step once (``torch._dynamo.mark_static_address``, unguarded: a
-re-record, not a recompile). Under the trainer's ``autocast`` with fp32 weights the decode graph
-casts the weights to bf16 at every step; the bench runs bf16 weights.
+Memory and CUDA graphs: ``release`` frees the cache tensors and the noise buffer (back to
+PyTorch's allocator, for the update to use); the next call reserves new ones, whose addresses may
+differ, and the CUDA graph trees then re-record the decode step once
+(``torch._dynamo.mark_static_address``, unguarded: a re-record, not a recompile). Under the
+trainer's ``autocast`` with fp32 weights the decode graph casts the weights to bf16 at every step;
+the bench runs bf16 weights.
 
 A vLLM engine would drop in behind the same Protocol, not implemented here: a colocated
 ``vllm.LLM`` on the trainer's GPU (``enable_sleep_mode=True``, a ``gpu_memory_utilization``
@@ -71,6 +73,7 @@ resumed run does not sample the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,7 +173,7 @@ def _token_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tenso
 
 
 def _exponential_noise(noise: Tensor, generator: torch.Generator) -> Tensor:
-    """Fill [N, V] float32 ``noise`` with Exp(1) draws from ``generator`` (in place); it."""
+    """Fill [N, V] float32 ``noise`` with Exp(1) draws from ``generator``, in place, and return it."""
     return noise.exponential_(1.0, generator=generator)
 
 
@@ -183,8 +186,8 @@ def _sample_with_noise(logits: Tensor, noise: Tensor | None, temperature: float,
     ``multinomial_out`` fast path for one sample). Drawn by :func:`_exponential_noise` from the same
     generator, the tokens are :func:`_next_tokens`'s to the bit (a CPU test checks it), without
     multinomial's input checks, whose host reads would stall a CUDA graph's pipeline every step,
-    and as plain tensor maths it compiles into the decode step. Invalid probabilities (NaN logits)
-    are caught after the call (:meth:`StaticCacheEngine.generate`).
+    and as plain tensor maths it compiles into the decode step. Invalid probabilities (NaN or
+    infinite logits) show as NaN log-probs, caught after the call (:meth:`StaticCacheEngine.generate`).
     """
     logits = logits.float()
     if temperature <= 0:
@@ -325,6 +328,15 @@ def _is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, distributed) or hasattr(p, "ds_id") for p in model.parameters())
 
 
+def _constant_floats() -> contextlib.AbstractContextManager:
+    """A context in which dynamo traces float arguments as constants (``specialize_float``, where
+    this torch has it). By default a float argument becomes a graph input once a second value is
+    seen: a float64 CPU scalar tensor, and CUDA graphs skip a graph with a CPU input (torch 2.13's
+    ``VariableBuilder.wrap_unspecialized_primitive``)."""
+    config = torch._dynamo.config
+    return config.patch(specialize_float=True) if hasattr(config, "specialize_float") else contextlib.nullcontext()
+
+
 def _decode_and_sample(model: nn.Module, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
                        cache: Any, noise: Tensor | None, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
     """One decoding step ([N, 1] token and position, [N, L] mask) that writes its keys and values
@@ -349,8 +361,11 @@ class StaticCacheEngine:
     (:func:`_decode_and_sample`) also samples: the [N, V] float32 Exp(1) noise is drawn from the
     generator into a buffer kept with the cache, then the step turns it into tokens as
     ``torch.multinomial`` would (:func:`_sample_with_noise`). On an H100 (2026-11-27, Qwen2.5-0.5B
-    architecture in bf16, 128 x 256, ``bench/bench_generation.py``) this took the call from 42,886
-    to 49,876 tokens/s (``sdpa_grouped_decode`` had taken it from 21,369 to 40,608).
+    architecture in bf16, 128 x 256, ``bench/bench_generation.py``, one run on each of two
+    machines) the engine ran at 42,886 tokens/s before this and 49,876 after; in one process of the
+    first run, ``sdpa_grouped_decode`` ran at 40,608 against 21,369 with the copies
+    (``bench/GPU.md``). The sampling settings enter the graph as constants
+    (``specialize_float``): a float input would be a CPU tensor, which CUDA graphs do not take.
 
     Args:
         model: an HF causal LM, or a module holding one (``PolicyAndValue``, DDP): its parameters
@@ -365,8 +380,9 @@ class StaticCacheEngine:
 
     Raises:
         ValueError: a sharded policy (FSDP2, ZeRO-3), or ``check_every`` < 1.
-        RuntimeError: from :meth:`generate`, when it sampled from NaN logits (where the ``hf``
-            engine's ``torch.multinomial`` raises).
+        RuntimeError: from :meth:`generate`, when a sampled token's log-prob is NaN (NaN or
+            infinite logits, at any row), where the ``hf`` engine's ``torch.multinomial`` raises
+            when sampling (greedy, the ``hf`` engine returns the argmax and does not).
     """
 
     name = "static"
@@ -422,9 +438,13 @@ class StaticCacheEngine:
     def _step(self, token: Tensor, position: Tensor, attention: Tensor, cache: Any, noise: Tensor | None,
               gen: GenerationConfig) -> tuple[Tensor, Tensor]:
         """The next [N] tokens and their [N] log-probs after feeding [N] ``token`` at [N, 1] ``position``."""
-        if self.compiled:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        return self._decode(self.model, token[:, None], position, attention, cache, noise, gen.temperature, gen.top_p)
+        if not self.compiled:
+            return self._decode(self.model, token[:, None], position, attention, cache, noise, gen.temperature,
+                                gen.top_p)
+        torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        with _constant_floats():
+            return self._decode(self.model, token[:, None], position, attention, cache, noise, gen.temperature,
+                                gen.top_p)
 
     @torch.no_grad()
     def generate(
@@ -465,8 +485,8 @@ class StaticCacheEngine:
             next_position = next_position + 1
         result = done.result()
         if bool(result.logprobs.isnan().any()):
-            raise RuntimeError("the 'static' generation engine sampled from invalid probabilities (NaN logits): "
-                               "check the policy's weights and the generation settings")
+            raise RuntimeError("the 'static' generation engine sampled from invalid probabilities (NaN or infinite "
+                               "logits): check the policy's weights and the generation settings")
         return result
 
     def load_weights(self, model: nn.Module) -> None:

@@ -17,7 +17,8 @@ recorded from the loop and printed.
 Asserted: 2 iterations, ``memory/peak_bytes`` under 40 GiB, the time split present
 (``time/generation_s``, ``time/reward_s``, ``time/logprobs_s``, ``time/update_s``) and
 ``rollout/tokens_per_s`` positive. Run: ``python -m pytest tests/gpu/test_grpo_memory.py -m gpu -s``.
-Passed on one H100 80GB for both engines on 2026-11-26 (peak 10.58 GiB; ``bench/GPU.md``).
+Passed on one H100 80GB for both engines on 2026-11-26 (peak 10.58 GiB), and with ``static`` on
+2026-11-27 (10.57 GiB, sampling inside the CUDA graph; ``bench/GPU.md``).
 """
 
 from __future__ import annotations

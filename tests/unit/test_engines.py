@@ -31,7 +31,6 @@ from trainer_core.engines import (
     _exponential_noise,
     _next_tokens,
     _sample_with_noise,
-    _token_logprobs,
     _top_p_filter,
     build_engine,
 )
@@ -259,12 +258,16 @@ def test_static_engine_samples_what_hf_samples(policy, top_p):
     gen = _gen(top_p=top_p)
     static = StaticCacheEngine(policy, "cpu")
     assert not static.compiled and static.check_every == 1
+    ids, mask = _prompts("cpu")
     for seed in SEEDS:
-        want, got = _run(HFEngine(policy), gen, seed), _run(static, gen, seed)
+        g_hf, g_static = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        want = HFEngine(policy).generate(ids, mask, gen, eos_id=EOS, pad_id=PAD, generator=g_hf)
+        got = static.generate(ids, mask, gen, eos_id=EOS, pad_id=PAD, generator=g_static)
         _check_layout(got, gen.max_new_tokens)
         assert torch.equal(got.completion_ids, want.completion_ids)
         assert torch.equal(got.completion_mask, want.completion_mask)
         assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        assert torch.equal(g_static.get_state(), g_hf.get_state())  # as many draws: resumes continue alike
 
 
 def test_static_engine_checking_every_k_steps_trims_to_the_same_rows(policy):
@@ -285,7 +288,7 @@ def test_static_engine_release_then_generate_again(policy):
     kept = _run(engine, _gen(), 2)  # the same shape: the cache is reset and reused
     assert engine._cache is cache
     engine.release()
-    assert engine._cache is None
+    assert engine._cache is None and engine._noise is None
     again = _run(engine, _gen(), 2)
     assert engine._cache is not None and engine._cache is not cache
     for out in (kept, again):
@@ -338,7 +341,8 @@ def test_sample_with_noise_draws_what_multinomial_draws(temperature, top_p):
         noise = _exponential_noise(torch.empty(8, 300), g_race) if temperature > 0 else None
         token, logprob = _sample_with_noise(logits, noise, temperature, top_p)
         assert torch.equal(token, want), draw
-        assert torch.equal(logprob, _token_logprobs(logits, want, temperature))
+        scaled = logits / (temperature if temperature > 0 else 1.0)
+        assert torch.allclose(logprob, torch.log_softmax(scaled, dim=-1)[torch.arange(8), want], atol=1e-6, rtol=0)
     assert torch.equal(g_multinomial.get_state(), g_race.get_state())
 
 
@@ -348,22 +352,58 @@ def test_static_decode_step_compiles_with_inductor(policy):
     engine = StaticCacheEngine(policy, "cpu", compile=True, check_every=4, compile_options={"fullgraph": True})
     gen = _gen(max_new_tokens=12, temperature=0.7, top_p=0.8)
     want = _run(HFEngine(policy), gen, 2)
+    buffers = None
     for _ in range(2):  # compile, then reuse the kept cache and noise buffer
         got = _run(engine, gen, 2)
         assert torch.equal(got.completion_ids, want.completion_ids)
         assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        assert buffers is None or buffers == (engine._cache, engine._noise)
+        buffers = (engine._cache, engine._noise)
 
 
-def test_static_engine_refuses_nan_logits():
+def test_static_decode_step_takes_sampling_settings_as_constants(policy):
+    """Three sampling settings through one compiled engine: each traced graph takes no float
+    input. Without ``specialize_float``, dynamo turns a float argument into a float64 CPU scalar
+    tensor from its second value on (measured here with torch 2.13), and CUDA graphs skip a graph
+    with a CPU input. Each setting samples the ``hf`` engine's tokens."""
+    torch._dynamo.reset()
+    scalar_inputs: list[list] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        scalar_inputs.append([x for x in example_inputs if not isinstance(x, Tensor) or x.is_floating_point()
+                              and x.dim() == 0])
+        return gm.forward
+
+    engine = StaticCacheEngine(policy, "cpu", compile=True, compile_options={"backend": record, "fullgraph": True})
+    for temperature, top_p in [(0.7, 1.0), (0.9, 0.8), (1.1, 1.0)]:
+        gen = _gen(max_new_tokens=6, temperature=temperature, top_p=top_p)
+        assert torch.equal(_run(engine, gen, 3).completion_ids, _run(HFEngine(policy), gen, 3).completion_ids)
+    assert scalar_inputs == [[], [], []]
+
+
+@pytest.mark.parametrize("first_step", [True, False])
+def test_static_engine_refuses_nan_logits(first_step):
     """NaN logits (a broken policy) fail the call with a clear error, as ``torch.multinomial``
-    fails the ``hf`` engine's, instead of returning tokens drawn from nothing."""
+    fails the ``hf`` engine's, instead of returning tokens drawn from nothing: at the first token
+    (a NaN LM-head row: every step's logits), or in one row from a later decode step (a NaN
+    embedding for a token that row samples at step 3 and no prompt holds)."""
     model = _tiny_llama()
+    gen = _gen(max_new_tokens=8)
+    if first_step:
+        broken = (model.lm_head.weight, 5)
+    else:
+        clean = _run(StaticCacheEngine(model, "cpu"), gen, 0)
+        ids, _ = _prompts("cpu")
+        seen_before = set(ids.flatten().tolist()) | set(clean.completion_ids[:, :3].flatten().tolist())
+        row = next(r for r in range(ids.shape[0])
+                   if clean.completion_mask[r, 4] == 1 and int(clean.completion_ids[r, 3]) not in seen_before)
+        broken = (model.get_input_embeddings().weight, int(clean.completion_ids[row, 3]))
     with torch.no_grad():
-        model.lm_head.weight[5] = float("nan")
+        broken[0][broken[1]] = float("nan")
     with pytest.raises(RuntimeError, match="invalid probabilities"):
-        _run(StaticCacheEngine(model, "cpu"), _gen(max_new_tokens=4), 0)
+        _run(StaticCacheEngine(model, "cpu"), gen, 0)
     with pytest.raises(RuntimeError, match="probability tensor contains"):
-        _run(HFEngine(model), _gen(max_new_tokens=4), 0)
+        _run(HFEngine(model), gen, 0)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -442,7 +482,7 @@ def test_static_engine_refuses_a_sharded_policy():
         StaticCacheEngine(model, "cpu")
 
 
-# --- GPU (passed on one H100, 2026-11-26) --------------------------------------------------------
+# --- GPU (passed on one H100, 2026-11-26 and 2026-11-27) ----------------------------------------
 
 
 @pytest.mark.gpu
