@@ -83,6 +83,7 @@ import torch
 from torch import Tensor, nn
 
 from trainer_core.config import GenerationConfig
+from trainer_core.sampling import exponential_noise, next_tokens, sample_with_noise, token_logprobs
 from trainer_core.static_decode import grouped_decode_attention, typed_static_cache
 
 CHECK_EVERY_STEPS = 16
@@ -143,61 +144,6 @@ class GenerationEngine(Protocol):
         ...
 
 
-# --- sampling (the same draws as the loop before the engines) -------------------------------------------
-
-
-def _top_p_filter(logits: Tensor, top_p: float) -> Tensor:
-    """[N, V] logits with tokens outside the top-p nucleus set to -inf (the top token always stays)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def _next_tokens(logits: Tensor, gen: GenerationConfig, generator: torch.Generator) -> Tensor:
-    """[N] tokens drawn from [N, V] last-position logits (greedy when temperature is 0)."""
-    if gen.temperature <= 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(_top_p_filter(logits.float() / gen.temperature, gen.top_p), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def _token_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
-    """[N] float32 log-probs of ``tokens`` [N] under softmax(logits [N, V] / temperature), no top-p
-    cut (temperature 0 counts as 1)."""
-    scale = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits.float() / scale, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _exponential_noise(noise: Tensor, generator: torch.Generator) -> Tensor:
-    """Fill [N, V] float32 ``noise`` with Exp(1) draws from ``generator``, in place, and return it."""
-    return noise.exponential_(1.0, generator=generator)
-
-
-def _sample_with_noise(logits: Tensor, noise: Tensor | None, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
-    """[N] tokens sampled from [N, V] logits, with their [N] float32 log-probs (as
-    :func:`_token_logprobs`), given [N, V] float32 Exp(1) ``noise`` (None when greedy).
-
-    ``torch.multinomial(probs, 1)`` draws exactly this way: ``q = empty_like(probs).exponential_()``,
-    then ``argmax(probs / q)`` (the exponential race, i.e. the Gumbel-max trick; ATen's
-    ``multinomial_out`` fast path for one sample). Drawn by :func:`_exponential_noise` from the same
-    generator, the tokens are :func:`_next_tokens`'s to the bit (a CPU test checks it), without
-    multinomial's input checks, whose host reads would stall a CUDA graph's pipeline every step,
-    and as plain tensor maths it compiles into the decode step. Invalid probabilities (NaN or
-    infinite logits) show as NaN log-probs, caught after the call (:meth:`StaticCacheEngine.generate`).
-    """
-    logits = logits.float()
-    if temperature <= 0:
-        token = logits.argmax(dim=-1)
-    else:
-        probs = torch.softmax(_top_p_filter(logits / temperature, top_p), dim=-1)
-        token = (probs / noise).argmax(dim=-1)
-    return token, _token_logprobs(logits, token, temperature)
-
-
 class _Completions:
     """The tokens, masks and log-probs of a decoding loop, one step at a time."""
 
@@ -210,8 +156,8 @@ class _Completions:
     def sample(self, logits: Tensor, gen: GenerationConfig, generator: torch.Generator, eos_id: int,
                pad_id: int) -> Tensor:
         """Draw the next [N] tokens from [N, V] logits (``pad_id`` for rows that have ended)."""
-        token = _next_tokens(logits, gen, generator)
-        return self.add(token, _token_logprobs(logits, token, gen.temperature), eos_id, pad_id)
+        token = next_tokens(logits, gen, generator)
+        return self.add(token, token_logprobs(logits, token, gen.temperature), eos_id, pad_id)
 
     def add(self, token: Tensor, logprob: Tensor, eos_id: int, pad_id: int) -> Tensor:
         """Record sampled [N] tokens and their [N] float32 log-probs; the tokens as fed back
@@ -341,11 +287,11 @@ def _decode_and_sample(model: nn.Module, input_ids: Tensor, position_ids: Tensor
                        cache: Any, noise: Tensor | None, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
     """One decoding step ([N, 1] token and position, [N, L] mask) that writes its keys and values
     into the static ``cache`` and samples the next token with ``noise`` (see
-    :func:`_sample_with_noise`): ([N] tokens, [N] float32 log-probs). The compiled unit: the
+    :func:`trainer_core.sampling.sample_with_noise`): ([N] tokens, [N] float32 log-probs). The compiled unit: the
     forward and the sampling in one CUDA graph."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=cache, use_cache=True)
-    return _sample_with_noise(out.logits[:, -1, :], noise, temperature, top_p)
+    return sample_with_noise(out.logits[:, -1, :], noise, temperature, top_p)
 
 
 class StaticCacheEngine:
@@ -360,12 +306,9 @@ class StaticCacheEngine:
     ``bf16-mixed``, see :func:`trainer_core.static_decode.typed_static_cache`). Each decode step
     (:func:`_decode_and_sample`) also samples: the [N, V] float32 Exp(1) noise is drawn from the
     generator into a buffer kept with the cache, then the step turns it into tokens as
-    ``torch.multinomial`` would (:func:`_sample_with_noise`). On an H100 (2026-11-27, Qwen2.5-0.5B
-    architecture in bf16, 128 x 256, ``bench/bench_generation.py``, one run on each of two
-    machines) the engine ran at 42,886 tokens/s before this and 49,876 after; in one process of the
-    first run, ``sdpa_grouped_decode`` ran at 40,608 against 21,369 with the copies
-    (``bench/GPU.md``). The sampling settings enter the graph as constants
-    (``specialize_float``): a float input would be a CPU tensor, which CUDA graphs do not take.
+    ``torch.multinomial`` would (:func:`trainer_core.sampling.sample_with_noise`), the sampling
+    settings as constants (:func:`_constant_floats`). Measured on an H100 (``bench/GPU.md``,
+    2026-11-27): 42,886 tokens/s before in-graph sampling, 49,876 after (128 x 256, 0.5B, bf16).
 
     Args:
         model: an HF causal LM, or a module holding one (``PolicyAndValue``, DDP): its parameters
@@ -472,11 +415,11 @@ class StaticCacheEngine:
         noise = self._noise_for(logits) if sampling else None
 
         def draw() -> Tensor | None:
-            return _exponential_noise(noise, generator) if sampling else None
+            return exponential_noise(noise, generator) if sampling else None
 
         next_position = positions[:, -1:] + 1
         done = _Completions(num_rows, prompt_ids.device)
-        token = done.add(*_sample_with_noise(logits, draw(), gen.temperature, gen.top_p), eos_id, pad_id)
+        token = done.add(*sample_with_noise(logits, draw(), gen.temperature, gen.top_p), eos_id, pad_id)
         del logits
         for count in range(1, gen.max_new_tokens):  # count: tokens sampled so far
             if count % self.check_every == 0 and bool(done.finished.all()):

@@ -4,8 +4,8 @@ and both return the log-probs a full forward gives the sampled tokens (temperatu
 without the top-p cut).
 
 Worked expectation: the engines draw from one generator, the ``hf`` engine with
-``torch.multinomial`` (``_next_tokens``), the static one with the exponential race that
-``torch.multinomial`` itself runs for one sample (``_sample_with_noise``: the same draws to the
+``torch.multinomial`` (``next_tokens``), the static one with the exponential race that
+``torch.multinomial`` itself runs for one sample (``sample_with_noise``: the same draws to the
 bit), so for the same seed the tokens are equal; the static engine's logits differ from the dynamic cache's
 only in float rounding (attention over the whole reserved cache, the LM head on the last
 position only: about 5e-7 in the log-probs here), too little to move a multinomial draw in
@@ -28,12 +28,9 @@ from trainer_core.engines import (
     Generated,
     HFEngine,
     StaticCacheEngine,
-    _exponential_noise,
-    _next_tokens,
-    _sample_with_noise,
-    _top_p_filter,
     build_engine,
 )
+from trainer_core.sampling import exponential_noise, next_tokens, sample_with_noise, top_p_filter
 from trainer_core.static_decode import GROUPED_DECODE_ATTENTION, grouped_decode_attention, sdpa_grouped_decode
 
 PAD, EOS, VOCAB = 0, 1, 64
@@ -90,7 +87,7 @@ def _full_forward_logprobs(model, out: Generated, temperature: float, top_p: flo
         logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
     start = ids.shape[1] - 1
     scale = temperature if temperature > 0 else 1.0
-    log_p = torch.log_softmax(_top_p_filter(logits[:, start:-1].float() / scale, top_p), dim=-1)
+    log_p = torch.log_softmax(top_p_filter(logits[:, start:-1].float() / scale, top_p), dim=-1)
     return log_p.gather(-1, out.completion_ids[..., None]).squeeze(-1) * out.completion_mask
 
 
@@ -329,7 +326,7 @@ def test_sample_with_noise_draws_what_multinomial_draws(temperature, top_p):
     """The static engine's sampler against ``torch.multinomial`` (the ``hf`` engine's): from two
     generators in the same state, the same tokens for every row of 40 draws (-inf logits
     included), the generators in the same state after, and the log-probs of
-    ``_token_logprobs``."""
+    ``token_logprobs``."""
     gen = _gen(temperature=temperature, top_p=top_p)
     g_multinomial, g_race = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
     data = torch.Generator().manual_seed(5)
@@ -337,9 +334,9 @@ def test_sample_with_noise_draws_what_multinomial_draws(temperature, top_p):
         logits = torch.randn(8, 300, generator=data) * 4
         if draw % 4 == 0:
             logits[:, ::3] = float("-inf")
-        want = _next_tokens(logits, gen, g_multinomial)
-        noise = _exponential_noise(torch.empty(8, 300), g_race) if temperature > 0 else None
-        token, logprob = _sample_with_noise(logits, noise, temperature, top_p)
+        want = next_tokens(logits, gen, g_multinomial)
+        noise = exponential_noise(torch.empty(8, 300), g_race) if temperature > 0 else None
+        token, logprob = sample_with_noise(logits, noise, temperature, top_p)
         assert torch.equal(token, want), draw
         scaled = logits / (temperature if temperature > 0 else 1.0)
         assert torch.allclose(logprob, torch.log_softmax(scaled, dim=-1)[torch.arange(8), want], atol=1e-6, rtol=0)
