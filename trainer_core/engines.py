@@ -73,7 +73,6 @@ resumed run does not sample the same tokens.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -274,13 +273,14 @@ def _is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, distributed) or hasattr(p, "ds_id") for p in model.parameters())
 
 
-def _constant_floats() -> contextlib.AbstractContextManager:
-    """A context in which dynamo traces float arguments as constants (``specialize_float``, where
-    this torch has it). By default a float argument becomes a graph input once a second value is
-    seen: a float64 CPU scalar tensor, and CUDA graphs skip a graph with a CPU input (torch 2.13's
+def _floats_as_constants(compiled: Callable) -> Callable:
+    """``compiled`` (the compiled decode step) with dynamo tracing its float arguments as
+    constants (``specialize_float``, where this torch has it) at every call. By default a float
+    argument becomes a graph input once a second value is seen: a float64 CPU scalar tensor, and
+    CUDA graphs skip a graph with a CPU input (torch 2.13's
     ``VariableBuilder.wrap_unspecialized_primitive``)."""
     config = torch._dynamo.config
-    return config.patch(specialize_float=True) if hasattr(config, "specialize_float") else contextlib.nullcontext()
+    return config.patch(specialize_float=True)(compiled) if hasattr(config, "specialize_float") else compiled
 
 
 def _decode_and_sample(model: nn.Module, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
@@ -307,7 +307,7 @@ class StaticCacheEngine:
     (:func:`_decode_and_sample`) also samples: the [N, V] float32 Exp(1) noise is drawn from the
     generator into a buffer kept with the cache, then the step turns it into tokens as
     ``torch.multinomial`` would (:func:`trainer_core.sampling.sample_with_noise`), the sampling
-    settings as constants (:func:`_constant_floats`). Measured on an H100 (``bench/GPU.md``,
+    settings as constants (:func:`_floats_as_constants`). Measured on an H100 (``bench/GPU.md``,
     2026-11-27): 42,886 tokens/s before in-graph sampling, 49,876 after (128 x 256, 0.5B, bf16).
 
     Args:
@@ -343,7 +343,8 @@ class StaticCacheEngine:
         if self.check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {self.check_every}")
         options = compile_options or {"mode": "reduce-overhead", "fullgraph": True}
-        self._decode = torch.compile(_decode_and_sample, **options) if self.compiled else _decode_and_sample
+        self._decode = (_floats_as_constants(torch.compile(_decode_and_sample, **options)) if self.compiled
+                        else _decode_and_sample)
         self._cache: Any = None
         self._noise: Tensor | None = None
         self._cache_key: tuple | None = None
@@ -381,13 +382,9 @@ class StaticCacheEngine:
     def _step(self, token: Tensor, position: Tensor, attention: Tensor, cache: Any, noise: Tensor | None,
               gen: GenerationConfig) -> tuple[Tensor, Tensor]:
         """The next [N] tokens and their [N] log-probs after feeding [N] ``token`` at [N, 1] ``position``."""
-        if not self.compiled:
-            return self._decode(self.model, token[:, None], position, attention, cache, noise, gen.temperature,
-                                gen.top_p)
-        torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        with _constant_floats():
-            return self._decode(self.model, token[:, None], position, attention, cache, noise, gen.temperature,
-                                gen.top_p)
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        return self._decode(self.model, token[:, None], position, attention, cache, noise, gen.temperature, gen.top_p)
 
     @torch.no_grad()
     def generate(

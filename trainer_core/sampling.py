@@ -25,11 +25,18 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def sampling_probs(logits: Tensor, temperature: float, top_p: float) -> Tensor:
+    """[N, V] float32 probabilities the tokens are drawn from: softmax of the temperature-scaled,
+    top-p-filtered logits (``temperature`` > 0). One function for both samplers below, so that
+    they draw from the same bits."""
+    return torch.softmax(top_p_filter(logits.float() / temperature, top_p), dim=-1)
+
+
 def next_tokens(logits: Tensor, gen: GenerationConfig, generator: torch.Generator) -> Tensor:
     """[N] tokens drawn from [N, V] last-position logits (greedy when temperature is 0)."""
     if gen.temperature <= 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(top_p_filter(logits.float() / gen.temperature, gen.top_p), dim=-1)
+    probs = sampling_probs(logits, gen.temperature, gen.top_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -59,10 +66,8 @@ def sample_with_noise(logits: Tensor, noise: Tensor | None, temperature: float,
     infinite logits) show as NaN log-probs, caught after the call
     (:meth:`trainer_core.engines.StaticCacheEngine.generate`).
     """
-    logits = logits.float()
     if temperature <= 0:
         token = logits.argmax(dim=-1)
     else:
-        probs = torch.softmax(top_p_filter(logits / temperature, top_p), dim=-1)
-        token = (probs / noise).argmax(dim=-1)
+        token = (sampling_probs(logits, temperature, top_p) / noise).argmax(dim=-1)
     return token, token_logprobs(logits, token, temperature)
