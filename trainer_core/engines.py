@@ -23,38 +23,30 @@ Engines (:data:`ENGINES`, chosen by ``generation.engine``):
   nothing between calls; ``load_weights`` just points it at the module it is given (the policy
   being trained: nothing is copied), ``release`` does nothing.
 - ``static`` (:class:`StaticCacheEngine`): a transformers ``StaticCache`` of [N, L] reserved up
-  front, one batched prefill of every prompt, then one token per step with the full-length 2D
-  attention mask prepared once. On CUDA (or with ``compile=True``) the decode step is
-  ``torch.compile(mode="reduce-overhead", fullgraph=True)``: CUDA graphs replay each step with
-  no per-kernel launch overhead, and the step samples the next token inside the graph (the
-  exponential race that ``torch.multinomial`` runs, fed Exp(1) noise drawn from the generator
-  before each step: the same draws, without multinomial's per-step host reads).
-  Unsharded policies only (single device, DDP). It serves the
-  policy's own parameters (colocated): the optimizer updates them in place, at the addresses the
-  CUDA graphs read, so ``load_weights`` of that same model costs nothing; a different model's
-  weights are copied into the engine's in place. ``release`` drops the KV cache and the
-  sampler's noise buffer.
+  front, one batched prefill of every prompt, then one token per decode step: the forward with
+  fused q/k/v and gate/up projections and grouped-KV attention (``trainer_core.static_decode``),
+  and the sampling (the exponential race that ``torch.multinomial`` runs, fed Exp(1) noise drawn
+  from the generator: the same draws, without multinomial's host reads), compiled by
+  ``torch.compile(fullgraph=True)`` on CUDA; the loop's bookkeeping lives in tensors at fixed
+  addresses, so on CUDA the whole step is captured once per call as one CUDA graph and replayed
+  per token. Unsharded policies only (single device, DDP). It serves the policy's own parameters
+  (colocated): the optimizer updates them in place, at the addresses the graph reads, so
+  ``load_weights`` of that same model costs nothing (the fused projections are refreshed from
+  them at each call); a different model's weights are copied into the engine's in place.
+  ``release`` drops the cache, the buffers, the fused weights and the graph; the next call
+  reserves them and captures again (a capture, not a recompile).
 
-Static cache, as transformers 5.x has it (checked 5.17 and 5.23, ``cache_utils.StaticLayer``):
-the model's forward takes no ``cache_position``; each layer writes the new keys at its own
-``cumulative_length`` tensor and advances it in place (a tensor at a static address, so it can
-live inside a CUDA graph); the mask covers the whole cache (``get_mask_sizes`` returns L) and
-causality hides the slots not written yet. ``generate(cache_implementation="static")`` works the
-same way, with the mask built outside its compiled call; here it is built inside (a traced
-``q_offset`` tensor, one graph per step).
+Static cache, as transformers 5.x has it (checked 5.17 and 5.24, ``cache_utils.StaticLayer``):
+each layer writes the new keys at its own ``cumulative_length`` tensor and advances it in place,
+so a step has no host state; the mask covers the whole cache and causality hides the slots not
+written yet.
 
-Stopping on CUDA graphs: reading "have all rows ended?" on the host waits for the device, once
-per token. With a compiled step the loop asks only every :data:`CHECK_EVERY_STEPS` steps; the
-extra steps after the last row ended sample padding (masked, trimmed from the result), so the
-completions are the same, but the generator advances by up to ``CHECK_EVERY_STEPS - 1`` more
-draws than the ``hf`` engine's (still deterministic for a given engine, seed and device).
-
-Memory and CUDA graphs: ``release`` frees the cache tensors and the noise buffer (back to
-PyTorch's allocator, for the update to use); the next call reserves new ones, whose addresses may
-differ, and the CUDA graph trees then re-record the decode step once
-(``torch._dynamo.mark_static_address``, unguarded: a re-record, not a recompile). Under the
-trainer's ``autocast`` with fp32 weights the decode graph casts the weights to bf16 at every step;
-the bench runs bf16 weights.
+Stopping: reading "have all rows ended?" on the host waits for the device. With a compiled step
+on CUDA the loop asks only every :data:`CHECK_EVERY_STEPS` steps; the extra steps after the last
+row ended sample padding (masked, trimmed), so the completions are the same, but the generator
+advances by up to ``CHECK_EVERY_STEPS - 1`` more draws than the ``hf`` engine's (deterministic for
+a given engine, seed and device). Under the trainer's ``autocast`` with fp32 weights the step
+casts the weights to bf16 at every token; the bench runs bf16 weights.
 
 A vLLM engine would drop in behind the same Protocol, not implemented here: a colocated
 ``vllm.LLM`` on the trainer's GPU (``enable_sleep_mode=True``, a ``gpu_memory_utilization``
@@ -73,6 +65,8 @@ resumed run does not sample the same tokens.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,7 +77,17 @@ from torch import Tensor, nn
 
 from trainer_core.config import GenerationConfig
 from trainer_core.sampling import exponential_noise, next_tokens, sample_with_noise, token_logprobs
-from trainer_core.static_decode import grouped_decode_attention, typed_static_cache
+from trainer_core.static_decode import (
+    DecodeGraph,
+    DecodeState,
+    FusedProjections,
+    causal_lm,
+    decode_and_sample,
+    floats_as_constants,
+    grouped_decode_attention,
+    is_sharded,
+    typed_static_cache,
+)
 
 CHECK_EVERY_STEPS = 16
 """Decode steps between "all rows ended?" host reads with a compiled (CUDA-graph) decode step."""
@@ -249,80 +253,39 @@ class HFEngine:
 # --- static: a static KV cache, a compiled decode step -------------------------------------------
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The HF causal LM inside DDP / a DeepSpeed engine (``.module``) or ``PolicyAndValue`` (``.policy``)."""
-    from transformers import PreTrainedModel
-
-    while not isinstance(model, PreTrainedModel):
-        inner = getattr(model, "module", None)
-        inner = inner if isinstance(inner, nn.Module) else getattr(model, "policy", None)
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    return model
-
-
-def _is_sharded(model: nn.Module) -> bool:
-    """Whether ``model``'s parameters are sharded: FSDP2 (``DTensor``) or ZeRO-3 (``ds_id``)."""
-    try:
-        from torch.distributed.tensor import DTensor
-
-        distributed: tuple[type, ...] = (DTensor,)
-    except ImportError:  # a build without torch.distributed
-        distributed = ()
-    return any(isinstance(p, distributed) or hasattr(p, "ds_id") for p in model.parameters())
-
-
-def _floats_as_constants(compiled: Callable) -> Callable:
-    """``compiled`` (the compiled decode step) with dynamo tracing its float arguments as
-    constants (``specialize_float``, where this torch has it) at every call. By default a float
-    argument becomes a graph input once a second value is seen: a float64 CPU scalar tensor, and
-    CUDA graphs skip a graph with a CPU input (torch 2.13's
-    ``VariableBuilder.wrap_unspecialized_primitive``)."""
-    config = torch._dynamo.config
-    return config.patch(specialize_float=True)(compiled) if hasattr(config, "specialize_float") else compiled
-
-
-def _decode_and_sample(model: nn.Module, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
-                       cache: Any, noise: Tensor | None, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
-    """One decoding step ([N, 1] token and position, [N, L] mask) that writes its keys and values
-    into the static ``cache`` and samples the next token with ``noise`` (see
-    :func:`trainer_core.sampling.sample_with_noise`): ([N] tokens, [N] float32 log-probs). The compiled unit: the
-    forward and the sampling in one CUDA graph."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True)
-    return sample_with_noise(out.logits[:, -1, :], noise, temperature, top_p)
-
-
 class StaticCacheEngine:
-    """A static KV cache reserved once per call, batched prefill, and a (compiled) decode step.
+    """A static KV cache reserved once per call, batched prefill, and a (compiled) decode step
+    that runs as one CUDA graph on CUDA.
 
     On CPU in fp32 with ``compile`` off it samples the same tokens as :class:`HFEngine` (and
     log-probs equal within 1e-5): the same draws from the same generator, logits that differ only
     in float rounding (attention over the whole cache, the LM head on the last position only).
-    While it generates, an ``sdpa`` model attends with
-    :func:`trainer_core.static_decode.sdpa_grouped_decode` (no copies of
-    grouped KV heads); its keys and values are cached in one dtype (autocast's under
-    ``bf16-mixed``, see :func:`trainer_core.static_decode.typed_static_cache`). Each decode step
-    (:func:`_decode_and_sample`) also samples: the [N, V] float32 Exp(1) noise is drawn from the
-    generator into a buffer kept with the cache, then the step turns it into tokens as
-    ``torch.multinomial`` would (:func:`trainer_core.sampling.sample_with_noise`), the sampling
-    settings as constants (:func:`_floats_as_constants`). Measured on an H100 (``bench/GPU.md``,
-    2026-11-27): 42,886 tokens/s before in-graph sampling, 49,876 after (128 x 256, 0.5B, bf16).
+    The pieces are in :mod:`trainer_core.static_decode`: grouped-KV attention, fused q/k/v and
+    gate/up projections, a cache of one dtype, the step (``decode_and_sample``: the forward,
+    then the tokens as ``torch.multinomial`` draws them from Exp(1) noise drawn into a buffer
+    kept with the cache), its bookkeeping (``DecodeState``) and its CUDA graph (``DecodeGraph``).
+    Measured on an H100 (``bench/GPU.md``, 2026-11-27; 128 x 256, 0.5B, bf16): 46,231 tokens/s with
+    torch's CUDA graph trees per compiled step, 50,371 with the step as one graph, 54,666 with
+    the projections fused too.
 
     Args:
         model: an HF causal LM, or a module holding one (``PolicyAndValue``, DDP): its parameters
             are served as they are (colocated).
         device: the model's device.
-        compile: compile the decode step with ``torch.compile(mode="reduce-overhead",
-            fullgraph=True)`` (CUDA graphs); None: on CUDA only.
+        compile: compile the decode step with ``torch.compile`` (``compile_options``); None: on
+            CUDA only.
         check_every: decode steps between checks that every row has ended; None:
             :data:`CHECK_EVERY_STEPS` with a compiled step on CUDA, else 1.
-        compile_options: ``torch.compile`` keywords replacing the default (tests trace the
-            step on CPU with ``{"backend": "eager", "fullgraph": True}``).
+        compile_options: ``torch.compile`` keywords; default ``{"fullgraph": True}`` (tests trace
+            the step on CPU with ``{"backend": "eager", "fullgraph": True}``).
+        cuda_graph: capture the step as one CUDA graph; None: on CUDA with a compiled step (and a
+            torch with ``CUDAGraph.register_generator_state``); False: launch it per token.
+        fuse_projections: fuse the q/k/v and gate/up projections while generating (their weights
+            held once more until :meth:`release`).
 
     Raises:
-        ValueError: a sharded policy (FSDP2, ZeRO-3), or ``check_every`` < 1.
+        ValueError: a sharded policy (FSDP2, ZeRO-3), ``check_every`` < 1, or ``cuda_graph``
+            without CUDA or without a compiled step.
         RuntimeError: from :meth:`generate`, when a sampled token's log-prob is NaN (NaN or
             infinite logits, at any row), where the ``hf`` engine's ``torch.multinomial`` raises
             when sampling (greedy, the ``hf`` engine returns the argmax and does not).
@@ -331,23 +294,33 @@ class StaticCacheEngine:
     name = "static"
 
     def __init__(self, model: nn.Module, device: torch.device | str, compile: bool | None = None, *,
-                 check_every: int | None = None, compile_options: dict[str, Any] | None = None) -> None:
-        self.model = _causal_lm(model)
-        if _is_sharded(self.model):
+                 check_every: int | None = None, compile_options: dict[str, Any] | None = None,
+                 cuda_graph: bool | None = None, fuse_projections: bool = True) -> None:
+        self.model = causal_lm(model)
+        if is_sharded(self.model):
             raise ValueError("the 'static' generation engine needs an unsharded policy (single device or DDP); "
                              "with FSDP2 or ZeRO-3 use engine 'hf'")
         self.device = torch.device(device)
         self.compiled = self.device.type == "cuda" if compile is None else compile
         graphs = self.compiled and self.device.type == "cuda"
+        capturable = graphs and hasattr(torch.cuda.CUDAGraph, "register_generator_state")  # torch >= 2.5
+        self.cuda_graph = capturable if cuda_graph is None else cuda_graph
+        if self.cuda_graph and not graphs:
+            raise ValueError("cuda_graph needs a CUDA device and a compiled decode step")
         self.check_every = check_every if check_every is not None else (CHECK_EVERY_STEPS if graphs else 1)
         if self.check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {self.check_every}")
-        options = compile_options or {"mode": "reduce-overhead", "fullgraph": True}
-        self._decode = (_floats_as_constants(torch.compile(_decode_and_sample, **options)) if self.compiled
-                        else _decode_and_sample)
+        options = compile_options or {"fullgraph": True}
+        self._decode = (floats_as_constants(torch.compile(decode_and_sample, **options)) if self.compiled
+                        else decode_and_sample)
         self._cache: Any = None
+        self._state: DecodeState | None = None
         self._noise: Tensor | None = None
         self._cache_key: tuple | None = None
+        self._graph: DecodeGraph | None = None
+        self._graph_key: tuple | None = None
+        self.fuse_projections = fuse_projections
+        self._fused: FusedProjections | None = None
 
     def _kv_dtype(self) -> torch.dtype:
         """The dtype the keys and values will have: autocast's, else the model's."""
@@ -355,36 +328,54 @@ class StaticCacheEngine:
             return torch.get_autocast_dtype(self.device.type)
         return next(self.model.parameters()).dtype
 
-    def _reserve(self, num_rows: int, length: int) -> Any:
-        """A reset ``StaticCache`` of ``num_rows`` x at least ``length`` tokens: the one kept from
-        the last call when it fits (same rows and dtype, long enough), else a new one."""
+    def _reserve(self, num_rows: int, length: int, max_new_tokens: int) -> tuple[Any, DecodeState]:
+        """A reset ``StaticCache`` of ``num_rows`` x at least ``length`` tokens and a
+        :class:`DecodeState` for at least ``max_new_tokens`` tokens: those kept from the last call
+        when they fit (same rows and dtype, long enough), else new ones."""
         if self.compiled:
             length = math.ceil(length / CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE
         key = (num_rows, self._kv_dtype())
         kept = self._cache_key
-        if self._cache is not None and kept is not None and kept[:2] == key and kept[2] >= length:
+        if self._cache is not None and kept is not None and kept[:2] == key and kept[2] >= length \
+                and kept[3] >= max_new_tokens:
             self._cache.reset()
-            return self._cache
-        self.release()
+            return self._cache, self._state
+        self._drop_buffers()
         self._cache = typed_static_cache(self.model.config, length, key[1])
-        self._cache_key = (*key, length)
-        return self._cache
+        self._state = DecodeState(num_rows, length, max_new_tokens, self.device)
+        self._cache_key = (*key, length, max_new_tokens)
+        return self._cache, self._state
 
     def _noise_for(self, logits: Tensor) -> Tensor:
         """The [N, V] float32 buffer of the sampler's Exp(1) draws for ``logits`` [N, V]: one per
-        cache, at a static address (the CUDA graph reads it in place; refilled before each step)."""
+        cache, at a fixed address (the CUDA graph reads it in place; refilled before each step)."""
         if self._noise is None or self._noise.shape != logits.shape or self._noise.device != logits.device:
+            self._graph = None  # it read the old buffer
             self._noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-            if self.compiled:
-                torch._dynamo.mark_static_address(self._noise)
         return self._noise
 
-    def _step(self, token: Tensor, position: Tensor, attention: Tensor, cache: Any, noise: Tensor | None,
-              gen: GenerationConfig) -> tuple[Tensor, Tensor]:
-        """The next [N] tokens and their [N] log-probs after feeding [N] ``token`` at [N, 1] ``position``."""
-        if self.compiled:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        return self._decode(self.model, token[:, None], position, attention, cache, noise, gen.temperature, gen.top_p)
+    def _decode_step(self, state: DecodeState, cache: Any, noise: Tensor | None, gen: GenerationConfig,
+                     eos_id: int, pad_id: int, generator: torch.Generator) -> None:
+        """One token: draw the noise, feed ``state.token``, sample, record (all device work)."""
+        if noise is not None:
+            exponential_noise(noise, generator)
+        token, logprob = self._decode(self.model, state.token[:, None], state.position, state.attention, cache,
+                                      noise, gen.temperature, gen.top_p)
+        state.record(token, logprob, eos_id, pad_id)
+
+    def _advance(self, step: Callable[[], None], key: tuple, generator: torch.Generator | None) -> None:
+        """Run ``step``: a replay of its CUDA graph when one was captured for ``key``; else run it,
+        then (with ``cuda_graph``) capture it for the next tokens."""
+        if not self.cuda_graph:
+            step()
+            return
+        if self._graph is not None and self._graph_key == key:
+            self._graph.replay()
+            return
+        step()  # this token, run as it is (compiles on the first call): the capture's warm-up
+        self._graph = None
+        self._graph = DecodeGraph(step, generator)
+        self._graph_key = key
 
     @torch.no_grad()
     def generate(
@@ -392,42 +383,50 @@ class StaticCacheEngine:
         generator: torch.Generator,
     ) -> Generated:
         """See :meth:`GenerationEngine.generate`."""
-        with grouped_decode_attention(self.model):
+        with grouped_decode_attention(self.model), self._projections():
             return self._generate(prompt_ids, prompt_mask, gen, eos_id, pad_id, generator)
+
+    def _projections(self) -> contextlib.AbstractContextManager:
+        """The fused projections (:class:`trainer_core.static_decode.FusedProjections`), with
+        the policy's current weights, installed; kept until :meth:`release`."""
+        if not self.fuse_projections:
+            return contextlib.nullcontext()
+        if self._fused is None:
+            self._graph = None  # it read other weights
+            self._fused = FusedProjections(self.model)
+        else:
+            self._fused.refresh()
+        return self._fused.installed()
 
     def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
                   generator: torch.Generator) -> Generated:
         num_rows, prompt_len = prompt_ids.shape
-        cache = self._reserve(num_rows, prompt_len + gen.max_new_tokens)
-        length = self._cache_key[2]
-        attention = torch.zeros(num_rows, length, dtype=torch.long, device=prompt_ids.device)  # [N, L]
-        attention[:, :prompt_len] = prompt_mask.long()
-        attention[:, prompt_len : prompt_len + gen.max_new_tokens] = 1
+        cache, state = self._reserve(num_rows, prompt_len + gen.max_new_tokens, gen.max_new_tokens)
         positions = _prompt_positions(prompt_mask)
-        out = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
+        state.start(prompt_mask, gen.max_new_tokens, positions[:, -1:])
+        out = self.model(input_ids=prompt_ids, attention_mask=state.attention, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :]
         del out
         sampling = gen.temperature > 0
         noise = self._noise_for(logits) if sampling else None
-
-        def draw() -> Tensor | None:
-            return exponential_noise(noise, generator) if sampling else None
-
-        next_position = positions[:, -1:] + 1
-        done = _Completions(num_rows, prompt_ids.device)
-        token = done.add(*sample_with_noise(logits, draw(), gen.temperature, gen.top_p), eos_id, pad_id)
+        if noise is not None:
+            exponential_noise(noise, generator)
+        state.record(*sample_with_noise(logits, noise, gen.temperature, gen.top_p), eos_id, pad_id)
         del logits
+        step = functools.partial(self._decode_step, state, cache, noise, gen, eos_id, pad_id, generator)
+        key = (gen.temperature, gen.top_p, eos_id, pad_id, generator if sampling else None)
+        columns = 1
         for count in range(1, gen.max_new_tokens):  # count: tokens sampled so far
-            if count % self.check_every == 0 and bool(done.finished.all()):
+            if count % self.check_every == 0 and bool(state.finished.all()):
                 break
-            token = done.add(*self._step(token, next_position, attention, cache, draw(), gen), eos_id, pad_id)
-            next_position = next_position + 1
-        result = done.result()
-        if bool(result.logprobs.isnan().any()):
+            self._advance(step, key, generator if sampling else None)
+            columns += 1
+        ids, mask, logprobs = state.result(columns)
+        if bool(logprobs.isnan().any()):
             raise RuntimeError("the 'static' generation engine sampled from invalid probabilities (NaN or infinite "
                                "logits): check the policy's weights and the generation settings")
-        return result
+        return Generated(ids, mask, logprobs)
 
     def load_weights(self, model: nn.Module) -> None:
         """Serve ``model``'s weights: nothing to do when it is (or holds) the engine's own model,
@@ -437,19 +436,24 @@ class StaticCacheEngine:
         Raises:
             ValueError: ``model`` is sharded (FSDP2, ZeRO-3).
         """
-        source = _causal_lm(model)
+        source = causal_lm(model)
         if source is self.model:
             return
-        if _is_sharded(source):
+        if is_sharded(source):
             raise ValueError("the 'static' generation engine cannot load a sharded policy's weights; use engine 'hf'")
         self.model.load_state_dict(source.state_dict())
 
     def release(self) -> None:
-        """Drop the KV cache and the sampler's noise buffer (their memory goes back to PyTorch's
-        allocator); the next call reserves them again."""
-        self._cache = None
-        self._cache_key = None
-        self._noise = None
+        """Drop the KV cache, the decoding buffers, the sampler's noise buffer, the fused
+        projections and the captured CUDA graph (their memory goes back to PyTorch's allocator);
+        the next call reserves them again."""
+        self._fused = None
+        self._drop_buffers()
+
+    def _drop_buffers(self) -> None:
+        """Drop what the captured graph reads, the graph first."""
+        self._graph = self._graph_key = None
+        self._cache = self._state = self._cache_key = self._noise = None
 
 
 # --- registry ------------------------------------------------------------------------------------

@@ -28,10 +28,17 @@ from trainer_core.engines import (
     Generated,
     HFEngine,
     StaticCacheEngine,
+    _Completions,
     build_engine,
 )
 from trainer_core.sampling import exponential_noise, next_tokens, sample_with_noise, top_p_filter
-from trainer_core.static_decode import GROUPED_DECODE_ATTENTION, grouped_decode_attention, sdpa_grouped_decode
+from trainer_core.static_decode import (
+    GROUPED_DECODE_ATTENTION,
+    DecodeState,
+    FusedProjections,
+    grouped_decode_attention,
+    sdpa_grouped_decode,
+)
 
 PAD, EOS, VOCAB = 0, 1, 64
 PROMPT_LENGTHS = (3, 7, 5, 1, 7, 2)
@@ -277,6 +284,113 @@ def test_static_engine_checking_every_k_steps_trims_to_the_same_rows(policy):
         assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
 
 
+def test_static_engine_cuda_graph_needs_cuda_and_a_compiled_step(policy):
+    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
+        StaticCacheEngine(policy, "cpu", compile=True, cuda_graph=True)
+    assert not StaticCacheEngine(policy, "cpu", compile=True).cuda_graph
+
+
+def test_decode_state_records_as_completions_do():
+    """The static engine's in-place bookkeeping (:class:`DecodeState`) against the hf engine's
+    lists (``_Completions``): the same tokens fed back, masks, log-probs and layout, for rows that
+    end at different steps, through a second call on the same buffers."""
+    torch.manual_seed(0)
+    rows, steps = 5, 7
+    state = DecodeState(rows, 16, steps + 2, torch.device("cpu"))
+    for call in range(2):
+        done = _Completions(rows, torch.device("cpu"))
+        state.start(torch.ones(rows, 3), steps, torch.full((rows, 1), 2))
+        for step in range(steps):
+            token = torch.randint(0, 4, (rows,))  # EOS (1) often
+            logprob = -torch.rand(rows)
+            fed = done.add(token, logprob, EOS, PAD)
+            state.record(token, logprob, EOS, PAD)
+            assert torch.equal(state.token, fed) and torch.equal(state.finished, done.finished)
+            assert state.position.flatten().tolist() == [3 + step] * rows
+        want = done.result()
+        ids, mask, logprobs = state.result(steps)
+        assert torch.equal(ids, want.completion_ids) and torch.equal(mask, want.completion_mask)
+        assert torch.equal(logprobs, want.logprobs)
+        assert int(state.column) == steps and state.attention[:, 3 : 3 + steps].all() and not state.attention[:, 10:].any()
+
+
+def _tiny(kind: str) -> torch.nn.Module:
+    """A tiny seeded model of ``kind`` ("qwen2": q/k/v biases; "qwen3": q/k norms), fp32, eval."""
+    from transformers import Qwen2Config, Qwen3Config
+
+    torch.manual_seed(0)
+    sizes = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+             "pad_token_id": PAD, "eos_token_id": EOS}
+    config = Qwen2Config(**sizes) if kind == "qwen2" else Qwen3Config(**sizes, head_dim=8)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+class _WrappedLinear(nn.Linear):
+    """Stands for a LoRA-wrapped or quantised projection: not a plain ``nn.Linear``."""
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fused_projections_compute_the_unfused_forward(kind):
+    """q/k/v (with Qwen2's biases, Qwen3's q/k norms) and gate/up as one GEMM each: the model's
+    logits within fp32 rounding, weights updated after the fusion picked up by ``refresh``, the
+    class forwards back on the way out, and a projection that is not a plain ``nn.Linear`` (LoRA,
+    quantised) left unfused."""
+    model = _tiny_llama() if kind == "llama" else _tiny(kind)
+    ids, mask = _prompts()
+    fused = FusedProjections(model)
+    assert len(fused.layers) == 4  # 2 attention + 2 MLP layers
+    assert all(w.data_ptr() != p.weight.data_ptr() for w, (_, parts) in zip(fused.weights, fused.layers)
+               for p in parts)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)  # an optimizer step after the fusion
+        model.model.layers[1].self_attn.k_proj.weight.add_(0.1)
+        want = model(input_ids=ids, attention_mask=mask.long()).logits
+        fused.refresh()
+        with fused.installed():
+            assert "forward" in vars(model.model.layers[0].mlp)
+            got = model(input_ids=ids, attention_mask=mask.long()).logits
+        assert not any("forward" in vars(m) for m, _ in fused.layers)
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+        stale = FusedProjections(model)
+        model.model.layers[0].mlp.up_proj.weight.mul_(2.0)
+        assert not torch.allclose(model(input_ids=ids, attention_mask=mask.long()).logits, want, atol=1e-3, rtol=0)
+        with stale.installed():  # the fused copies, not the live weights: only refresh updates them
+            assert torch.allclose(model(input_ids=ids, attention_mask=mask.long()).logits, want, atol=1e-5, rtol=0)
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = _WrappedLinear(attention.q_proj.in_features, attention.q_proj.out_features,
+                                      bias=attention.q_proj.bias is not None)
+    assert len(FusedProjections(model).layers) == 3
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_static_engine_with_fused_projections_samples_what_hf_samples(kind):
+    model = _tiny(kind)
+    gen = _gen(max_new_tokens=12)
+    for seed in range(2):
+        want = _run(HFEngine(model), gen, seed)
+        got = _run(StaticCacheEngine(model, "cpu"), gen, seed)
+        assert torch.equal(got.completion_ids, want.completion_ids)
+        assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+def test_static_engine_keeps_fused_projections_until_release(policy):
+    """A new cache (more rows) keeps the fused weights (a captured graph reads them), refreshed
+    each call; ``release`` drops them; ``fuse_projections=False`` never makes them."""
+    engine = StaticCacheEngine(policy, "cpu")
+    _run(engine, _gen(), 0)
+    fused = engine._fused
+    assert fused is not None and not any("forward" in vars(m) for m, _ in fused.layers)
+    ids, mask = _prompts()
+    engine.generate(ids[:3], mask[:3], _gen(), eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0))
+    assert engine._fused is fused and engine._cache_key[0] == 3
+    engine.release()
+    assert engine._fused is None and engine._state is None and engine._graph is None
+    plain = StaticCacheEngine(policy, "cpu", fuse_projections=False)
+    assert torch.equal(_run(plain, _gen(), 0).completion_ids, _run(engine, _gen(), 0).completion_ids)
+    assert plain._fused is None
+
+
 def test_static_engine_release_then_generate_again(policy):
     engine = StaticCacheEngine(policy, "cpu")
     first = _run(engine, _gen(), 2)
@@ -501,4 +615,35 @@ def test_static_engine_compiled_on_cuda_in_bf16():
         assert diff.max().item() < max(0.1, 2 * hf_diff), (call, diff.max().item(), hf_diff)
         if call == 1:
             static.release()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.9, 0.0])
+def test_static_engine_cuda_graph_replays_the_compiled_step(temperature):
+    """The decode step captured once per call as a CUDA graph and replayed per token, against the
+    same compiled step launched per token without a graph: the same kernels, so the same tokens
+    and log-probs to the bit, and the generator in the same state after (each replay draws the
+    noise a launched step draws), over a new cache, the kept one, and a release (re-capture)."""
+    model = _tiny_llama(dtype=torch.bfloat16).cuda()
+    gen = _gen(max_new_tokens=40, temperature=temperature)
+    graph = StaticCacheEngine(model, "cuda")
+    launched = StaticCacheEngine(model, "cuda", cuda_graph=False, compile_options={"fullgraph": True})
+    assert graph.cuda_graph and not launched.cuda_graph
+    ids, mask = _prompts("cuda")
+    for call in range(3):
+        outs, states = [], []
+        for engine in (graph, launched):
+            generator = torch.Generator(device="cuda").manual_seed(call)
+            outs.append(engine.generate(ids, mask, gen, eos_id=EOS, pad_id=PAD, generator=generator))
+            states.append(generator.get_state())
+        assert graph._graph is not None
+        _check_layout(outs[0], gen.max_new_tokens)
+        assert torch.equal(outs[0].completion_ids, outs[1].completion_ids), call
+        assert torch.equal(outs[0].logprobs, outs[1].logprobs), call
+        assert torch.equal(states[0], states[1]), call
+        if call == 1:
+            graph.release()
+            assert graph._graph is None
     torch.cuda.synchronize()
