@@ -19,7 +19,7 @@ batched prefill, on CUDA a CUDA-graph decode step checked for "all ended" every 
 ``generate`` (``model.generate(do_sample=True)`` with its default dynamic cache) and, on request,
 ``generate_static`` (``cache_implementation="static"``, which ``generate`` compiles on CUDA).
 Each engine call is made as the RL loop makes it: ``load_weights`` before, ``release`` after (so
-the static engine reserves its cache, and re-records its CUDA graph, in every timed call; with
+the static engine reserves its cache, and captures its CUDA graph again, in every timed call; with
 ``--keep-cache`` it keeps both).
 
 Measured per side: ``--warmup`` untimed calls (compilation and CUDA-graph recording happen

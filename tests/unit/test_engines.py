@@ -601,7 +601,7 @@ def test_static_engine_refuses_a_sharded_policy():
 def test_static_engine_compiled_on_cuda_in_bf16():
     """The CUDA-graph decode step in bf16: each engine's log-probs against a full bf16 forward of
     its own tokens (tokens may part ways between engines: bf16 kernels differ), within a bf16
-    tolerance, over two calls (record, replay) and a release (re-record)."""
+    tolerance, over two calls (capture, replay) and a release (capture again)."""
     model = _tiny_llama(dtype=torch.bfloat16).cuda()
     gen = _gen(max_new_tokens=40)
     static = StaticCacheEngine(model, "cuda")
