@@ -460,25 +460,25 @@ class StaticCacheEngine:
 
 
 def _build_hf(model: nn.Module, device: torch.device | str, compile: bool | None,
-              sync: Callable[[Tensor], Tensor] | None) -> GenerationEngine:
-    del device, compile  # the hf engine runs the model's forward as it is
+              sync: Callable[[Tensor], Tensor] | None, fuse_projections: bool) -> GenerationEngine:
+    del device, compile, fuse_projections  # the hf engine runs the model's forward as it is
     return HFEngine(model, sync=sync)
 
 
 def _build_static(model: nn.Module, device: torch.device | str, compile: bool | None,
-                  sync: Callable[[Tensor], Tensor] | None) -> GenerationEngine:
+                  sync: Callable[[Tensor], Tensor] | None, fuse_projections: bool) -> GenerationEngine:
     if sync is not None:
         raise ValueError("the 'static' generation engine does not run in lockstep across ranks (a sharded "
                          "policy: FSDP2 or ZeRO-3); use engine 'hf'")
-    return StaticCacheEngine(model, device, compile)
+    return StaticCacheEngine(model, device, compile, fuse_projections=fuse_projections)
 
 
 ENGINES: dict[str, Callable[..., GenerationEngine]] = {"hf": _build_hf, "static": _build_static}
-"""Engine builders by ``generation.engine``: ``(model, device, compile, sync) -> GenerationEngine``."""
+"""Engine builders by ``generation.engine``: ``(model, device, compile, sync, fuse_projections)``."""
 
 
 def build_engine(kind: str, model: nn.Module, *, device: torch.device | str, compile: bool | None = None,
-                 sync: Callable[[Tensor], Tensor] | None = None) -> GenerationEngine:
+                 sync: Callable[[Tensor], Tensor] | None = None, fuse_projections: bool = True) -> GenerationEngine:
     """The generation engine ``kind`` serving ``model``.
 
     Args:
@@ -488,6 +488,7 @@ def build_engine(kind: str, model: nn.Module, *, device: torch.device | str, com
         device: the model's device.
         compile: ``static``: compile the decode step (None: on CUDA only); ignored by ``hf``.
         sync: a sum over ranks for a sharded policy (``hf`` only), else None.
+        fuse_projections: ``static``: fuse the q/k/v and gate/up projections; ignored by ``hf``.
 
     Raises:
         ValueError: an unknown ``kind``, or ``static`` with a sharded policy (``sync`` given or
@@ -495,4 +496,4 @@ def build_engine(kind: str, model: nn.Module, *, device: torch.device | str, com
     """
     if kind not in ENGINES:
         raise ValueError(f"unknown generation engine {kind!r}; choose one of {sorted(ENGINES)}")
-    return ENGINES[kind](model, device, compile, sync)
+    return ENGINES[kind](model, device, compile, sync, fuse_projections)

@@ -580,6 +580,9 @@ def test_build_engine(policy):
     static = build_engine("static", policy, device="cpu", compile=False, sync=None)
     assert isinstance(hf, HFEngine) and hf.name == "hf"
     assert isinstance(static, StaticCacheEngine) and static.name == "static" and not static.compiled
+    assert static.fuse_projections
+    assert not build_engine("static", policy, device="cpu", fuse_projections=False).fuse_projections
+    assert isinstance(build_engine("hf", policy, device="cpu", fuse_projections=False), HFEngine)
     with pytest.raises(ValueError, match="unknown generation engine 'vllm'"):
         build_engine("vllm", policy, device="cpu")
     with pytest.raises(ValueError, match="use engine 'hf'"):

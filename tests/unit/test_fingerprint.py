@@ -75,7 +75,8 @@ def test_fingerprints_of_the_demo_config_are_those_runs_were_committed_with():
         "grpo": [{"grpo.advantage_estimator": "rloo"}, {"grpo.loss_aggregation": "constant"},
                  {"grpo.clip_eps_high": 0.28}, {"grpo.dynamic_sampling": True}, {"grpo.overlong_buffer_tokens": 8},
                  {"grpo.forward_micro_batch_size": 4}, {"grpo.importance_sampling_cap": 2.0},
-                 {"grpo.generation.engine": "static"}, {"grpo.reward.kind": "math_verify"},
+                 {"grpo.generation.engine": "static"}, {"grpo.generation.fuse_projections": False},
+                 {"grpo.reward.kind": "math_verify"},
                  {"grpo.reward.kind": "function", "grpo.reward.function": "m:f"}],
     }
     for stage, overrides in changed.items():

@@ -235,6 +235,10 @@ class RolloutGenerationConfig(GenerationConfig):
     compile: bool | None = Field(
         None, description="'static' engine: compile the decode step (None: on CUDA only)."
     )
+    fuse_projections: bool = Field(
+        True, description="'static' engine: run the q/k/v and the gate/up projections as one GEMM each while "
+        "generating (Llama, Qwen2, Qwen3 layers); their weights are held once more until the engine's release."
+    )
 
 
 class ScoreConfig(ConfigBase):

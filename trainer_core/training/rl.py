@@ -146,9 +146,8 @@ class RLTrainer:
         self.engine = self._build_engine()
 
     def _build_engine(self) -> GenerationEngine:
-        """The rollout's generation engine (``generation.engine``). The ``hf`` engine samples from
-        the policy-and-value module itself (a sharded one too, in lockstep); the others serve the
-        HF policy inside it (same parameters: colocated, nothing copied).
+        """The rollout's generation engine (``generation.engine``): ``hf`` samples from the policy-and-value
+        module itself (a sharded one too, in lockstep); the others serve the HF policy inside it (colocated).
 
         Raises:
             ConfigError: an engine other than ``hf`` with a sharded policy (FSDP2, ZeRO-3).
@@ -161,7 +160,8 @@ class RLTrainer:
             )
         model = self.module if gen.engine == "hf" else self.policy
         sync = backend.all_reduce_sum if backend.sharded_forward else None
-        return build_engine(gen.engine, model, device=backend.device, compile=gen.compile, sync=sync)
+        return build_engine(gen.engine, model, device=backend.device, compile=gen.compile, sync=sync,
+                            fuse_projections=gen.fuse_projections)
 
     @property
     def policy(self) -> nn.Module:
