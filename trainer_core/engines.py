@@ -415,12 +415,13 @@ class StaticCacheEngine:
         state.record(*sample_with_noise(logits, noise, gen.temperature, gen.top_p), eos_id, pad_id)
         del logits
         step = functools.partial(self._decode_step, state, cache, noise, gen, eos_id, pad_id, generator)
-        key = (gen.temperature, gen.top_p, eos_id, pad_id, generator if sampling else None)
+        drawn_from = generator if sampling else None
+        key = (gen.temperature, gen.top_p, eos_id, pad_id, drawn_from)
         columns = 1
         for count in range(1, gen.max_new_tokens):  # count: tokens sampled so far
             if count % self.check_every == 0 and bool(state.finished.all()):
                 break
-            self._advance(step, key, generator if sampling else None)
+            self._advance(step, key, drawn_from)
             columns += 1
         ids, mask, logprobs = state.result(columns)
         if bool(logprobs.isnan().any()):

@@ -198,11 +198,6 @@ class DecodeState:
         self.logprobs = torch.zeros(num_rows, max_new_tokens, dtype=torch.float32, device=device)
         self.mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.bool, device=device)
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(N, L, T)."""
-        return (*self.attention.shape, self.tokens.shape[1])
-
     def start(self, prompt_mask: Tensor, max_new_tokens: int, last_position: Tensor) -> None:
         """Reset for prompts with [N, P] ``prompt_mask`` (left-padded): the attention mask covers
         the prompt's real tokens and the next ``max_new_tokens`` slots; [N, 1] ``last_position``
@@ -273,7 +268,6 @@ class DecodeGraph:
     def replay(self) -> None:
         """Run the captured step once, on the current stream."""
         self.graph.replay()
-
 
 
 # --- fused projections ---------------------------------------------------------------------------
