@@ -78,6 +78,7 @@ from torch import Tensor, nn
 from trainer_core.config import GenerationConfig
 from trainer_core.sampling import exponential_noise, next_tokens, sample_with_noise, token_logprobs
 from trainer_core.static_decode import (
+    CompletionBuffers,
     DecodeGraph,
     DecodeState,
     FusedProjections,
@@ -147,40 +148,6 @@ class GenerationEngine(Protocol):
         ...
 
 
-class _Completions:
-    """The tokens, masks and log-probs of a decoding loop, one step at a time."""
-
-    def __init__(self, num_rows: int, device: torch.device) -> None:
-        self.finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
-        self.tokens: list[Tensor] = []
-        self.masks: list[Tensor] = []
-        self.logprobs: list[Tensor] = []
-
-    def sample(self, logits: Tensor, gen: GenerationConfig, generator: torch.Generator, eos_id: int,
-               pad_id: int) -> Tensor:
-        """Draw the next [N] tokens from [N, V] logits (``pad_id`` for rows that have ended)."""
-        token = next_tokens(logits, gen, generator)
-        return self.add(token, token_logprobs(logits, token, gen.temperature), eos_id, pad_id)
-
-    def add(self, token: Tensor, logprob: Tensor, eos_id: int, pad_id: int) -> Tensor:
-        """Record sampled [N] tokens and their [N] float32 log-probs; the tokens as fed back
-        (``pad_id`` for rows that had already ended)."""
-        real = ~self.finished
-        self.logprobs.append(logprob * real)
-        self.masks.append(real)
-        token = torch.where(self.finished, torch.full_like(token, pad_id), token)
-        self.tokens.append(token)
-        self.finished = self.finished | (token == eos_id)
-        return token
-
-    def result(self) -> Generated:
-        """The :class:`Generated` completions, trimmed to the longest row."""
-        mask = torch.stack(self.masks, dim=1).float()
-        length = int(mask.sum(1).max())  # >= 1: every row's first token is real
-        ids, logprobs = torch.stack(self.tokens, dim=1), torch.stack(self.logprobs, dim=1)
-        return Generated(ids[:, :length], mask[:, :length], logprobs[:, :length].float())
-
-
 def _all_finished(finished: Tensor, sync: Callable[[Tensor], Tensor] | None) -> bool:
     """Whether every row (of every rank, with ``sync``) has ended; ``finished`` [N] bool."""
     if sync is None:
@@ -228,18 +195,20 @@ class HFEngine:
         positions = _prompt_positions(prompt_mask)
         out = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         next_position = positions[:, -1:] + 1
-        done = _Completions(prompt_ids.shape[0], prompt_ids.device)
-        for _ in range(gen.max_new_tokens):
-            token = done.sample(out.logits[:, -1, :], gen, generator, eos_id, pad_id)
-            if len(done.tokens) == gen.max_new_tokens or _all_finished(done.finished, self.sync):
+        done = CompletionBuffers(prompt_ids.shape[0], gen.max_new_tokens, prompt_ids.device)
+        for step in range(1, gen.max_new_tokens + 1):
+            logits = out.logits[:, -1, :]
+            token = next_tokens(logits, gen, generator)
+            done.record(token, token_logprobs(logits, token, gen.temperature), eos_id, pad_id)
+            if step == gen.max_new_tokens or _all_finished(done.finished, self.sync):
                 break
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             out = self.model(
-                input_ids=token[:, None], attention_mask=attention, position_ids=next_position,
+                input_ids=done.token[:, None], attention_mask=attention, position_ids=next_position,
                 past_key_values=out.past_key_values, use_cache=True,
             )
             next_position = next_position + 1
-        return done.result()
+        return Generated(*done.result(step))
 
     def load_weights(self, model: nn.Module) -> None:
         """Sample from ``model`` from now on (a reference: nothing is copied; the policy being

@@ -173,30 +173,59 @@ def decode_and_sample(model: nn.Module, input_ids: Tensor, position_ids: Tensor,
     return sample_with_noise(out.logits[:, -1, :], noise, temperature, top_p)
 
 
-class DecodeState:
-    """The ``static`` engine's decoding loop as tensors at fixed addresses, so that one decode step
-    (noise, forward, sampling and this bookkeeping) can be captured once as a CUDA graph and
-    replayed for every token (:class:`DecodeGraph`).
+class CompletionBuffers:
+    """A decoding loop's completions as [N, T] buffers written in place, one column per step,
+    without lists or host reads: the bookkeeping of both engines.
 
-    Shapes: N rows, L cache length, T = ``max_new_tokens`` columns. Each step reads ``token`` [N]
-    long (the last tokens, fed back) and ``position`` [N, 1] long, attends with ``attention``
-    [N, L] long (1 = a prompt token or a completion slot), and :meth:`record` writes the sampled
-    tokens, their float32 log-probs and their mask at column ``column`` [1] long of ``tokens``,
-    ``logprobs`` and ``mask`` [N, T], then advances ``token``, ``position``, ``finished`` [N] bool
-    and ``column`` in place: the semantics of :class:`trainer_core.engines._Completions` (a row
-    ends after ``eos_id``; later tokens are ``pad_id``, masked, log-prob 0), without lists or
-    host reads.
+    Shapes: N rows, T = ``max_new_tokens`` columns. :meth:`record` writes the sampled tokens, their
+    float32 log-probs and their mask at column ``column`` [1] long of ``tokens``, ``logprobs`` and
+    ``mask`` [N, T], then advances ``token`` [N] long (the tokens as fed back), ``finished`` [N] bool
+    and ``column`` in place. A row ends after ``eos_id``; its later tokens are ``pad_id``, masked,
+    log-prob 0.
     """
 
-    def __init__(self, num_rows: int, length: int, max_new_tokens: int, device: torch.device) -> None:
-        self.attention = torch.zeros(num_rows, length, dtype=torch.long, device=device)
+    def __init__(self, num_rows: int, max_new_tokens: int, device: torch.device) -> None:
         self.token = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self.position = torch.zeros(num_rows, 1, dtype=torch.long, device=device)
         self.finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.tokens = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(num_rows, max_new_tokens, dtype=torch.float32, device=device)
         self.mask = torch.zeros(num_rows, max_new_tokens, dtype=torch.bool, device=device)
+
+    def record(self, token: Tensor, logprob: Tensor, eos_id: int, pad_id: int) -> None:
+        """Record sampled [N] tokens and their [N] float32 log-probs at the next column; the
+        tokens as fed back (``pad_id`` for rows that had already ended) become ``token``."""
+        real = ~self.finished
+        token = torch.where(self.finished, torch.full_like(token, pad_id), token)
+        self.tokens.index_copy_(1, self.column, token[:, None])
+        self.logprobs.index_copy_(1, self.column, (logprob * real)[:, None])
+        self.mask.index_copy_(1, self.column, real[:, None])
+        self.finished |= token == eos_id
+        self.token.copy_(token)
+        self.column += 1
+
+    def result(self, columns: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The first ``columns`` columns, trimmed to the longest row: (ids [N, T'] long, mask
+        [N, T'] float, log-probs [N, T'] float32), copies (the buffers may serve the next call)."""
+        mask = self.mask[:, :columns].float()
+        length = int(mask.sum(1).max())  # >= 1: every row's first token is real
+        return self.tokens[:, :length].clone(), mask[:, :length], self.logprobs[:, :length].clone()
+
+
+class DecodeState(CompletionBuffers):
+    """The ``static`` engine's decoding loop as tensors at fixed addresses, so that one decode step
+    (noise, forward, sampling and this bookkeeping) can be captured once as a CUDA graph and
+    replayed for every token (:class:`DecodeGraph`).
+
+    Adds to :class:`CompletionBuffers` (N rows, T columns) what the step reads: ``position``
+    [N, 1] long, advanced by each :meth:`record`, and ``attention`` [N, L] long over the L cache
+    slots (1 = a prompt token or a completion slot); :meth:`start` resets all of it for a call.
+    """
+
+    def __init__(self, num_rows: int, length: int, max_new_tokens: int, device: torch.device) -> None:
+        super().__init__(num_rows, max_new_tokens, device)
+        self.attention = torch.zeros(num_rows, length, dtype=torch.long, device=device)
+        self.position = torch.zeros(num_rows, 1, dtype=torch.long, device=device)
 
     def start(self, prompt_mask: Tensor, max_new_tokens: int, last_position: Tensor) -> None:
         """Reset for prompts with [N, P] ``prompt_mask`` (left-padded): the attention mask covers
@@ -211,24 +240,9 @@ class DecodeState:
         self.column.zero_()
 
     def record(self, token: Tensor, logprob: Tensor, eos_id: int, pad_id: int) -> None:
-        """Record sampled [N] tokens and their [N] float32 log-probs at the next column; the
-        tokens as fed back (``pad_id`` for rows that had already ended) become the next input."""
-        real = ~self.finished
-        token = torch.where(self.finished, torch.full_like(token, pad_id), token)
-        self.tokens.index_copy_(1, self.column, token[:, None])
-        self.logprobs.index_copy_(1, self.column, (logprob * real)[:, None])
-        self.mask.index_copy_(1, self.column, real[:, None])
-        self.finished |= token == eos_id
-        self.token.copy_(token)
+        """:meth:`CompletionBuffers.record`, then the next position."""
+        super().record(token, logprob, eos_id, pad_id)
         self.position += 1
-        self.column += 1
-
-    def result(self, columns: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The first ``columns`` columns, trimmed to the longest row: (ids [N, T'] long, mask
-        [N, T'] float, log-probs [N, T'] float32), copies (the buffers serve the next call)."""
-        mask = self.mask[:, :columns].float()
-        length = int(mask.sum(1).max())  # >= 1: every row's first token is real
-        return self.tokens[:, :length].clone(), mask[:, :length], self.logprobs[:, :length].clone()
 
 
 class DecodeGraph:

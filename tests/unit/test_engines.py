@@ -28,12 +28,12 @@ from trainer_core.engines import (
     Generated,
     HFEngine,
     StaticCacheEngine,
-    _Completions,
     build_engine,
 )
 from trainer_core.sampling import exponential_noise, next_tokens, sample_with_noise, top_p_filter
 from trainer_core.static_decode import (
     GROUPED_DECODE_ATTENTION,
+    CompletionBuffers,
     DecodeState,
     FusedProjections,
     grouped_decode_attention,
@@ -290,28 +290,49 @@ def test_static_engine_cuda_graph_needs_cuda_and_a_compiled_step(policy):
     assert not StaticCacheEngine(policy, "cpu", compile=True).cuda_graph
 
 
-def test_decode_state_records_as_completions_do():
-    """The static engine's in-place bookkeeping (:class:`DecodeState`) against the hf engine's
-    lists (``_Completions``): the same tokens fed back, masks, log-probs and layout, for rows that
-    end at different steps, through a second call on the same buffers."""
-    torch.manual_seed(0)
-    rows, steps = 5, 7
-    state = DecodeState(rows, 16, steps + 2, torch.device("cpu"))
-    for call in range(2):
-        done = _Completions(rows, torch.device("cpu"))
-        state.start(torch.ones(rows, 3), steps, torch.full((rows, 1), 2))
-        for step in range(steps):
-            token = torch.randint(0, 4, (rows,))  # EOS (1) often
-            logprob = -torch.rand(rows)
-            fed = done.add(token, logprob, EOS, PAD)
-            state.record(token, logprob, EOS, PAD)
-            assert torch.equal(state.token, fed) and torch.equal(state.finished, done.finished)
-            assert state.position.flatten().tolist() == [3 + step] * rows
-        want = done.result()
-        ids, mask, logprobs = state.result(steps)
-        assert torch.equal(ids, want.completion_ids) and torch.equal(mask, want.completion_mask)
-        assert torch.equal(logprobs, want.logprobs)
-        assert int(state.column) == steps and state.attention[:, 3 : 3 + steps].all() and not state.attention[:, 10:].any()
+# Hand-worked bookkeeping: 3 rows over 4 steps. Row 1 samples EOS at step 0, row 0 at step 1,
+# row 2 at step 2; step 3 finds every row ended. After its EOS a row is fed PAD, masked, log-prob 0.
+SAMPLED = [[5, 1, 7], [1, 4, 6], [3, 2, 1], [9, 9, 9]]
+SAMPLED_LOGPROBS = [[-0.5, -0.25, -1.0], [-2.0, -4.0, -0.125], [-8.0, -8.0, -0.75], [-1.0, -1.0, -1.0]]
+FED_BACK = [[5, 1, 7], [1, PAD, 6], [PAD, PAD, 1], [PAD, PAD, PAD]]
+FINISHED = [[False, True, False], [True, True, False], [True, True, True], [True, True, True]]
+WANT_IDS = [[5, 1, PAD], [1, PAD, PAD], [7, 6, 1]]
+WANT_MASK = [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+WANT_LOGPROBS = [[-0.5, -2.0, 0.0], [-0.25, 0.0, 0.0], [-1.0, -0.125, -0.75]]
+
+
+def _record_hand_worked(done: CompletionBuffers) -> None:
+    for step, (token, logprob) in enumerate(zip(SAMPLED, SAMPLED_LOGPROBS)):
+        done.record(torch.tensor(token), torch.tensor(logprob), EOS, PAD)
+        assert done.token.tolist() == FED_BACK[step] and done.finished.tolist() == FINISHED[step], step
+        assert int(done.column) == step + 1
+
+
+def test_completion_buffers_record_the_hand_worked_steps():
+    """Both engines' bookkeeping: tokens fed back, ended rows, and the completions trimmed to the
+    longest row (4 columns recorded, the last all padding: 3 kept)."""
+    done = CompletionBuffers(3, 4, torch.device("cpu"))
+    _record_hand_worked(done)
+    ids, mask, logprobs = done.result(4)
+    assert ids.tolist() == WANT_IDS and mask.tolist() == WANT_MASK and logprobs.tolist() == WANT_LOGPROBS
+    assert logprobs.dtype == torch.float32 and mask.dtype == torch.float32
+    ids, mask, _ = done.result(2)  # the first 2 columns only
+    assert ids.tolist() == [row[:2] for row in WANT_IDS] and mask.tolist() == [row[:2] for row in WANT_MASK]
+
+
+def test_decode_state_restarts_on_the_same_buffers():
+    """The static engine's state: positions advance per token, the attention mask covers the
+    prompt's real tokens and the completion slots, and a second call over the same buffers
+    (after :meth:`DecodeState.start`) records what a fresh one does."""
+    state = DecodeState(3, 12, 6, torch.device("cpu"))
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])
+    for _ in range(2):
+        state.start(prompt_mask, 4, torch.tensor([[1], [2], [0]]))
+        assert state.attention.tolist() == [row + [1] * 4 + [0] * 5 for row in prompt_mask.tolist()]
+        _record_hand_worked(state)
+        assert state.position.flatten().tolist() == [5, 6, 4]
+        ids, mask, logprobs = state.result(4)
+        assert ids.tolist() == WANT_IDS and mask.tolist() == WANT_MASK and logprobs.tolist() == WANT_LOGPROBS
 
 
 def _tiny(kind: str) -> torch.nn.Module:
