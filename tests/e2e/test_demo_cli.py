@@ -13,40 +13,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from tests.e2e.stack import TINY_DEMO
+
 REPO = Path(__file__).resolve().parents[2]
-
-TINY = {
-    "data.synthetic.num_problems": 120,
-    "data.synthetic.num_pairs": 60,
-    "data.max_eval_rows": 8,
-    "tokenizer.vocab_size": 256,
-    "model.init.hidden_size": 32,
-    "model.init.intermediate_size": 64,
-    "model.init.num_hidden_layers": 1,
-    "sft.max_steps": 4,
-    "sft.eval_every": 2,
-    "sft.save_every": 2,
-    "reward_model.max_steps": 2,
-    "dpo.max_steps": 2,
-    "dpo.grad_accum_steps": 1,
-    "ppo.max_steps": 2,
-    "ppo.prompts_per_rollout": 2,
-    "ppo.save_every": 2,
-    "ppo.generation.max_new_tokens": 8,
-    "grpo.max_steps": 2,
-    "grpo.prompts_per_rollout": 2,
-    "grpo.group_size": 2,
-    "grpo.save_every": 2,
-    "grpo.generation.max_new_tokens": 8,
-    "score.num_prompts": 2,
-    "score.generation.max_new_tokens": 8,
-    "evaluate.num_problems": 2,
-    "evaluate.num_winrate_prompts": 2,
-    "evaluate.generation.max_new_tokens": 8,
-    "launch.retries": 0,
-    "launch.timeout_s": 240,
-}
-
 
 BACKENDS = {
     "single": [],
@@ -60,12 +29,12 @@ CONFIGS = {"single-lora": "demo-lora.yaml"}
 
 
 def run_cli(prefect_api: str, tmp_path: Path, config: str, sets: list[str]) -> tuple[list[str], dict]:
-    """``posttrain run configs/<config>`` with :data:`TINY` and ``sets`` as ``--set`` overrides,
+    """``posttrain run configs/<config>`` with :data:`~tests.e2e.stack.TINY_DEMO` and ``sets`` as ``--set`` overrides,
     writing under ``tmp_path/out``; returns its stdout lines and the summary it names, after
     checking that the run and every stage of it completed."""
     root = tmp_path / "out"
     args = [str(REPO / "configs" / config), "--run-id", "demo-cli", "--set", f"storage.root={root}"]
-    for item in [f"{key}={value}" for key, value in TINY.items()] + sets:
+    for item in [f"{key}={value}" for key, value in TINY_DEMO.items()] + sets:
         args += ["--set", item]
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)

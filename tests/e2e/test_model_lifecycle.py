@@ -18,6 +18,7 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
+from tests.e2e.stack import TINY_DEMO
 from trainer_core.errors import EXIT_GATE_FAILED
 
 pytestmark = pytest.mark.slow
@@ -26,27 +27,12 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = "posttrain-demo-policy"
 STAGES = "prepare_data,sft,reward_model,dpo,evaluate"
 TINY = {
+    **TINY_DEMO,  # the demo at tiny sizes, its first five stages only
     "stages": STAGES,
-    "data.synthetic.num_problems": 120,
-    "data.synthetic.num_pairs": 60,
-    "data.max_eval_rows": 8,
-    "tokenizer.vocab_size": 256,
-    "model.init.hidden_size": 32,
-    "model.init.intermediate_size": 64,
-    "model.init.num_hidden_layers": 1,
-    "sft.max_steps": 4,
-    "sft.eval_every": 2,
-    "sft.save_every": 2,
     "sft.log_every": 1,
-    "reward_model.max_steps": 2,
     "reward_model.log_every": 1,
-    "dpo.max_steps": 2,
-    "dpo.grad_accum_steps": 1,
     "dpo.log_every": 1,
     "evaluate.num_problems": 3,
-    "evaluate.num_winrate_prompts": 2,
-    "evaluate.generation.max_new_tokens": 8,
-    "launch.retries": 0,
     "tracking.registered_model_name": MODEL,
 }
 

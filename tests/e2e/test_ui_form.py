@@ -2,11 +2,12 @@
 through Playwright) against a real ``prefect server start`` on loopback (the session's ``stack``).
 
 ``posttrain deploy --name demo`` registers the demo with ``$POSTTRAIN_PROJECT_DIR`` a temporary
-project directory holding a copy of ``configs/demo.yaml`` (the run's ``./outputs`` and its SQLite
-MLflow store land there), and a process worker serves the pool. In the default UI (the server's
-root redirects to the V2 UI) the test goes Deployments -> demo -> Run -> Custom run, finds the
-form opened on the demo's values (SFT "Max steps" 900), changes that one field and submits. The
-flow run completes and the resolved config it recorded has the typed value. The V1 UI's form of
+project directory holding ``configs/demo.yaml`` at tiny sizes (``tests.e2e.stack.TINY_DEMO``:
+every stage, about a minute; the run's ``./outputs`` and its SQLite MLflow store land there), and a
+process worker serves the pool. In the default UI (the server's root redirects to the V2 UI) the
+test goes Deployments -> demo -> Run -> Custom run, finds the form opened on that file's values
+(SFT "Max steps" 4), changes that one field and submits. The flow run completes every stage and
+the resolved config it recorded has the typed value. The V1 UI's form of
 the same deployment must render too; in both, descriptions are plain text (no reST markup).
 
 Needs a chromium binary (``$POSTTRAIN_CHROMIUM``, else ``chromium`` on PATH): skipped, saying so,
@@ -28,7 +29,7 @@ import pytest
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
 from prefect.states import Cancelled
 
-from tests.e2e.stack import PROJECT_DIR, client, posttrain, start_worker, stop
+from tests.e2e.stack import client, posttrain, start_worker, stop, write_tiny_demo
 
 CHROMIUM = os.environ.get("POSTTRAIN_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
@@ -36,10 +37,10 @@ pytestmark = [
     pytest.mark.skipif(not CHROMIUM, reason="no chromium binary: apt-get install chromium, or set POSTTRAIN_CHROMIUM"),
 ]
 DEPLOYMENT = "post-training-pipeline/demo"
-TYPED_MAX_STEPS = 30
-RUN_TIMEOUT_S = 1200
-"""The demo runs every stage but a 30-step SFT: 568 s in CI on 2026-11-26 (2 CPU cores shared
-with other tests), before GRPO's ptx term added about 30 s."""
+TYPED_MAX_STEPS = 6
+RUN_TIMEOUT_S = 600
+"""The tiny demo runs every stage in about 70 s (``posttrain run`` of the same sizes,
+``tests/e2e/test_demo_cli.py``); at the demo's own sizes the run took 325-568 s in CI."""
 UI_TIMEOUT_MS = 60_000
 SUBMIT_ATTEMPTS = 3
 MARKUP = ("``", ":func:", ":class:", ":meth:")
@@ -60,22 +61,22 @@ def browser() -> Iterator:
 
 @pytest.fixture(scope="module")
 def demo_project(stack, tmp_path_factory) -> Path:
-    """A project directory with a copy of ``configs/demo.yaml``; the demo deployment registered
-    to run there (its ./outputs and MLflow store land in it), its form opened on the demo's values."""
+    """A project directory with ``configs/demo.yaml`` at tiny sizes; the demo deployment registered
+    to run there (its ./outputs and MLflow store land in it), its form opened on that file's values."""
     project = tmp_path_factory.mktemp("project")
     (project / "configs").mkdir()
-    shutil.copy(PROJECT_DIR / "configs" / "demo.yaml", project / "configs" / "demo.yaml")
+    write_tiny_demo(project / "configs" / "demo.yaml")
     out = posttrain(stack, "deploy", "--name", "demo", env={"POSTTRAIN_PROJECT_DIR": str(project)})
     assert f"deployment {DEPLOYMENT}:" in out
     return project
 
 
-def demo_settings() -> dict:
-    """The form's values for the repository's demo.yaml (what ``posttrain deploy`` fills in)."""
+def demo_settings(project: Path) -> dict:
+    """The form's values for ``project``'s demo.yaml (what ``posttrain deploy`` fills in)."""
     from flows.pipeline import resolve_config
     from flows.settings import settings_of
 
-    return settings_of(resolve_config(None, str(PROJECT_DIR / "configs" / "demo.yaml"), None)).model_dump(mode="json")
+    return settings_of(resolve_config(None, str(project / "configs" / "demo.yaml"), None)).model_dump(mode="json")
 
 
 @contextmanager
@@ -114,7 +115,7 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
     with client(stack) as api:
         deployment = api.read_deployment_by_name(DEPLOYMENT)
         earlier_runs = {r.id for r in runs_of(api, deployment.id)}
-    assert deployment.parameters["settings"] == demo_settings(), "the form does not open on the demo's values"
+    assert deployment.parameters["settings"] == demo_settings(demo_project), "the form does not open on the demo's values"
     worker = start_worker(stack, worker_log)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(UI_TIMEOUT_MS)
