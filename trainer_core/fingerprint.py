@@ -49,7 +49,7 @@ ADDED_FIELDS: dict[str, object] = {
     "forward_micro_batch_size": None, "num_prompts": None, "importance_sampling_cap": None, "advantage_estimator": "grpo",
     "loss_aggregation": "token_mean", "clip_eps_high": None, "dynamic_sampling": False,
     "dynamic_sampling_max_rounds": 4, "overlong_buffer_tokens": None, "overlong_penalty": 1.0,
-    "engine": "hf", "compile": None, "function": None, "weights": None,
+    "engine": "hf", "compile": None, "function": None, "weights": None,  # engine, compile: also score's and evaluate's
     "loss_type": "sigmoid", "label_smoothing": 0.0, "simpo_gamma": 0.5,
     # issue 16: KTO and continued pretraining (data.kto, data.pretrain and a DataSource's text_field)
     "kto": None, "pretrain": None, "text_field": "text",

@@ -1,13 +1,15 @@
 """Batched generation from a policy and reward-model scoring of completions.
 
-Used by the ``score`` and ``evaluate`` stages. Generation uses ``transformers``'
-``generate`` on left-padded prompts; scoring runs the reward model on the chat-rendered
-prompt + completion and reads the score at the last non-padding token.
+Used by the ``score`` and ``evaluate`` stages. Generation runs on left-padded prompts through
+``transformers``' ``generate`` (``generation.engine`` "hf") or the ``static`` engine of
+:mod:`trainer_core.engines`; scoring runs the reward model on the chat-rendered prompt +
+completion and reads the score at the last non-padding token.
 """
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,11 +18,30 @@ from transformers import PreTrainedTokenizerBase
 from trainer_core.config import DataConfig, GenerationConfig
 from trainer_core.data.batching import collate_causal, collate_prompts_left
 from trainer_core.data.tokenizer import encode_chat
+from trainer_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer_core.backends import Backend
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: DataConfig) -> list[int]:
     """Token ids of a chat prompt ending with the assistant generation prefix."""
     return encode_chat(tokenizer, messages, None, data.max_length_tokens, data.max_prompt_length_tokens)["input_ids"]
+
+
+def check_generation_engine(field: str, gen: GenerationConfig, backend: Backend) -> None:
+    """Refuse a generation engine that cannot serve ``backend``'s models.
+
+    Args:
+        field: the config section, for the message (e.g. ``grpo.generation``).
+
+    Raises:
+        ConfigError: an engine other than ``hf`` with a backend whose forward needs every rank
+            (``Backend.sharded_forward``: FSDP2, ZeRO-3).
+    """
+    if gen.engine != "hf" and backend.sharded_forward:
+        raise ConfigError(f"{field}.engine={gen.engine!r} needs an unsharded policy (backend single or ddp); "
+                          f"with {backend.name} use engine 'hf'")
 
 
 @torch.no_grad()
@@ -32,38 +53,70 @@ def generate_completions(
     device: torch.device,
     seed: int,
 ) -> list[str]:
-    """Generate one completion per prompt.
+    """Generate one completion per prompt, ``gen.batch_size`` prompts at a time.
+
+    With ``gen.engine`` "hf", transformers' ``generate`` (sampling seeded through
+    ``torch.manual_seed``); with "static", :class:`trainer_core.engines.StaticCacheEngine`
+    (its cache reserved for the largest batch, released at the end; sampling from a generator
+    seeded with ``seed``). Greedy decoding picks the same tokens in both, up to the float
+    rounding of their different attention kernels.
 
     Args:
-        model: a causal LM in eval mode.
+        model: a causal LM in eval mode (unsharded for "static").
         tokenizer: its tokenizer (pad and eos ids are used).
         prompts: token ids of each prompt.
-        gen: max new tokens, temperature (0 = greedy), top-p, batch size.
+        gen: max new tokens, temperature (0 = greedy), top-p, batch size, engine.
         device: where ``model`` is.
         seed: seeds sampling, so the same call gives the same completions.
 
     Returns:
         The decoded completions (special tokens dropped), in prompt order.
+
+    Raises:
+        ValueError: "static" with a sharded ``model`` (FSDP2, ZeRO-3): see
+            :func:`check_generation_engine`.
     """
     torch.manual_seed(seed)
     out: list[str] = []
     was_training = model.training
     model.eval()
-    for start in range(0, len(prompts), gen.batch_size):
-        rows = [{"input_ids": p} for p in prompts[start : start + gen.batch_size]]
-        batch = {k: v.to(device) for k, v in collate_prompts_left(rows, tokenizer.pad_token_id).items()}
-        sampling = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} if gen.temperature > 0 else {"do_sample": False}
-        sequences = model.generate(
-            **batch,
-            max_new_tokens=gen.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **sampling,
-        )
-        new_tokens = sequences[:, batch["input_ids"].shape[1] :]
-        out.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
-    model.train(was_training)
+    engine = None
+    if gen.engine != "hf":
+        from trainer_core.engines import build_engine
+
+        engine = build_engine(gen.engine, model, device=device, compile=gen.compile,
+                              fuse_projections=gen.fuse_projections)
+        generator = torch.Generator(device=device).manual_seed(seed)
+    try:
+        for start in range(0, len(prompts), gen.batch_size):
+            rows = [{"input_ids": p} for p in prompts[start : start + gen.batch_size]]
+            batch = {k: v.to(device) for k, v in collate_prompts_left(rows, tokenizer.pad_token_id).items()}
+            if engine is not None:
+                new_tokens = engine.generate(batch["input_ids"], batch["attention_mask"], gen,
+                                             eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                                             generator=generator).completion_ids
+            else:
+                new_tokens = _hf_generate(model, batch, gen, tokenizer)
+            out.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+    finally:
+        if engine is not None:
+            engine.release()
+        model.train(was_training)
     return [text.strip() for text in out]
+
+
+def _hf_generate(model: nn.Module, batch: dict[str, torch.Tensor], gen: GenerationConfig,
+                 tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """transformers' ``generate`` on a left-padded batch; the [N, T] new tokens."""
+    sampling = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} if gen.temperature > 0 else {"do_sample": False}
+    sequences = model.generate(
+        **batch,
+        max_new_tokens=gen.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **sampling,
+    )
+    return sequences[:, batch["input_ids"].shape[1] :]
 
 
 @torch.no_grad()

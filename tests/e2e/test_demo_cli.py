@@ -18,7 +18,8 @@ from tests.e2e.stack import TINY_DEMO
 REPO = Path(__file__).resolve().parents[2]
 
 BACKENDS = {
-    "single": [],
+    # score and evaluate generate through the static engine here (the other cases: transformers' generate)
+    "single": ["score.generation.engine=static", "evaluate.generation.engine=static"],
     # The issue's fixed points of the interface, verbatim: every training stage at 2 ranks.
     "fsdp2": ["backend.name=fsdp2", "backend.nproc_per_node=2"],
     "deepspeed-zero3": ["backend.name=deepspeed", "backend.zero_stage=3", "backend.nproc_per_node=2"],
@@ -64,7 +65,7 @@ def test_demo_config_through_the_cli(prefect_api, tmp_path, backend):
     stages = ("prepare_data", "sft", "reward_model", "score", "dpo", "ppo", "grpo", "evaluate")
     assert set(summary["stages"]) == set(stages)
     assert summary["stages"]["sft"]["metrics"]["global_step"] == 4
-    world_size = 2 if BACKENDS[backend] else 1
+    world_size = 2 if "backend.nproc_per_node=2" in BACKENDS[backend] else 1
     for name in ("sft", "reward_model", "dpo", "ppo", "grpo"):
         manifest = json.loads((Path(summary["stages"][name]["output_uri"]) / "manifest.json").read_text())
         assert (manifest["backend"], manifest["world_size"]) == (backend.split("-")[0], world_size), name

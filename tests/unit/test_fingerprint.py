@@ -78,6 +78,8 @@ def test_fingerprints_of_the_demo_config_are_those_runs_were_committed_with():
                  {"grpo.generation.engine": "static"}, {"grpo.generation.fuse_projections": False},
                  {"grpo.reward.kind": "math_verify"},
                  {"grpo.reward.kind": "function", "grpo.reward.function": "m:f"}],
+        "score": [{"score.generation.engine": "static"}],
+        "evaluate": [{"evaluate.generation.engine": "static"}, {"evaluate.generation.compile": True}],
     }
     for stage, overrides in changed.items():
         for override in overrides:

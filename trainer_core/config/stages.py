@@ -212,6 +212,20 @@ class GenerationConfig(ConfigBase):
     temperature: float = Field(0.0, ge=0, description="Sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
+    engine: Literal["hf", "static"] = Field(
+        "hf", description="Generation engine: 'hf' the model's own forward with a dynamic KV cache (score and "
+        "evaluate: transformers' generate; PPO/GRPO rollouts: trainer_core.engines.HFEngine, bit-exact resume), the "
+        "CPU reference and the one for sharded policies; 'static' (trainer_core.engines.StaticCacheEngine) a static "
+        "KV cache reserved up front, batched prefill and (on CUDA) a compiled, CUDA-graph decode step; single and "
+        "DDP backends."
+    )
+    compile: bool | None = Field(
+        None, description="'static' engine: compile the decode step (None: on CUDA only)."
+    )
+    fuse_projections: bool = Field(
+        True, description="'static' engine: run the q/k/v and the gate/up projections as one GEMM each while "
+        "generating (Llama, Qwen2, Qwen3 layers); their weights are held once more until the engine's release."
+    )
 
 
 class SampledGenerationConfig(GenerationConfig):
@@ -227,18 +241,6 @@ class RolloutGenerationConfig(GenerationConfig):
     max_new_tokens: int = Field(48, ge=1, description="Max generated tokens per completion.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (must be > 0 for RL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    engine: Literal["hf", "static"] = Field(
-        "hf", description="Generation engine (trainer_core.engines): 'hf' a dynamic KV cache, bit-exact resume, "
-        "the CPU reference and the one for sharded policies; 'static' a static KV cache reserved up front, "
-        "batched prefill and (on CUDA) a compiled, CUDA-graph decode step; single and DDP backends."
-    )
-    compile: bool | None = Field(
-        None, description="'static' engine: compile the decode step (None: on CUDA only)."
-    )
-    fuse_projections: bool = Field(
-        True, description="'static' engine: run the q/k/v and the gate/up projections as one GEMM each while "
-        "generating (Llama, Qwen2, Qwen3 layers); their weights are held once more until the engine's release."
-    )
 
 
 class ScoreConfig(ConfigBase):

@@ -31,7 +31,13 @@ from torch import nn
 
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.data.formats import answers_match, extract_generated_answer
-from trainer_core.generation import generate_completions, messages_of, prompt_ids, reward_scores
+from trainer_core.generation import (
+    check_generation_engine,
+    generate_completions,
+    messages_of,
+    prompt_ids,
+    reward_scores,
+)
 from trainer_core.registry import INIT_SOURCE, policy_role, policy_stages
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.training.supervised import (
@@ -53,13 +59,17 @@ def _policy(ctx: StageContext, role: str) -> nn.Module:
     return ctx.backend.prepare_frozen(model)
 
 
-def exact_match(ctx: StageContext, policy: nn.Module, problems: list[dict]) -> tuple[float, list[str]]:
-    """Greedy exact-match accuracy on GSM8K-style problems; also returns the completions."""
+def exact_match(ctx: StageContext, policy: nn.Module, problems: list[dict]) -> tuple[list[bool], list[str]]:
+    """Greedy completions of GSM8K-style problems and the verifier's verdict on each.
+
+    Returns:
+        (verdicts, completions), one of each per problem in order; the exact-match accuracy is
+        the verdicts' mean.
+    """
     cfg = ctx.config.evaluate
     prompts = [prompt_ids(ctx.tokenizer, messages_of(p), ctx.config.data) for p in problems]
     completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, ctx.backend.device, ctx.config.seed)
-    hits = [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(completions, problems)]
-    return sum(hits) / max(len(hits), 1), completions
+    return [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(completions, problems)], completions
 
 
 def paired_gain(baseline: list[bool], other: list[bool]) -> tuple[float, float]:
@@ -166,19 +176,26 @@ def run(ctx: StageContext) -> Manifest:
 
     The policies compared are the inputs named ``<stage>_model`` for every policy stage of
     the registry (``trainer_core.registry.policy_stages``) that this run trained.
+
+    Raises:
+        ConfigError: ``evaluate.generation.engine`` other than ``hf`` on a sharding backend.
     """
+    check_generation_engine("evaluate.generation", ctx.config.evaluate.generation, ctx.backend)
     inputs = ctx.spec.inputs
     problems = ctx.load_rows("eval_problems")[: ctx.config.evaluate.num_problems]
     pairs = ctx.load_rows("preference/eval")
     metrics: dict[str, float] = {}
     policies: dict[str, nn.Module] = {}
     completions: dict[str, list[str]] = {}
+    verdicts: dict[str, list[bool]] = {}
     if inputs.get("base_model", INIT_SOURCE) != INIT_SOURCE:
-        metrics["base/exact_match"], completions["base"] = exact_match(ctx, _policy(ctx, "base_model"), problems)
+        verdicts["base"], completions["base"] = exact_match(ctx, _policy(ctx, "base_model"), problems)
     for name in policy_stages():
         if policy_role(name) in inputs:
             policies[name] = _policy(ctx, policy_role(name))
-            metrics[f"{name}/exact_match"], completions[name] = exact_match(ctx, policies[name], problems)
+            verdicts[name], completions[name] = exact_match(ctx, policies[name], problems)
+    for name, hits in verdicts.items():
+        metrics[f"{name}/exact_match"] = sum(hits) / max(len(hits), 1)
     if "sft" in policies:
         metrics.update(_sft_metrics(ctx, policies["sft"]))
     rm = None
@@ -194,10 +211,6 @@ def run(ctx: StageContext) -> Manifest:
         metrics.update(_dpo_metrics(ctx, policies["dpo"], policies["sft"], pairs))
     if rm is not None and "sft" in policies and len(policies) > 1:
         metrics.update(_win_rates(ctx, rm, policies, pairs))
-    verdicts = {
-        name: [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(texts, problems)]
-        for name, texts in completions.items()
-    }
     if "sft" in verdicts and problems:
         for name in (n for n in verdicts if n not in ("sft", "base")):
             gain, se = paired_gain(verdicts["sft"], verdicts[name])

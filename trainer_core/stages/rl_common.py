@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from trainer_core.config import RLStageConfig
+from trainer_core.data.prepared import PreparedRows
 from trainer_core.errors import ConfigError
 from trainer_core.generation import messages_of, prompt_ids
 from trainer_core.rewards import (
@@ -35,13 +36,17 @@ from trainer_core.training.rl import (
 log = logging.getLogger(__name__)
 
 
-def load_prompts(ctx: StageContext, cfg: RLStageConfig) -> list[PromptItem]:
+def load_prompts(ctx: StageContext, cfg: RLStageConfig, split: PreparedRows | None = None) -> list[PromptItem]:
     """RL prompts: the prepared ``sft/train`` rows (only those with an answer when the reward needs one).
+
+    Args:
+        split: the ``sft/train`` split when the caller has it open already (``ctx.load_rows``'s
+            result); read from the prepared data when None.
 
     Raises:
         ConfigError: no usable prompt.
     """
-    split = ctx.load_rows("sft/train")
+    split = ctx.load_rows("sft/train") if split is None else split
     usable = split.nonnull_indices("answer").tolist() if needs_answers(cfg.reward) else range(len(split))
     if not usable:
         raise ConfigError("no RL prompts: sft/train has no rows (with a final answer, for the verifier reward)")
@@ -63,12 +68,6 @@ def _reward_fn(ctx: StageContext, cfg: RLStageConfig) -> RewardFunction:
     return build_reward(cfg.reward, load if needs_reward_model(cfg.reward) else None)
 
 
-def _demonstrations(ctx: StageContext, cfg: RLStageConfig) -> list[dict] | None:
-    """The ptx term's rows (the prepared ``sft/train`` split) with ``ptx_coef`` > 0, else None.
-    An empty split is refused by :class:`RLTrainer` (``ptx.check_demonstrations``)."""
-    return ctx.load_rows("sft/train") if cfg.ptx_coef > 0 else None
-
-
 def value_head_bytes(state: dict[str, Tensor]) -> bytes:
     """A value head's weights (its full state dict: ``weight`` [1, H], ``bias`` [1]) as safetensors bytes."""
     return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()})
@@ -86,7 +85,8 @@ def run_rl_stage(
     ctx.print_timing = True
     check_rl_config(ctx.spec.stage, cfg, algo.samples_per_prompt, backend.world_size)
     seed = ctx.config.seed
-    prompts = load_prompts(ctx, cfg)
+    split = ctx.load_rows("sft/train")  # the prompts, and the ptx term's demonstrations
+    prompts = load_prompts(ctx, cfg, split)
     reward_fn = _reward_fn(ctx, cfg)
     reference = None
     disabled_adapter = uses_reference and ctx.reference_is_disabled_adapter
@@ -103,7 +103,7 @@ def run_rl_stage(
         backend=backend, tokenizer=ctx.tokenizer, cfg=cfg, algo=algo, model=model, reference=reference,
         reward_fn=reward_fn, prompts=prompts, seed=seed,
         session=ctx.checkpoint_session(cfg, extra={"rl_checkpoint": RL_CHECKPOINT_LAYOUT}),
-        reference_is_disabled_adapter=disabled_adapter, demonstrations=_demonstrations(ctx, cfg),
+        reference_is_disabled_adapter=disabled_adapter, demonstrations=split if cfg.ptx_coef > 0 else None,
     )
     resumed = trainer.resume()
     log.info("%s: %d prompts, %s x %d rank(s) on %s, resumed=%s", ctx.spec.stage, len(prompts), backend.name,

@@ -15,7 +15,13 @@ import pyarrow.parquet as pq
 
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.data.formats import answers_match, extract_generated_answer
-from trainer_core.generation import generate_completions, messages_of, prompt_ids, reward_scores
+from trainer_core.generation import (
+    check_generation_engine,
+    generate_completions,
+    messages_of,
+    prompt_ids,
+    reward_scores,
+)
 from trainer_core.stages.context import StageContext, commit_final
 
 
@@ -59,8 +65,13 @@ def score_metrics(items: list[dict], tokenizer) -> dict[str, float]:
 
 
 def run(ctx: StageContext) -> Manifest:
-    """Generate, verify and reward-score completions; commit the table."""
+    """Generate, verify and reward-score completions; commit the table.
+
+    Raises:
+        ConfigError: ``score.generation.engine`` other than ``hf`` on a sharding backend.
+    """
     cfg, data, seed = ctx.config.score, ctx.config.data, ctx.config.seed
+    check_generation_engine("score.generation", cfg.generation, ctx.backend)
     device = ctx.backend.device
     items = _prompts(ctx, cfg.num_prompts)
     policy = ctx.backend.prepare_frozen(ctx.causal_lm("model"))

@@ -66,7 +66,7 @@ from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import RLStageConfig
 from trainer_core.data.batching import collate_prompts_left
 from trainer_core.engines import GenerationEngine, build_engine
-from trainer_core.errors import ConfigError
+from trainer_core.generation import check_generation_engine
 from trainer_core.lora import adapter_disabled
 from trainer_core.objectives.ppo import AdaptiveKLController, FixedKLController
 from trainer_core.rewards import PromptItem, RewardFunction
@@ -153,11 +153,7 @@ class RLTrainer:
             ConfigError: an engine other than ``hf`` with a sharded policy (FSDP2, ZeRO-3).
         """
         gen, backend = self.cfg.generation, self.backend
-        if gen.engine != "hf" and backend.sharded_forward:
-            raise ConfigError(
-                f"{self.session.stage}.generation.engine={gen.engine!r} needs an unsharded policy (backend single or "
-                f"ddp); with {backend.name} use engine 'hf'"
-            )
+        check_generation_engine(f"{self.session.stage}.generation", gen, backend)
         model = self.module if gen.engine == "hf" else self.policy
         sync = backend.all_reduce_sum if backend.sharded_forward else None
         return build_engine(gen.engine, model, device=backend.device, compile=gen.compile, sync=sync,
