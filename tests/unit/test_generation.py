@@ -67,3 +67,22 @@ def test_a_static_engine_on_a_sharding_backend_is_refused_naming_the_field():
     hf = GenerationConfig()
     assert hf.engine == "hf"
     check_generation_engine("evaluate.generation", hf, SimpleNamespace(name="fsdp2", sharded_forward=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_static_engine_on_cuda_matches_generates_greedy_completions(policy, tokenizer):
+    """On CUDA the static engine compiles its decode step and replays it as a CUDA graph; in fp32
+    its greedy completions are transformers' ``generate``'s, batch after batch (3, 3, then 1 row:
+    two shapes compiled, the cache reserved again), for two policies served one after the other."""
+    prompts = _prompt_ids(tokenizer)
+    greedy = {"max_new_tokens": 12, "temperature": 0.0, "batch_size": 3}
+    cuda = torch.device("cuda")
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(policy.config, dtype=torch.float32, attn_implementation="sdpa")
+        model = model.to(cuda).eval()
+        want = generate_completions(model, tokenizer, prompts, GenerationConfig(**greedy), cuda, 0)
+        got = generate_completions(model, tokenizer, prompts, GenerationConfig(**greedy, engine="static"), cuda, 0)
+        assert got == want and any(got), seed
+    torch.cuda.synchronize()
