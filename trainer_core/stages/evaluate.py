@@ -123,27 +123,36 @@ def _rm_metrics(ctx: StageContext, rm: nn.Module, pairs: list[dict]) -> dict[str
     return {"reward_model/eval_accuracy": m["accuracy"], "reward_model/eval_margin": m["margin"]}
 
 
-def _dpo_metrics(ctx: StageContext, dpo: nn.Module, reference: nn.Module, pairs: list[dict]) -> dict[str, float]:
-    from functools import partial
-
+def _dpo_reference_rows(ctx: StageContext, reference: nn.Module, pairs: list[dict]) -> list[dict]:
+    """The held-out pairs DPO is evaluated on, with their log-probs under ``reference`` (SFT's model)."""
     cfg = ctx.config.evaluate
     pairs = pairs[: cfg.eval_max_batches * cfg.micro_batch_size]
     ref = reference_logprobs(reference, pairs, ctx.tokenizer.pad_token_id, cfg.micro_batch_size, ctx.backend.device)
-    rows = [{**p, "ref_chosen_logprobs": c, "ref_rejected_logprobs": r} for p, (c, r) in zip(pairs, ref)]
+    return [{**p, "ref_chosen_logprobs": c, "ref_rejected_logprobs": r} for p, (c, r) in zip(pairs, ref)]
+
+
+def _dpo_metrics(ctx: StageContext, dpo: nn.Module, rows: list[dict]) -> dict[str, float]:
+    """DPO's implicit-reward accuracy and margin on :func:`_dpo_reference_rows`' rows."""
+    from functools import partial
+
+    cfg = ctx.config.evaluate
     source = _pair_source(ctx, rows, collate=partial(collate_with_reference, pad_id=ctx.tokenizer.pad_token_id))
     m = evaluate_pairs(DPOObjective(ctx.config.dpo.beta, None, 0), dpo, source, cfg.eval_max_batches)
     return {"dpo/eval_reward_accuracy": m["rewards/accuracies"], "dpo/eval_reward_margin": m["rewards/margins"]}
 
 
-def _win_rates(ctx: StageContext, rm: nn.Module, policies: dict[str, nn.Module], pairs: list[dict]) -> dict[str, float]:
-    """``<policy>_vs_sft/win_rate`` of every trained policy but SFT (SFT completions scored once)."""
+def _win_rate_scores(ctx: StageContext, rm: nn.Module, policy: nn.Module, pairs: list[dict]) -> list[float]:
+    """The reward model's scores of ``policy``'s completions of the first held-out preference prompts."""
     cfg, data, device = ctx.config.evaluate, ctx.config.data, ctx.backend.device
     messages = [messages_of(p) for p in pairs[: cfg.num_winrate_prompts]]
     prompts = [prompt_ids(ctx.tokenizer, m, data) for m in messages]
-    scores = {}
-    for name, policy in policies.items():
-        completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, device, ctx.config.seed)
-        scores[name] = reward_scores(rm, ctx.tokenizer, messages, completions, data, cfg.micro_batch_size, device)
+    completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, device, ctx.config.seed)
+    return reward_scores(rm, ctx.tokenizer, messages, completions, data, cfg.micro_batch_size, device)
+
+
+def _win_rates(scores: dict[str, list[float]]) -> dict[str, float]:
+    """``<policy>_vs_sft/win_rate`` of every scored policy but SFT, from :func:`_win_rate_scores`'
+    scores: the fraction of prompts where the policy's score is above SFT's (ties count one half)."""
     out = {}
     for name in (n for n in scores if n != "sft"):
         wins = [1.0 if d > s else 0.5 if d == s else 0.0 for d, s in zip(scores[name], scores["sft"])]
@@ -175,7 +184,9 @@ def run(ctx: StageContext) -> Manifest:
     """Compute every available held-out metric and the sample-generation table, and commit them.
 
     The policies compared are the inputs named ``<stage>_model`` for every policy stage of
-    the registry (``trainer_core.registry.policy_stages``) that this run trained.
+    the registry (``trainer_core.registry.policy_stages``) that this run trained. They are loaded
+    one at a time, in pipeline order, next to the reward model: the peak memory is one policy and
+    the reward model.
 
     Raises:
         ConfigError: ``evaluate.generation.engine`` other than ``hf`` on a sharding backend.
@@ -184,33 +195,37 @@ def run(ctx: StageContext) -> Manifest:
     inputs = ctx.spec.inputs
     problems = ctx.load_rows("eval_problems")[: ctx.config.evaluate.num_problems]
     pairs = ctx.load_rows("preference/eval")
-    metrics: dict[str, float] = {}
-    policies: dict[str, nn.Module] = {}
+    roles = [("base", "base_model")] if inputs.get("base_model", INIT_SOURCE) != INIT_SOURCE else []
+    roles += [(name, policy_role(name)) for name in policy_stages() if policy_role(name) in inputs]
+    trained = [name for name, _ in roles if name != "base"]
+    rm = ctx.backend.prepare_frozen(ctx.reward_model()) if "reward_model" in inputs else None
+    rm_metrics = _rm_metrics(ctx, rm, pairs) if rm is not None else {}
+    with_win_rates = rm is not None and "sft" in trained and len(trained) > 1
     completions: dict[str, list[str]] = {}
     verdicts: dict[str, list[bool]] = {}
-    if inputs.get("base_model", INIT_SOURCE) != INIT_SOURCE:
-        verdicts["base"], completions["base"] = exact_match(ctx, _policy(ctx, "base_model"), problems)
-    for name in policy_stages():
-        if policy_role(name) in inputs:
-            policies[name] = _policy(ctx, policy_role(name))
-            verdicts[name], completions[name] = exact_match(ctx, policies[name], problems)
-    for name, hits in verdicts.items():
-        metrics[f"{name}/exact_match"] = sum(hits) / max(len(hits), 1)
-    if "sft" in policies:
-        metrics.update(_sft_metrics(ctx, policies["sft"]))
-    rm = None
     rewards: dict[str, list[float]] = {}
-    if "reward_model" in inputs:
-        rm = ctx.backend.prepare_frozen(ctx.reward_model())
-        metrics.update(_rm_metrics(ctx, rm, pairs))
-        messages = [messages_of(p) for p in problems]
-        for name, texts in completions.items():
-            rewards[name] = reward_scores(rm, ctx.tokenizer, messages, texts, ctx.config.data,
+    win_rate_scores: dict[str, list[float]] = {}
+    sft_metrics: dict[str, float] = {}
+    dpo_metrics: dict[str, float] = {}
+    dpo_rows: list[dict] = []
+    messages = [messages_of(p) for p in problems]
+    for name, role in roles:  # one policy in memory at a time (SFT's before DPO's: pipeline order)
+        policy = _policy(ctx, role)
+        verdicts[name], completions[name] = exact_match(ctx, policy, problems)
+        if rm is not None:
+            rewards[name] = reward_scores(rm, ctx.tokenizer, messages, completions[name], ctx.config.data,
                                           ctx.config.evaluate.micro_batch_size, ctx.backend.device)
-    if "dpo" in policies and "sft" in policies:
-        metrics.update(_dpo_metrics(ctx, policies["dpo"], policies["sft"], pairs))
-    if rm is not None and "sft" in policies and len(policies) > 1:
-        metrics.update(_win_rates(ctx, rm, policies, pairs))
+        if name == "sft":
+            sft_metrics = _sft_metrics(ctx, policy)
+            if "dpo" in trained:
+                dpo_rows = _dpo_reference_rows(ctx, policy, pairs)
+        if name == "dpo" and "sft" in trained:
+            dpo_metrics = _dpo_metrics(ctx, policy, dpo_rows)
+        if with_win_rates and name != "base":
+            win_rate_scores[name] = _win_rate_scores(ctx, rm, policy, pairs)
+        del policy
+    metrics = {f"{name}/exact_match": sum(hits) / max(len(hits), 1) for name, hits in verdicts.items()}
+    metrics |= sft_metrics | rm_metrics | dpo_metrics | (_win_rates(win_rate_scores) if with_win_rates else {})
     if "sft" in verdicts and problems:
         for name in (n for n in verdicts if n not in ("sft", "base")):
             gain, se = paired_gain(verdicts["sft"], verdicts[name])
