@@ -58,8 +58,8 @@ def generate_completions(
     With ``gen.engine`` "hf", transformers' ``generate`` (sampling seeded through
     ``torch.manual_seed``); with "static", :class:`trainer_core.engines.StaticCacheEngine`
     (its cache kept from batch to batch while it fits, reserved again for a batch of another
-    size, released at the end; sampling from a generator seeded with ``seed``). Greedy decoding picks the same tokens in both, up to the float
-    rounding of their different attention kernels.
+    size, released at the end; sampling from a generator seeded with ``seed``). Greedy decoding
+    picks the same tokens in both, up to the float rounding of their different attention kernels.
 
     Args:
         model: a causal LM in eval mode (unsharded for "static").

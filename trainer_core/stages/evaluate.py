@@ -141,11 +141,16 @@ def _dpo_metrics(ctx: StageContext, dpo: nn.Module, rows: list[dict]) -> dict[st
     return {"dpo/eval_reward_accuracy": m["rewards/accuracies"], "dpo/eval_reward_margin": m["rewards/margins"]}
 
 
-def _win_rate_scores(ctx: StageContext, rm: nn.Module, policy: nn.Module, pairs: list[dict]) -> list[float]:
-    """The reward model's scores of ``policy``'s completions of the first held-out preference prompts."""
+def _win_rate_prompts(ctx: StageContext, pairs: list[dict]) -> tuple[list, list[list[int]]]:
+    """The first ``evaluate.num_winrate_prompts`` held-out preference prompts: (messages, token ids)."""
+    messages = [messages_of(p) for p in pairs[: ctx.config.evaluate.num_winrate_prompts]]
+    return messages, [prompt_ids(ctx.tokenizer, m, ctx.config.data) for m in messages]
+
+
+def _win_rate_scores(ctx: StageContext, rm: nn.Module, policy: nn.Module, messages: list,
+                     prompts: list[list[int]]) -> list[float]:
+    """The reward model's scores of ``policy``'s completions of :func:`_win_rate_prompts`' prompts."""
     cfg, data, device = ctx.config.evaluate, ctx.config.data, ctx.backend.device
-    messages = [messages_of(p) for p in pairs[: cfg.num_winrate_prompts]]
-    prompts = [prompt_ids(ctx.tokenizer, m, data) for m in messages]
     completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, device, ctx.config.seed)
     return reward_scores(rm, ctx.tokenizer, messages, completions, data, cfg.micro_batch_size, device)
 
@@ -201,6 +206,7 @@ def run(ctx: StageContext) -> Manifest:
     rm = ctx.backend.prepare_frozen(ctx.reward_model()) if "reward_model" in inputs else None
     rm_metrics = _rm_metrics(ctx, rm, pairs) if rm is not None else {}
     with_win_rates = rm is not None and "sft" in trained and len(trained) > 1
+    win_rate_prompts = _win_rate_prompts(ctx, pairs) if with_win_rates else ([], [])
     completions: dict[str, list[str]] = {}
     verdicts: dict[str, list[bool]] = {}
     rewards: dict[str, list[float]] = {}
@@ -222,7 +228,7 @@ def run(ctx: StageContext) -> Manifest:
         if name == "dpo" and "sft" in trained:
             dpo_metrics = _dpo_metrics(ctx, policy, dpo_rows)
         if with_win_rates and name != "base":
-            win_rate_scores[name] = _win_rate_scores(ctx, rm, policy, pairs)
+            win_rate_scores[name] = _win_rate_scores(ctx, rm, policy, *win_rate_prompts)
         del policy
     metrics = {f"{name}/exact_match": sum(hits) / max(len(hits), 1) for name, hits in verdicts.items()}
     metrics |= sft_metrics | rm_metrics | dpo_metrics | (_win_rates(win_rate_scores) if with_win_rates else {})
