@@ -1,15 +1,29 @@
-"""Shared fixtures: a real S3 endpoint (moto's server on loopback) and storage roots on it."""
+"""Shared fixtures: a real S3 endpoint (moto's server on loopback) and storage roots on it; the
+``integration`` and ``e2e`` markers, set by folder (``-m 'not e2e'``, ``-m integration``)."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import boto3
 import pytest
 
 from trainer_core.config import StorageConfig
+
+FOLDER_MARKERS = ("integration", "e2e")
+"""Test folders whose name is also a marker every test in them carries."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test under ``tests/integration`` or ``tests/e2e`` with its folder's marker."""
+    for item in items:
+        folder = Path(str(item.path)).parent.name
+        if folder in FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, folder))
+
 
 _S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

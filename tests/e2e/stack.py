@@ -4,6 +4,7 @@ start and stop processes in their own process groups and talk to the stack."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,59 +16,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import yaml
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+from tests.tiny import REPO as PROJECT_DIR
+from tests.tiny import as_sets, tiny_demo
+
 BIN_DIR = Path(sys.executable).parent
 STARTUP_TIMEOUT_S = 120
-
-TINY_DEMO = {
-    "data.synthetic.num_problems": 120,
-    "data.synthetic.num_pairs": 60,
-    "data.max_eval_rows": 8,
-    "tokenizer.vocab_size": 256,
-    "model.init.hidden_size": 32,
-    "model.init.intermediate_size": 64,
-    "model.init.num_hidden_layers": 1,
-    "sft.max_steps": 4,
-    "sft.eval_every": 2,
-    "sft.save_every": 2,
-    "reward_model.max_steps": 2,
-    "dpo.max_steps": 2,
-    "dpo.grad_accum_steps": 1,
-    "ppo.max_steps": 2,
-    "ppo.prompts_per_rollout": 2,
-    "ppo.save_every": 2,
-    "ppo.generation.max_new_tokens": 8,
-    "grpo.max_steps": 2,
-    "grpo.prompts_per_rollout": 2,
-    "grpo.group_size": 2,
-    "grpo.save_every": 2,
-    "grpo.generation.max_new_tokens": 8,
-    "score.num_prompts": 2,
-    "score.generation.max_new_tokens": 8,
-    "evaluate.num_problems": 2,
-    "evaluate.num_winrate_prompts": 2,
-    "evaluate.generation.max_new_tokens": 8,
-    "launch.retries": 0,
-    "launch.timeout_s": 240,
-}
-"""``configs/demo.yaml``'s every stage at tiny sizes, as dotted overrides (``--set`` items):
-about 70 s for the whole demo on one process here, against ~6 minutes at the demo's sizes."""
-
-
-def write_tiny_demo(path: Path) -> None:
-    """``configs/demo.yaml`` with :data:`TINY_DEMO` applied, as YAML at ``path`` (its comments dropped)."""
-    config = yaml.safe_load((PROJECT_DIR / "configs" / "demo.yaml").read_text())
-    for key, value in TINY_DEMO.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 def free_port() -> int:
@@ -159,3 +115,32 @@ def client(stack: dict) -> Iterator[SyncPrefectClient]:
     """A client of the stack's Prefect API (whatever API the rest of the session uses)."""
     with temporary_settings(updates={PREFECT_API_URL: stack["api_url"]}), get_client(sync_client=True) as api:
         yield api
+
+
+def run_cli(prefect_api: str, tmp: Path, config: str, sets: dict[str, object], run_id: str = "demo-cli",
+            ) -> tuple[list[str], dict]:
+    """``posttrain run configs/<config>`` as a user runs it (a child process, against the Prefect API
+    ``prefect_api``, its MLflow store the default SQLite file under the storage root) with
+    :data:`~tests.tiny.TINY_DEMO` and ``sets`` as ``--set`` overrides, writing under ``tmp/out``.
+
+    Returns its stdout lines and the summary it names, after checking that the run and every stage
+    of it completed and that its last stdout line names the summary."""
+    root = tmp / "out"
+    args = [str(PROJECT_DIR / "configs" / config), "--run-id", run_id, "--set", f"storage.root={root}",
+            *as_sets(tiny_demo(**sets))]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    result = subprocess.run([sys.executable, "-m", "posttrain", "run", *args], cwd=tmp, env=env,
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-5000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == f"run id: {run_id}"
+    uri = lines[-1]
+    assert uri == str(root / "runs" / run_id / "summary.json")
+    summary = json.loads(Path(uri).read_text())
+    assert summary["run_id"] == run_id and summary["status"] == "completed"
+    for name, entry in summary["stages"].items():
+        assert entry["status"] == "completed", (name, entry)
+        assert (Path(entry["output_uri"]) / "manifest.json").is_file()
+        assert f"{name}: completed -> {entry['output_uri']}" in lines
+    return lines, summary

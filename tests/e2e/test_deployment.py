@@ -31,6 +31,7 @@ from prefect.client.schemas.filters import (
 from prefect.exceptions import PrefectHTTPStatusError
 
 from tests.e2e.stack import PROJECT_DIR, client, posttrain, start_worker, stop
+from tests.tiny import TINY_MODEL
 from trainer_core.config import PipelineConfig
 
 pytestmark = pytest.mark.slow
@@ -41,17 +42,15 @@ RUN_TIMEOUT_S = 300
 
 
 def tiny_demo(root: Path, tracking_uri: str) -> dict:
-    """``overrides`` for a demo run of a few seconds: prepare_data and 3 SFT steps of a tiny Llama."""
+    """``overrides`` for a demo run of a few seconds: prepare_data and 3 SFT steps of the tiny Llama
+    (``tests.tiny.TINY_MODEL``, with one key-value head of two) on a smaller synthetic task."""
     return {
+        **TINY_MODEL,
         "storage.root": str(root),
         "tracking.tracking_uri": tracking_uri,
         "stages": "prepare_data,sft",
         "data.synthetic.num_problems": 60,
         "data.synthetic.num_pairs": 40,
-        "tokenizer.vocab_size": 256,
-        "model.init.hidden_size": 32,
-        "model.init.intermediate_size": 64,
-        "model.init.num_hidden_layers": 1,
         "model.init.num_attention_heads": 2,
         "model.init.num_key_value_heads": 1,
         "sft.max_steps": 3,

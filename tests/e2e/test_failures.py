@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 
 from tests.integration.helpers import DEMO_CONFIG
+from tests.tiny import TINY_DATA, TINY_MODEL, as_sets
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["--set", "data.synthetic.num_problems=200", "--set", "data.synthetic.num_pairs=100",
-         "--set", "tokenizer.vocab_size=256", "--set", "launch.retries=0"]
+SMALL = as_sets({**TINY_DATA, **TINY_MODEL, "launch.retries": 0})
+"""The demo's task and model at tiny sizes (``tests/tiny.py``), no retries: ``--set`` items."""
 
 
 def cli_env(api_url: str | None) -> dict[str, str]:

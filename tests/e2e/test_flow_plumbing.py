@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from posttrain.cli import app
 from flows.pipeline import post_training_pipeline
 from tasks.launch import BadStageInput
+from tests.tiny import TINY_MODEL
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError
 from trainer_core.registry import stage_inputs
@@ -24,14 +25,16 @@ SECRET = "hunter2-not-for-storage"
 
 
 def small_config(root, **extra):
+    """The built-in default config with the tiny model (``tests.tiny.TINY_MODEL``), a smaller
+    synthetic task, prepare_data only, retries without delay, and a secret that must never be stored."""
     overrides = {
+        **TINY_MODEL,
         "name": "plumb",
         "stages": ["prepare_data"],
         "storage.root": str(root),
         "storage.secret_access_key": SECRET,
         "data.synthetic.num_problems": 60,
         "data.synthetic.num_pairs": 40,
-        "tokenizer.vocab_size": 256,
         "launch.retries": 2,
         "launch.retry_delay_s": 0,
         "launch.timeout_s": 300,

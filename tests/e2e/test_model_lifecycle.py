@@ -1,79 +1,61 @@
-"""MLflow as a model lifecycle, end to end through ``posttrain run``: the final policy becomes a
-version of a registered model that ``mlflow.transformers.load_model`` loads, gated by
-``evaluate.gates``; a run that fails a gate keeps the champion alias where it was and ends in the
-``GateFailed`` state (exit code 4); evaluate logs its sample generations as an MLflow table, and
-every training stage's run carries a PNG of its curves.
+"""MLflow as a model lifecycle, end to end through ``posttrain run`` and ``posttrain resume`` on the
+session's finished tiny demo run (``demo_run``): the final policy became a version of a registered
+model that ``mlflow.transformers.load_model`` loads, gated by ``evaluate.gates``; evaluate logged
+its sample generations as an MLflow table, and every training stage's run carries a PNG of its
+curves. Then the run is resumed: with nothing changed it trains nothing; with ``dpo.beta`` changed
+it re-runs DPO and evaluate only; with a gate it fails it keeps the champion alias where it was,
+registers a candidate and ends in the ``GateFailed`` state (exit code 4).
+
+The resumes change the shared run, so they come after every test that reads it as it finished
+(this module is collected after ``test_demo_cli.py``; the read-only test comes first here).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+from typer.testing import CliRunner
 
-from tests.e2e.stack import TINY_DEMO
+from posttrain.cli import app
+from trainer_core.checkpoint.manifest import MANIFEST_NAME
 from trainer_core.errors import EXIT_GATE_FAILED
+from trainer_core.storage import RunLayout
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "posttrain-demo-policy"
-STAGES = "prepare_data,sft,reward_model,dpo,evaluate"
-TINY = {
-    **TINY_DEMO,  # the demo at tiny sizes, its first five stages only
-    "stages": STAGES,
-    "sft.log_every": 1,
-    "reward_model.log_every": 1,
-    "dpo.log_every": 1,
-    "evaluate.num_problems": 3,
-    "tracking.registered_model_name": MODEL,
-}
-
-
-def posttrain_run(prefect_api: str, tmp_path: Path, run_id: str, gates: list[dict]) -> subprocess.CompletedProcess:
-    args = [str(REPO / "configs" / "demo.yaml"), "--run-id", run_id, "--set", f"storage.root={tmp_path / 'out'}",
-            "--set", f"evaluate.gates={json.dumps(gates)}"]
-    for key, value in TINY.items():
-        args += ["--set", f"{key}={value}"]
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run([sys.executable, "-m", "posttrain", "run", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+STAGES = ("prepare_data", "sft", "reward_model", "score", "dpo", "ppo", "grpo", "evaluate")
 
 
 def flow_run_named(prefect_api: str, name: str):
-    """The one flow run called ``name`` (the flow renames its run to the pipeline run id)."""
+    """The newest flow run called ``name`` (the flow renames its run to the pipeline run id)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_api}), get_client(sync_client=True) as api:
-        [flow_run] = api.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
-        return flow_run
+        runs = api.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+    return max(runs, key=lambda r: r.created)
 
 
-def test_registered_champion_gates_tables_and_curves(prefect_api, tmp_path):
+def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_path):
     import mlflow.transformers
 
-    passing = [{"metric": "dpo/exact_match", "op": ">=", "threshold": 0.0, "vs_champion": True, "tolerance": 1.0}]
-    first = posttrain_run(prefect_api, tmp_path, "life-1", passing)
-    assert first.returncode == 0, first.stderr[-5000:]
-    summary = json.loads((tmp_path / "out" / "runs" / "life-1" / "summary.json").read_text())
-    assert summary["status"] == "completed"
+    summary = demo_run.summary
     release = summary["release"]
     assert release["passed"] and [g["against"] for g in release["gates"]] == ["threshold", "no champion yet"]
     registered = release["registered_model"]
-    assert (registered["name"], registered["version"], registered["alias"], registered["stage"]) == (MODEL, "1", "champion", "dpo")
+    assert (registered["name"], registered["version"], registered["alias"], registered["stage"]) == (MODEL, "1", "champion", "grpo")
 
     tracking_uri = summary["mlflow"]["tracking_uri"]
     client = MlflowClient(tracking_uri)
     version = client.get_model_version_by_alias(MODEL, "champion")
-    assert str(version.version) == "1" and version.tags["posttrain.run_id"] == "life-1"
+    assert str(version.version) == "1" and version.tags["posttrain.run_id"] == demo_run.run_id
     assert {"posttrain.config_hash", "posttrain.data_fingerprint", "posttrain.fingerprint"} <= set(version.tags)
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
     try:
@@ -83,30 +65,101 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, tmp_path):
     assert policy.tokenizer is not None and policy.model.config.num_hidden_layers == 1
 
     parent = client.get_run(summary["mlflow"]["parent_run_id"])
-    assert {"dpo/exact_match", "sft/eval_loss", "reward_model/eval_accuracy"} <= set(parent.data.metrics)
-    assert parent.data.tags["prefect.flow_run_url"].endswith(f"/flow-runs/flow-run/{flow_run_named(prefect_api, 'life-1').id}")
+    assert {"grpo/exact_match", "dpo/exact_match", "sft/eval_loss", "reward_model/eval_accuracy"} <= set(parent.data.metrics)
+    flow_run = flow_run_named(prefect_api, demo_run.run_id)
+    assert parent.data.tags["prefect.flow_run_url"].endswith(f"/flow-runs/flow-run/{flow_run.id}")
     experiment = client.get_experiment(parent.info.experiment_id)
     assert experiment.tags.get("mlflow.experimentKind")
     runs = {r.data.tags["posttrain.stage"]: r for r in client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
-    for stage in ("sft", "reward_model", "dpo"):
+    assert set(runs) == set(STAGES)
+    for stage in ("sft", "reward_model", "dpo", "ppo", "grpo"):
         assert "plots/curves.png" in [a.path for a in client.list_artifacts(runs[stage].info.run_id, "plots")], stage
         assert not [m for m in runs[stage].data.metrics if m.startswith("final/")], stage
         assert "prefect.flow_run_url" in runs[stage].data.tags
     table = json.loads(Path(client.download_artifacts(runs["evaluate"].info.run_id, "eval/samples.json",
                                                       str(tmp_path))).read_text())
-    assert {"prompt", "answer", "sft", "dpo", "dpo_correct", "dpo_reward"} <= set(table["columns"])
-    assert len(table["data"]) == 3
+    assert {"prompt", "answer", "sft", "dpo", "dpo_correct", "dpo_reward", "grpo"} <= set(table["columns"])
+    assert len(table["data"]) == 2  # tests.tiny.TINY_DEMO: evaluate.num_problems
 
-    failing = [{"metric": "dpo/exact_match", "threshold": 2.0}]  # exact match is at most 1
-    second = posttrain_run(prefect_api, tmp_path, "life-2", failing)
-    assert second.returncode == EXIT_GATE_FAILED, second.stderr[-5000:]
-    assert "gate: dpo/exact_match" in second.stderr and "< threshold 2" in second.stderr
-    summary = json.loads((tmp_path / "out" / "runs" / "life-2" / "summary.json").read_text())
+
+def _final_manifests(root: Path, run_id: str) -> dict[str, int]:
+    """Stage -> mtime (ns) of its committed ``final/manifest.json``."""
+    return {s: (Path(RunLayout(str(root), run_id).stage(s).final) / MANIFEST_NAME).stat().st_mtime_ns for s in STAGES}
+
+
+def _files_under(root: Path, sub: str) -> dict[str, int]:
+    """Relative path -> mtime (ns) of every file under ``<root>/<sub>``."""
+    base = root / sub
+    return {str(p.relative_to(base)): p.stat().st_mtime_ns for p in base.rglob("*") if p.is_file()}
+
+
+def _resume(run_id: str, root: Path, *overrides: str, exit_code: int = 0):
+    """``posttrain resume RUN_ID --root ROOT [--set ...]`` in this process (the session's Prefect
+    API): (summary, stdout lines, stderr, wall s)."""
+    args = ["resume", run_id, "--root", str(root)]
+    for item in overrides:
+        args += ["--set", item]
+    t0 = time.monotonic()
+    result = CliRunner().invoke(app, args)
+    wall_s = time.monotonic() - t0
+    assert result.exit_code == exit_code, result.output
+    lines = result.stdout.strip().splitlines()
+    uri = root / "runs" / run_id / "summary.json"
+    assert exit_code != 0 or lines[-1] == str(uri), lines[-3:]
+    return json.loads(uri.read_text()), lines, result.stderr, wall_s
+
+
+def test_resumes_reuse_what_is_unchanged_and_a_failed_gate_keeps_the_champion(prefect_api, demo_run, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    root, run_id = demo_run.root, demo_run.run_id
+    run_dir = root / "runs" / run_id
+    finals, specs = _final_manifests(root, run_id), _files_under(run_dir, "specs")
+    checkpoints = _files_under(run_dir, "stages")
+
+    # Nothing changed: every stage reused, nothing written under stages/ or specs/.
+    summary, lines, _, wall_s = _resume(run_id, root)
+    print(f"resume, nothing to do: {wall_s:.1f}s")
+    assert summary["status"] == "completed"
+    assert {s: (e["status"], e.get("reused"), e["wall_s"]) for s, e in summary["stages"].items()} == {
+        s: ("completed", True, 0.0) for s in STAGES
+    }
+    assert all(f"{s}: completed (unchanged, not re-run) -> " in "\n".join(lines) for s in STAGES)
+    assert _final_manifests(root, run_id) == finals
+    assert _files_under(run_dir, "stages") == checkpoints, "a reused run wrote checkpoints or outputs"
+    assert _files_under(run_dir, "specs") == specs, "a reused run launched a trainer"
+    assert wall_s < 60, f"a resume that trains nothing took {wall_s:.0f}s"
+
+    # dpo.beta changed: DPO and evaluate (which reads DPO's policy) re-run, nothing else.
+    summary, _, _, wall_s = _resume(run_id, root, "dpo.beta=0.5")
+    print(f"resume with dpo.beta=0.5: {wall_s:.1f}s")
+    assert summary["status"] == "completed"
+    rerun = {"dpo", "evaluate"}
+    assert {s for s, e in summary["stages"].items() if not e.get("reused")} == rerun
+    assert all(e["status"] == "completed" for e in summary["stages"].values())
+    now = _final_manifests(root, run_id)
+    assert {s for s in STAGES if now[s] != finals[s]} == rerun
+    assert json.loads((run_dir / "config.json").read_text())["dpo"]["beta"] == 0.5
+    dpo_manifest = json.loads((Path(summary["stages"]["dpo"]["output_uri"]) / MANIFEST_NAME).read_text())
+    assert dpo_manifest["global_step"] == 2 and dpo_manifest["metrics"]["resumed"] == 0.0
+    changed = {p for p, m in _files_under(run_dir, "stages").items() if checkpoints.get(p) != m}
+    assert changed and all(p.split("/")[0] in rerun for p in changed), sorted(changed)
+    client = MlflowClient(summary["mlflow"]["tracking_uri"])
+    champion = str(client.get_model_version_by_alias(MODEL, "champion").version)
+    assert summary["release"]["passed"] and champion == summary["release"]["registered_model"]["version"]
+
+    # A gate the run fails (exact match is at most 1): nothing re-runs (gates are judged after the
+    # stages, never hashed), the version is registered as a candidate and the champion stays.
+    failing = json.dumps([{"metric": "grpo/exact_match", "threshold": 2.0}])
+    summary, _, stderr, _ = _resume(run_id, root, f"evaluate.gates={failing}", exit_code=EXIT_GATE_FAILED)
+    assert "gate: grpo/exact_match" in stderr and "< threshold 2" in stderr
+    assert not [s for s, e in summary["stages"].items() if not e.get("reused")]
     assert summary["status"] == "gate_failed" and not summary["release"]["passed"]
-    assert summary["release"]["registered_model"]["alias"] == "candidate"
-    assert str(client.get_model_version_by_alias(MODEL, "champion").version) == "1"
-    assert str(client.get_model_version_by_alias(MODEL, "candidate").version) == "2"
-    state = flow_run_named(prefect_api, "life-2").state
+    candidate = summary["release"]["registered_model"]
+    assert candidate["alias"] == "candidate" and int(candidate["version"]) == int(champion) + 1
+    assert str(client.get_model_version_by_alias(MODEL, "champion").version) == champion
+    assert str(client.get_model_version_by_alias(MODEL, "candidate").version) == candidate["version"]
+    state = flow_run_named(prefect_api, run_id).state
     assert state.type.value == "FAILED" and state.name == "GateFailed"
-    assert state.message.startswith("gate: dpo/exact_match")
+    assert state.message.startswith("gate: grpo/exact_match")

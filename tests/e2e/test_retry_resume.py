@@ -1,5 +1,6 @@
-"""Acceptance: failed stages retry from their last checkpoint; a re-run of a finished run
-trains nothing; a second writer of a stage is refused.
+"""Acceptance: failed stages retry from their last checkpoint; a second writer of a stage is
+refused. (A re-run of a finished run trains nothing: ``test_model_lifecycle.py``, on the session's
+finished demo run.)
 
 Under a real Prefect API (the session's ``prefect_api``), a real MLflow sqlite store under
 ``tmp_path`` and real trainer processes, with the tiny config of the integration tests.
@@ -8,8 +9,6 @@ Under a real Prefect API (the session's ``prefect_api``), a real MLflow sqlite s
   right after its step-4 checkpoint is committed. The Prefect retry of the task run resumes
   from that checkpoint: steps 1-4 run once, MLflow holds one ``train/loss`` per step, and
   the final weights equal those of an uninterrupted run, bit for bit.
-- ``posttrain resume`` of a finished run launches no trainer; with ``--set dpo.beta=0.5`` it
-  re-runs DPO and the evaluation only.
 - A trainer started on a stage whose lease a live writer holds exits with code 2 and names
   the lease. The trainer waits ``ttl + 5`` = 35 s for a live lease to lapse before it gives
   up (``StageLease.acquire``; the ttl is not configurable), so that test takes ~45 s.
@@ -31,9 +30,7 @@ import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
-from typer.testing import CliRunner
 
-from posttrain.cli import app
 from flows.pipeline import post_training_pipeline
 from tests.integration.helpers import (
     DEMO_CONFIG,
@@ -50,7 +47,6 @@ from trainer_core.errors import EXIT_BAD_INPUT
 from trainer_core.spec import StageSpec, build_spec
 from trainer_core.storage import RunLayout, StageLayout
 
-ALL_STAGES = ["prepare_data", "sft", "reward_model", "score", "dpo", "evaluate"]
 MAX_STEPS = 12
 SAVE_EVERY = 4
 KILL_AT = 4
@@ -208,79 +204,6 @@ def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
     assert mlflow.get_run(sft["mlflow_run_id"]).info.status == "FINISHED"
     history = mlflow.get_metric_history(sft["mlflow_run_id"], "train/loss")
     assert dict(sorted(Counter(m.step for m in history).items())) == {s: 1 for s in range(1, MAX_STEPS + 1)}
-
-
-def _final_manifests(root: Path, run_id: str) -> dict[str, int]:
-    """Stage -> mtime (ns) of its committed ``final/manifest.json``."""
-    return {
-        s: (Path(RunLayout(str(root), run_id).stage(s).final) / MANIFEST_NAME).stat().st_mtime_ns for s in ALL_STAGES
-    }
-
-
-def _files_under(root: Path, sub: str) -> dict[str, int]:
-    """Relative path -> mtime (ns) of every file under ``<root>/<sub>``."""
-    base = root / sub
-    return {str(p.relative_to(base)): p.stat().st_mtime_ns for p in base.rglob("*") if p.is_file()}
-
-
-def _resume(run_id: str, root: Path, *overrides: str) -> tuple[dict, list[str], float]:
-    """``posttrain resume RUN_ID --root ROOT [--set ...]``: (summary, stdout lines, wall s)."""
-    args = ["resume", run_id, "--root", str(root)]
-    for item in overrides:
-        args += ["--set", item]
-    t0 = time.monotonic()
-    result = CliRunner().invoke(app, args)
-    wall_s = time.monotonic() - t0
-    assert result.exit_code == 0, result.output
-    lines = result.stdout.strip().splitlines()
-    return json.loads(Path(lines[-1]).read_text()), lines, wall_s
-
-
-@pytest.mark.slow
-def test_resume_of_a_finished_run_trains_nothing_and_a_changed_dpo_beta_reruns_dpo_and_evaluate(
-    prefect_api, tmp_path, single_thread_trainers
-):
-    root, run_id = tmp_path / "out", "resume-all"
-    steps = {f"{s}.{k}": 4 if k == "max_steps" else 2 for s in ("sft", "reward_model", "dpo")
-             for k in ("max_steps", "save_every", "eval_every")}
-    tiny_generation = {
-        "score.num_prompts": 2, "score.generation.max_new_tokens": 8, "evaluate.num_problems": 2,
-        "evaluate.num_winrate_prompts": 2, "evaluate.generation.max_new_tokens": 8, "launch.retries": 0,
-    }
-    config = pipeline_config(root, ALL_STAGES, **steps, **tiny_generation)
-    t0 = time.monotonic()
-    state = post_training_pipeline(config=config, run_id=run_id, return_state=True)
-    print(f"full tiny pipeline: {time.monotonic() - t0:.1f}s")
-    assert state.is_completed(), state.message
-    run_dir = root / "runs" / run_id
-    finals, specs = _final_manifests(root, run_id), _files_under(run_dir, "specs")
-    checkpoints = _files_under(run_dir, "stages")
-
-    summary, lines, wall_s = _resume(run_id, root)
-    print(f"resume, nothing to do: {wall_s:.1f}s")
-    assert summary["status"] == "completed"
-    assert {s: (e["status"], e.get("reused"), e["wall_s"]) for s, e in summary["stages"].items()} == {
-        s: ("completed", True, 0.0) for s in ALL_STAGES
-    }
-    assert all(f"{s}: completed (unchanged, not re-run) -> " in "\n".join(lines) for s in ALL_STAGES)
-    assert _final_manifests(root, run_id) == finals
-    assert _files_under(run_dir, "stages") == checkpoints, "a reused run wrote checkpoints or outputs"
-    assert _files_under(run_dir, "specs") == specs, "a reused run launched a trainer"
-    assert wall_s < 60, f"a resume that trains nothing took {wall_s:.0f}s"
-
-    summary, _, wall_s = _resume(run_id, root, "dpo.beta=0.5")
-    print(f"resume with dpo.beta=0.5: {wall_s:.1f}s")
-    assert summary["status"] == "completed"
-    rerun = {"dpo", "evaluate"}
-    assert {s for s, e in summary["stages"].items() if not e.get("reused")} == rerun
-    assert all(e["status"] == "completed" for e in summary["stages"].values())
-    now = _final_manifests(root, run_id)
-    assert {s for s in ALL_STAGES if now[s] != finals[s]} == rerun
-    assert json.loads((run_dir / "config.json").read_text())["dpo"]["beta"] == 0.5
-    dpo_manifest = json.loads((Path(summary["stages"]["dpo"]["output_uri"]) / MANIFEST_NAME).read_text())
-    assert dpo_manifest["global_step"] == 4 and dpo_manifest["metrics"]["resumed"] == 0.0
-    changed = {p for p, m in _files_under(run_dir, "stages").items() if checkpoints.get(p) != m}
-    assert changed and all(p.split("/")[0] in rerun for p in changed), sorted(changed)
 
 
 def test_a_second_writer_of_a_stage_is_refused_while_the_lease_is_live(tmp_path, single_thread_trainers):

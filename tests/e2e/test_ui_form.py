@@ -2,11 +2,12 @@
 through Playwright) against a real ``prefect server start`` on loopback (the session's ``stack``).
 
 ``posttrain deploy --name demo`` registers the demo with ``$POSTTRAIN_PROJECT_DIR`` a temporary
-project directory holding ``configs/demo.yaml`` at tiny sizes (``tests.e2e.stack.TINY_DEMO``:
-every stage, about a minute; the run's ``./outputs`` and its SQLite MLflow store land there), and a
+project directory holding ``configs/demo.yaml`` at tiny sizes (``tests.tiny.write_tiny_demo``),
+cut to its prepare_data and SFT stages (the field the form changes is SFT's; a run of every stage
+is ``test_demo_cli.py``'s; the run's ``./outputs`` and its SQLite MLflow store land there), and a
 process worker serves the pool. In the default UI (the server's root redirects to the V2 UI) the
 test goes Deployments -> demo -> Run -> Custom run, finds the form opened on that file's values
-(SFT "Max steps" 4), changes that one field and submits. The flow run completes every stage and
+(SFT "Max steps" 4), changes that one field and submits. The flow run completes its stages and
 the resolved config it recorded has the typed value. The V1 UI's form of
 the same deployment must render too; in both, descriptions are plain text (no reST markup).
 
@@ -29,7 +30,8 @@ import pytest
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
 from prefect.states import Cancelled
 
-from tests.e2e.stack import client, posttrain, start_worker, stop, write_tiny_demo
+from tests.e2e.stack import client, posttrain, start_worker, stop
+from tests.tiny import write_tiny_demo
 
 CHROMIUM = os.environ.get("POSTTRAIN_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
@@ -39,8 +41,8 @@ pytestmark = [
 DEPLOYMENT = "post-training-pipeline/demo"
 TYPED_MAX_STEPS = 6
 RUN_TIMEOUT_S = 600
-"""The tiny demo runs every stage in about 70 s (``posttrain run`` of the same sizes,
-``tests/e2e/test_demo_cli.py``); at the demo's own sizes the run took 325-568 s in CI."""
+"""The tiny demo's prepare_data and SFT take seconds; at the demo's own sizes every stage took
+325-568 s in CI."""
 UI_TIMEOUT_MS = 60_000
 SUBMIT_ATTEMPTS = 3
 MARKUP = ("``", ":func:", ":class:", ":meth:")
@@ -65,7 +67,7 @@ def demo_project(stack, tmp_path_factory) -> Path:
     to run there (its ./outputs and MLflow store land in it), its form opened on that file's values."""
     project = tmp_path_factory.mktemp("project")
     (project / "configs").mkdir()
-    write_tiny_demo(project / "configs" / "demo.yaml")
+    write_tiny_demo(project / "configs" / "demo.yaml", stages=["prepare_data", "sft"])
     out = posttrain(stack, "deploy", "--name", "demo", env={"POSTTRAIN_PROJECT_DIR": str(project)})
     assert f"deployment {DEPLOYMENT}:" in out
     return project

@@ -24,6 +24,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from tests.tiny import TINY_DATA, TINY_MODEL
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, parse_step_dirname, step_dirname
 from trainer_core.config import PipelineConfig, load_config
@@ -38,6 +39,11 @@ MAX_STEPS = 12
 SAVE_EVERY = 4
 
 _DATA_OVERRIDES = {
+    # tests/tiny.py's task and model, with the sizes the stage-by-stage checks were written against
+    # stated over them: more rows (the reward model's 71 training pairs below, 32 held-out rows), a
+    # 2-layer model and a 300-token vocabulary.
+    **TINY_DATA,
+    **TINY_MODEL,
     "data.synthetic.num_problems": 200,
     "data.synthetic.num_pairs": 120,
     "data.synthetic.max_operand": 20,
@@ -46,8 +52,6 @@ _DATA_OVERRIDES = {
     "data.eval_fraction": 0.1,
     "data.max_eval_rows": 32,
     "tokenizer.vocab_size": 300,
-    "model.init.hidden_size": 32,
-    "model.init.intermediate_size": 64,
     "model.init.num_hidden_layers": 2,
     "model.init.max_position_embeddings": 128,
 }

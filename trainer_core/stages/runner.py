@@ -22,7 +22,6 @@ from trainer_core.checkpoint.lease import StageLease, WriteFence, default_owner,
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import PipelineConfig, resolve_local_root
 from trainer_core.data.prepared import load_tokenizer_from
-from trainer_core.mlflow_model import ensure_stage_model
 from trainer_core.processes import current_launch_id
 from trainer_core.registry import get_stage, stage_inputs
 from trainer_core.spec import StageSpec, build_spec, committed_outputs
@@ -77,7 +76,10 @@ def run_spec(spec: StageSpec, backend: Backend | None = None) -> Manifest:
                 ctx = StageContext(spec=spec, backend=backend, tokenizer=tokenizer, metrics=metrics, attempt=attempt,
                                    fence=WriteFence(spec.output_uri, owner, attempt))
                 manifest = module.run(ctx)
-            if main:  # committed: the final model as an MLflow model of the stage run (when tracked)
+            if main and spec.mlflow_run_id:  # committed and tracked: the final model as an MLflow model
+                # of the stage run; imported here, so an untracked stage never imports mlflow (~1 s)
+                from trainer_core.mlflow_model import ensure_stage_model
+
                 ensure_stage_model(spec, manifest.global_step)
             return manifest
         finally:
