@@ -49,13 +49,13 @@ from common import (
     write_result,
 )
 from trainer_core.data.prepared import load_split, load_tokenizer_from
-from trainer_core.stages import dpo
+from trainer_core.stages import reference as reference_stage
 from trainer_core.training.supervised import DPOObjective
 
 
 def timed_reference(record: dict[str, float]):
-    """Wrap ``reference_logprobs`` (``trainer_core.training.supervised``, called by name from the
-    DPO stage module, where it is patched) to add its seconds and pairs to ``record``."""
+    """Wrap ``reference_logprobs`` (``trainer_core.training.supervised``, called by name from
+    ``trainer_core.stages.reference``, where it is patched) to add its seconds and pairs to ``record``."""
 
     def make(original):
         def reference_logprobs(model, rows, *args, **kwargs):
@@ -75,7 +75,7 @@ def run_project(w: Workload, warmup: int, steps: int, round_index: int = 0) -> d
     log, reference = StepLog(), {}
     hooks = probe_stage(log, DPOObjective, lambda b: int(b["chosen_input_ids"].shape[0]))
     spec = stage_spec(w, "dpo", {"model": w.model_dir, "reference": w.model_dir}, run_id=f"round-{round_index}")
-    with patched(dpo, "reference_logprobs", timed_reference(reference)):
+    with patched(reference_stage, "reference_logprobs", timed_reference(reference)):
         total_s = run_stage_probed(spec, hooks)
     return {**summarize_steps(log, warmup, steps), **reference, "stage_total_s": total_s}
 

@@ -18,6 +18,7 @@ as their reference (:func:`adapter_disabled`), as TRL does with ``PeftModel.disa
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -101,7 +102,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
 
 
 def has_lora(model: nn.Module) -> bool:
-    """True when ``model`` (plain, DDP- or DeepSpeed-wrapped, or FSDP2-sharded) holds LoRA layers."""
+    """True when ``model`` (plain, DDP- or DeepSpeed-wrapped, or FSDP2-sharded) holds LoRA layers.
+
+    A model holding peft's layers was built by peft, so where peft is not imported yet the answer
+    is False without importing it (seconds: peft imports bitsandbytes where installed)."""
+    if "peft" not in sys.modules:
+        return False
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return any(isinstance(m, BaseTunerLayer) for m in model.modules())
@@ -154,7 +160,8 @@ def merged_state_dict(model: nn.Module, state: dict[str, Tensor], copy: bool) ->
 
     Args:
         model: the unwrapped model :func:`apply_lora` adapted (its config and class are read).
-        state: its full state dict (peft's keys), on CPU or the model's device.
+        state: its full state dict (peft's keys), on CPU or the model's device; a QLoRA base's
+            4-bit weights are dequantized first (:func:`dequantized_state_dict`).
         copy: copy the tensors first (they are the live model's: the merge writes into ``W``).
 
     Returns:
@@ -163,6 +170,7 @@ def merged_state_dict(model: nn.Module, state: dict[str, Tensor], copy: bool) ->
     """
     from peft import inject_adapter_in_model
 
+    state = dequantized_state_dict(model, state)
     tensors = {k: (v.detach().to("cpu", copy=True) if copy else v.detach().to("cpu")) for k, v in state.items()}
     with torch.device("meta"):
         shell = type(model)(model.config)
@@ -175,6 +183,32 @@ def merged_state_dict(model: nn.Module, state: dict[str, Tensor], copy: bool) ->
         raise ValueError(f"merged_state_dict: the state dict lacks {len(missing)} tensors, e.g. {missing[:3]}")
     merge_adapters(shell)
     return plain_state_dict(shell)
+
+
+def dequantized_state_dict(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with each 4-bit base weight of ``model`` (a bitsandbytes ``Linear4bit``: QLoRA's
+    NF4 base) replaced by its dense value and its quantization-state entries (``.absmax``,
+    ``.quant_map``, ``.nested_*``, ``.quant_state.*``) dropped; ``state`` itself when ``model``
+    holds none.
+
+    The dense value is ``bitsandbytes.functional.dequantize_4bit`` of the packed weight (uint8
+    ``[out * in / 2, 1]``), in the dtype it was quantized from (``quant_state.dtype``, e.g.
+    bf16), shape ``[out, in]``: the weight the adapter was trained against, so the merge
+    ``dequant(W) + scaling B A`` is the function the stage trained (as peft's own
+    ``Linear4bit.merge`` computes it before re-quantizing, which a dense commit skips).
+    """
+    bnb = sys.modules.get("bitsandbytes")  # loaded by any model holding Linear4bit layers
+    if bnb is None:
+        return state
+    out = dict(state)
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            key = f"{name}.weight"
+            for extra in [k for k in out if k.startswith(key + ".")]:
+                del out[extra]
+            weight = module.weight
+            out[key] = bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(weight.quant_state.dtype)
+    return out
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, Tensor]:

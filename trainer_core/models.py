@@ -14,8 +14,12 @@ All are loaded with the ``Auto*`` classes; ``trust_remote_code`` is off unless c
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
+import sys
 import tempfile
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -221,15 +225,48 @@ def save_pretrained_to(
 
     The files are staged in a local temp directory, then each is written (and hashed) by
     the writer; nothing is committed here. ``state_dict``: the consolidated weights of a
-    sharded model (``Backend.full_state_dict``), saved with ``model``'s config.
+    sharded model (``Backend.full_state_dict``) or the merged weights of a LoRA/QLoRA model, saved
+    with ``model``'s config (a quantized model's without its ``quantization_config``).
     """
-    with tempfile.TemporaryDirectory(prefix="posttrain-save-") as tmp:
+    if state_dict is not None and getattr(model, "hf_quantizer", None) is not None:
+        model = dense_shell(model)  # a QLoRA base's merged (dense) weights, saved as a plain model
+    with tempfile.TemporaryDirectory(prefix="posttrain-save-") as tmp, _unwrap_without_deepspeed():
         if state_dict is None:
             model.save_pretrained(tmp, safe_serialization=True)
         else:
             model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         writer.write_dir(tmp, prefix=prefix)
+
+
+@contextlib.contextmanager
+def _unwrap_without_deepspeed() -> Iterator[None]:
+    """While ``save_pretrained`` runs, accelerate's ``extract_model_from_parallel`` (its
+    ``unwrap_model``) sees DeepSpeed as unavailable when no one has imported it yet: it imports
+    ``deepspeed`` only to test ``isinstance(model, DeepSpeedEngine)``, which cannot hold for a
+    model of a process that never imported DeepSpeed, and that import (with MLflow, which
+    DeepSpeed's autotuner imports) costs seconds in every stage process of another backend."""
+    other = sys.modules.get("accelerate.utils.other")
+    if "deepspeed" in sys.modules or other is None or not hasattr(other, "is_deepspeed_available"):
+        yield
+        return
+    original = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = original
+
+
+def dense_shell(model: nn.Module) -> nn.Module:
+    """``model``'s architecture on the meta device, from a copy of its config without
+    ``quantization_config``: what saves a quantized model's dense (dequantized, merged) state
+    dict as a plain model that loads without bitsandbytes."""
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        return type(model)(config)
 
 
 def save_tokenizer_to(writer, tokenizer: PreTrainedTokenizerBase, prefix: str = "") -> None:

@@ -1,9 +1,10 @@
-"""CPU smoke test of ``bench/bench_gpu.py``: its ``--tiny`` run writes the project's numbers.
+"""CPU smoke test of ``bench/bench_gpu.py`` against TRL: its ``--tiny`` run writes both sides' numbers.
 
 The benchmark itself needs a GPU (``bench/GPU.md``); here a 2-layer, hidden-64 Qwen2 trains a
 few steps of every case on the CPU, on the synthetic task, as a subprocess (the way it is run),
 and the JSON it writes is read back. Not a speed check: only that each case ran on the project
-side (and on TRL's when TRL is installed) and reported throughput and MFU.
+side and on TRL's and reported throughput and MFU. The project alone (``--no-trl``, as where TRL
+is not installed) is the acceptance run's smoke test, ``tests/unit/test_gpu_acceptance.py``.
 """
 
 from __future__ import annotations
@@ -60,11 +61,3 @@ def test_every_case_runs_on_both_sides(tmp_path):
     assert any("MFU" in m for m in metrics) and any("pairs/s" in m for m in metrics)
     assert all(r["ratio"] > 0 for r in payload["rows"])
 
-
-def test_project_only_without_trl(tmp_path):
-    """``--no-trl`` (TRL missing on the GPU machine): the packed SFT case on the project alone."""
-    payload = run_bench(tmp_path, "--no-trl", "--cases", "sft_budget")
-    case = payload["cases"]["sft_budget"]
-    assert case["trl"] is None
-    check_side(case["project"], "tokens_per_s")
-    assert payload["model"]["num_layers"] == 2 and payload["model"]["matmul_params"] > 0

@@ -284,3 +284,21 @@ def test_attempt_checkpoints_have_names_of_their_own_and_are_fenced(root):
     with pytest.raises(LeaseLostError, match="taken over"):
         resumed.run()
     assert storage.list_dirs(ckpts) == ["step-00000003-a1b2"]  # the fenced attempt wrote no directory
+
+
+@pytest.mark.parametrize("warmup,max_steps,min_lr_ratio", [(0, 10, 0.0), (3, 10, 0.1), (20, 10, 0.1), (5, 5, 0.5)])
+def test_scheduler_matches_transformers_cosine_with_min_lr(warmup, max_steps, min_lr_ratio):
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from trainer_core.training.loop import build_scheduler
+
+    cfg = TrainStageConfig(learning_rate=1e-3, warmup_steps=warmup, max_steps=max_steps, min_lr_ratio=min_lr_ratio)
+    ours_opt, theirs_opt = (torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1e-3) for _ in range(2))
+    ours = build_scheduler(ours_opt, cfg)
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(theirs_opt, num_warmup_steps=min(warmup, max_steps),
+                                                         num_training_steps=max_steps, min_lr_rate=min_lr_ratio)
+    for _ in range(max_steps + 2):
+        assert ours.get_last_lr() == theirs.get_last_lr()
+        ours_opt.step(), theirs_opt.step()
+        ours.step(), theirs.step()
+    assert ours.state_dict().keys() == theirs.state_dict().keys()

@@ -165,10 +165,10 @@ def test_stage_override_merges_over_the_pipeline_lora_and_changes_the_fingerprin
     assert fp(config, "dpo") != fp(load_config("configs/demo.yaml", overrides=base), "dpo")
 
 
-def test_qlora_is_refused_off_cuda_naming_the_stage():
-    with pytest.raises(ConfigError, match=r"sft.lora.quantize=4bit.*CUDA"):
+def test_qlora_is_refused_off_the_single_backend_naming_the_stage():
+    with pytest.raises(ConfigError, match=r"sft.lora.quantize=4bit.*single backend.*'fsdp2'"):
         load_config("configs/demo.yaml", overrides={"sft.lora": {"enabled": True, "quantize": "4bit"},
-                                                    "backend.device": "cpu"})
+                                                    "backend.name": "fsdp2"})
     with pytest.raises(ConfigError, match=r"(?s)dpo.lora: .*rank"):
         load_config("configs/demo.yaml", overrides={"dpo.lora": {"rank": 0}})
 

@@ -231,7 +231,8 @@ class LoraConfig(ConfigBase):
         "reference input (twice the weights; the same values).",
     )
     quantize: Literal["4bit"] | None = Field(
-        None, description="QLoRA: load the frozen base in 4-bit NF4 (bitsandbytes; CUDA and the single backend only)."
+        None, description="QLoRA: load the frozen base in 4-bit NF4 (bitsandbytes >= 0.48, CUDA or CPU; the single "
+        "backend only). The merged commit dequantizes the base: W' = dequant(W_nf4) + scaling B A."
     )
     merge_on_commit: bool = Field(
         True,

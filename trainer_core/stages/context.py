@@ -246,10 +246,8 @@ class StageContext:
         return "" if source == INIT_SOURCE else source
 
     def _load_quantized(self, load, source: str) -> nn.Module:
-        """QLoRA's base: ``source`` loaded in 4-bit NF4 (bitsandbytes), ready for k-bit training."""
-        if self.backend.device.type != "cuda":
-            raise ConfigError(f"lora.quantize={self.lora.quantize} needs CUDA (bitsandbytes NF4); this stage runs on "
-                              f"{self.backend.device}. Remove lora.quantize to train LoRA on full-precision weights.")
+        """QLoRA's base: ``source`` loaded in 4-bit NF4 (bitsandbytes), ready for k-bit training, on
+        the stage's device (bitsandbytes >= 0.48 has NF4 kernels for CPU as well as CUDA)."""
         try:
             from transformers import BitsAndBytesConfig
             import bitsandbytes  # noqa: F401

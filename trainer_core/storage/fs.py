@@ -175,12 +175,9 @@ def configure(storage: S3Settings) -> None:
     if storage.secret_access_key is not None:
         s3_conf["secret"] = storage.secret_access_key.get_secret_value()
     fsspec.config.conf["s3"] = s3_conf
-    try:
-        import s3fs
-
+    s3fs = sys.modules.get("s3fs")  # cached instances exist only where s3fs is imported already
+    if s3fs is not None:
         s3fs.S3FileSystem.clear_instance_cache()
-    except ImportError:  # pragma: no cover - s3fs is a dependency
-        pass
     logger.debug("S3 configured: endpoint=%s region=%s", endpoint or "<aws default>", region or "<default>")
 
 

@@ -36,7 +36,6 @@ from typing import Protocol
 
 import torch
 from torch import Tensor, nn
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainer_core.backends.base import Backend
 from trainer_core.checkpoint.session import CheckpointSession
@@ -44,6 +43,7 @@ from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition, iterate_batches
 from trainer_core.training.guard import check_finite_metrics, finite_only, step_is_finite
+from trainer_core.training.schedule import build_scheduler
 from trainer_core.training.timing import PhaseTimer, phase_timer
 
 log = logging.getLogger(__name__)
@@ -164,16 +164,6 @@ def build_optimizer(model: nn.Module, cfg: TrainStageConfig) -> torch.optim.Adam
     sharded = any(type(p).__name__ == "DTensor" for p in params)
     impl = {"foreach": True} if sharded else {"fused": True}
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, **impl)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainStageConfig):
-    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` x peak."""
-    return get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer,
-        num_warmup_steps=min(cfg.warmup_steps, cfg.max_steps),
-        num_training_steps=cfg.max_steps,
-        min_lr_rate=cfg.min_lr_ratio,
-    )
 
 
 def _peak_memory_bytes(device: torch.device) -> int:

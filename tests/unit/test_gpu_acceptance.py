@@ -1,0 +1,64 @@
+"""CPU smoke run of ``bench/gpu_acceptance.py``: both parts at ``--tiny`` size, run once, read by every test.
+
+The acceptance run itself needs a GPU (``bench/GPU.md``). Here each part runs its CPU pieces
+(part A: every ``bench_gpu.py`` case; part B: GRPO against TRL's ``GRPOTrainer``, or the project
+alone where TRL is not installed) as the GPU machine runs them, as a subprocess, and the JSON each
+part writes is read back. Not a speed check: that every piece ran, reported its numbers and
+landed in the part's table.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "bench" / "gpu_acceptance.py"
+HAVE_TRL = importlib.util.find_spec("trl") is not None
+
+
+@pytest.fixture(scope="module")
+def acceptance(tmp_path_factory) -> dict[str, dict]:
+    """Both parts' ``gpu_acceptance_<part>.json``, from one ``--part all`` CPU run."""
+    out = tmp_path_factory.mktemp("gpu-acceptance")
+    flags = ["--part", "all", "--device", "cpu", "--tiny", "--synthetic", "--results-dir", str(out)]
+    done = subprocess.run([sys.executable, str(SCRIPT), *flags, *([] if HAVE_TRL else ["--no-trl"])], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "GPU acceptance, part A" in done.stdout and "GPU acceptance, part B" in done.stdout
+    return {part: json.loads((out / f"gpu_acceptance_{part}.json").read_text()) for part in ("A", "B")}
+
+
+def test_part_a_runs_every_supervised_case(acceptance):
+    (piece,) = acceptance["A"]["pieces"]  # compile is a CUDA-only piece
+    assert piece["name"] == "supervised" and piece["rc"] == 0
+    payload = piece["result"]
+    assert set(payload["cases"]) == {"sft_mb16", "sft_mb64", "sft_budget", "dpo_mb8"}
+    for name, case in payload["cases"].items():
+        project = case["project"]
+        assert project["examples_per_s" if name.startswith("dpo") else "tokens_per_s"] > 0
+        assert project["timed_steps"] == 2 and 0 < project["mfu"] < 1
+        assert project["peak_memory_bytes"] is None  # no CUDA
+        assert (case["trl"] is not None) == HAVE_TRL
+    assert payload["model"]["num_layers"] == 2 and payload["model"]["matmul_params"] > 0
+    assert payload["cases"]["sft_budget"]["project"]["padding_share"] == 0.0  # packed
+    assert any(line.startswith("sft_budget") and "MFU" in line for line in acceptance["A"]["table"])
+
+
+def test_part_b_times_grpo_iterations(acceptance):
+    (piece,) = acceptance["B"]["pieces"]  # the LoRA memory and engine tests are CUDA-only pieces
+    assert piece["name"] == "grpo" and piece["rc"] == 0
+    result = piece["result"]["result"]
+    for side in ("project", "trl") if HAVE_TRL else ("project",):
+        timed = result[side]
+        assert len(timed["iterations"]) == 3 and timed["timed_iterations"] == 2
+        assert 0 < timed["completion_tokens"] <= 2 * 2 * 8  # prompts x group x new tokens
+        assert timed["tokens_per_s"] > 0 and 0 < timed["rollout_s"] < timed["iteration_s"]
+    assert (result["trl"] is not None) == HAVE_TRL
+    assert any(line.startswith("GRPO iteration completion tokens/s") for line in acceptance["B"]["table"])
+    assert acceptance["B"]["settings"]["device"] == "cpu"
