@@ -117,11 +117,14 @@ class SyncedStepLog(StepLog):
 
     synchronize: bool = False
     square_tokens: list[int] = field(default_factory=list)
+    on_end: Any = None  # called after each step's end is stamped (the profiler's ``step``), or None
 
     def mark_end(self, compute_s: float | None = None) -> None:
         if self.synchronize:
             torch.cuda.synchronize()
         super().mark_end(compute_s)
+        if self.on_end is not None:
+            self.on_end()
 
     def add_batch(self, batch: dict[str, torch.Tensor], rows_per_example: int) -> None:
         """Record a host batch (project or TRL layout): real tokens, examples, computed positions, sum n^2."""
@@ -263,6 +266,34 @@ def project_hooks(log: SyncedStepLog, objective: type, rows_per_example: int) ->
     return [(TrainLoop, "__post_init__", on_init), (objective, "num_tokens", on_num_tokens)]
 
 
+@contextlib.contextmanager
+def step_profile(log: SyncedStepLog, args: argparse.Namespace, name: str):
+    """With ``--profile-steps N``: ``torch.profiler`` over N optimizer steps after the warmup
+    steps (one more step warms the profiler up), driven by ``log``'s step ends; its table of the
+    40 costliest operators (by self CUDA time on CUDA, self CPU time on CPU) is written to
+    ``<results-dir>/profile_<name>.txt`` and printed. Profiling slows the profiled steps: a
+    profiled run's tokens/s are not the bench's numbers. Without the option, nothing."""
+    if not args.profile_steps:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    cuda = torch.cuda.is_available() and args.device == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    plan = schedule(wait=max(args.warmup - 1, 0), warmup=1, active=args.profile_steps, repeat=1)
+    with profile(activities=activities, schedule=plan) as prof:
+        log.on_end = prof.step
+        try:
+            yield
+        finally:
+            log.on_end = None
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=40)
+    path = Path(args.results_dir) / f"profile_{name}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table)
+    print(f"profile of {name} ({args.profile_steps} steps), {path}:\n{table}")
+
+
 def run_project(w: Workload, info: ModelInfo, case: Case, args, device, round_index: int = 0) -> dict[str, Any]:
     """The project's stage of ``case`` in this process (``run_spec``); its output is deleted after."""
     dpo = case.stage == "dpo"
@@ -277,7 +308,7 @@ def run_project(w: Workload, info: ModelInfo, case: Case, args, device, round_in
         torch._dynamo.reset()
     timing = patched(reference_stage, "reference_logprobs", timed_reference(reference)) if dpo else contextlib.nullcontext()
     try:
-        with timing:
+        with timing, step_profile(log, args, f"{case.name}_project"):
             total_s = run_stage_probed(spec, hooks)
     finally:
         shutil.rmtree(spec.output_uri, ignore_errors=True)
@@ -344,7 +375,8 @@ def run_trl_sft(w: Workload, info: ModelInfo, case: Case, args, device, round_in
                          processing_class=load_tokenizer_from(w.data_uri), callbacks=[step_timer(log)])
     same = None if case.packed else sft_same_lengths(trainer.train_dataset, lengths, completion_tokens)
     probe_collator(trainer, log, 1)
-    trainer.train()
+    with step_profile(log, args, f"{case.name}_trl{'_liger' if liger else ''}"):
+        trainer.train()
     return {**measured(log, info, args), "peak_memory_bytes": peak_memory_bytes(device),
             "packing": case.packed, "same_token_ids_as_project": same}
 
@@ -381,7 +413,8 @@ def run_trl_dpo(w: Workload, info: ModelInfo, case: Case, args, device, round_in
                              train_dataset=Dataset.from_list(examples), processing_class=load_tokenizer_from(w.data_uri),
                              callbacks=[step_timer(log)])
     probe_collator(trainer, log, 2)
-    trainer.train()
+    with step_profile(log, args, f"{case.name}_trl{'_liger' if liger else ''}"):
+        trainer.train()
     return {**measured(log, info, args), **reference, "peak_memory_bytes": peak_memory_bytes(device),
             "num_train_pairs": len(examples)}
 
@@ -544,6 +577,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="the device's dense bf16 peak, for MFU")
     p.add_argument("--no-trl", action="store_true", help="time the project only (TRL not installed)")
     p.add_argument("--trl-liger", action="store_true", help="also TRL with use_liger_kernel (its fastest kernels)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many steps of each side after the warmup (its times are then not comparable)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     defaults = {"max_tokens": (1024, 16384), "sft_examples": (400, 4000), "dpo_pairs": (200, 1000)}

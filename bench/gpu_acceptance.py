@@ -11,7 +11,9 @@ CPU smoke run of both parts (CI: ``tests/unit/test_gpu_acceptance.py``)::
 
 - Part A, supervised (``bench_gpu.py``): SFT at micro-batch 16 and 64, SFT packed under a 16k
   token budget, DPO at 8 pairs, against TRL's defaults and TRL with Liger (``--trl-liger``); then
-  the packed case with ``backend.compile`` (project only; CUDA only: inductor on a CPU smoke run
+  a profile of 3 steps of SFT at micro-batch 16 and packed, each side (``--profile-steps``: the
+  40 costliest operators by CUDA time, ``profile_<case>_<side>.txt``); then the packed case with
+  ``backend.compile`` (project only). The last two on CUDA only (inductor on a CPU smoke run
   would spend minutes compiling).
 - Part B: GRPO 16 x 8 x 256 against TRL's ``GRPOTrainer`` (``bench_grpo_gpu.py``); on CUDA also
   LoRA / QLoRA SFT peak memory against full fine-tuning (``tests/gpu/test_lora_memory.py``) and
@@ -69,6 +71,9 @@ def pieces(part: str, args: argparse.Namespace) -> list[Piece]:
     if part == "A":
         out = [Piece("supervised", [py, str(BENCH / "bench_gpu.py"), *common, *steps, *trl], 300, "gpu.json")]
         if cuda:
+            out.append(Piece("supervised-profile", [py, str(BENCH / "bench_gpu.py"), *common, "--steps", "4", "--warmup",
+                                                    "3", "--profile-steps", "3", "--sft-examples", "1000", "--cases",
+                                                    "sft_mb16", "sft_budget", *trl], 150, "gpu.json"))
             out.append(Piece("supervised-compile", [py, str(BENCH / "bench_gpu.py"), *common, *steps, "--no-trl", "--cases",
                                                     "sft_budget", "--compile", "--warmup", "4"], 150, "gpu.json"))
         return out

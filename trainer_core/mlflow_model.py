@@ -169,7 +169,7 @@ def log_transformers_model(
     import transformers
     from mlflow.models import Model
 
-    from trainer_core.models import from_pretrained_merged
+    from trainer_core.models import from_pretrained_merged, without_absent_integrations
 
     client = MlflowClient(tracking_uri)
     run = client.get_run(run_id)
@@ -194,9 +194,10 @@ def log_transformers_model(
                 run_id=run_id, model_id=logged.model_id,
             )
             path = os.path.join(tmp, "model")
-            mlflow.transformers.save_model(
-                components, path, task=task, mlflow_model=mlflow_model, pip_requirements=_pinned_requirements()
-            )
+            with without_absent_integrations():  # a plain model: no peft, no DeepSpeed imported to say so
+                mlflow.transformers.save_model(
+                    components, path, task=task, mlflow_model=mlflow_model, pip_requirements=_pinned_requirements()
+                )
             client.log_model_artifacts(logged.model_id, path)
             if step is not None:
                 _link_step_metrics(client, run_id, logged.model_id, step)

@@ -84,7 +84,18 @@ def _merged_adapter(load, source: str, *args, **kwargs) -> nn.Module | None:
     adapter = adapter_source(source)
     if adapter is None:
         return None
-    return merge_adapters(attach_adapter(load(adapter_base_model(adapter), *args, **kwargs), adapter, trainable=False))
+    return _trainable(merge_adapters(attach_adapter(load(adapter_base_model(adapter), *args, **kwargs), adapter,
+                                                    trainable=False)))
+
+
+def _trainable(model: nn.Module) -> nn.Module:
+    """``model`` with every floating-point parameter requiring grad again, as a freshly loaded
+    model's do: attaching an adapter froze the base (peft's injection), and the merged model may
+    be trained in full by the stage that loads it (a 4-bit base's packed weights stay frozen)."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.requires_grad_(True)
+    return model
 
 
 def from_pretrained_merged(auto_class, source: str, **kwargs) -> nn.Module:
@@ -230,7 +241,7 @@ def save_pretrained_to(
     """
     if state_dict is not None and getattr(model, "hf_quantizer", None) is not None:
         model = dense_shell(model)  # a QLoRA base's merged (dense) weights, saved as a plain model
-    with tempfile.TemporaryDirectory(prefix="posttrain-save-") as tmp, _unwrap_without_deepspeed():
+    with tempfile.TemporaryDirectory(prefix="posttrain-save-") as tmp, without_absent_integrations():
         if state_dict is None:
             model.save_pretrained(tmp, safe_serialization=True)
         else:
@@ -240,22 +251,29 @@ def save_pretrained_to(
 
 
 @contextlib.contextmanager
-def _unwrap_without_deepspeed() -> Iterator[None]:
-    """While ``save_pretrained`` runs, accelerate's ``extract_model_from_parallel`` (its
-    ``unwrap_model``) sees DeepSpeed as unavailable when no one has imported it yet: it imports
-    ``deepspeed`` only to test ``isinstance(model, DeepSpeedEngine)``, which cannot hold for a
-    model of a process that never imported DeepSpeed, and that import (with MLflow, which
-    DeepSpeed's autotuner imports) costs seconds in every stage process of another backend."""
-    other = sys.modules.get("accelerate.utils.other")
-    if "deepspeed" in sys.modules or other is None or not hasattr(other, "is_deepspeed_available"):
-        yield
-        return
-    original = other.is_deepspeed_available
-    other.is_deepspeed_available = lambda: False
+def without_absent_integrations() -> Iterator[None]:
+    """While a plain model is saved, the library checks for integrations this process never
+    imported answer "not this model" without importing them: accelerate's ``unwrap_model``
+    (inside ``save_pretrained``) imports ``deepspeed`` only to test ``isinstance(model,
+    DeepSpeedEngine)``, and MLflow's ``transformers.save_model`` imports ``peft`` only to test
+    ``isinstance(model, PeftModel)``; neither can hold for a model of a process that never
+    imported the package, and the imports (DeepSpeed with MLflow's autotuner, peft with
+    bitsandbytes where installed) cost seconds in every stage process that commits a model."""
+    checks = [("accelerate.utils.other", "is_deepspeed_available", "deepspeed", lambda: False)]
+    checks += [(f"mlflow.transformers{sub}", "is_peft_model", "peft", lambda model: False)  # each import of it
+               for sub in ("", ".flavor_config", ".model_io")]
+    restore = []
+    for module_name, attr, package, stand_in in checks:
+        module = sys.modules.get(module_name)
+        if package in sys.modules or module is None or not hasattr(module, attr):
+            continue
+        restore.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, stand_in)
     try:
         yield
     finally:
-        other.is_deepspeed_available = original
+        for module, attr, original in restore:
+            setattr(module, attr, original)
 
 
 def dense_shell(model: nn.Module) -> nn.Module:

@@ -208,7 +208,9 @@ def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
 
 def test_a_second_writer_of_a_stage_is_refused_while_the_lease_is_live(tmp_path, single_thread_trainers):
     root, run_id = tmp_path / "out", "two-writers"
-    config = pipeline_config(root, ["prepare_data"])
+    # The second writer waits its own lease TTL + 5 s for the holder's lease before refusing:
+    # 3 s here (30 s by default), while the holder renews its 6 s lease every 2 s.
+    config = pipeline_config(root, ["prepare_data"], **{"launch.lease_ttl_s": 3.0})
     output_uri = RunLayout(str(root), run_id).stage("prepare_data").output
     holder = StageLease(output_uri, owner="test-holder", ttl_s=6.0)
     holder.acquire(wait_s=0)

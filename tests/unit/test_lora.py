@@ -184,7 +184,7 @@ def write_adapter(model: torch.nn.Module, path, base: str) -> None:
 @pytest.mark.parametrize("tie", [False, True])
 def test_committed_adapter_loads_in_peft_and_merges_in_posttrain(tmp_path, tie):
     """The adapter files are PEFT's: ``PeftModel.from_pretrained`` over the saved base computes
-    the live LoRA model's logits; posttrain's loader merges them into the same model."""
+    the live LoRA model's logits; posttrain's loader merges them into the same model, trainable."""
     from peft import PeftModel
 
     from trainer_core.config import ModelConfig
@@ -209,6 +209,9 @@ def test_committed_adapter_loads_in_peft_and_merges_in_posttrain(tmp_path, tie):
     merged = load_causal_lm(str(adapter_dir), ModelConfig(name_or_path=str(adapter_dir)), None, seed=0)
     assert not has_lora(merged)
     assert torch.allclose(merged(x).logits, expected, atol=1e-5)
+    # trainable as a loaded plain model is (peft's injection froze the base): a full-weight stage
+    # after an adapter commit trains it
+    assert all(p.requires_grad for p in merged.parameters())
 
 
 def test_committed_reward_adapter_carries_its_score_head(tmp_path):

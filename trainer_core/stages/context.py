@@ -28,6 +28,7 @@ from trainer_core.lora import (
     apply_lora,
     attach_adapter,
     check_continued,
+    dequantized_state_dict,
     has_lora,
     merged_state_dict,
     peft_config,
@@ -387,7 +388,8 @@ class AdapterCommit:
         base = ctx.adapter_base()
         base_weights = None
         if not base:
-            base, base_weights = join_uri(ctx.layout.final, BASE_DIR), base_state_dict(state)
+            # a QLoRA base is committed dequantized: the weights its adapter was trained against
+            base, base_weights = join_uri(ctx.layout.final, BASE_DIR), base_state_dict(dequantized_state_dict(model, state))
         trained = {k: v for k, v in state.items() if is_trained(k)}
         return cls(adapter_files(model, state, base), trained, base, base_weights)
 
