@@ -36,8 +36,8 @@ import os
 import shutil
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import common
@@ -118,7 +118,7 @@ def run_project(w, args, device: torch.device) -> dict[str, Any]:
         return iteration
 
     config = with_overrides(w.config, grpo_overrides(args, device))
-    spec = stage_spec(SimpleNamespace(**{**vars(w), "config": config}), "grpo",
+    spec = stage_spec(replace(w, config=config), "grpo",
                       {"model": w.model_dir, "reference": w.model_dir}, run_id="grpo-bench")
     free_device_memory(device)
     try:
