@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/demo.yaml
 ARGS ?=
+# make test's pytest workers (pytest-xdist): 2 keeps the 2-core CI machine busy while one worker's
+# test waits on a server or a subprocess; TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast test-ui bench clean
 
@@ -24,7 +27,7 @@ demo: $(STAMP)
 	$(VENV)/bin/posttrain run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope $(ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit $(ARGS)

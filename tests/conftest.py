@@ -1,5 +1,6 @@
 """Shared fixtures: a real S3 endpoint (moto's server on loopback) and storage roots on it; the
-``integration`` and ``e2e`` markers, set by folder (``-m 'not e2e'``, ``-m integration``)."""
+``integration`` and ``e2e`` markers, set by folder (``-m 'not e2e'``, ``-m integration``); the
+groups ``make test``'s pytest-xdist workers take whole (``-n 2 --dist loadscope``)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,65 @@ import pytest
 
 from trainer_core.config import StorageConfig
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under ``pytest -n N`` the workers share the machine's cores: one compute thread a process (the
+    # stage processes inherit it), so N workers' trainers do not oversubscribe them.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 FOLDER_MARKERS = ("integration", "e2e")
 """Test folders whose name is also a marker every test in them carries."""
+
+
+SHARED_GROUPS = {
+    # the session's finished demo run (tests/e2e/conftest.py: demo_run): its readers and the test
+    # that resumes it after them
+    "tests/e2e/test_demo_cli.py::test_demo_config_through_the_cli": "demo_run",
+    "tests/e2e/test_model_lifecycle.py": "demo_run",
+    # the session's Prefect and MLflow servers (tests/e2e/conftest.py: stack)
+    "tests/e2e/test_deployment.py": "stack",
+    "tests/e2e/test_k8s_stage.py": "stack",
+    "tests/e2e/test_ui_form.py": "stack",
+}
+"""Tests that share a session fixture, by node id or module: under xdist each group runs on one
+worker, so the fixture is built once."""
+
+SPLIT_MODULES = ("tests/e2e/test_demo_cli.py",)
+"""Modules without module-scoped fixtures whose tests are long (whole pipelines): under xdist each
+test is a group of its own, so they run side by side."""
+
+
+def xdist_group(nodeid: str) -> str:
+    """The group a test runs in under ``pytest -n N --dist loadscope``: its shared fixture's
+    (:data:`SHARED_GROUPS`), its own node id (:data:`SPLIT_MODULES`), else its module, so
+    module-scoped fixtures are built once."""
+    module = nodeid.split("::", 1)[0]
+    for key in (nodeid, module):
+        if key in SHARED_GROUPS:
+            return SHARED_GROUPS[key]
+    return nodeid if module in SPLIT_MODULES else module
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist (the dev extra) not installed: the suite runs in one process
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+
+    class GroupScheduling(LoadScopeScheduling):
+        """xdist's ``--dist loadscope`` with :func:`xdist_group` as the scope: a group's tests run on
+        one worker, in order; groups are handed out in collection order (the long e2e runs first)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling | None:
+        """``--dist loadscope`` schedules :class:`GroupScheduling`; other modes are xdist's own."""
+        if config.getvalue("dist") != "loadscope":
+            return None
+        config.option.loadscopereorder = False  # collection order, not the most tests first
+        return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -74,3 +132,4 @@ def storage_root(request: pytest.FixtureRequest, tmp_path) -> str:
         return str(tmp_path / "root")
     bucket = make_bucket(request.getfixturevalue("s3_server"))
     return f"s3://{bucket}/root"
+
