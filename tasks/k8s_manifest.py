@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.commands import trainer_command
 from tasks.failures import BadStageInput
+from trainer_core import storage
 from trainer_core.config import BackendConfig, PipelineConfig
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 
@@ -165,8 +166,9 @@ class TrainerJob:
         run_id: Pipeline run id.
         spec_uri: The stage spec every pod reads.
         backend: The stage's backend, rendezvous pinned to pod 0 (:attr:`rdzv_endpoint`).
-        secret_env: Credentials from the config (not the environment) that the pods need; sent
-            as a Secret owned by the Job, never in its spec. Not in ``repr``.
+        secret_env: The config's S3 settings the pods need to read their spec (endpoint, region,
+            keys: ``storage.process_env``); sent as a Secret owned by the Job, never in its
+            spec. Not in ``repr``.
     """
 
     name: str
@@ -300,13 +302,7 @@ def trainer_job(config: PipelineConfig, stage: str, run_id: str, spec_uri: str, 
         trainer_command(spec_uri, backend, f"{run_id}-{stage}")
     except ValueError as e:
         raise _refuse(stage, str(e)) from None
-    secret_env = {
-        var: value.get_secret_value()
-        for var, value in (("AWS_ACCESS_KEY_ID", config.storage.access_key_id),
-                           ("AWS_SECRET_ACCESS_KEY", config.storage.secret_access_key))
-        if value is not None
-    }
-    return TrainerJob(name, stage, run_id, spec_uri, backend, secret_env)
+    return TrainerJob(name, stage, run_id, spec_uri, backend, storage.process_env(config.storage))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ task with :func:`stage_task`. A retry resumes from the stage's latest checkpoint
 trainer's job) and logs into the same MLflow run.
 
 Secrets never reach storage: the spec's copy of the config has no S3 keys; they travel to the
-trainer in its environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``), which botocore reads.
+trainer in its environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``), which botocore reads,
+with the S3 endpoint and region the trainer needs to read its spec (``storage.process_env``).
 """
 
 from __future__ import annotations
@@ -82,15 +83,13 @@ def _stage_run_id(run: PipelineRun, stage: str, fingerprint: str) -> str:
 
 
 def _spec_config_and_env(config: PipelineConfig) -> tuple[PipelineConfig, dict[str, str]]:
-    """The config without S3 secrets (it is written to storage) and the trainer's environment."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    """The config without S3 secrets (it is written to storage) and the trainer's environment: the
+    flow's, with the config's S3 endpoint, region and keys (``storage.process_env``; the trainer reads
+    its spec from the storage root before it reads the config in it)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **storage.process_env(config.storage))
     safe = config.model_copy(deep=True)
-    if config.storage.access_key_id is not None:
-        env["AWS_ACCESS_KEY_ID"] = config.storage.access_key_id.get_secret_value()
-        safe.storage.access_key_id = None
-    if config.storage.secret_access_key is not None:
-        env["AWS_SECRET_ACCESS_KEY"] = config.storage.secret_access_key.get_secret_value()
-        safe.storage.secret_access_key = None
+    safe.storage.access_key_id = None
+    safe.storage.secret_access_key = None
     return safe, env
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -44,11 +45,18 @@ FAILURE = [
 def kubelet(s3_endpoint: str, attempts: list[str]):
     """What the pods of each Job do: run their command (``--dry-run``), then fail (attempt 1) or
     commit the stage's final output as the trainers would (attempt 2)."""
-    env = {**os.environ, "AWS_ENDPOINT_URL": s3_endpoint, "PYTHONUNBUFFERED": "1"}  # the pods' posttrain-s3 secret
-
     def run_pods(cluster: FakeCluster, name: str) -> None:
         attempts.append(name)
         cluster.start_pods(name)
+        # the pods' environment: the Job's own Secret (the config's S3 endpoint), created just after
+        # the Job (a kubelet starts the containers once it exists), over ours
+        deadline = time.monotonic() + 30
+        while not (secret := next((o for o in cluster.created if o["kind"] == "Secret"
+                                   and o["metadata"]["name"] == name), None)):
+            assert time.monotonic() < deadline, f"no Secret {name}"
+            time.sleep(0.05)
+        assert secret["stringData"]["AWS_ENDPOINT_URL_S3"] == s3_endpoint
+        env = {**os.environ, **secret["stringData"], "PYTHONUNBUFFERED": "1"}
         for index, pod in enumerate(cluster.pods(name)):
             command = [a.replace("$(NODE_RANK)", str(index)) for a in pod["spec"]["containers"][0]["command"]]
             done = subprocess.run([sys.executable, *command[1:], "--dry-run"], cwd=PROJECT_DIR, env=env,
@@ -80,7 +88,10 @@ def test_flow_runs_a_two_node_stage_on_kubernetes(stack, s3_server, tmp_path, mo
     attempts: list[str] = []
     cluster = FakeCluster(kubelet(s3_server, attempts)).start()
     cluster.rules = role_rules(PROJECT_DIR / "infra" / "k8s" / "worker.yaml")  # the flow-run pods' Role
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)  # the local prepare_data trainer reads its spec from S3
+    # storage.endpoint_url is the only place the endpoint is named: the local prepare_data trainer and
+    # the pods read their specs from S3 with what the flow passes them (storage.process_env)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig(tmp_path / "kubeconfig")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("POSTTRAIN_K8S_IMAGE", "registry.example.com/posttrain-worker:test")

@@ -82,7 +82,8 @@ def test_what_pods_cannot_run_is_refused_before_submitting(overrides, tracking, 
 
 
 def test_manifests_apply_the_settings_to_the_template():
-    config = multinode_config(**{"storage.access_key_id": "AKIA-SECRET", "storage.secret_access_key": "s3cr3t"})
+    config = multinode_config(**{"storage.access_key_id": "AKIA-SECRET", "storage.secret_access_key": "s3cr3t",
+                                 "storage.endpoint_url": "http://minio.storage:9000", "storage.region": "eu-west-1"})
     job = trainer_job(config, "sft", "run42", SPEC_URI, TRACKING)
     assert "s3cr3t" not in repr(job)
     settings = JobSettings(image="registry.example.com/posttrain:1.2", service_account="trainer",
@@ -109,7 +110,9 @@ def test_manifests_apply_the_settings_to_the_template():
     assert container["envFrom"] == [{"secretRef": {"name": "team-s3"}}, {"secretRef": {"name": "team-env"}},
                                      {"secretRef": {"name": job.name}}]
     assert m.secret["metadata"]["name"] == job.name
-    assert m.secret["stringData"] == {"AWS_ACCESS_KEY_ID": "AKIA-SECRET", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
+    assert m.secret["stringData"] == {"AWS_ACCESS_KEY_ID": "AKIA-SECRET", "AWS_SECRET_ACCESS_KEY": "s3cr3t",
+                                      "AWS_ENDPOINT_URL_S3": "http://minio.storage:9000",
+                                      "AWS_DEFAULT_REGION": "eu-west-1"}  # the pods read their spec from it
     assert all("s3cr3t" not in json.dumps(o) for o in (m.service, m.job))
     assert {v["name"]: v["emptyDir"]["sizeLimit"] for v in pod["volumes"]} == {"dshm": "128Gi"}
     for meta in (m.service["metadata"], m.job["metadata"], spec["template"]["metadata"]):

@@ -185,6 +185,24 @@ def test_configure_sets_s3_defaults_without_logging_secrets(monkeypatch, caplog)
     assert "key" not in conf and "secret" not in conf
 
 
+def test_process_env_gives_a_fresh_process_the_settings(monkeypatch):
+    """What a trainer gets in its environment (``storage.process_env``) configures S3 as the config
+    would, before the trainer has read any config; nothing is set for what the config leaves unset."""
+    cfg = StorageConfig(endpoint_url="http://127.0.0.1:9", region="eu-west-1",
+                        access_key_id=SecretStr("AKIDSECRETVALUE"), secret_access_key=SecretStr("very-secret-key"))
+    env = storage.process_env(cfg)
+    assert env == {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_DEFAULT_REGION": "eu-west-1",
+                   "AWS_ACCESS_KEY_ID": "AKIDSECRETVALUE", "AWS_SECRET_ACCESS_KEY": "very-secret-key"}
+    assert storage.process_env(StorageConfig()) == {}
+    for name in ("AWS_ENDPOINT_URL", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    storage.configure(StorageConfig())  # a process that has read no config yet
+    conf = fsspec.config.conf["s3"]
+    assert conf["endpoint_url"] == "http://127.0.0.1:9" and conf["client_kwargs"]["region_name"] == "eu-west-1"
+
+
 def test_configure_then_read_write_through_moto(s3_server, monkeypatch):
     import boto3
 

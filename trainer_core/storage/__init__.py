@@ -2,6 +2,8 @@
 
 - :mod:`~trainer_core.storage.fs`: read, write, list, remove, upload and hash files on local
   paths, ``s3://`` and ``memory://`` URIs, retrying transient failures.
+- :mod:`~trainer_core.storage.s3`: the process's S3 settings (:func:`configure`) and the
+  environment that hands them to a child process (:func:`process_env`).
 - :mod:`~trainer_core.storage.layout`: :func:`join_uri`, :class:`RunLayout` and
   :class:`StageLayout` (the names of a run's files; no I/O).
 
@@ -15,8 +17,6 @@ from trainer_core.storage.fs import (
     CHUNK_BYTES,
     RETRY_ATTEMPTS,
     RETRY_MAX_DELAY_S,
-    S3Settings,
-    configure,
     download_dir,
     exists,
     is_transient,
@@ -35,6 +35,7 @@ from trainer_core.storage.fs import (
     write_json,
 )
 from trainer_core.storage.layout import RunLayout, StageLayout, join_uri
+from trainer_core.storage.s3 import S3Settings, configure, process_env
 
 __all__ = [
     "CACHE_DIRNAME",
@@ -53,6 +54,7 @@ __all__ = [
     "list_files",
     "materialize",
     "names_a_path",
+    "process_env",
     "read_bytes",
     "read_json",
     "remove",

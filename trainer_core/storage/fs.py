@@ -6,11 +6,7 @@ Every path here is a URI string (a ``pathlib.Path`` would mangle ``s3://``); joi
 :data:`RETRY_ATTEMPTS` attempts over about :data:`RETRY_MAX_DELAY_S` seconds. Missing files,
 permission errors and other bad input fail at once.
 
-S3 settings come from :func:`configure` (anything shaped like :class:`S3Settings`, e.g. the
-pipeline's ``StorageConfig``),
-falling back to the standard AWS environment variables that botocore reads itself
-(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``) and to
-``AWS_ENDPOINT_URL``. Secrets are never logged.
+S3 settings come from :func:`trainer_core.storage.s3.configure`.
 """
 
 from __future__ import annotations
@@ -26,10 +22,9 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, TypeVar
 
 import fsspec
-import fsspec.config
 from fsspec.implementations.local import LocalFileSystem
 from tenacity import (
     before_sleep_log,
@@ -42,17 +37,6 @@ from tenacity import (
 
 from trainer_core.errors import ResourceError
 
-
-class S3Settings(Protocol):
-    """What :func:`configure` reads (``trainer_core.config.StorageConfig`` has these fields).
-
-    The storage floor imports nothing of the config: any object with these attributes works.
-    """
-
-    endpoint_url: str | None
-    region: str | None
-    access_key_id: Any  # a pydantic SecretStr or None
-    secret_access_key: Any
 
 logger = logging.getLogger(__name__)
 
@@ -142,43 +126,6 @@ def _writing(uri: str) -> Iterator[None]:
                 "TMPDIR for local staging) at a larger volume"
             ) from e
         raise
-
-
-def configure(storage: S3Settings) -> None:
-    """Set the process-wide S3 defaults used by every ``s3://`` URI (``fsspec.config.conf``).
-
-    Fields left ``None`` fall back to the environment: ``AWS_ENDPOINT_URL`` for the endpoint;
-    botocore itself reads ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and
-    ``AWS_DEFAULT_REGION``. Cached S3 filesystem instances are dropped so the settings apply
-    to the next call. Secrets are passed to s3fs only, never logged.
-
-    Args:
-        storage: the pipeline's storage settings (``StorageConfig``); the two keys are
-            ``SecretStr`` values or None.
-    """
-    s3_conf: dict[str, Any] = {
-        k: v for k, v in fsspec.config.conf.get("s3", {}).items() if k not in ("endpoint_url", "key", "secret")
-    }
-    client_kwargs = dict(s3_conf.pop("client_kwargs", {}) or {})
-    client_kwargs.pop("endpoint_url", None)
-    client_kwargs.pop("region_name", None)
-    endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        s3_conf["endpoint_url"] = endpoint
-    region = storage.region or os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
-    if region:
-        client_kwargs["region_name"] = region
-    if client_kwargs:
-        s3_conf["client_kwargs"] = client_kwargs
-    if storage.access_key_id is not None:
-        s3_conf["key"] = storage.access_key_id.get_secret_value()
-    if storage.secret_access_key is not None:
-        s3_conf["secret"] = storage.secret_access_key.get_secret_value()
-    fsspec.config.conf["s3"] = s3_conf
-    s3fs = sys.modules.get("s3fs")  # cached instances exist only where s3fs is imported already
-    if s3fs is not None:
-        s3fs.S3FileSystem.clear_instance_cache()
-    logger.debug("S3 configured: endpoint=%s region=%s", endpoint or "<aws default>", region or "<default>")
 
 
 def names_a_path(source: str) -> bool:
