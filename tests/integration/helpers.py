@@ -1,9 +1,12 @@
 """Shared machinery of the integration tests: a tiny pipeline config, stage specs, and stage
 processes launched (and killed) the way the stage tasks launch them.
 
-Every stage runs as ``python -m trainer_core.run <spec>`` in a fresh interpreter pinned to
+Every stage runs as ``python -m trainer_core.run <spec>`` in a process of its own pinned to
 one CPU thread (``OMP_NUM_THREADS=1``): the runs compared bit for bit must do the same
 float reductions, and one thread per process lets two processes share the 2-core CI box.
+A single-process stage is forked from a warm interpreter that has imported the stage runner
+(:mod:`tests.integration.forked`: 5 of a tiny stage's 6 seconds are imports);
+``POSTTRAIN_TEST_FORK=0`` starts it as a subprocess instead. Ranks start under torchrun.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +28,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from tests.integration import forked
 from tests.tiny import TINY_DATA, TINY_MODEL
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, parse_step_dirname, step_dirname
@@ -203,6 +208,9 @@ def run_stage(
 ) -> StageRun:
     """Run ``python -m trainer_core.run <spec_path>``; SIGKILL its process group once ``kill_when`` holds.
 
+    The process is forked from the warm fork server (:func:`start_forked`) unless
+    ``POSTTRAIN_TEST_FORK=0`` (then a subprocess, :func:`start_process`).
+
     Args:
         spec_path: the stage spec file.
         kill_when: polled every ``poll_s`` with the output lines so far; when it returns True the
@@ -216,12 +224,21 @@ def run_stage(
         TimeoutError: the stage ran past ``timeout_s``.
     """
     t0 = time.monotonic()
-    proc, lines, reader = start_process([sys.executable, "-m", "trainer_core.run", spec_path], env)
+    if forked.enabled():
+        proc, lines, reader, done = start_forked("trainer_core.run", [spec_path], env)
+        kill_group = proc.kill_group
+    else:
+        proc, lines, reader = start_process([sys.executable, "-m", "trainer_core.run", spec_path], env)
+        done = None
+
+        def kill_group() -> None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
     killed = False
     try:
         while proc.poll() is None:
             if kill_when is not None and kill_when(lines):
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_group()
                 killed = True
                 break
             if time.monotonic() - t0 > timeout_s:
@@ -230,14 +247,35 @@ def run_stage(
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group()
             proc.wait()
+        if done is not None:
+            done.set()
         reader.join(timeout=30)
-        proc.stdout.close()
+        if done is None:
+            proc.stdout.close()
+        else:
+            os.unlink(proc.log_path)
     run = StageRun(returncode=proc.returncode, lines=lines, killed=killed, wall_s=time.monotonic() - t0)
     if kill_when is not None and not killed:
         raise AssertionError(f"{spec_path} exited (rc={run.returncode}) before the kill point:\n{run.tail()}")
     return run
+
+
+def start_forked(
+    module: str, args: list[str], env: dict[str, str] | None
+) -> tuple[forked.ForkedProcess, list[str], threading.Thread, threading.Event]:
+    """``python -m module args...`` forked from the warm fork server (:mod:`tests.integration.forked`),
+    from the repo root, in a session of its own, with :func:`child_env` plus ``env``; a daemon
+    thread appends its merged stdout/stderr lines to the returned list until the event is set."""
+    fd, log_path = tempfile.mkstemp(prefix="stage-", suffix=".log")
+    os.close(fd)
+    proc = forked.ForkedProcess(module, args, child_env(env), REPO_ROOT, log_path)
+    lines: list[str] = []
+    done = threading.Event()
+    reader = threading.Thread(target=proc.read_lines, args=(lines, done), daemon=True)
+    reader.start()
+    return proc, lines, reader, done
 
 
 def step_checkpoints(output_uri: str, step: int, committed: bool = True) -> list[str]:
