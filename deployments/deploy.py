@@ -296,8 +296,14 @@ def deploy(
     from prefect.flows import load_flow_from_entrypoint
     from prefect.settings import PREFECT_API_URL
 
-    if not PREFECT_API_URL.value():
+    url = PREFECT_API_URL.value()
+    if not url:
         _fail("PREFECT_API_URL is not set: point it at a Prefect server, e.g. http://127.0.0.1:4200/api")
+    with get_client(sync_client=True) as client:
+        unreachable = client.api_healthcheck()
+    if unreachable is not None:
+        _fail(f"no Prefect API answers at {url} (PREFECT_API_URL): {type(unreachable).__name__}: {unreachable}. "
+              "Start a server (prefect server start) or point PREFECT_API_URL at one")
     try:
         spec = load_prefect_file(prefect_file)
         entries = select_deployments(spec, names)

@@ -73,3 +73,20 @@ def test_console_script_is_installed_and_validates(tmp_path):
     exe = f"{sys.prefix}/bin/posttrain"
     bad = subprocess.run([exe, "validate", write_config(tmp_path), "--set", "seed=abc"], capture_output=True, text=True)
     assert bad.returncode == 2 and "seed" in bad.stderr
+
+
+def test_deploy_names_the_api_url_when_no_server_answers():
+    """``posttrain deploy`` against a dead Prefect API: exit 2 and one line naming the URL and
+    ``PREFECT_API_URL`` (was: a 266-line traceback ending in ``ConnectError``)."""
+    import socket
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/api"
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        result = runner.invoke(app, ["deploy"])
+    assert result.exit_code == 2
+    assert f"no Prefect API answers at {url} (PREFECT_API_URL)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
