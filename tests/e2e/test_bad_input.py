@@ -3,8 +3,10 @@ a child process, against the session's Prefect API.
 
 Bad data fails the ``prepare_data`` trainer with exit code 2: the CLI exits 2 too (bad input),
 prints the trainer's error (``file:line`` and the field) on stderr, the stage is not retried
-although ``launch.retries`` is 2, and no half-written output carries a ``manifest.json``. A bad
-config is refused before anything runs: exit 2, the field named, nothing under ``storage.root``.
+although ``launch.retries`` is 2, and no half-written output carries a ``manifest.json`` (a
+malformed JSON line here; a missing field, a corrupt gzip stream and an empty file fail the same
+stage process with their own messages in ``tests/integration/test_bad_data.py``). A bad config is
+refused before anything runs: exit 2, the field named, nothing under ``storage.root``.
 """
 
 from __future__ import annotations
@@ -91,26 +93,6 @@ def test_malformed_json_line_names_file_and_line(prefect_api, tmp_path):
     sft = write_lines(tmp_path / "sft.jsonl", [json.dumps(GOOD), json.dumps(GOOD), '{"question": "q", "answer": oops}'])
     result = run_with_sft_file(prefect_api, tmp_path / "out", "bad-json", sft)
     assert_failed_once_with(result, tmp_path / "out", "bad-json", f"{sft}:3", "invalid JSON")
-
-
-def test_missing_field_names_field_and_line(prefect_api, tmp_path):
-    sft = write_lines(tmp_path / "sft.jsonl", [json.dumps(GOOD), json.dumps({"answer": GOOD["answer"]})])
-    result = run_with_sft_file(prefect_api, tmp_path / "out", "bad-field", sft)
-    assert_failed_once_with(result, tmp_path / "out", "bad-field", f"{sft}:2", "missing field 'question'")
-
-
-def test_corrupt_gzip_names_the_file(prefect_api, tmp_path):
-    sft = tmp_path / "sft.jsonl.gz"
-    sft.write_bytes(b"\x1f\x8b\x08 a truncated gzip stream")
-    result = run_with_sft_file(prefect_api, tmp_path / "out", "bad-gzip", sft)
-    assert_failed_once_with(result, tmp_path / "out", "bad-gzip", f"data.sft.uri: {sft}:1", "corrupt or truncated")
-
-
-def test_empty_file_names_the_file(prefect_api, tmp_path):
-    sft = tmp_path / "empty.jsonl"
-    sft.write_text("")
-    result = run_with_sft_file(prefect_api, tmp_path / "out", "bad-empty", sft)
-    assert_failed_once_with(result, tmp_path / "out", "bad-empty", str(sft), "no records")
 
 
 @pytest.mark.parametrize(

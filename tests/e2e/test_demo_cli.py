@@ -3,9 +3,9 @@ config at tiny sizes (``tests/tiny.py``), against the session's Prefect API. The
 is the summary URI and the summary it names says every stage completed
 (``tests.e2e.stack.run_cli``).
 
-Three runs: ``demo.yaml`` on the single backend (the session's shared ``demo_run``, which
-``test_model_lifecycle`` also reads), ``demo.yaml`` with a backend a stage (FSDP2 and ZeRO-3 at
-2 ranks, LoRA on one process) and ``demo-extended.yaml``."""
+Two runs: ``demo.yaml`` on the single backend (the session's shared ``demo_run``, which
+``test_model_lifecycle`` also reads) and ``demo-extended.yaml`` with a backend a stage (FSDP2 and
+ZeRO-3 at 2 ranks, LoRA on one process)."""
 
 from __future__ import annotations
 
@@ -22,18 +22,16 @@ TRAINED = ("sft", "reward_model", "dpo", "ppo", "grpo")
 
 TWO_RANKS = {"nproc_per_node": 2}
 MIXED: dict[str, object] = {
-    # A backend a stage, full weights at 2 ranks on FSDP2 (SFT, PPO) and ZeRO-3 (the reward model,
-    # GRPO: generating from gathered shards), and DPO training LoRA adapters on one process (merged
-    # on commit). Every stage on every backend, against the single device, is compared in
-    # tests/integration; an adapter committed over its base is tests/integration/test_lora.py's.
-    "sft.backend": {"name": "fsdp2", **TWO_RANKS},
-    "reward_model.backend": {"name": "deepspeed", "zero_stage": 3, **TWO_RANKS},
+    # A backend a stage of demo-extended.yaml: full weights at 2 ranks on FSDP2 (pretrain) and
+    # ZeRO-3 (SFT, loading FSDP2's commit), DPO training LoRA adapters on one process (merged on
+    # commit), KTO on one process. Every stage on every backend, against the single device, is
+    # compared in tests/integration (the RL stages at 2 ranks in test_rl_distributed); an adapter
+    # committed over its base is tests/integration/test_lora.py's.
+    "pretrain.backend": {"name": "fsdp2", **TWO_RANKS},
+    "sft.backend": {"name": "deepspeed", "zero_stage": 3, **TWO_RANKS},
     "dpo.lora.enabled": True,
-    "ppo.backend": {"name": "fsdp2", **TWO_RANKS},
-    "grpo.backend": {"name": "deepspeed", "zero_stage": 3, **TWO_RANKS},
 }
-MIXED_BACKENDS = {"sft": ("fsdp2", 2), "reward_model": ("deepspeed", 2), "dpo": ("single", 1), "ppo": ("fsdp2", 2),
-                  "grpo": ("deepspeed", 2)}
+MIXED_BACKENDS = {"pretrain": ("fsdp2", 2), "sft": ("deepspeed", 2), "dpo": ("single", 1), "kto": ("single", 1)}
 """Stage -> (backend, world size) its manifest records in the mixed run."""
 
 
@@ -69,25 +67,24 @@ def test_demo_config_through_the_cli(demo_run):
 
 
 @pytest.mark.slow
-def test_demo_config_with_a_backend_a_stage_through_the_cli(prefect_api, tmp_path):
-    """configs/demo.yaml with per-stage backends (:data:`MIXED`): FSDP2 and ZeRO-3 at 2 ranks and
-    LoRA on one process, in one run."""
-    _, summary = run_cli(prefect_api, tmp_path, "demo.yaml", MIXED)
-    check_demo_summary(summary, tmp_path / "out", MIXED_BACKENDS)
-
-
-@pytest.mark.slow
-def test_demo_extended_config_through_the_cli(prefect_api, tmp_path):
-    """configs/demo-extended.yaml: pretrain on raw text, SFT from it, DPO and KTO from SFT, and
-    evaluate comparing the four policies."""
+def test_demo_extended_config_with_a_backend_a_stage_through_the_cli(prefect_api, tmp_path):
+    """configs/demo-extended.yaml with a backend a stage (:data:`MIXED`): pretrain on raw text
+    (FSDP2 at 2 ranks), SFT from it (ZeRO-3 at 2 ranks; both under torchrun),
+    DPO (LoRA, merged on commit) and KTO from SFT, and evaluate comparing the four policies, in
+    one run; each stage loads the model the previous backend committed."""
     sets = {"pretrain.max_steps": 4, "pretrain.eval_every": 2, "pretrain.save_every": 2, "kto.max_steps": 2,
-            "kto.grad_accum_steps": 1}
+            "kto.grad_accum_steps": 1, **MIXED}
     _, summary = run_cli(prefect_api, tmp_path, "demo-extended.yaml", sets)
     stages = summary["stages"]
     assert set(stages) == {"prepare_data", "pretrain", "sft", "dpo", "kto", "evaluate"}
     assert stages["pretrain"]["metrics"]["global_step"] == 4 and stages["kto"]["metrics"]["global_step"] == 2
     sft_spec = json.loads((Path(stages["sft"]["output_uri"]).parents[2] / "specs" / "sft.json").read_text())
     assert sft_spec["inputs"]["model"] == stages["pretrain"]["output_uri"]
+    for name, backend in MIXED_BACKENDS.items():
+        final = Path(stages[name]["output_uri"])
+        manifest = json.loads((final / "manifest.json").read_text())
+        assert (manifest["backend"], manifest["world_size"]) == backend, name
+        with safe_open(final / "model.safetensors", "pt") as f:  # LoRA commits the merged model: plain keys only
+            assert f.keys() and not [k for k in f.keys() if "lora_" in k], name
     for policy in ("pretrain", "sft", "dpo", "kto"):
         assert f"{policy}/exact_match" in stages["evaluate"]["metrics"]
-    assert (Path(stages["kto"]["output_uri"]) / "model.safetensors").is_file()
