@@ -11,6 +11,8 @@ stage tasks may call it from several threads of one process at once.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -47,10 +49,13 @@ def _flow_run_tags(flow_run_url: str | None) -> dict[str, str]:
     if not flow_run_url:
         return {}
     return {TAG_FLOW_RUN_URL: flow_run_url, TAG_NOTE: f"Prefect flow run: [{flow_run_url}]({flow_run_url})"}
+
+
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 """The experiment kind MLflow 3's UI opens as "Machine learning" (runs, metrics, models) rather
 than as a GenAI app (traces); the UI's own kind selector writes the same tag."""
+
 
 def _local_path(uri: str) -> str | None:
     """The filesystem path of a local URI (plain path or ``file://``), else None."""
@@ -75,6 +80,43 @@ def resolve_tracking_uri(config: PipelineConfig) -> str:
         os.makedirs(root, exist_ok=True)
         return f"sqlite:///{os.path.join(root, 'mlflow.db')}"
     return f"sqlite:///{os.path.join(os.getcwd(), 'mlruns.db')}"
+
+
+def _sqlite_path(tracking_uri: str) -> str | None:
+    """The database file of a ``sqlite:///<path>`` tracking URI, else None."""
+    prefix = "sqlite:///"
+    return tracking_uri[len(prefix) :] if tracking_uri.startswith(prefix) else None
+
+
+def open_store(tracking_uri: str) -> MlflowClient:
+    """A client of ``tracking_uri`` whose store exists: a SQLite store is created (tables, then
+    MLflow's schema migrations) under an exclusive lock on ``<database>.lock``.
+
+    MLflow creates a new SQLite store from every process that opens it first; two pipeline runs
+    starting together on a fresh storage root both did, and one failed with a raw SQL error
+    (``duplicate column name: step``, ``table experiments already exists``, ...). Under the lock
+    the second waits and then finds the store made; later openings (stage processes, the model
+    logger) only read its schema version.
+
+    Raises:
+        RuntimeError: the store cannot be opened or created; the message names the URI.
+    """
+    path = _sqlite_path(tracking_uri)
+    lock = contextlib.nullcontext()
+    if path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        lock = open(f"{path}.lock", "a")  # noqa: SIM115 - closed by the with below
+    with lock as held:
+        if held is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            client = MlflowClient(tracking_uri)
+            client.search_experiments(max_results=1)
+            client.search_registered_models(max_results=1)
+        except Exception as e:  # noqa: BLE001 - any store failure, named by its URI
+            raise RuntimeError(f"the MLflow store {tracking_uri} (tracking.tracking_uri) could not be opened: "
+                               f"{type(e).__name__}: {e}") from e
+    return client
 
 
 def _mlflow_status(status: str) -> str:
@@ -156,8 +198,9 @@ def start_pipeline_run(
 
     Raises:
         MlflowException: when the store rejects a read or write.
+        RuntimeError: the store cannot be opened or created (:func:`open_store`).
     """
-    client = MlflowClient(tracking_uri)
+    client = open_store(tracking_uri)
     experiment_id = _experiment_id(client, config)
     tagged = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_RUN_ID}` = '{run_id}'", max_results=1000)
     existing = [r for r in tagged if TAG_PARENT not in r.data.tags]  # stage runs carry the run id too

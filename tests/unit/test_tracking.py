@@ -158,3 +158,45 @@ def test_metric_logger_survives_an_unreachable_store(caplog):
         metric_logger.log({"loss": 1.0}, step=1)
         metric_logger.log_dict_artifact({"a": 1}, "a.json")
     assert any("MLflow" in r.message for r in caplog.records)
+
+
+def _open_store_at(tracking_uri: str, start_at: float, results) -> None:
+    """In a spawned process: wait for ``start_at`` (epoch s), then open the store and use it."""
+    import time
+
+    from tasks.tracking import open_store
+
+    while time.time() < start_at:
+        time.sleep(0.001)
+    try:
+        client = open_store(tracking_uri)
+        client.search_experiments()
+        results.put("ok")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def test_two_processes_opening_a_new_sqlite_store_together_both_succeed(tmp_path):
+    """Issue 35, item 11: two pipeline runs starting together on a fresh storage root. Without the
+    lock one of them failed creating ``mlflow.db`` (``duplicate column name: step`` and others)."""
+    import multiprocessing
+    import time
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    uri = f"sqlite:///{tmp_path}/fresh/mlflow.db"
+    start_at = time.time() + 8  # after both have imported MLflow
+    procs = [ctx.Process(target=_open_store_at, args=(uri, start_at, results)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert outcomes == ["ok", "ok"]
+
+
+def test_open_store_names_the_uri_it_cannot_open(tmp_path):
+    (tmp_path / "not-a-db").write_text("this is not SQLite")
+    uri = f"sqlite:///{tmp_path}/not-a-db"
+    with pytest.raises(RuntimeError, match=rf"MLflow store {uri} \(tracking.tracking_uri\) could not be opened"):
+        tracking.open_store(uri)
