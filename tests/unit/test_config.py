@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,15 @@ def test_model_needs_exactly_one_source():
 def test_missing_config_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [("team/policy", "cannot contain '/' or ':'"), ("models:/policy", "cannot contain '/' or ':'"),
+     ("   ", "must not be blank"), ("..", "would read it as the path")],
+)
+def test_an_illegal_registered_model_name_is_refused_when_the_config_is_read(name, why):
+    """Issue 35, item 13: refused by ``validate`` (and before any stage runs), not by MLflow at the release."""
+    with pytest.raises(ConfigError, match=rf"tracking.registered_model_name: .*{re.escape(why)}"):
+        load_config(overrides={"tracking.registered_model_name": name})
+    assert load_config(overrides={"tracking.registered_model_name": "posttrain-policy.v2"})

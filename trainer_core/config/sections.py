@@ -5,9 +5,10 @@ Each field has a description: they become the CLI help and the Prefect UI form.
 
 from __future__ import annotations
 
+import posixpath
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from trainer_core.config.base import ConfigBase
 
@@ -54,6 +55,24 @@ class TrackingConfig(ConfigBase):
         description="The stage whose final model is registered. Default: the last policy stage the run trains, "
         "in pipeline order (grpo, else ppo, else dpo, else sft).",
     )
+
+    @field_validator("registered_model_name")
+    @classmethod
+    def _check_registered_model_name(cls, name: str | None) -> str | None:
+        """MLflow's rules for a registered model name (``mlflow.utils.validation._validate_model_name``),
+        checked when the config is read rather than when the release registers the model, after
+        every stage has trained: not blank, no ``/`` or ``:``, and a name that is its own normal
+        path (no ``.``/``..`` segments, no leading ``/``, no doubled or trailing ``/``)."""
+        if name is None:
+            return None
+        if not name.strip():
+            raise ValueError("must not be blank")
+        if "/" in name or ":" in name:
+            raise ValueError(f"{name!r}: MLflow model names cannot contain '/' or ':'")
+        norm = posixpath.normpath(name)
+        if norm != name or norm == "." or norm.startswith(".."):
+            raise ValueError(f"{name!r}: MLflow would read it as the path {norm!r}")
+        return name
 
 
 class DataSource(ConfigBase):
