@@ -202,3 +202,15 @@ def test_split_train_eval():
     assert len(split_train_eval(rows[:2], 0, 0.01, 5)[1]) == 1
     with pytest.raises(DataError, match="need at least 2"):
         split_train_eval(rows[:1], 0, 0.5, 5, name="sft")
+
+
+def test_cut_prompts_and_completions_are_counted_and_warned(tmp_path, caplog):
+    """Issue 35, item 13: a prompt over data.max_prompt_length_tokens keeps its last tokens and a
+    completion is cut to fit data.max_length_tokens, as before, but no longer silently: each
+    split counts them (``num_<split>_truncated_prompts`` / ``_completions``) and warns once."""
+    with caplog.at_level("WARNING", logger="trainer_core.stages.prepare_data"):
+        m = run(_spec(str(tmp_path / "tight"), **{"data.max_prompt_length_tokens": 8, "data.max_length_tokens": 24})).metrics
+    assert m["num_sft_train_truncated_prompts"] == m["num_sft_train"] == 32  # every prompt is longer than 8
+    assert 0 < m["num_sft_train_truncated_completions"] <= 32
+    warned = [r.getMessage() for r in caplog.records if "sft/train" in r.getMessage()]
+    assert len(warned) == 1 and "of 32 encoded sequences, cut 32 prompts to data.max_prompt_length_tokens" in warned[0]

@@ -132,6 +132,11 @@ def test_encode_chat_truncation(tok, records):
     assert enc["input_ids"][:20] == full["input_ids"][num_prompt - 20 : num_prompt]  # the LAST prompt tokens
     assert enc["input_ids"][20:] == full["input_ids"][num_prompt : num_prompt + 28]  # completion cut to fit
     assert enc["loss_mask"] == [0] * 20 + [1] * 28
+    truncated: dict[str, int] = {}
+    assert encode_chat(tok, msgs, records[0]["answer"], 48, 20, truncated=truncated) == enc
+    assert encode_chat(tok, msgs, records[0]["answer"], 4096, 20, truncated=truncated)["loss_mask"].count(1) > 28
+    assert encode_chat(tok, msgs, records[0]["answer"], 4096, 4000, truncated=truncated) == full
+    assert truncated == {"prompt": 2, "completion": 1}  # counted only when something was cut
 
 
 def test_encode_chat_prompt_only(tok):

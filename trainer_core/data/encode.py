@@ -69,6 +69,9 @@ class ChunkCounts:
     """What a chunk dropped and how many tokens it kept (summed over chunks by prepare_data).
 
     ``tokens``/``sequences``: for the mean tokens metric (per sequence; a pair counts its two sides).
+    ``truncated_prompts``/``truncated_completions``: encodings whose prompt was cut to
+    ``data.max_prompt_length_tokens`` (its last tokens kept) / whose completion was cut to fit
+    ``data.max_length_tokens`` (a pair counts its two sides, a KTO row its KL encoding too).
     """
 
     rows: int = 0
@@ -77,11 +80,14 @@ class ChunkCounts:
     desirable: int = 0
     tokens: int = 0
     sequences: int = 0
+    truncated_prompts: int = 0
+    truncated_completions: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def add(self, other: ChunkCounts) -> None:
         """Sum ``other`` into this one (``extra`` is not summed)."""
-        for name in ("rows", "dropped_empty", "dropped_identical", "desirable", "tokens", "sequences"):
+        for name in ("rows", "dropped_empty", "dropped_identical", "desirable", "tokens", "sequences",
+                     "truncated_prompts", "truncated_completions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def mean_tokens(self) -> float:
@@ -102,6 +108,7 @@ class ChunkEncoder:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_prompt_length = max_prompt_length
+        self._truncated: dict[str, int] = {}
 
     def __call__(self, chunk: Chunk) -> tuple[pa.RecordBatch, ChunkCounts]:
         """Encode one chunk.
@@ -111,12 +118,16 @@ class ChunkEncoder:
         """
         build = {"sft": self._sft, "preference": self._preference, "kto": self._kto,
                  "pretrain": self._pretrain_stream}[chunk.kind]
+        self._truncated: dict[str, int] = {}
         rows, counts = build(chunk)
         counts.rows = len(rows)
+        counts.truncated_prompts = self._truncated.get("prompt", 0)
+        counts.truncated_completions = self._truncated.get("completion", 0)
         return pa.RecordBatch.from_pylist(rows, schema=SCHEMAS[chunk.kind]), counts
 
     def _encode(self, messages: list[dict], completion: str | None) -> dict[str, list[int]]:
-        return encode_chat(self.tokenizer, messages, completion, self.max_length, self.max_prompt_length)
+        return encode_chat(self.tokenizer, messages, completion, self.max_length, self.max_prompt_length,
+                           truncated=self._truncated)
 
     def _sft(self, chunk: Chunk) -> tuple[list[dict], ChunkCounts]:
         rows, counts = [], ChunkCounts()

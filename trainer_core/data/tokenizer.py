@@ -195,6 +195,7 @@ def encode_chat(
     completion: str | None,
     max_length: int,
     max_prompt_length: int,
+    truncated: dict[str, int] | None = None,
 ) -> dict[str, list[int]]:
     """Token ids of a chat prompt (plus an assistant completion) and the loss mask.
 
@@ -204,6 +205,8 @@ def encode_chat(
         completion: the assistant reply; None encodes the prompt alone (for generation).
         max_length: max tokens of prompt + completion; the completion is cut to fit.
         max_prompt_length: max prompt tokens; a longer prompt keeps its LAST tokens.
+        truncated: when given, ``truncated["prompt"]`` / ``truncated["completion"]`` are incremented
+            (from 0 when absent) when the prompt / the completion was cut.
 
     Returns:
         ``{"input_ids": list[int], "loss_mask": list[int]}`` of equal length; loss_mask is
@@ -216,7 +219,11 @@ def encode_chat(
     if not 0 < max_prompt_length < max_length:
         raise ConfigError(f"need 0 < max_prompt_length < max_length, got {max_prompt_length}, {max_length}")
     prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    prompt_ids = _ids(tokenizer, prompt_text)[-max_prompt_length:]
+    prompt_ids = _ids(tokenizer, prompt_text)
+    if len(prompt_ids) > max_prompt_length:
+        prompt_ids = prompt_ids[-max_prompt_length:]
+        if truncated is not None:
+            truncated["prompt"] = truncated.get("prompt", 0) + 1
     if completion is None:
         return {"input_ids": prompt_ids, "loss_mask": [0] * len(prompt_ids)}
     full_text = tokenizer.apply_chat_template(
@@ -227,7 +234,11 @@ def encode_chat(
             "the tokenizer's chat template renders prompt + completion so that it does not start with the "
             "rendered prompt (generation prompt differs from the assistant header); cannot mask the prompt"
         )
-    completion_ids = _ids(tokenizer, full_text[len(prompt_text) :])[: max_length - len(prompt_ids)]
+    completion_ids = _ids(tokenizer, full_text[len(prompt_text) :])
+    if len(completion_ids) > max_length - len(prompt_ids):
+        completion_ids = completion_ids[: max_length - len(prompt_ids)]
+        if truncated is not None:
+            truncated["completion"] = truncated.get("completion", 0) + 1
     return {
         "input_ids": prompt_ids + completion_ids,
         "loss_mask": [0] * len(prompt_ids) + [1] * len(completion_ids),

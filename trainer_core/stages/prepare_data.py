@@ -265,6 +265,15 @@ def _write_examples(pool: ChunkMap, out: ShardWriter, split: Split, which: str, 
     if kind == "kto":
         metrics[f"num_{name}_desirable"] = counts.desirable
     metrics[f"mean_{name}_tokens"] = counts.mean_tokens()
+    metrics[f"num_{name}_truncated_prompts"] = counts.truncated_prompts
+    metrics[f"num_{name}_truncated_completions"] = counts.truncated_completions
+    cut = [text for n, text in (
+        (counts.truncated_prompts, f"{counts.truncated_prompts} prompts to data.max_prompt_length_tokens "
+                                   "(their last tokens kept)"),
+        (counts.truncated_completions, f"{counts.truncated_completions} completions to data.max_length_tokens"),
+    ) if n]
+    if cut:
+        logger.warning("%s: of %d encoded sequences, cut %s", out.name, counts.sequences, " and ".join(cut))
     return out.close()
 
 
