@@ -18,6 +18,7 @@ without one (``ENOSPC``, out of memory, a permission, missing S3 credentials) in
 from __future__ import annotations
 
 import errno
+import tempfile
 
 EXIT_FAILED = 1
 """Process exit code of a crash or a transient failure (a retry may fix it)."""
@@ -91,7 +92,9 @@ def classify(exc: BaseException, *, where: str = "") -> PosttrainError | None:
     if isinstance(exc, PosttrainError):
         return exc
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        path = exc.filename or "a file"
+        # a write() on an open file names none: say where this process writes files
+        path = exc.filename or (f"a file (under storage.root, or the temporary directory {tempfile.gettempdir()} "
+                                "that TMPDIR names)")
         return ResourceError(f"{prefix}disk full (or quota exceeded) writing {path}: free space there, or point "
                              "storage.root (and TMPDIR) at a larger volume")
     if _is_oom(exc):

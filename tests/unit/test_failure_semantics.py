@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import fsspec
@@ -117,6 +118,7 @@ def test_disk_full_from_the_os_is_a_resource_error():
     error = classify(info.value, where="stage sft")
     assert isinstance(error, ResourceError) and error.exit_code == EXIT_RESOURCE
     assert str(error).startswith("stage sft: disk full")
+    assert f"the temporary directory {tempfile.gettempdir()} that TMPDIR names" in str(error)  # issue 35, item 13
 
 
 def test_taxonomy_of_library_errors():
