@@ -172,7 +172,7 @@ def run_one_rank(spec: StageSpec, workdir: Path, timeout_s: float = RANK_TIMEOUT
 
     spec_path = write_spec(spec, workdir / "spec.json")
     out = workdir / "rank0.json"
-    job = run_ranks([str(Path(__file__)), spec_path, str(out)], 1, env=rank_env(), timeout_s=timeout_s)
+    job = run_ranks([str(Path(__file__)), spec_path, str(out)], 1, env=rank_env(), timeout_s=timeout_s, torchrun=True)
     assert job.returncode == 0, job.tail(80)
     return json.loads(out.read_text())
 

@@ -64,8 +64,9 @@ def _server(env: dict[str, str]) -> ForkServerContext:
 
 
 def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
-    """In the forked child: become what ``python -m module args...`` (cwd, env) would be, run it,
-    and exit with its status."""
+    """In the forked child: become what ``python -m module args...`` (``module`` a path ending in
+    ``.py``: ``python module args...``) in ``cwd`` with ``env`` would be, run it, and exit with
+    its status."""
     os.setsid()
     os.chdir(cwd)
     os.environ.clear()
@@ -82,7 +83,11 @@ def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log
     sys.argv = [module, *args]
     code: int = 0
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module.endswith(".py"):
+            sys.path.insert(0, os.path.dirname(os.path.abspath(module)))  # as for a script
+            runpy.run_path(module, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int) and e.code is not None:
@@ -96,6 +101,11 @@ def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def start_server(env: dict[str, str]) -> None:
+    """Start the fork server now (once), its interpreter with ``env``; later calls do nothing."""
+    _server(env)
 
 
 class ForkedProcess:

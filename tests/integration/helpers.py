@@ -263,15 +263,17 @@ def run_stage(
 
 
 def start_forked(
-    module: str, args: list[str], env: dict[str, str] | None
+    module: str, args: list[str], env: dict[str, str] | None, lines: list[str] | None = None
 ) -> tuple[forked.ForkedProcess, list[str], threading.Thread, threading.Event]:
-    """``python -m module args...`` forked from the warm fork server (:mod:`tests.integration.forked`),
-    from the repo root, in a session of its own, with :func:`child_env` plus ``env``; a daemon
-    thread appends its merged stdout/stderr lines to the returned list until the event is set."""
+    """``python -m module args...`` (or ``python module args...`` for a ``.py`` path) forked from
+    the warm fork server (:mod:`tests.integration.forked`), from the repo root, in a session of
+    its own, with :func:`child_env` plus ``env``; a daemon thread appends its merged stdout/stderr
+    lines to ``lines`` (default: a new list, returned) until the event is set."""
+    forked.start_server(child_env())  # the server's own environment: a stage's, without per-run variables
     fd, log_path = tempfile.mkstemp(prefix="stage-", suffix=".log")
     os.close(fd)
     proc = forked.ForkedProcess(module, args, child_env(env), REPO_ROOT, log_path)
-    lines: list[str] = []
+    lines = [] if lines is None else lines
     done = threading.Event()
     reader = threading.Thread(target=proc.read_lines, args=(lines, done), daemon=True)
     reader.start()
@@ -506,8 +508,14 @@ def run_ranks(
     env: dict[str, str] | None = None,
     timeout_s: float = 300.0,
     poll_s: float = 0.005,
+    torchrun: bool = False,
 ) -> RanksRun:
     """Run ``args`` at ``nproc`` ranks under torchrun; optionally SIGKILL one rank (only it) mid-run.
+
+    A job without a kill whose ranks only compute (``torchrun`` False) is started by
+    :func:`run_ranks_forked` instead, unless ``POSTTRAIN_TEST_FORK=0``: its ranks are forked
+    from the warm fork server with torchrun's environment. A kill, or ``torchrun=True``, runs
+    the real torchrun (its agent, its rendezvous, its handling of a dead rank).
 
     torchrun runs in a session of its own, like :func:`run_stage`'s process. While it runs, the
     job's processes are recorded from ``/proc`` (ranks by their ``RANK``); when it exits, the
@@ -522,12 +530,15 @@ def run_ranks(
         env: extra environment variables.
         timeout_s: kill the whole job and fail after this long.
         poll_s: polling interval.
+        torchrun: run the job under torchrun even without a kill.
 
     Raises:
         AssertionError: ``kill_when`` was given but the job exited before it held.
         TimeoutError: the job ran past ``timeout_s`` (everything in it is killed first).
     """
     assert (kill_rank is None) == (kill_when is None), "kill_rank and kill_when go together"
+    if kill_rank is None and not torchrun and forked.enabled():
+        return run_ranks_forked(args, nproc, env=env, timeout_s=timeout_s)
     t0 = time.monotonic()
     proc, lines, reader = start_process(torchrun_command(nproc, args), env)
     launcher = process_table()[proc.pid]  # alive (or a zombie) until waited for
@@ -567,6 +578,56 @@ def run_ranks(
     run.returncode, run.wall_s = proc.returncode, time.monotonic() - t0
     if kill_when is not None and not run.killed:
         raise AssertionError(f"torchrun {args} exited (rc={run.returncode}) before the kill point:\n{run.tail()}")
+    return run
+
+
+def run_ranks_forked(args: list[str], nproc: int, *, env: dict[str, str] | None = None,
+                     timeout_s: float = 300.0, poll_s: float = 0.005) -> RanksRun:
+    """Run ``args`` (``["-m", module, ...]`` or ``[script, ...]``) at ``nproc`` ranks forked from
+    the warm fork server (:mod:`tests.integration.forked`), each with the environment torchrun
+    gives a rank on one node (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK``, ``ROLE_*``, ``MASTER_ADDR``/``MASTER_PORT``: rank 0 hosts the store).
+
+    As torchrun does, a rank that exits non-zero fails the job (``returncode`` 1) and the others
+    are killed. ``lines`` holds every rank's output lines as they were read.
+
+    Raises:
+        TimeoutError: the job ran past ``timeout_s`` (every rank is killed first).
+    """
+    module, rest = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
+    t0 = time.monotonic()
+    port = str(free_port())
+    lines: list[str] = []
+    ranks: list[tuple[forked.ForkedProcess, threading.Thread, threading.Event]] = []
+    run = RanksRun(returncode=0, lines=lines, killed=False, wall_s=0.0)
+    try:
+        for rank in range(nproc):
+            rank_env = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                        "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port}
+            proc, _, reader, done = start_forked(module, rest, rank_env, lines=lines)
+            ranks.append((proc, reader, done))
+            run.rank_pids[rank] = proc.pid
+        while True:
+            codes = [proc.poll() for proc, _, _ in ranks]
+            if any(code not in (None, 0) for code in codes):
+                run.returncode = 1
+                break
+            if all(code == 0 for code in codes):
+                break
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"ranks {args} ran past {timeout_s}s:\n" + "\n".join(lines[-40:]))
+            time.sleep(poll_s)
+    finally:
+        for proc, reader, done in ranks:
+            if proc.poll() is None:
+                proc.kill_group()
+                proc.wait(timeout=60)
+            done.set()
+            reader.join(timeout=30)
+            os.unlink(proc.log_path)
+    run.wall_s = time.monotonic() - t0
     return run
 
 
