@@ -21,17 +21,22 @@ STAGES = ("prepare_data", "sft", "reward_model", "score", "dpo", "ppo", "grpo", 
 TRAINED = ("sft", "reward_model", "dpo", "ppo", "grpo")
 
 TWO_RANKS = {"nproc_per_node": 2}
+EXTENDED_STAGES = ["prepare_data", "pretrain", "sft", "reward_model", "dpo", "kto", "evaluate"]
+"""demo-extended.yaml's stages with the reward model added (trained from SFT, committed for evaluate)."""
 MIXED: dict[str, object] = {
-    # A backend a stage of demo-extended.yaml: full weights at 2 ranks on FSDP2 (pretrain) and
-    # ZeRO-3 (SFT, loading FSDP2's commit), DPO training LoRA adapters on one process (merged on
-    # commit), KTO on one process. Every stage on every backend, against the single device, is
-    # compared in tests/integration (the RL stages at 2 ranks in test_rl_distributed); an adapter
-    # committed over its base is tests/integration/test_lora.py's.
+    # A backend a stage of demo-extended.yaml (plus the reward model): full weights at 2 ranks on
+    # FSDP2 (pretrain) and ZeRO-3 (SFT, loading FSDP2's commit; the reward model, committing its
+    # gathered partitions with the score head), DPO training LoRA adapters on one process (merged
+    # on commit), KTO on one process. The SFT and DPO steps on every backend, against the single
+    # device, are compared in tests/integration (the RL stages at 2 ranks in test_rl_distributed);
+    # an adapter committed over its base is tests/integration/test_lora.py's.
     "pretrain.backend": {"name": "fsdp2", **TWO_RANKS},
     "sft.backend": {"name": "deepspeed", "zero_stage": 3, **TWO_RANKS},
+    "reward_model.backend": {"name": "deepspeed", "zero_stage": 3, **TWO_RANKS},
     "dpo.lora.enabled": True,
 }
-MIXED_BACKENDS = {"pretrain": ("fsdp2", 2), "sft": ("deepspeed", 2), "dpo": ("single", 1), "kto": ("single", 1)}
+MIXED_BACKENDS = {"pretrain": ("fsdp2", 2), "sft": ("deepspeed", 2), "reward_model": ("deepspeed", 2),
+                  "dpo": ("single", 1), "kto": ("single", 1)}
 """Stage -> (backend, world size) its manifest records in the mixed run."""
 
 
@@ -69,14 +74,14 @@ def test_demo_config_through_the_cli(demo_run):
 @pytest.mark.slow
 def test_demo_extended_config_with_a_backend_a_stage_through_the_cli(prefect_api, tmp_path):
     """configs/demo-extended.yaml with a backend a stage (:data:`MIXED`): pretrain on raw text
-    (FSDP2 at 2 ranks), SFT from it (ZeRO-3 at 2 ranks; both under torchrun),
-    DPO (LoRA, merged on commit) and KTO from SFT, and evaluate comparing the four policies, in
-    one run; each stage loads the model the previous backend committed."""
-    sets = {"pretrain.max_steps": 4, "pretrain.eval_every": 2, "pretrain.save_every": 2, "kto.max_steps": 2,
-            "kto.grad_accum_steps": 1, **MIXED}
+    (FSDP2 at 2 ranks), SFT from it and the reward model from SFT (ZeRO-3 at 2 ranks; all under
+    torchrun), DPO (LoRA, merged on commit) and KTO from SFT, and evaluate comparing the four
+    policies, in one run; each stage loads the model the previous backend committed."""
+    sets = {"stages": EXTENDED_STAGES, "pretrain.max_steps": 4, "pretrain.eval_every": 2, "pretrain.save_every": 2,
+            "kto.max_steps": 2, "kto.grad_accum_steps": 1, **MIXED}
     _, summary = run_cli(prefect_api, tmp_path, "demo-extended.yaml", sets)
     stages = summary["stages"]
-    assert set(stages) == {"prepare_data", "pretrain", "sft", "dpo", "kto", "evaluate"}
+    assert set(stages) == set(EXTENDED_STAGES)
     assert stages["pretrain"]["metrics"]["global_step"] == 4 and stages["kto"]["metrics"]["global_step"] == 2
     sft_spec = json.loads((Path(stages["sft"]["output_uri"]).parents[2] / "specs" / "sft.json").read_text())
     assert sft_spec["inputs"]["model"] == stages["pretrain"]["output_uri"]

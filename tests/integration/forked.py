@@ -9,7 +9,15 @@ is a real process of its own (own pid and session, killable with ``os.killpg``, 
 or ``-signal`` as ``returncode``) that runs ``trainer_core.run`` as ``python -m`` runs it
 (:func:`runpy.run_module` as ``__main__``, ``sys.argv`` set, the interpreter's exit handlers run
 at the end), with the environment, working directory and one compute thread a subprocess would
-get, and its stdout and stderr in a file the test reads line by line.
+get, and its stdout and stderr in a file the test reads line by line. A script path (``.py``)
+runs as ``python script`` runs it (:func:`runpy.run_path`); the ranks of a compute-only job are
+forked the same way with torchrun's rank environment (``helpers.run_ranks_forked``).
+
+What a fork does not give: the interpreter's start-up (``python -X``/``-m`` flags, ``site``), a
+parent that is the test (its parent is the server, so ``trainer_core.run``'s parent watchdog
+watches the server), and modules the server imported that a fresh stage would not have (the
+stage runner's own imports only). Kills of a rank and every pipeline run through the CLI or a
+flow stay real subprocesses.
 
 The server imports only; it runs no torch op and starts no thread, so each fork starts from the
 state a fresh interpreter has after its imports. ``POSTTRAIN_TEST_FORK=0`` launches every stage
