@@ -108,7 +108,6 @@ class ChunkEncoder:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_prompt_length = max_prompt_length
-        self._truncated: dict[str, int] = {}
 
     def __call__(self, chunk: Chunk) -> tuple[pa.RecordBatch, ChunkCounts]:
         """Encode one chunk.
@@ -118,21 +117,22 @@ class ChunkEncoder:
         """
         build = {"sft": self._sft, "preference": self._preference, "kto": self._kto,
                  "pretrain": self._pretrain_stream}[chunk.kind]
-        self._truncated: dict[str, int] = {}
         rows, counts = build(chunk)
         counts.rows = len(rows)
-        counts.truncated_prompts = self._truncated.get("prompt", 0)
-        counts.truncated_completions = self._truncated.get("completion", 0)
         return pa.RecordBatch.from_pylist(rows, schema=SCHEMAS[chunk.kind]), counts
 
-    def _encode(self, messages: list[dict], completion: str | None) -> dict[str, list[int]]:
-        return encode_chat(self.tokenizer, messages, completion, self.max_length, self.max_prompt_length,
-                           truncated=self._truncated)
+    def _encode(self, messages: list[dict], completion: str | None, counts: ChunkCounts) -> dict[str, list[int]]:
+        """:func:`encode_chat` with the limits; a cut prompt or completion is counted in ``counts``."""
+        cut: dict[str, int] = {}
+        enc = encode_chat(self.tokenizer, messages, completion, self.max_length, self.max_prompt_length, truncated=cut)
+        counts.truncated_prompts += cut.get("prompt", 0)
+        counts.truncated_completions += cut.get("completion", 0)
+        return enc
 
     def _sft(self, chunk: Chunk) -> tuple[list[dict], ChunkCounts]:
         rows, counts = [], ChunkCounts()
         for ex in chunk.rows():
-            enc = self._encode(ex["messages"], ex["completion"])
+            enc = self._encode(ex["messages"], ex["completion"], counts)
             if not any(enc["loss_mask"]):
                 counts.dropped_empty += 1
                 continue
@@ -146,7 +146,7 @@ class ChunkEncoder:
     def _preference(self, chunk: Chunk) -> tuple[list[dict], ChunkCounts]:
         rows, counts = [], ChunkCounts()
         for ex in chunk.rows():
-            enc = {side: self._encode(ex["messages"], ex[side]) for side in ("chosen", "rejected")}
+            enc = {side: self._encode(ex["messages"], ex[side], counts) for side in ("chosen", "rejected")}
             if not (any(enc["chosen"]["loss_mask"]) and any(enc["rejected"]["loss_mask"])):
                 counts.dropped_empty += 1
                 continue
@@ -166,11 +166,11 @@ class ChunkEncoder:
         rows, counts = [], ChunkCounts()
         assert chunk.kl_indices is not None, "a kto chunk needs kl_indices"
         for ex, kl_ex in zip(chunk.rows(), chunk.rows(chunk.kl_indices)):
-            enc = self._encode(ex["messages"], ex["completion"])
+            enc = self._encode(ex["messages"], ex["completion"], counts)
             if not any(enc["loss_mask"]):
                 counts.dropped_empty += 1
                 continue
-            kl = self._encode(ex["messages"], kl_ex["completion"])
+            kl = self._encode(ex["messages"], kl_ex["completion"], counts)
             rows.append({"messages_json": ex["messages_json"], "completion": ex["completion"],
                          "label": ex["label"], "input_ids": enc["input_ids"], "loss_mask": enc["loss_mask"],
                          "kl_input_ids": kl["input_ids"], "kl_loss_mask": kl["loss_mask"]})
