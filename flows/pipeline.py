@@ -42,10 +42,10 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from flows.settings import RunSettings, settings_overrides
 from tasks.console import use_plain_console
 from tasks.gates import QualityGateFailed
-from tasks.launch import abort_launches, forget_launch_group
+from tasks.launch import LaunchAborted, abort_launches, forget_launch_group
 from tasks.plan import PlannedStage, plan_run
 from tasks.preflight import preflight
-from tasks.results import PipelineRun, StageResult
+from tasks.results import PipelineRun, StageResult, describe_interrupt
 from tasks.runs import save_run_config
 from tasks.stages import GPU_CONCURRENCY_ENV, stage_task
 from tasks.summary import build_summary, write_summary
@@ -153,7 +153,8 @@ class StageGraphRun:
     Stages are submitted in pipeline order among those ready, at most ``max_parallel`` running
     at once (None: no bound). A stage whose dependency failed (or was skipped) is skipped, naming
     the failure. If the flow itself is interrupted, every running stage's trainer is killed before
-    the interrupt propagates; the stages it cut short are recorded as failed, the others skipped.
+    the interrupt propagates; the stages it cut short are recorded as interrupted, the others
+    skipped.
 
     Attributes:
         results: stage -> result, filled as stages end.
@@ -195,17 +196,22 @@ class StageGraphRun:
             wait(list(running), timeout=_ABORT_WAIT_S)
             for future, name in running.items():
                 if future.state.is_final():
-                    self._record(name, future)
+                    self._record(name, future, interrupt)
                 else:
-                    self.results[name] = StageResult.failed(name, interrupt)
+                    self.results[name] = StageResult.interrupted(name, interrupt)
             for name in waiting:
                 self.results[name] = StageResult.skipped(name, "interrupted")
             raise
 
-    def _record(self, name: str, future: PrefectFuture) -> None:
+    def _record(self, name: str, future: PrefectFuture, interrupt: BaseException | None = None) -> None:
+        """Record a finished stage; one whose launch the interrupt aborted (``LaunchAborted``)
+        as interrupted."""
         try:
             self.results[name] = future.result()
         except Exception as e:  # noqa: BLE001 - recorded, summarised, re-raised by the flow
+            if interrupt is not None and isinstance(e, LaunchAborted):
+                self.results[name] = StageResult.interrupted(name, interrupt)
+                return
             self.failures.append(e)
             self.results[name] = StageResult.failed(name, e)
 
@@ -293,7 +299,7 @@ def post_training_pipeline(
 def _record_interruption(run: PipelineRun, graph: StageGraphRun, interrupt: BaseException, log: Any) -> None:
     """Write the summary of an interrupted run (best effort: the interrupt must propagate)."""
     try:
-        summary = build_summary(run, graph.results, interrupted=f"{type(interrupt).__name__}: {interrupt}")
+        summary = build_summary(run, graph.results, interrupted=describe_interrupt(interrupt))
         write_summary(run, summary)
         finish_pipeline_run(run.parent_mlflow_run_id, "KILLED", tracking_uri=run.tracking_uri)
     except Exception as e:  # noqa: BLE001

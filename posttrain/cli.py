@@ -11,13 +11,19 @@ the flow and prints the output locations. Exit codes follow the error taxonomy
 - 2: bad input. Before anything ran (a bad config or run id, a failed pre-flight check, the run
   held by another live ``run``/``resume``) nothing is written and no summary line is printed;
   a stage that failed on bad input (data, model source, a diverged run) ends with the summary line;
-- 1: any other failure (a crash, an exhausted resource, an interrupt), after the summary line
-  when the run had started.
+- 1: any other failure (a crash, an exhausted resource), after the summary line when the run
+  had started;
+- 4: every stage completed but the final policy failed a quality gate;
+- 128 + N: stopped by signal N (130 for SIGINT, a terminal's Ctrl-C; 143 for SIGTERM; 129 for
+  SIGHUP): every trainer is killed, the stages cut short are recorded ``interrupted`` in the
+  summary, the run's lease is released; ``posttrain resume RUN_ID`` goes on from the last
+  checkpoints.
 
 The error is printed on stderr as plain text (no markup or emoji codes), without a traceback.
-SIGTERM and SIGINT stop the run like Ctrl-C: every trainer is killed, the temporary Prefect API
-server stopped, the run's lease released. ``posttrain validate CONFIG [--set ...]`` prints the
-resolved config as YAML.
+Without ``PREFECT_API_URL`` a run starts a temporary Prefect API server in its own session
+(:mod:`posttrain.api_server`): a signal to the CLI's process group does not reach it, the CLI
+stops it at exit, and it stops itself when the CLI is killed. ``posttrain validate CONFIG
+[--set ...]`` prints the resolved config as YAML.
 """
 
 from __future__ import annotations
@@ -133,9 +139,21 @@ def _absolute(root: str) -> str:
     return resolve_local_root(PipelineConfig(storage={"root": root})).storage.root
 
 
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop a run (the CLI exits ``128 + signum``)."""
+
+_received: list[int] = []
+"""The interrupt signals received during the current run, in order."""
+
+
 def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM as Ctrl-C: the flow unwinds (killing its trainers) and exit handlers run."""
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+    """Stop the run as Ctrl-C does: the first signal raises ``KeyboardInterrupt`` (the flow unwinds,
+    killing its trainers, and exit handlers run); later ones are noted, not raised, so that the
+    clean-up they would cut short finishes (a SIGKILL still ends everything: the trainers and the
+    temporary API server watch this process)."""
+    _received.append(signum)
+    if len(_received) == 1:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def exit_code_of(error: BaseException) -> int:
@@ -186,6 +204,8 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
     from trainer_core import storage
     from trainer_core.storage import RunLayout
 
+    from posttrain.api_server import needs_temporary_server, start_temporary_api_server
+
     storage.configure(cfg.storage)
     layout = RunLayout(cfg.storage.root, run_id)
     _refuse_if_held(cfg, layout)
@@ -193,11 +213,22 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
     typer.echo(f"outputs: {layout.uri}")
     use_plain_console()
     before = _summary_bytes(layout.summary)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    _received.clear()
+    previous = {sig: signal.signal(sig, _interrupt) for sig in INTERRUPT_SIGNALS}
     try:
+        if needs_temporary_server():
+            start_temporary_api_server()
         summary = post_training_pipeline(config=cfg, run_id=run_id)
     except BaseException as e:  # noqa: BLE001 - reported; the summary (when written) says which stage failed
         written = _summary_bytes(layout.summary) not in (None, before)  # this run wrote it
+        if isinstance(e, KeyboardInterrupt) or _received:
+            signum = _received[0] if _received else signal.SIGINT
+            _err.print(f"error: pipeline interrupted by {signal.Signals(signum).name}"
+                       + (f"; resume it with: posttrain resume {run_id} --root {cfg.storage.root}" if written else ""),
+                       style="red")
+            if written:
+                typer.echo(layout.summary)
+            raise typer.Exit(128 + signum) from None
         if isinstance(e, PosttrainError) and not written:  # refused before anything ran
             raise _fail(str(e), exit_code_of(e)) from None
         _err.print(f"error: pipeline failed: {_headline(e)}", style="red")
@@ -205,7 +236,8 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
             typer.echo(layout.summary)
         raise typer.Exit(exit_code_of(e)) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     for name, entry in summary["stages"].items():
         reused = " (unchanged, not re-run)" if entry.get("reused") else ""
         typer.echo(f"{name}: {entry['status']}{reused} -> {entry['output_uri']}")

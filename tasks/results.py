@@ -8,6 +8,7 @@ a stage task returns, what the flow records for a failed or skipped stage, and w
 
 from __future__ import annotations
 
+import signal
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -52,8 +53,10 @@ class StageResult(BaseModel):
 
     Attributes:
         stage: the stage name.
-        status: ``completed`` (trained now, or reused), ``failed``, or ``skipped`` (a stage it
-            depends on failed or was skipped).
+        status: ``completed`` (trained now, or reused), ``failed``, ``interrupted`` (running when
+            the flow was stopped: a signal, a cancelled flow run; its trainer was killed, and a
+            resume goes on from its last checkpoint), or ``skipped`` (a stage it depends on
+            failed or was skipped, or the flow was stopped before it started).
         reused: completed without running: its committed output already had the fingerprint it
             would produce now.
         output_uri: its committed ``final/`` directory (completed only).
@@ -74,7 +77,7 @@ class StageResult(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     stage: str
-    status: Literal["completed", "failed", "skipped"]
+    status: Literal["completed", "failed", "interrupted", "skipped"]
     reused: bool = False
     output_uri: str | None = None
     manifest_uri: str | None = None
@@ -94,6 +97,11 @@ class StageResult(BaseModel):
         return cls(stage=stage, status="failed", error=f"{type(error).__name__}: {error}"[:2000], **fields)
 
     @classmethod
+    def interrupted(cls, stage: str, interrupt: BaseException) -> StageResult:
+        """The record of ``stage`` cut short by ``interrupt`` (what stopped the flow)."""
+        return cls(stage=stage, status="interrupted", error=describe_interrupt(interrupt)[:2000])
+
+    @classmethod
     def skipped(cls, stage: str, because: str) -> StageResult:
         """The record of ``stage`` not run because the stage ``because`` failed."""
         return cls(stage=stage, status="skipped", skipped_because=because)
@@ -101,3 +109,16 @@ class StageResult(BaseModel):
     def summary_entry(self) -> dict[str, Any]:
         """This result as ``summary.json`` lists it (JSON types; the stage name is the key)."""
         return self.model_dump(mode="json", exclude={"stage"})
+
+
+def describe_interrupt(interrupt: BaseException) -> str:
+    """What stopped a flow, for the summary: ``KeyboardInterrupt: signal SIGTERM`` (the CLI's
+    handlers), ``TerminationSignal: signal SIGTERM`` (Prefect's, which carries only the number),
+    else ``<type>: <message>``."""
+    signum = getattr(interrupt, "signal", None)
+    if isinstance(signum, int) and not str(interrupt):
+        try:
+            return f"{type(interrupt).__name__}: signal {signal.Signals(signum).name}"
+        except ValueError:
+            return f"{type(interrupt).__name__}: signal {signum}"
+    return f"{type(interrupt).__name__}: {interrupt}"

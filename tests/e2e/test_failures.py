@@ -3,9 +3,11 @@
 - nothing NaN is committed: a diverging SFT fails at the step it diverges, exit 2, no checkpoint;
 - one live ``run``/``resume`` per run id: a second is refused at once, naming the holder, and
   writes nothing;
-- nothing outlives the CLI: after SIGTERM no process of the run is left (trainers, the temporary
-  Prefect API server); after SIGKILL the trainer notices within seconds and ``status`` says the
-  stage was interrupted;
+- nothing outlives the CLI: a signal to its process group (``timeout``'s SIGTERM, a terminal's
+  Ctrl-C) ends the run within seconds with exit 143/130, the stage cut short ``interrupted``, no
+  process of the run left (trainers, the temporary Prefect API server in its own session); after
+  SIGKILL the trainer and the server notice within seconds and ``status`` says the stage was
+  interrupted;
 - every error names its input, before anything is written when it can be known up front
   (pre-flight), and plainly (no emoji codes, no traceback before the message).
 """
@@ -93,11 +95,38 @@ def start_sft_run(root: Path, run_id: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "posttrain", "run", str(DEMO_CONFIG), "--run-id", run_id, *SMALL,
             "--set", f"storage.root={root}", "--set", "stages=prepare_data,sft", "--set", "sft.max_steps=5000"]
     return subprocess.Popen(args, cwd=REPO, env=cli_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=True)  # its own process group, as in a terminal
+
+
+def stop_group_and_check(cli: subprocess.Popen, root: Path, run_id: str, sig: signal.Signals) -> None:
+    """Send ``sig`` to the CLI's process group: it exits ``128 + sig`` within 10 s, nothing of the
+    run is left, the summary says the run and its SFT were interrupted."""
+    trainers, helpers = marked_processes(root), children_of(cli.pid)
+    assert trainers and len(helpers) >= 2, (trainers, helpers)  # the trainer and the API server
+    t0 = time.monotonic()
+    os.killpg(cli.pid, sig)
+    output, _ = cli.communicate(timeout=60)
+    stopped_s = time.monotonic() - t0
+    print(f"{sig.name} to the group: exit {cli.returncode} in {stopped_s:.1f}s")
+    assert cli.returncode == 128 + sig, output[-3000:]
+    assert stopped_s < 10, output[-3000:]
+    assert f"error: pipeline interrupted by {sig.name}; resume it with: posttrain resume {run_id}" in output
+    assert "Stopping temporary Prefect API server" in output
+    deadline = time.monotonic() + 10
+    while (left := [p for p in trainers + helpers if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left and not marked_processes(root), left
+    summary = json.loads((root / "runs" / run_id / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["interrupted"].endswith(f"signal {sig.name}"), summary
+    assert summary["stages"]["sft"]["status"] == "interrupted", summary["stages"]["sft"]
+    assert summary["stages"]["prepare_data"]["status"] == "completed"
+    assert not (root / "runs" / run_id / "stages" / "sft" / "final").exists()
 
 
 @pytest.mark.slow
-def test_sigterm_stops_everything_and_a_second_run_of_the_id_is_refused_at_once(tmp_path):
+def test_sigterm_to_the_group_stops_everything_and_a_second_run_of_the_id_is_refused_at_once(tmp_path):
+    """What ``timeout 45 posttrain run ...`` does (SIGTERM to the group); it used to kill Prefect's
+    temporary server too and leave the flow retrying the dead API for minutes."""
     root, run_id = tmp_path / "out", "held"
     cli = start_sft_run(root, run_id)
     try:
@@ -107,35 +136,31 @@ def test_sigterm_stops_everything_and_a_second_run_of_the_id_is_refused_at_once(
         t0 = time.monotonic()
         second = posttrain(None, "run", str(DEMO_CONFIG), "--run-id", run_id, *SMALL, "--set", f"storage.root={root}",
                            "--set", "stages=prepare_data,sft", "--set", "sft.learning_rate=0.5")
-        refused_s = time.monotonic() - t0
-        print(f"second run refused after {refused_s:.1f}s")
+        print(f"second run refused after {time.monotonic() - t0:.1f}s")
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"{root / 'runs' / run_id / 'lease.json'} is held by" in second.stderr
         assert f"(pid {cli.pid} on" in second.stderr and "another posttrain run or resume" in second.stderr
         assert (root / "runs" / run_id / "config.json").read_text() == config_before
         assert not (root / "runs" / run_id / "summary.json").exists()
 
-        trainers, helpers = marked_processes(root), children_of(cli.pid)
-        assert trainers and helpers, (trainers, helpers)
-        cli.send_signal(signal.SIGTERM)
-        output, _ = cli.communicate(timeout=60)
-        print(f"stopped in {time.monotonic() - t0 - refused_s:.1f}s")
-        assert cli.returncode == 1, output[-3000:]
-        assert "error: pipeline failed: KeyboardInterrupt: signal SIGTERM" in output
-        assert "Stopping temporary server" in output
-        deadline = time.monotonic() + 10
-        while (left := [p for p in trainers + helpers if alive(p)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not left and not marked_processes(root), left
-        summary = json.loads((root / "runs" / run_id / "summary.json").read_text())
-        assert summary["status"] == "interrupted" and summary["stages"]["sft"]["status"] == "failed"
-        assert summary["stages"]["prepare_data"]["status"] == "completed"
-        assert not (root / "runs" / run_id / "stages" / "sft" / "final").exists()
+        stop_group_and_check(cli, root, run_id, signal.SIGTERM)
         status = posttrain(None, "status", run_id, "--root", str(root))
         assert "not running" in status.stdout and "interrupted" in status.stdout, status.stdout
     finally:
         if cli.poll() is None:
-            cli.kill()
+            os.killpg(cli.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_group_stops_everything_with_exit_130(tmp_path):
+    root, run_id = tmp_path / "out", "ctrl-c"
+    cli = start_sft_run(root, run_id)
+    try:
+        wait_for(root / "runs" / run_id / "stages" / "sft" / "lease.json")
+        stop_group_and_check(cli, root, run_id, signal.SIGINT)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -155,13 +180,17 @@ def test_after_sigkill_of_the_cli_the_trainer_stops_within_seconds(tmp_path):
         gone_s = time.monotonic() - t0
         print(f"trainer gone {gone_s:.1f}s after SIGKILL of the CLI")
         assert not any(alive(p) for p in trainers) and gone_s < 10
+        while any(alive(p) for p in helpers) and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        print(f"temporary API server gone {time.monotonic() - t0:.1f}s after SIGKILL of the CLI")
+        assert helpers and not any(alive(p) for p in helpers), helpers  # it watches the CLI
         status = posttrain(None, "status", run_id, "--root", str(root))
         assert status.returncode == 0, status.stderr
         sft = next(line for line in status.stdout.splitlines() if " sft " in line)
         assert "interrupted" in sft, status.stdout
         assert not (root / "runs" / run_id / "stages" / "sft" / "final").exists()
     finally:
-        for pid in helpers:  # the temporary Prefect server cannot run its exit handler after SIGKILL
+        for pid in helpers:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
