@@ -130,14 +130,15 @@ UI_HIDDEN_PARAMETERS = ("config",)
 def deployment_parameters(flow: Flow, entry: dict[str, Any]) -> dict[str, Any]:
     """The deployment's default parameters: the file's, resolved as a flow run would resolve them
     (a relative ``config_uri`` is read from the pool's ``working_dir``, else this checkout, laid
-    out as the image), plus ``settings`` holding the config's values and an ``overrides`` example,
-    so that the Custom run form opens on the values a run will use.
+    out as the image), plus ``settings`` holding the config's values, so that the Custom run form
+    opens on the values a run will use; ``overrides`` keeps the file's overrides of keys the
+    form does not show (or, when none, a no-op example).
 
     Raises:
         ConfigError: a parameter the flow does not take, or a config that does not validate.
     """
-    from flows.pipeline import resolve_config
-    from flows.settings import settings_of
+    from flows.pipeline import flat_overrides, resolve_config
+    from flows.settings import settings_of, settings_overrides
 
     params = dict(entry.get("parameters") or {})
     unknown = sorted(set(params) - set(inspect.signature(flow.fn).parameters))
@@ -155,9 +156,13 @@ def deployment_parameters(flow: Flow, entry: dict[str, Any]) -> dict[str, Any]:
         config = resolve_config(None, uri, params.get("overrides"), params.get("settings"))
     except ConfigError as e:
         raise ConfigError(f"deployment {entry['name']!r}: {e}") from None
-    params["settings"] = settings_of(config).model_dump(mode="json")
-    if params.get("overrides") is None:
-        params["overrides"] = {OVERRIDES_EXAMPLE_KEY: config.evaluate.generation.max_new_tokens}
+    settings = settings_of(config)
+    params["settings"] = settings.model_dump(mode="json")
+    # What the form shows is the form's: an override of a form field would beat a value typed
+    # there (and the flow refuses such a clash), so those keys live in settings only.
+    shown = set(settings_overrides(settings))
+    kept = {k: v for k, v in flat_overrides(params.get("overrides") or {}).items() if k not in shown}
+    params["overrides"] = kept or {OVERRIDES_EXAMPLE_KEY: config.evaluate.generation.max_new_tokens}
     return params
 
 

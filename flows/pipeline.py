@@ -22,7 +22,8 @@ completed it judges ``evaluate.gates`` and registers the final policy as a new m
 (alias ``champion`` only when every gate passed: ``tasks/release.py``). It writes
 ``<root>/runs/<run_id>/summary.json``, also when a stage failed (each stage's status, times,
 metrics, and for a skipped stage the failure that caused it; each gate's result), and then
-re-raises the first failure, or ends in the ``GateFailed`` state naming the failed gates.
+re-raises the first failure, or ends in Prefect's ``Failed`` state naming the failed gates
+(tagged ``gate-failed``). The release outcome is shown in both UIs (``publish_release``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from tasks.results import PipelineRun, StageResult, describe_interrupt
 from tasks.runs import save_run_config
 from tasks.stages import GPU_CONCURRENCY_ENV, stage_task
 from tasks.summary import build_summary, write_summary
-from tasks.release import release
+from tasks.release import publish_release, release
 from tasks.tracking import finish_pipeline_run, log_pipeline_metrics, resolve_tracking_uri, start_pipeline_run
 from trainer_core import storage
 from trainer_core.checkpoint.lease import StageLease
@@ -101,20 +102,47 @@ def resolve_config(
 
     Raises:
         ConfigError: unreadable YAML, bad settings, a bad override or a failed validation (names
-            the field).
+            the field); an override of a key the settings also set, to another value (a form
+            field would otherwise be overridden silently: both are named).
     """
     if settings is not None:
         try:
             settings = RunSettings.model_validate(settings)
         except ValidationError as e:
             raise ConfigError(f"settings: {e}") from None
-        overrides = {**settings_overrides(settings), **(overrides or {})}
+        from_settings = settings_overrides(settings)
+        refuse_conflicts(from_settings, overrides or {})
+        overrides = {**from_settings, **(overrides or {})}
     if isinstance(config, PipelineConfig) and not overrides:
         return resolve_local_root(config)
     if config is not None:
         base = _reveal(config.model_dump()) if isinstance(config, BaseModel) else dict(config)
         return resolve_local_root(load_config(base=base, overrides=overrides))
     return resolve_local_root(load_config(config_uri, overrides=overrides))
+
+
+def flat_overrides(overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"sft": {"max_steps": 4}}`` and ``{"sft.max_steps": 4}`` alike as ``{"sft.max_steps": 4}``."""
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and value:
+            out.update(flat_overrides(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def refuse_conflicts(from_settings: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Refuse ``overrides`` that set a key the run settings (the form's fields) set, to another value.
+
+    Raises:
+        ConfigError: naming each such key with both values.
+    """
+    flat = flat_overrides(overrides)
+    clashes = [f"overrides sets {key}={flat[key]!r} but settings set it to {value!r}"
+               for key, value in from_settings.items() if key in flat and flat[key] != value]
+    if clashes:
+        raise ConfigError("; ".join(clashes) + ": set each in one place (the form's field, or overrides)")
 
 
 def max_parallel_stages(config: PipelineConfig) -> int | None:
@@ -277,7 +305,8 @@ def post_training_pipeline(
             once, before anything is written).
         StageFailed: a stage failed (after the summary is written; the first failure).
         QualityGateFailed: every stage completed but the final policy failed a quality gate;
-            the flow run ends Failed, in the state named GateFailed, with the gate's message.
+            the flow run ends in Prefect's standard Failed state with the gate's message (and
+            the tag ``gate-failed``, the event ``posttrain.release.gate-failed``).
     """
     use_plain_console()
     log = get_run_logger()
@@ -339,6 +368,7 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
         if not graph.failures:
             summary["release"] = release(run, graph.results, summary["headline"])
             gate_failure = summary["release"]["failure"]
+            publish_release(run, summary["release"], log)
     except Exception as e:  # noqa: BLE001 - the summary is written first, then it is raised
         release_error = e
         summary["release"] = {"error": f"{type(e).__name__}: {e}"}
@@ -354,5 +384,5 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
         raise release_error
     if gate_failure:
         log.error("run %s: %s; the new version is not the champion", run_id, gate_failure)
-        return Failed(name="GateFailed", message=gate_failure, data=QualityGateFailed(gate_failure))
+        return Failed(message=gate_failure, data=QualityGateFailed(gate_failure))
     return summary

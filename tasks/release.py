@@ -7,11 +7,18 @@ the last policy stage it trained) becomes a new model version tagged with the ru
 config and data fingerprints, and gets the alias ``champion`` only when every gate passed, else
 ``candidate``. So a nightly deployment never silently replaces a better model: the champion alias
 moves only forward.
+
+:func:`publish_release` then shows the outcome where an operator looks: a Prefect markdown
+artifact ``release`` and a Prefect event (``posttrain.release.champion``, ``.candidate``,
+``.gate-failed`` or ``.unregistered``, for automations), the flow run's tag ``gate-failed``; in
+MLflow, tags and the description of the parent run and of the new model version.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from mlflow.tracking import MlflowClient
 
 from tasks import mlflow_models, tracking
 from tasks.gates import GateResult, check_gates, gate_failure_message
@@ -93,3 +100,138 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
         "previous_champion": champion[0] if champion else None,
     }
     return outcome
+
+
+TAG_RELEASE = "posttrain.release"
+"""Tag on the parent MLflow run: ``champion``, ``candidate``, ``gate-failed`` or ``unregistered``."""
+TAG_GATES = "posttrain.gates"
+"""Tag on the parent MLflow run and the model version: ``passed``, ``failed``, ``not judged`` or ``none``."""
+TAG_GATE_FAILURE = "posttrain.gate_failure"
+"""Tag on the parent MLflow run and the model version: the failed gates (when one failed)."""
+GATE_FAILED_TAG = "gate-failed"
+"""Prefect tag added to a flow run whose final policy failed a gate."""
+
+
+def release_kind(outcome: dict[str, Any]) -> str:
+    """``gate-failed`` (a gate failed), ``champion``, ``candidate`` (registered, but a gate was not
+    judged) or ``unregistered`` (gates passed, no registered model configured or no policy trained)."""
+    if outcome.get("failure"):
+        return "gate-failed"
+    registered = outcome.get("registered_model")
+    return registered["alias"] if registered else "unregistered"
+
+
+def _gates_verdict(outcome: dict[str, Any]) -> str:
+    if not outcome["gates"]:
+        return "none"
+    return "failed" if outcome["failure"] else "passed" if outcome["judged"] else "not judged"
+
+
+def release_markdown(run_id: str, outcome: dict[str, Any]) -> str:
+    """The release outcome as Markdown: one line saying what became of the model, then a table
+    of every gate (metric, the run's value, the bound and what it came from, the verdict).
+
+    Args:
+        run_id: The pipeline run.
+        outcome: What :func:`release` returned.
+    """
+    registered = outcome.get("registered_model")
+    kind = release_kind(outcome)
+    if registered:
+        what = f"`{registered['name']}` version {registered['version']} ({registered['stage']} of run `{run_id}`)"
+        previous = registered.get("previous_champion")
+        stays = f"; the champion stays version {previous}" if previous else "; there is no champion yet"
+        lead = {
+            "champion": f"**Champion**: {what} is now `@champion`"
+                        + (f" (was version {previous})" if previous else " (the first)") + ".",
+            "gate-failed": f"**Gate failed**: {what} is registered as `@candidate`{stays}.",
+            "candidate": f"**Candidate**: {what} is registered as `@candidate`{stays}: "
+                         "a gate could not be judged (its stage is not in this run).",
+        }[kind]
+    else:
+        lead = (f"**Gate failed** (run `{run_id}`); no model registered (`tracking.registered_model_name` not set "
+                "or no policy trained)." if kind == "gate-failed" else
+                f"No model registered for run `{run_id}` (`tracking.registered_model_name` not set or no policy "
+                "trained).")
+    lines = [lead, ""]
+    if outcome["failure"]:
+        lines += [f"Why: {outcome['failure']}", ""]
+    if not outcome["gates"]:
+        lines.append("No quality gates are configured (`evaluate.gates`).")
+        return "\n".join(lines)
+    lines += ["| gate | run's value | bound | against | verdict |", "| --- | ---: | ---: | --- | --- |"]
+    for gate in outcome["gates"]:
+        verdict = "not judged" if not gate["judged"] else "passed" if gate["passed"] else "**failed**"
+        value = "-" if gate["value"] is None else f"{gate['value']:.4g}"
+        bound = "-" if gate["bound"] is None else f"{gate['op']} {gate['bound']:.4g}"
+        lines.append(f"| {gate['metric']} | {value} | {bound} | {gate['against'] or '-'} | {verdict} |")
+    return "\n".join(lines)
+
+
+def publish_release(run: PipelineRun, outcome: dict[str, Any], log: Any) -> None:
+    """Show the release outcome in both UIs (best effort: each part is logged and skipped when
+    its service refuses, the outcome itself is already in ``summary.json``).
+
+    Prefect: the markdown artifact ``release`` (:func:`release_markdown`), the event
+    ``posttrain.release.<kind>`` (:func:`release_kind`) on a ``posttrain.run.<run_id>`` resource
+    with the outcome as its payload, and the flow run's tag ``gate-failed`` when a gate failed.
+    MLflow: the parent run's tags :data:`TAG_RELEASE`, :data:`TAG_GATES` (and
+    :data:`TAG_GATE_FAILURE`) and the markdown under its description; the model version's
+    description and the same gate tags.
+
+    Args:
+        run: The pipeline run.
+        outcome: What :func:`release` returned.
+        log: The flow run's logger.
+    """
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.events import emit_event
+    from prefect.runtime import flow_run
+
+    kind, markdown = release_kind(outcome), release_markdown(run.run_id, outcome)
+    gate_tags = {TAG_GATES: _gates_verdict(outcome)}
+    if outcome["failure"]:
+        gate_tags[TAG_GATE_FAILURE] = outcome["failure"][:5000]
+    steps = {
+        "Prefect artifact": lambda: create_markdown_artifact(markdown, key="release",
+                                                             description=f"{run.run_id}: {kind}"),
+        "Prefect event": lambda: emit_event(
+            event=f"posttrain.release.{kind}",
+            resource={"prefect.resource.id": f"posttrain.run.{run.run_id}", "prefect.resource.name": run.run_id},
+            payload=outcome),
+        "MLflow parent run": lambda: _tag_parent_run(run, {TAG_RELEASE: kind, **gate_tags}, markdown),
+    }
+    if outcome["failure"] and flow_run.id:
+        steps["Prefect tag"] = lambda: _tag_flow_run(flow_run.id, [*flow_run.tags, GATE_FAILED_TAG])
+    registered = outcome.get("registered_model")
+    if registered:
+        steps["MLflow model version"] = lambda: _describe_version(run.tracking_uri, registered, markdown, gate_tags)
+    for where, step in steps.items():
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - the release happened; only its display failed
+            log.warning("run %s: could not show the release in the %s: %s", run.run_id, where, e)
+
+
+def _tag_parent_run(run: PipelineRun, tags: dict[str, str], markdown: str) -> None:
+    """Tags, and the description: the link to the flow run, then the latest release (a resume
+    replaces the one before)."""
+    client = MlflowClient(run.tracking_uri)
+    link = tracking.flow_run_note(run.flow_run_url)
+    for key, value in tags.items():
+        client.set_tag(run.parent_mlflow_run_id, key, value)
+    client.set_tag(run.parent_mlflow_run_id, tracking.TAG_NOTE, f"{link}\n\n{markdown}" if link else markdown)
+
+
+def _tag_flow_run(flow_run_id: str, tags: list[str]) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(flow_run_id, tags=sorted(set(tags)))
+
+
+def _describe_version(tracking_uri: str, registered: dict[str, Any], markdown: str, tags: dict[str, str]) -> None:
+    client = MlflowClient(tracking_uri)
+    client.update_model_version(registered["name"], registered["version"], description=markdown)
+    for key, value in tags.items():
+        client.set_model_version_tag(registered["name"], registered["version"], key, value)

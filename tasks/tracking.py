@@ -44,11 +44,16 @@ TAG_NOTE = "mlflow.note.content"
 """The run description MLflow's UI shows (markdown): a link back to the Prefect flow run."""
 
 
+def flow_run_note(flow_run_url: str | None) -> str | None:
+    """A run description (markdown) linking the Prefect flow run; None without a URL."""
+    return f"Prefect flow run: [{flow_run_url}]({flow_run_url})" if flow_run_url else None
+
+
 def _flow_run_tags(flow_run_url: str | None) -> dict[str, str]:
     """The URL tag and a description linking the Prefect flow run (none without a URL)."""
     if not flow_run_url:
         return {}
-    return {TAG_FLOW_RUN_URL: flow_run_url, TAG_NOTE: f"Prefect flow run: [{flow_run_url}]({flow_run_url})"}
+    return {TAG_FLOW_RUN_URL: flow_run_url, TAG_NOTE: flow_run_note(flow_run_url)}
 
 
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"

@@ -4,7 +4,9 @@ model that ``mlflow.transformers.load_model`` loads, gated by ``evaluate.gates``
 its sample generations as an MLflow table, and every training stage's run carries a PNG of its
 curves. Then the run is resumed: with nothing changed it trains nothing; with ``dpo.beta`` changed
 it re-runs DPO and evaluate only; with a gate it fails it keeps the champion alias where it was,
-registers a candidate and ends in the ``GateFailed`` state (exit code 4).
+registers a candidate and ends in Prefect's ``Failed`` state tagged ``gate-failed`` (exit code 4).
+Each release is shown in both UIs: the Prefect artifact ``release`` and event
+``posttrain.release.<kind>``, the MLflow parent run's and model version's tags and description.
 
 The resumes change the shared run, so they come after every test that reads it as it finished
 (this module is collected after ``test_demo_cli.py``; the read-only test comes first here).
@@ -43,6 +45,27 @@ def flow_run_named(prefect_api: str, name: str):
     return max(runs, key=lambda r: r.created)
 
 
+def release_shown(prefect_api: str, flow_run_id, run_id: str, kind: str) -> str:
+    """The flow run's ``release`` artifact (Markdown), once the event ``posttrain.release.<kind>``
+    of the run is stored (the server writes events a moment after they are sent)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    wanted = EventFilter(event=EventNameFilter(prefix=["posttrain.release."]),
+                         resource=EventResourceFilter(id=[f"posttrain.run.{run_id}"]))
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api}), get_client(sync_client=True) as api:
+        deadline = time.monotonic() + 20
+        while not (events := [e.event for e in api.read_events(wanted, limit=50).events]):
+            assert time.monotonic() < deadline, f"no posttrain.release event of run {run_id}"
+            time.sleep(0.5)
+        assert f"posttrain.release.{kind}" in events, events
+        artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["release"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    assert len(artifacts) == 1, artifacts
+    return artifacts[0].data
+
+
 def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_path):
     import mlflow.transformers
 
@@ -68,6 +91,13 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_
     assert {"grpo/exact_match", "dpo/exact_match", "sft/eval_loss", "reward_model/eval_accuracy"} <= set(parent.data.metrics)
     flow_run = flow_run_named(prefect_api, demo_run.run_id)
     assert parent.data.tags["prefect.flow_run_url"].endswith(f"/flow-runs/flow-run/{flow_run.id}")
+    # The release, shown in both UIs: version 1 became the first champion, both gates passed.
+    shown = release_shown(prefect_api, flow_run.id, demo_run.run_id, "champion")
+    assert shown.startswith(f"**Champion**: `{MODEL}` version 1 (grpo of run `{demo_run.run_id}`) is now `@champion`")
+    assert "| grpo/exact_match |" in shown and "| threshold | passed |" in shown and "no champion yet" in shown
+    assert (parent.data.tags["posttrain.release"], parent.data.tags["posttrain.gates"]) == ("champion", "passed")
+    assert shown in parent.data.tags["mlflow.note.content"] and version.description == shown
+    assert version.tags["posttrain.gates"] == "passed"
     experiment = client.get_experiment(parent.info.experiment_id)
     assert experiment.tags.get("mlflow.experimentKind")
     runs = {r.data.tags["posttrain.stage"]: r for r in client.search_runs(
@@ -160,6 +190,16 @@ def test_resumes_reuse_what_is_unchanged_and_a_failed_gate_keeps_the_champion(pr
     assert candidate["alias"] == "candidate" and int(candidate["version"]) == int(champion) + 1
     assert str(client.get_model_version_by_alias(MODEL, "champion").version) == champion
     assert str(client.get_model_version_by_alias(MODEL, "candidate").version) == candidate["version"]
-    state = flow_run_named(prefect_api, run_id).state
-    assert state.type.value == "FAILED" and state.name == "GateFailed"
+    flow_run = flow_run_named(prefect_api, run_id)
+    state = flow_run.state
+    assert state.type.value == "FAILED" and state.name == "Failed" and "gate-failed" in flow_run.tags
     assert state.message.startswith("gate: grpo/exact_match")
+    shown = release_shown(prefect_api, flow_run.id, run_id, "gate-failed")
+    assert shown.startswith(f"**Gate failed**: `{MODEL}` version {candidate['version']} ")
+    assert f"registered as `@candidate`; the champion stays version {champion}." in shown
+    assert f"Why: {summary['release']['failure']}" in shown and "| **failed** |" in shown
+    parent = client.get_run(summary["mlflow"]["parent_run_id"]).data.tags
+    assert (parent["posttrain.release"], parent["posttrain.gates"]) == ("gate-failed", "failed")
+    assert parent["posttrain.gate_failure"] == summary["release"]["failure"]
+    version = client.get_model_version(MODEL, candidate["version"])
+    assert version.description == shown and version.tags["posttrain.gate_failure"] == summary["release"]["failure"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tasks.gates import check_gates, gate_failure_message
+from tasks.release import release_kind, release_markdown
 from trainer_core.config import load_config
 from trainer_core.config.stages import QualityGate
 from trainer_core.errors import ConfigError
@@ -53,6 +54,10 @@ def test_gate_config_is_validated():
         QualityGate(metric="dpo/exact_match")
     with pytest.raises(ConfigError, match="registered_model_name"):
         load_config(overrides={"evaluate.gates": [{"metric": "dpo/exact_match", "vs_champion": True}]})
+    with pytest.raises(ConfigError, match=r"evaluate.gates\[0\].metric='dpoo/exact_match': names no stage"):
+        load_config(overrides={"evaluate.gates": [{"metric": "dpoo/exact_match", "threshold": 0.1}]})
+    with pytest.raises(ConfigError, match="names no stage"):
+        load_config(overrides={"evaluate.gates": [{"metric": "exact_match", "threshold": 0.1}]})
     with pytest.raises(ConfigError, match="registered_stage"):
         load_config(overrides={"stages": "prepare_data,sft", "tracking.registered_stage": "dpo"})
     config = load_config(overrides={"tracking.registered_model_name": "m",
@@ -67,3 +72,22 @@ def test_gates_on_stages_the_run_does_not_include_are_not_judged():
     assert [r.judged for r in results] == [False, False, True] and all(r.passed for r in results)
     assert gate_failure_message(results) is None
     assert results[0].describe() == "dpo/exact_match not judged (its stage is not in this run)"
+
+
+def test_release_markdown_says_what_became_of_the_model():
+    gates = check_gates([QualityGate(metric="grpo/exact_match", threshold=0.5), gate(threshold=0.1)],
+                        {"sft/eval_loss": 1.0}, None, ["prepare_data", "sft"])
+    outcome = {"gates": [g.as_dict() for g in gates], "failure": None, "judged": False,
+               "registered_model": {"name": "m", "version": "4", "alias": "candidate", "stage": "sft",
+                                    "previous_champion": "3"}}
+    assert release_kind(outcome) == "candidate"
+    shown = release_markdown("r1", outcome)
+    assert shown.startswith("**Candidate**: `m` version 4 (sft of run `r1`) is registered as `@candidate`; "
+                            "the champion stays version 3: a gate could not be judged")
+    assert shown.count("| not judged |") == 2
+    unregistered = {"gates": [], "failure": None, "judged": True, "registered_model": None}
+    assert release_kind(unregistered) == "unregistered"
+    assert "No quality gates are configured" in release_markdown("r1", unregistered)
+    failed = {**unregistered, "failure": "gate: sft/eval_loss 1 > threshold 0.5"}
+    assert release_kind(failed) == "gate-failed"
+    assert release_markdown("r1", failed).startswith("**Gate failed** (run `r1`); no model registered")

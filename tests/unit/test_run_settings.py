@@ -108,3 +108,19 @@ def test_form_text_is_plain():
         for markup in ("``", ":func:", ":class:", "<root>", "<run_id>"):
             assert markup not in text
     assert "Reward model" in schema and "Max steps" in schema
+
+
+def test_an_override_of_a_form_field_is_refused_naming_both(demo_entry):
+    """An override used to beat a value typed in the form silently (6 typed, 4 run)."""
+    flow, entry = demo_entry
+    settings = json.loads(json.dumps(deploy.deployment_parameters(flow, entry)["settings"]))
+    settings["sft"]["max_steps"] = 6
+    with pytest.raises(ConfigError, match=r"overrides sets sft.max_steps=4 but settings set it to 6"):
+        resolve_config(None, DEMO, {"sft.max_steps": 4}, settings)
+    with pytest.raises(ConfigError, match=r"sft.max_steps=4 but settings set it to 6"):
+        resolve_config(None, DEMO, {"sft": {"max_steps": 4}}, settings)
+    assert resolve_config(None, DEMO, {"sft.max_steps": 6, "sft.save_every": 3}, settings).sft.max_steps == 6
+    # A deployment whose file overrides a form field: the value moves into the form, out of overrides.
+    params = deploy.deployment_parameters(flow, {**entry, "parameters": {
+        **entry.get("parameters", {}), "overrides": {"sft": {"max_steps": 4, "save_every": 2}}}})
+    assert params["settings"]["sft"]["max_steps"] == 4 and params["overrides"] == {"sft.save_every": 2}

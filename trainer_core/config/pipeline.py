@@ -134,6 +134,11 @@ class PipelineConfig(ConfigBase):
     @model_validator(mode="after")
     def _check_gates(self) -> PipelineConfig:
         for i, gate in enumerate(self.evaluate.gates):
+            stage = gate.metric.split("/", 1)[0].removesuffix("_vs_sft") if "/" in gate.metric else None
+            if stage != "base" and stage not in STAGE_ORDER:
+                raise ValueError(f"evaluate.gates[{i}].metric={gate.metric!r}: names no stage; a gate's metric is "
+                                 "<stage>/<metric>, <stage>_vs_sft/<metric> or base/<metric> (e.g. dpo/exact_match, "
+                                 f"dpo_vs_sft/win_rate) with a stage of {list(STAGE_ORDER)}")
             if gate.vs_champion and not self.tracking.registered_model_name:
                 raise ValueError(f"evaluate.gates[{i}] ({gate.metric}): vs_champion needs "
                                  "tracking.registered_model_name (the registered model whose champion it compares with)")
