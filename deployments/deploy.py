@@ -137,7 +137,7 @@ def deployment_parameters(flow: Flow, entry: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ConfigError: a parameter the flow does not take, or a config that does not validate.
     """
-    from flows.pipeline import flat_overrides, resolve_config
+    from flows.pipeline import flat_overrides, override_items, overrides_mapping, resolve_config
     from flows.settings import settings_of, settings_overrides
 
     params = dict(entry.get("parameters") or {})
@@ -161,8 +161,8 @@ def deployment_parameters(flow: Flow, entry: dict[str, Any]) -> dict[str, Any]:
     # What the form shows is the form's: an override of a form field would beat a value typed
     # there (and the flow refuses such a clash), so those keys live in settings only.
     shown = set(settings_overrides(settings))
-    kept = {k: v for k, v in flat_overrides(params.get("overrides") or {}).items() if k not in shown}
-    params["overrides"] = kept or {OVERRIDES_EXAMPLE_KEY: config.evaluate.generation.max_new_tokens}
+    kept = {k: v for k, v in flat_overrides(overrides_mapping(params.get("overrides"))).items() if k not in shown}
+    params["overrides"] = override_items(kept or {OVERRIDES_EXAMPLE_KEY: config.evaluate.generation.max_new_tokens})
     return params
 
 
@@ -189,6 +189,22 @@ def hide_parameters(schema: Any, names: tuple[str, ...] = UI_HIDDEN_PARAMETERS) 
             keep.add(name)
             todo |= _referenced(schema.definitions[name])
     schema.definitions = {k: v for k, v in schema.definitions.items() if k in keep}
+
+
+def editable_overrides(schema: Any) -> None:
+    """Make ``overrides`` a list of ``key.path=value`` strings in a deployment's schema, in place.
+
+    The flow also takes a mapping (Python callers); the schema's ``anyOf`` of a list, a free-form
+    object and null rendered in Prefect's default (V2) form as a type toggle whose object branch
+    cannot be edited. A list of strings is edited item by item in both UIs, and the API
+    validates a run's parameters against it.
+    """
+    field = schema.properties.get("overrides")
+    if field is None:
+        return
+    schema.properties["overrides"] = {
+        key: field[key] for key in ("title", "description", "position") if key in field
+    } | {"type": "array", "items": {"type": "string"}}
 
 
 def schedule_of(item: dict[str, Any], enable: bool) -> Schedule:
@@ -231,6 +247,7 @@ def build_deployment(
     # No public API narrows a deployment's schema: the form would otherwise show the whole
     # PipelineConfig, opened on the class defaults (see flows/settings.py).
     hide_parameters(deployment._parameter_openapi_schema)
+    editable_overrides(deployment._parameter_openapi_schema)
     if deployment.entrypoint != entry["entrypoint"]:
         raise ConfigError(f"deployment {entry['name']!r}: entrypoint must be {deployment.entrypoint!r}")
     return deployment

@@ -28,6 +28,7 @@ re-raises the first failure, or ends in Prefect's ``Failed`` state naming the fa
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -54,7 +55,7 @@ from tasks.release import publish_release, release
 from tasks.tracking import finish_pipeline_run, log_pipeline_metrics, resolve_tracking_uri, start_pipeline_run
 from trainer_core import storage
 from trainer_core.checkpoint.lease import StageLease
-from trainer_core.config import PipelineConfig, load_config, resolve_local_root
+from trainer_core.config import PipelineConfig, load_config, parse_override, resolve_local_root
 from trainer_core.errors import ConfigError
 from trainer_core.storage import RunLayout
 
@@ -91,7 +92,7 @@ def _reveal(value: Any) -> Any:
 def resolve_config(
     config: PipelineConfig | dict | None,
     config_uri: str | None,
-    overrides: dict[str, Any] | None,
+    overrides: list[str] | dict[str, Any] | None,
     settings: RunSettings | dict | None = None,
 ) -> PipelineConfig:
     """``config`` (or the YAML at ``config_uri``, or defaults) with ``settings`` and then
@@ -100,25 +101,69 @@ def resolve_config(
     A :class:`PipelineConfig` given without settings or overrides is used as it is (it is already
     valid); otherwise they are applied to its data and the result validated once.
 
+    Args:
+        config: A whole config (object or data), instead of ``config_uri``.
+        config_uri: The YAML config file.
+        overrides: ``key.path=value`` items (the value read as YAML, as ``posttrain run --set``)
+            or a ``{key.path: value}`` mapping.
+        settings: The run form's values (:class:`RunSettings`).
+
     Raises:
         ConfigError: unreadable YAML, bad settings, a bad override or a failed validation (names
-            the field); an override of a key the settings also set, to another value (a form
-            field would otherwise be overridden silently: both are named).
+            the field); an override of a key whose value the settings changed from the file's,
+            to yet another value (two edits of one field: both are named; an override of a
+            field the settings leave at the file's value simply applies).
     """
+    overrides = overrides_mapping(overrides)
     if settings is not None:
         try:
             settings = RunSettings.model_validate(settings)
         except ValidationError as e:
             raise ConfigError(f"settings: {e}") from None
         from_settings = settings_overrides(settings)
-        refuse_conflicts(from_settings, overrides or {})
-        overrides = {**from_settings, **(overrides or {})}
+        if overrides:
+            refuse_conflicts(from_settings, overrides, _config_data(config, config_uri))
+        overrides = {**from_settings, **overrides}
     if isinstance(config, PipelineConfig) and not overrides:
         return resolve_local_root(config)
     if config is not None:
-        base = _reveal(config.model_dump()) if isinstance(config, BaseModel) else dict(config)
-        return resolve_local_root(load_config(base=base, overrides=overrides))
+        return resolve_local_root(load_config(base=_config_data(config, None), overrides=overrides))
     return resolve_local_root(load_config(config_uri, overrides=overrides))
+
+
+def _config_data(config: PipelineConfig | dict | None, config_uri: str | None) -> dict[str, Any]:
+    """The data of ``config``, else of the YAML at ``config_uri`` (defaults filled in when read)."""
+    if isinstance(config, BaseModel):
+        return _reveal(config.model_dump())
+    if config is not None:
+        return dict(config)
+    return _reveal(load_config(config_uri).model_dump())
+
+
+def overrides_mapping(overrides: list[str] | dict[str, Any] | None) -> dict[str, Any]:
+    """``["key.path=value", ...]`` (values read as YAML) or a mapping, as ``{key.path: value}``.
+
+    Raises:
+        ConfigError: an item that is not ``key.path=value`` (named with its index).
+    """
+    if not overrides:
+        return {}
+    if isinstance(overrides, dict):
+        return dict(overrides)
+    out: dict[str, Any] = {}
+    for i, item in enumerate(overrides):
+        try:
+            key, value = parse_override(str(item))
+        except ConfigError as e:
+            raise ConfigError(f"overrides[{i}]: {e}") from None
+        out[key] = value
+    return out
+
+
+def override_items(overrides: dict[str, Any]) -> list[str]:
+    """``{key.path: value}`` as the ``key.path=value`` items the run form edits (values as JSON,
+    which :func:`overrides_mapping` reads back as YAML unchanged)."""
+    return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
 
 
 def flat_overrides(overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -132,15 +177,35 @@ def flat_overrides(overrides: dict[str, Any], prefix: str = "") -> dict[str, Any
     return out
 
 
-def refuse_conflicts(from_settings: dict[str, Any], overrides: dict[str, Any]) -> None:
-    """Refuse ``overrides`` that set a key the run settings (the form's fields) set, to another value.
+_MISSING = object()
+
+
+def _value_at(data: dict[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return json.loads(json.dumps(node, default=str))
+
+
+def refuse_conflicts(from_settings: dict[str, Any], overrides: dict[str, Any], file_data: dict[str, Any]) -> None:
+    """Refuse an override of a key whose value the run settings changed from the config file's,
+    to another value than the settings' (a field typed in the form, overridden again).
+
+    Args:
+        from_settings: :func:`~flows.settings.settings_overrides` of the run settings.
+        overrides: The run's overrides, ``{key.path: value}``.
+        file_data: The config the settings and overrides apply to, as data.
 
     Raises:
         ConfigError: naming each such key with both values.
     """
     flat = flat_overrides(overrides)
-    clashes = [f"overrides sets {key}={flat[key]!r} but settings set it to {value!r}"
-               for key, value in from_settings.items() if key in flat and flat[key] != value]
+    clashes = [f"overrides sets {key}={flat[key]!r} but settings set it to {value!r} (the config file has "
+               f"{_value_at(file_data, key)!r})"
+               for key, value in from_settings.items()
+               if key in flat and flat[key] != value and _value_at(file_data, key) != value]
     if clashes:
         raise ConfigError("; ".join(clashes) + ": set each in one place (the form's field, or overrides)")
 
@@ -276,7 +341,7 @@ def _name_flow_run(run_id: str) -> None:
 def post_training_pipeline(
     config_uri: str | None = None,
     settings: RunSettings | None = None,
-    overrides: dict[str, Any] | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
     run_id: str | None = None,
     config: PipelineConfig | None = None,
 ) -> dict[str, Any]:
@@ -287,8 +352,11 @@ def post_training_pipeline(
             directory (for example configs/demo.yaml), or any fsspec URI.
         settings: The commonly changed settings, applied on top of the config file. A
             deployment's form opens on the file's values.
-        overrides: Any other config keys, applied last, as a JSON object of dotted keys, for
-            example {"evaluate.generation.max_new_tokens": 64, "launch.retries": 1}.
+        overrides: Any other config keys, applied last: one key.path=value item each, the value
+            read as YAML (as posttrain run --set), for example
+            evaluate.generation.max_new_tokens=64 or launch.retries=1. Python callers may pass a
+            mapping of dotted keys instead. An item that sets a field the settings changed, to
+            another value, is refused.
         run_id: Reuse the id of an earlier run to resume it (its finished stages are reused).
             Empty: a new id made of the config name, the time and 6 hex digits; the flow run is
             renamed to it.

@@ -30,6 +30,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.exceptions import PrefectHTTPStatusError
 
+from flows.pipeline import override_items
 from tests.e2e.stack import PROJECT_DIR, client, posttrain, start_worker, stop
 from tests.tiny import TINY_MODEL
 from trainer_core.config import PipelineConfig
@@ -90,6 +91,11 @@ def test_deploy_registers_typed_deployments(stack, deployed):
     assert settings["stages"] == demo_yaml["stages"]
     schema = demo.parameter_openapi_schema
     assert list(schema["properties"]) == ["config_uri", "settings", "overrides", "run_id"]
+    # overrides: key.path=value items, which the default (V2) form edits one by one
+    assert schema["properties"]["overrides"]["type"] == "array"
+    assert schema["properties"]["overrides"]["items"] == {"type": "string"}
+    [example] = demo.parameters["overrides"]
+    assert example.startswith("evaluate.generation.max_new_tokens=")
     settings_ref = schema["properties"]["settings"]["anyOf"][0]["$ref"].rsplit("/", 1)[-1]
     sft_ref = schema["definitions"][settings_ref]["properties"]["sft"]["$ref"].rsplit("/", 1)[-1]
     sft_form = schema["definitions"][sft_ref]
@@ -142,10 +148,11 @@ def test_runs_from_the_api(stack, deployed):
                 api.create_flow_run_from_deployment(demo.id, parameters={"settings": bad_settings})
             assert refused.value.response.status_code == 409
             good = [api.create_flow_run_from_deployment(
-                demo.id, parameters={"overrides": tiny_demo(tmp / name, stack["mlflow"])}, job_variables=gpu_env)
+                demo.id, parameters={"overrides": override_items(tiny_demo(tmp / name, stack["mlflow"]))},
+                job_variables=gpu_env)
                 for name in ("a", "b")]
             bad = api.create_flow_run_from_deployment(
-                demo.id, parameters={"overrides": {"storage.root": str(tmp / "bad"), "sft.learning_rate": -1}})
+                demo.id, parameters={"overrides": [f"storage.root={tmp / 'bad'}", "sft.learning_rate=-1"]})
             runs = wait_final(api, [r.id for r in (*good, bad)], worker_log)
 
             failed = runs[bad.id]

@@ -7,9 +7,11 @@ cut to its prepare_data and SFT stages (the field the form changes is SFT's; a r
 is ``test_demo_cli.py``'s; the run's ``./outputs`` and its SQLite MLflow store land there), and a
 process worker serves the pool. In the default UI (the server's root redirects to the V2 UI) the
 test goes Deployments -> demo -> Run -> Custom run, finds the form opened on that file's values
-(SFT "Max steps" 4), changes that one field and submits. The flow run completes its stages and
-the resolved config it recorded has the typed value. The V1 UI's form of
-the same deployment must render too; in both, descriptions are plain text (no reST markup).
+(SFT "Max steps" 4), changes that field, edits the ``overrides`` list (its example item
+changed, one item added) and submits. The flow run completes its stages and the resolved config
+it recorded has the typed values. A second run from the form, with an override of the field it
+changed, fails at once with a message naming both. The V1 UI's form of the same deployment must
+render too; in both, descriptions are plain text (no reST markup).
 
 Needs a chromium binary (``$POSTTRAIN_CHROMIUM``, else ``chromium`` on PATH): skipped, saying so,
 without one; CI installs Debian's ``chromium`` (``.ci/run``).
@@ -43,6 +45,11 @@ TYPED_MAX_STEPS = 6
 RUN_TIMEOUT_S = 600
 """The tiny demo's prepare_data and SFT take seconds; at the demo's own sizes every stage took
 325-568 s in CI."""
+TYPED_OVERRIDES = ["evaluate.generation.max_new_tokens=12", "launch.retries=2"]
+SFT_GROUP = "xpath=//label[normalize-space()='SFT']/ancestor::div[contains(@class,'group')][1]"
+"""The form's SFT section (a field group labelled "SFT")."""
+OVERRIDES_GROUP = "xpath=//label[normalize-space()='overrides (Optional)']/ancestor::div[contains(@class,'group')][1]"
+"""The form's ``overrides`` field: a list of text boxes, one per item, and an "Add item" button."""
 UI_TIMEOUT_MS = 60_000
 SUBMIT_ATTEMPTS = 3
 MARKUP = ("``", ":func:", ":class:", ":meth:")
@@ -140,18 +147,25 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             expect(page).to_have_url(re.compile(rf"/deployments/deployment/{deployment.id}/run"))
 
             # settings -> SFT -> Max steps: the field group whose own label is "SFT", then the input
-            # labelled "Max steps" inside it (every training section has a "Max steps").
-            sft = page.locator("xpath=//label[normalize-space()='SFT']/ancestor::div[contains(@class,'group')][1]")
-            max_steps = sft.get_by_label("Max steps", exact=True)
+            # labelled "Max steps" inside it (every training section has a "Max steps": SFT_GROUP).
+            max_steps = page.locator(SFT_GROUP).get_by_label("Max steps", exact=True)
             expect(max_steps).to_have_value(str(deployment.parameters["settings"]["sft"]["max_steps"]))
             assert_plain_text(form_text(page), "V2")
             max_steps.fill(str(TYPED_MAX_STEPS))
             expect(max_steps).to_have_value(str(TYPED_MAX_STEPS))
+            # overrides: key.path=value items, one text box each; change the example, add an item
+            items = overrides_items(page)
+            expect(items).to_have_count(1)
+            items.first.fill(TYPED_OVERRIDES[0])
+            overrides_group(page).get_by_role("button", name="Add item", exact=True).click()
+            expect(items).to_have_count(2)
+            items.nth(1).fill(TYPED_OVERRIDES[1])
 
             response = submit(page, deployment.id)
             assert response.ok, f"create_flow_run answered {response.status}: {response.text()}"
             flow_run_id = response.json()["id"]
             assert response.json()["parameters"]["settings"]["sft"]["max_steps"] == TYPED_MAX_STEPS
+            assert response.json()["parameters"]["overrides"] == TYPED_OVERRIDES
 
             with client(stack) as api:
                 run = wait_final(api, flow_run_id)
@@ -162,8 +176,22 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             config = json.loads((demo_project / "outputs" / "runs" / run.name / "config.json").read_text())
             assert config["sft"]["max_steps"] == TYPED_MAX_STEPS
             assert config["sft"]["learning_rate"] == deployment.parameters["settings"]["sft"]["learning_rate"]
+            assert config["evaluate"]["generation"]["max_new_tokens"] == 12 and config["launch"]["retries"] == 2
             summary = json.loads((demo_project / "outputs" / "runs" / run.name / "summary.json").read_text())
             assert summary["status"] == "completed", summary
+
+            # An override of the field the form changed: refused at the run's start, naming both.
+            page.goto(f"{ui}/v2/deployments/deployment/{deployment.id}/run")
+            max_steps = page.locator(SFT_GROUP).get_by_label("Max steps", exact=True)
+            max_steps.fill(str(TYPED_MAX_STEPS))
+            overrides_items(page).first.fill("sft.max_steps=5")
+            response = submit(page, deployment.id)
+            assert response.ok, f"create_flow_run answered {response.status}: {response.text()}"
+            flow_run_id = response.json()["id"]
+            with client(stack) as api:
+                clash = wait_final(api, flow_run_id)
+            assert clash.state.is_failed(), f"flow run {clash.name}: {clash.state.type}: {clash.state.message}"
+            assert f"overrides sets sft.max_steps=5 but settings set it to {TYPED_MAX_STEPS}" in clash.state.message
     finally:
         page.close()
         if flow_run_id is not None:
@@ -171,6 +199,15 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
                 if not api.read_flow_run(flow_run_id).state.is_final():
                     api.set_flow_run_state(flow_run_id, Cancelled(), force=True)
         stop(worker)
+
+
+def overrides_group(page):
+    return page.locator(OVERRIDES_GROUP)
+
+
+def overrides_items(page):
+    """The text boxes of the ``overrides`` items (V2 form)."""
+    return overrides_group(page).locator("textarea")
 
 
 def submit(page, deployment_id, attempts: int = SUBMIT_ATTEMPTS):
