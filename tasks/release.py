@@ -64,12 +64,16 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
         results: Every stage's result, all completed.
         headline: The run's headline metrics (``tasks.summary.headline_metrics``).
 
-    A run with a gate it could not judge (its stage not in the run) is registered as a candidate:
-    the champion moves only on a run every gate judged and passed.
+    A run with a gate it could not judge (its stage not in the run, e.g. an SFT-only run of a
+    config gated on GRPO's exact match) is not registered: its version could never become the
+    champion, and would only crowd the registered model's versions. With
+    ``tracking.registered_stage`` named it is registered, as a candidate: the champion moves
+    only on a run every gate judged and passed.
 
     Returns:
         ``{"gates": [GateResult.as_dict()...], "passed": bool, "judged": bool, "failure": message or None,
-        "registered_model": {"name", "version", "alias", "stage", "model_uri"} or None}``.
+        "registered_model": {"name", "version", "alias", "stage", "model_uri"} or None,
+        "not_registered": why, when a registered model is configured but nothing was registered}``.
 
     Raises:
         MlflowException: the registry refused a write.
@@ -86,6 +90,12 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     }
     stage = registered_stage(run)
     if not name or stage is None:
+        return outcome
+    if not judged and not config.tracking.registered_stage:
+        unjudged = ", ".join(g.metric for g in gates if not g.judged)
+        outcome["not_registered"] = (f"the run leaves out the stage of gate(s) {unjudged}, so its {stage} model "
+                                     "could not become the champion; set tracking.registered_stage to register it "
+                                     "as a candidate anyway")
         return outcome
     result = results[stage]
     model_uri = result.model_uri or mlflow_models.run_model_uri(result.mlflow_run_id)
@@ -149,10 +159,9 @@ def release_markdown(run_id: str, outcome: dict[str, Any]) -> str:
                          "a gate could not be judged (its stage is not in this run).",
         }[kind]
     else:
-        lead = (f"**Gate failed** (run `{run_id}`); no model registered (`tracking.registered_model_name` not set "
-                "or no policy trained)." if kind == "gate-failed" else
-                f"No model registered for run `{run_id}` (`tracking.registered_model_name` not set or no policy "
-                "trained).")
+        why = outcome.get("not_registered") or "`tracking.registered_model_name` not set or no policy trained"
+        lead = (f"**Gate failed** (run `{run_id}`); no model registered ({why})." if kind == "gate-failed" else
+                f"No model registered for run `{run_id}` ({why}).")
     lines = [lead, ""]
     if outcome["failure"]:
         lines += [f"Why: {outcome['failure']}", ""]

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from mlflow import MlflowClient
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact
 
 from tasks.reports import mlflow_run_url, mlflow_ui_url
 from tasks.results import PipelineRun, StageResult
@@ -171,11 +171,40 @@ def summary_rows(summary: dict[str, Any], ui_url: str | None = None, experiment_
     return sorted(rows.values(), key=lambda r: order.get(r["stage"], len(order)))
 
 
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if column == "output_uri":
+        return f"`{value}`"
+    return str(value).replace("|", "\\|")
+
+
+def summary_markdown(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The ``pipeline-summary`` artifact: the run's status, what its release did (the first line
+    of :func:`~tasks.release.release_markdown`), and :func:`summary_rows` as a Markdown table (a
+    Markdown artifact, so the MLflow links render as links in both Prefect UIs; a table artifact
+    shows them as raw ``[id](url)`` text)."""
+    from tasks.release import release_markdown
+
+    lines = [f"**Run `{summary['run_id']}`: {summary['status']}**", ""]
+    release = summary.get("release") or {}
+    if "gates" in release:
+        lines += [release_markdown(summary["run_id"], release).split("\n", 1)[0], ""]
+    elif release.get("error"):
+        lines += [f"Release failed: {release['error']}", ""]
+    lines += ["| " + " | ".join(c.replace("_", " ") for c in TABLE_COLUMNS) + " |",
+              "| " + " | ".join("---" for _ in TABLE_COLUMNS) + " |"]
+    lines += ["| " + " | ".join(_cell(c, row.get(c)) for c in TABLE_COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def write_summary(run: PipelineRun, summary: dict[str, Any]) -> str:
-    """Write ``summary.json``, publish a Prefect table artifact of the stages; return the URI."""
+    """Write ``summary.json``, publish the Prefect Markdown artifact ``pipeline-summary``
+    (:func:`summary_markdown`); return the URI."""
     uri = run.layout.summary
     storage.write_json(uri, summary)
     ui_url = mlflow_ui_url(run.config, run.tracking_uri)
     rows = summary_rows(summary, ui_url, _experiment_id(run, ui_url))
-    create_table_artifact(rows, key="pipeline-summary", description=f"{summary['run_id']}: {summary['status']}")
+    create_markdown_artifact(summary_markdown(summary, rows), key="pipeline-summary",
+                             description=f"{summary['run_id']}: {summary['status']}")
     return uri

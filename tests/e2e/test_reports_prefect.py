@@ -90,7 +90,7 @@ def test_stage_report_embeds_curves_and_links_the_run(prefect_api, tmp_path, mon
     assert client.get_run(stage_run).info.status == "FINISHED"
 
 
-def test_summary_table_artifact_has_the_metric_columns(prefect_api, tmp_path):
+def test_summary_artifact_is_a_markdown_table_of_the_metric_columns(prefect_api, tmp_path):
     config = load_config(overrides={"storage.root": str(tmp_path / "out"), "stages": ["prepare_data", "sft"]})
     run = PipelineRun(run_id="r2", config=config, tracking_uri=f"sqlite:///{tmp_path}/unused.db", parent_mlflow_run_id="p")
     summary = {
@@ -109,8 +109,11 @@ def test_summary_table_artifact_has_the_metric_columns(prefect_api, tmp_path):
 
     state = summarise(return_state=True)
     assert state.is_completed(), state.message
-    rows = json.loads(artifacts_of(state)["pipeline-summary"].data)
-    assert [tuple(row) for row in rows] == [TABLE_COLUMNS] * 2
-    assert rows[1]["stage"] == "sft" and (rows[1]["train_loss"], rows[1]["eval_loss"]) == (1.0, 1.25)
-    assert rows[1]["mlflow_run"] == "b" * 32  # a sqlite store without tracking.ui_url: no link
+    markdown = artifacts_of(state)["pipeline-summary"].data.splitlines()
+    assert markdown[0] == "**Run `r2`: completed**"
+    header = "| " + " | ".join(c.replace("_", " ") for c in TABLE_COLUMNS) + " |"
+    assert markdown[2] == header == "| stage | status | wall s | train loss | eval loss | accuracy | reward | kl | " \
+        "exact match | win rate vs sft | mlflow run | output uri |"
+    # a sqlite store without tracking.ui_url: a bare run id, no link
+    assert markdown[5] == f"| sft | completed | 30.0 | 1.0 | 1.25 |  |  |  |  |  | {'b' * 32} | `/out/sft/final` |"
     assert json.loads((tmp_path / "out" / "runs" / "r2" / "summary.json").read_text()) == summary

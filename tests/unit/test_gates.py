@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tasks.gates import check_gates, gate_failure_message
-from tasks.release import release_kind, release_markdown
+from tasks.release import release, release_kind, release_markdown
+from tasks.results import PipelineRun
 from trainer_core.config import load_config
 from trainer_core.config.stages import QualityGate
 from trainer_core.errors import ConfigError
@@ -91,3 +92,18 @@ def test_release_markdown_says_what_became_of_the_model():
     failed = {**unregistered, "failure": "gate: sft/eval_loss 1 > threshold 0.5"}
     assert release_kind(failed) == "gate-failed"
     assert release_markdown("r1", failed).startswith("**Gate failed** (run `r1`); no model registered")
+
+
+def test_a_run_that_leaves_out_a_gates_stage_registers_nothing(tmp_path):
+    """An SFT-only run of a config gated on GRPO used to become a candidate version of the policy."""
+    config = load_config(overrides={
+        "stages": "prepare_data,sft", "tracking.registered_model_name": "policy",
+        "evaluate.gates": [{"metric": "grpo/exact_match", "threshold": 0.1}]})
+    run = PipelineRun(run_id="r1", config=config, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+                      parent_mlflow_run_id="p")
+    outcome = release(run, {}, {"sft/eval_loss": 1.0})
+    assert outcome["registered_model"] is None and outcome["failure"] is None and not outcome["judged"]
+    assert outcome["not_registered"].startswith("the run leaves out the stage of gate(s) grpo/exact_match, so its "
+                                                "sft model could not become the champion")
+    assert release_kind(outcome) == "unregistered"
+    assert release_markdown("r1", outcome).startswith("No model registered for run `r1` (the run leaves out")

@@ -30,7 +30,7 @@ from tasks.reports import (
 )
 from tasks.results import PipelineRun, StageResult
 from tasks.stages import _metrics_markdown, artifact_key, mlflow_run_markdown
-from tasks.summary import TABLE_COLUMNS, build_summary, headline_metrics, summary_rows
+from tasks.summary import TABLE_COLUMNS, build_summary, headline_metrics, summary_markdown, summary_rows
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import load_config
 
@@ -354,7 +354,13 @@ def test_summary_table_has_one_column_per_headline_metric():
         "[0123456789abcdef0123456789abcdef](http://mlflow:5000/#/experiments/7/runs/0123456789abcdef0123456789abcdef)"
     )
     assert summary_rows(realistic_summary())[2]["mlflow_run"] == "0123456789abcdef0123456789abcdef"
-
+    summary = {**realistic_summary(), "release": {
+        "gates": [], "failure": None, "judged": True,
+        "registered_model": {"name": "m", "version": "2", "alias": "champion", "stage": "dpo", "previous_champion": "1"}}}
+    lines = summary_markdown(summary, rows).splitlines()
+    assert lines[:3] == ["**Run `r1`: failed**", "",
+                         "**Champion**: `m` version 2 (dpo of run `r1`) is now `@champion` (was version 1)."]
+    assert f"| {sft['mlflow_run']} |" in lines[8]  # the sft row, its link as Markdown
 
 def test_headline_metrics_name_each_stage():
     summary = realistic_summary()
