@@ -3,7 +3,9 @@
 Against the Prefect API at ``$PREFECT_API_URL`` it
 
 1. reads the file and fills its ``{{ $VAR }}`` placeholders from the environment, with
-   ``$POSTTRAIN_PROJECT_DIR`` defaulting to this checkout (the local pool's working directory);
+   ``$POSTTRAIN_PROJECT_DIR`` defaulting to this checkout (the local pool's working directory)
+   and ``$POSTTRAIN_MLFLOW_UI_URL`` to ``http://127.0.0.1:5000`` (the MLflow UI the local
+   deployments' artifacts link to: their store is SQLite, which has no UI of its own);
 2. resolves each selected deployment's default parameters as a flow run would, so a broken
    config is never registered, and fills its ``settings`` parameter with the config's values
    (and ``overrides`` with a no-op example), so the UI's Custom run form opens on the values a
@@ -46,17 +48,24 @@ PROJECT_DIR_ENV = "POSTTRAIN_PROJECT_DIR"
 _SCHEDULE_KEYS = ("cron", "rrule", "timezone", "day_or", "parameters", "slug")
 
 
+MLFLOW_UI_URL_ENV = "POSTTRAIN_MLFLOW_UI_URL"
+"""The MLflow UI that Prefect's artifacts link to for a store without one (``tasks.reports.MLFLOW_UI_URL_ENV``)."""
+DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
+"""Where ``mlflow ui`` serves by default (the README's command for the local store)."""
+
+
 @contextmanager
-def _project_dir_env() -> Iterator[None]:
-    """``$POSTTRAIN_PROJECT_DIR`` set to this checkout for the duration, unless it is set already."""
-    if os.environ.get(PROJECT_DIR_ENV):
-        yield
-        return
-    os.environ[PROJECT_DIR_ENV] = str(PROJECT_DIR)
+def _default_env() -> Iterator[None]:
+    """For the duration, unless set already: ``$POSTTRAIN_PROJECT_DIR`` this checkout,
+    ``$POSTTRAIN_MLFLOW_UI_URL`` :data:`DEFAULT_MLFLOW_UI_URL`."""
+    defaults = {PROJECT_DIR_ENV: str(PROJECT_DIR), MLFLOW_UI_URL_ENV: DEFAULT_MLFLOW_UI_URL}
+    added = [name for name in defaults if not os.environ.get(name)]
+    os.environ.update({name: defaults[name] for name in added})
     try:
         yield
     finally:
-        os.environ.pop(PROJECT_DIR_ENV, None)
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def load_prefect_file(path: Path = PREFECT_FILE) -> dict[str, Any]:
@@ -71,7 +80,7 @@ def load_prefect_file(path: Path = PREFECT_FILE) -> dict[str, Any]:
     spec = yaml.safe_load(Path(path).read_text())
     if not isinstance(spec, dict) or not isinstance(spec.get("deployments"), list):
         raise ConfigError(f"{path}: expected a mapping with a 'deployments' list")
-    with _project_dir_env():
+    with _default_env():
         resolved = apply_values(spec, dict(os.environ), remove_notset=False)
     unset = sorted(p.full_match for p in find_placeholders(json.dumps(resolved)))
     if unset:

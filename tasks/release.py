@@ -211,7 +211,7 @@ def publish_release(run: PipelineRun, outcome: dict[str, Any], log: Any) -> None
         "MLflow parent run": lambda: _tag_parent_run(run, {TAG_RELEASE: kind, **gate_tags}, markdown),
     }
     if outcome["failure"] and flow_run.id:
-        steps["Prefect tag"] = lambda: _tag_flow_run(flow_run.id, [*flow_run.tags, GATE_FAILED_TAG])
+        steps["Prefect tag"] = lambda: _tag_flow_run(flow_run.id, [GATE_FAILED_TAG, *flow_run.tags])
     registered = outcome.get("registered_model")
     if registered:
         steps["MLflow model version"] = lambda: _describe_version(run.tracking_uri, registered, markdown, gate_tags)
@@ -236,7 +236,7 @@ def _tag_flow_run(flow_run_id: str, tags: list[str]) -> None:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        client.update_flow_run(flow_run_id, tags=sorted(set(tags)))
+        client.update_flow_run(flow_run_id, tags=list(dict.fromkeys(tags)))
 
 
 def _describe_version(tracking_uri: str, registered: dict[str, Any], markdown: str, tags: dict[str, str]) -> None:

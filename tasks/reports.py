@@ -55,14 +55,22 @@ def artifact_key(stage: str, suffix: str) -> str:
 # --------------------------------------------------------------------------- MLflow UI links
 
 
+MLFLOW_UI_URL_ENV = "POSTTRAIN_MLFLOW_UI_URL"
+"""The MLflow UI of a store that has none of its own (SQLite, files), for links: set by a
+deployment's job variables (``deployments/prefect.yaml``; ``posttrain deploy`` defaults it to
+``http://127.0.0.1:5000``, where ``mlflow ui`` serves), or exported by hand."""
+
+
 def mlflow_ui_url(config: PipelineConfig, tracking_uri: str) -> str | None:
     """Base URL of the MLflow UI showing ``tracking_uri``'s store, without a trailing slash.
 
     Returns:
-        ``config.tracking.ui_url``; else ``tracking_uri`` when it is http(s); else None (a
-        sqlite or file store has no UI of its own).
+        ``config.tracking.ui_url``; else ``tracking_uri`` when it is http(s) (a tracking server
+        is its own UI); else ``$POSTTRAIN_MLFLOW_UI_URL`` (:data:`MLFLOW_UI_URL_ENV`); else None
+        (no links).
     """
     url = config.tracking.ui_url or (tracking_uri if tracking_uri.startswith(("http://", "https://")) else None)
+    url = url or os.environ.get(MLFLOW_UI_URL_ENV) or None
     return url.rstrip("/") if url else None
 
 

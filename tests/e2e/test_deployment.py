@@ -78,7 +78,7 @@ def test_deploy_registers_typed_deployments(stack, deployed):
         assert api.read_work_pool("posttrain-gpu").type == "kubernetes"
         assert api.read_global_concurrency_limit_by_name(GPU_LIMIT).limit == 1
     assert demo.work_pool_name == "posttrain-local" and demo.entrypoint == "flows.pipeline.post_training_pipeline"
-    assert demo.job_variables == {"working_dir": str(PROJECT_DIR)}
+    assert demo.job_variables == {"working_dir": str(PROJECT_DIR), "env": {"POSTTRAIN_MLFLOW_UI_URL": "http://127.0.0.1:5000"}}
     assert demo.enforce_parameter_schema and {"posttrain", "demo"} <= set(demo.tags)
     # The Custom run form: config_uri, the short typed settings opened on demo.yaml's values, an
     # overrides example, run_id; the whole-config parameter is for Python callers only.

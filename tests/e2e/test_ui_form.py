@@ -1,17 +1,22 @@
 """The demo deployment's Custom run form, driven in a real browser (Debian's chromium, headless,
-through Playwright) against a real ``prefect server start`` on loopback (the session's ``stack``).
+through Playwright) against a real ``prefect server start`` and ``mlflow server`` on loopback (the
+session's ``stack``).
 
 ``posttrain deploy --name demo`` registers the demo with ``$POSTTRAIN_PROJECT_DIR`` a temporary
 project directory holding ``configs/demo.yaml`` at tiny sizes (``tests.tiny.write_tiny_demo``),
 cut to its prepare_data and SFT stages (the field the form changes is SFT's; a run of every stage
-is ``test_demo_cli.py``'s; the run's ``./outputs`` and its SQLite MLflow store land there), and a
-process worker serves the pool. In the default UI (the server's root redirects to the V2 UI) the
-test goes Deployments -> demo -> Run -> Custom run, finds the form opened on that file's values
-(SFT "Max steps" 4), changes that field, edits the ``overrides`` list (its example item
-changed, one item added) and submits. The flow run completes its stages and the resolved config
-it recorded has the typed values. A second run from the form, with an override of the field it
-changed, fails at once with a message naming both. The V1 UI's form of the same deployment must
-render too; in both, descriptions are plain text (no reST markup).
+is ``test_demo_cli.py``'s; the run's ``./outputs`` land there), tracking to the SQLite file the
+stack's MLflow server serves, and ``$POSTTRAIN_MLFLOW_UI_URL`` that server (a local store's
+links); a process worker serves the pool. In the default UI (the server's root redirects to the
+V2 UI) the test goes Deployments -> demo -> Run -> Custom run, finds the form opened on that
+file's values (SFT "Max steps" 4), changes that field, edits the ``overrides`` list (its
+example item changed, one item added: a quality gate SFT's loss fails) and submits. The flow run
+completes its stages, the resolved config it recorded has the typed values, and the gate fails
+it: the deployment's Runs tab lists it Failed, tagged gate-failed, its Details give the gate's
+message, its ``release`` artifact the gate's verdict, and the SFT row's link in its
+``pipeline-summary`` opens SFT's run in the MLflow UI. A second run from the form, with an
+override of the field it changed, fails at once with a message naming both. The V1 UI's form of
+the same deployment must render too; in both, descriptions are plain text (no reST markup).
 
 Needs a chromium binary (``$POSTTRAIN_CHROMIUM``, else ``chromium`` on PATH): skipped, saying so,
 without one; CI installs Debian's ``chromium`` (``.ci/run``).
@@ -45,7 +50,9 @@ TYPED_MAX_STEPS = 6
 RUN_TIMEOUT_S = 600
 """The tiny demo's prepare_data and SFT take seconds; at the demo's own sizes every stage took
 325-568 s in CI."""
-TYPED_OVERRIDES = ["evaluate.generation.max_new_tokens=12", "launch.retries=2"]
+FAILED_GATE = '{"metric": "sft/train/loss", "op": "<=", "threshold": 0.0001}'
+"""A gate the tiny SFT's final training loss (about 5) fails."""
+TYPED_OVERRIDES = ["evaluate.generation.max_new_tokens=12", f"evaluate.gates=[{FAILED_GATE}]"]
 SFT_GROUP = "xpath=//label[normalize-space()='SFT']/ancestor::div[contains(@class,'group')][1]"
 """The form's SFT section (a field group labelled "SFT")."""
 OVERRIDES_GROUP = "xpath=//label[normalize-space()='overrides (Optional)']/ancestor::div[contains(@class,'group')][1]"
@@ -74,8 +81,10 @@ def demo_project(stack, tmp_path_factory) -> Path:
     to run there (its ./outputs and MLflow store land in it), its form opened on that file's values."""
     project = tmp_path_factory.mktemp("project")
     (project / "configs").mkdir()
-    write_tiny_demo(project / "configs" / "demo.yaml", stages=["prepare_data", "sft"])
-    out = posttrain(stack, "deploy", "--name", "demo", env={"POSTTRAIN_PROJECT_DIR": str(project)})
+    write_tiny_demo(project / "configs" / "demo.yaml", stages=["prepare_data", "sft"],
+                    **{"tracking.tracking_uri": f"sqlite:///{stack['tmp']}/mlflow.db"})  # the MLflow server's store
+    out = posttrain(stack, "deploy", "--name", "demo",
+                    env={"POSTTRAIN_PROJECT_DIR": str(project), "POSTTRAIN_MLFLOW_UI_URL": stack["mlflow"]})
     assert f"deployment {DEPLOYMENT}:" in out
     return project
 
@@ -170,15 +179,44 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             with client(stack) as api:
                 run = wait_final(api, flow_run_id)
                 new_runs = [r.id for r in runs_of(api, deployment.id) if r.id not in earlier_runs]
-            assert run.state.is_completed(), f"flow run {run.name}: {run.state.type}: {run.state.message}"
+            assert run.state.is_failed(), f"flow run {run.name}: {run.state.type}: {run.state.message}"
+            assert run.state.name == "Failed" and run.state.message.startswith("gate: sft/train/loss ")
             assert new_runs == [run.id], "the form did not create exactly one flow run"
             # the flow renames its run to the pipeline run id; the run recorded its resolved config there
             config = json.loads((demo_project / "outputs" / "runs" / run.name / "config.json").read_text())
             assert config["sft"]["max_steps"] == TYPED_MAX_STEPS
             assert config["sft"]["learning_rate"] == deployment.parameters["settings"]["sft"]["learning_rate"]
-            assert config["evaluate"]["generation"]["max_new_tokens"] == 12 and config["launch"]["retries"] == 2
+            assert config["evaluate"]["generation"]["max_new_tokens"] == 12 and len(config["evaluate"]["gates"]) == 1
             summary = json.loads((demo_project / "outputs" / "runs" / run.name / "summary.json").read_text())
-            assert summary["status"] == "completed", summary
+            assert summary["status"] == "gate_failed", summary
+            assert all(s["status"] == "completed" for s in summary["stages"].values()), summary
+
+            # The failed gate, as an operator finds it: Runs tab -> the run (Failed, gate-failed)
+            # -> Details (the gate's message) -> Artifacts -> release; pipeline-summary -> MLflow.
+            page.goto(f"{ui}/v2/deployments/deployment/{deployment.id}")
+            # the run's card: the nearest block around its link that holds a state badge
+            card = page.get_by_role("link", name=run.name, exact=True).locator(
+                "xpath=ancestor::div[.//*[normalize-space()='Failed' or normalize-space()='Completed']][1]")
+            expect(card.get_by_text("Failed", exact=True)).to_be_visible()
+            expect(card.get_by_text("gate-failed", exact=True)).to_have_count(1)  # tags may be cut to "+N"
+            card.get_by_role("link", name=run.name, exact=True).click()
+            expect(page).to_have_url(re.compile(rf"/runs/flow-run/{run.id}"))
+            page.get_by_role("tab", name="Details").click()
+            expect(page.get_by_text(run.state.message, exact=True)).to_be_visible()
+            page.get_by_role("tab", name="Artifacts").click()
+            open_artifact(page, "release")
+            expect(page.get_by_text("Gate failed", exact=True).first).to_be_visible()
+            expect(page.get_by_role("cell", name="sft/train/loss", exact=True)).to_be_visible()
+            page.goto(f"{ui}/v2/runs/flow-run/{run.id}")
+            page.get_by_role("tab", name="Artifacts").click()
+            open_artifact(page, "pipeline-summary")
+            sft_run = summary["stages"]["sft"]["mlflow_run_id"]
+            link = page.get_by_role("link", name=sft_run, exact=True)
+            href = link.get_attribute("href")
+            assert href.startswith(f"{stack['mlflow']}/#/experiments/") and href.endswith(f"/runs/{sft_run}"), href
+            page.goto(href)
+            expect(page.get_by_text(sft_run, exact=True).first).to_be_visible()
+            expect(page.get_by_text("sft", exact=True).first).to_be_visible()
 
             # An override of the field the form changed: refused at the run's start, naming both.
             page.goto(f"{ui}/v2/deployments/deployment/{deployment.id}/run")
@@ -199,6 +237,13 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
                 if not api.read_flow_run(flow_run_id).state.is_final():
                     api.set_flow_run_state(flow_run_id, Cancelled(), force=True)
         stop(worker)
+
+
+def open_artifact(page, key: str) -> None:
+    """From a flow run's Artifacts tab: the artifact ``key``, then its (only) version's page,
+    where the V2 UI renders its content."""
+    page.get_by_text(key, exact=True).click()
+    page.get_by_role("link", name=re.compile(r"^[0-9a-f]{8}$")).first.click()
 
 
 def overrides_group(page):
