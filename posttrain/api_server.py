@@ -36,8 +36,10 @@ EXIT_PORT_IN_USE = 3
 """The server process's exit code when it could not start (uvicorn's ``STARTUP_FAILURE``; mostly
 its port taken between its choice and the bind: the CLI tries another)."""
 
-_SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-"""What Prefect's own temporary server runs with (``SubprocessASGIServer``, Prefect 3.8)."""
+_SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+"""What Prefect's own temporary server runs with (``SubprocessASGIServer``, Prefect 3.8), and no
+telemetry (offline, it logged an error at every start)."""
 
 
 class TemporaryServerError(PosttrainError):

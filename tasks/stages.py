@@ -82,11 +82,18 @@ def _stage_run_id(run: PipelineRun, stage: str, fingerprint: str) -> str:
     return run_id
 
 
+QUIET_PROGRESS_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+"""Defaults of a trainer's environment (the flow's own values win): no progress bars from
+transformers, huggingface_hub or tqdm in the task log (a bar's every redraw became a log line;
+a stage's progress is its ``<stage>-progress`` artifact and its step lines)."""
+
+
 def _spec_config_and_env(config: PipelineConfig) -> tuple[PipelineConfig, dict[str, str]]:
     """The config without S3 secrets (it is written to storage) and the trainer's environment: the
-    flow's, with the config's S3 endpoint, region and keys (``storage.process_env``; the trainer reads
-    its spec from the storage root before it reads the config in it)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **storage.process_env(config.storage))
+    flow's, with :data:`QUIET_PROGRESS_ENV` as defaults and the config's S3 endpoint, region and
+    keys (``storage.process_env``; the trainer reads its spec from the storage root before it
+    reads the config in it)."""
+    env = {**QUIET_PROGRESS_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **storage.process_env(config.storage)}
     safe = config.model_copy(deep=True)
     safe.storage.access_key_id = None
     safe.storage.secret_access_key = None

@@ -82,6 +82,7 @@ from trainer_core.static_decode import (
     DecodeGraph,
     DecodeState,
     FusedProjections,
+    cache_argument,
     causal_lm,
     decode_and_sample,
     floats_as_constants,
@@ -193,6 +194,7 @@ class HFEngine:
         """See :meth:`GenerationEngine.generate` (T the same with or without ``sync``)."""
         attention = prompt_mask.long()
         positions = _prompt_positions(prompt_mask)
+        cache_arg = cache_argument()
         out = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         next_position = positions[:, -1:] + 1
         done = CompletionBuffers(prompt_ids.shape[0], gen.max_new_tokens, prompt_ids.device)
@@ -205,7 +207,7 @@ class HFEngine:
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             out = self.model(
                 input_ids=done.token[:, None], attention_mask=attention, position_ids=next_position,
-                past_key_values=out.past_key_values, use_cache=True,
+                **{cache_arg: getattr(out, cache_arg)}, use_cache=True,
             )
             next_position = next_position + 1
         return Generated(*done.result(step))
@@ -329,7 +331,7 @@ class StaticCacheEngine:
         if noise is not None:
             exponential_noise(noise, generator)
         token, logprob = self._decode(self.model, state.token[:, None], state.position, state.attention, cache,
-                                      noise, gen.temperature, gen.top_p)
+                                      noise, gen.temperature, gen.top_p, cache_argument())
         state.record(token, logprob, eos_id, pad_id)
 
     def _advance(self, step: Callable[[], None], key: tuple, generator: torch.Generator | None) -> None:
@@ -374,7 +376,7 @@ class StaticCacheEngine:
         positions = _prompt_positions(prompt_mask)
         state.start(prompt_mask, gen.max_new_tokens, positions[:, -1:])
         out = self.model(input_ids=prompt_ids, attention_mask=state.attention, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+                         **{cache_argument(): cache}, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :]
         del out
         sampling = gen.temperature > 0

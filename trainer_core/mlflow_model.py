@@ -16,6 +16,7 @@ set ``MLFLOW_TRACKING_URI`` where models are loaded.)
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import sys
 import tempfile
@@ -122,6 +123,26 @@ def _link_step_metrics(client: MlflowClient, run_id: str, model_id: str, step: i
         client.log_batch(run_id, metrics=linked[start : start + _MAX_METRICS_PER_BATCH])
 
 
+class _HubLookupFilter(logging.Filter):
+    """Drops MLflow's warnings that a local model has no Hugging Face Hub model card or license
+    (it is not on the hub: a stage's own output); every other record passes."""
+
+    DROPPED = ("The model card could not be retrieved", "Unable to find license information")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.DROPPED)
+
+
+@contextmanager
+def _no_hub_lookup_warnings() -> Iterator[None]:
+    logger, quiet = logging.getLogger("mlflow.transformers"), _HubLookupFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def log_transformers_model(
     run_id: str,
     model_dir_uri: str,
@@ -194,7 +215,7 @@ def log_transformers_model(
                 run_id=run_id, model_id=logged.model_id,
             )
             path = os.path.join(tmp, "model")
-            with without_absent_integrations():  # a plain model: no peft, no DeepSpeed imported to say so
+            with without_absent_integrations(), _no_hub_lookup_warnings():  # a plain local model
                 mlflow.transformers.save_model(
                     components, path, task=task, mlflow_model=mlflow_model, pip_requirements=_pinned_requirements()
                 )

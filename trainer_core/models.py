@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import sys
 import tempfile
@@ -38,6 +39,8 @@ from trainer_core.errors import ConfigError
 from trainer_core.lora import ADAPTER_CONFIG, adapter_base_model, attach_adapter, is_adapter_dir, merge_adapters
 from trainer_core.registry import INIT_SOURCE
 from trainer_core.storage import names_a_path
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -223,10 +226,33 @@ def load_reward_model(
     config.num_labels = 1
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
-    return _from_pretrained(
-        AutoModelForSequenceClassification.from_pretrained, source, model, config=config, dtype=dtype, **_attn(model),
-        **quantized,
-    )
+    with _quiet_load_report():  # its table of the head's missing weights: said below in one line
+        reward, info = _from_pretrained(
+            AutoModelForSequenceClassification.from_pretrained, source, model, config=config, dtype=dtype,
+            **_attn(model), **quantized, output_loading_info=True,
+        )
+    missing = sorted(info.get("missing_keys") or [])
+    head = [k for k in missing if k.split(".", 1)[0] in ("score", "classifier")]
+    if head:
+        log.info("reward model from %s: score head %s initialised (seed %d); the backbone loaded", source, head, seed)
+    if len(head) < len(missing):
+        log.warning("reward model from %s: weights not in the checkpoint, initialised: %s", source,
+                    [k for k in missing if k not in head])
+    return reward
+
+
+@contextlib.contextmanager
+def _quiet_load_report() -> Iterator[None]:
+    """transformers' loggers at ERROR for the duration: its load report (a table logged as a
+    warning whenever a weight is missing) is expected for a new reward head."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def save_pretrained_to(

@@ -162,14 +162,29 @@ def floats_as_constants(compiled: Callable) -> Callable:
     return config.patch(specialize_float=True)(compiled) if hasattr(config, "specialize_float") else compiled
 
 
+@functools.cache
+def cache_argument() -> str:
+    """The name transformers gives a forward's KV-cache argument and its output's cache field:
+    ``cache`` from 5.24 on (``past_key_values`` then still works, with a deprecation warning on
+    every run, until 5.40), ``past_key_values`` before (5.17, the GPU machine's)."""
+    import inspect
+
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
 def decode_and_sample(model: nn.Module, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
-                       cache: Any, noise: Tensor | None, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
+                       cache: Any, noise: Tensor | None, temperature: float, top_p: float,
+                       cache_arg: str = "past_key_values") -> tuple[Tensor, Tensor]:
     """One decoding step ([N, 1] token and position, [N, L] mask) that writes its keys and values
     into the static ``cache`` and samples the next token with ``noise`` (see
     :func:`trainer_core.sampling.sample_with_noise`): ([N] tokens, [N] float32 log-probs). The
-    unit the ``static`` engine compiles: the forward and the sampling as one graph."""
+    unit the ``static`` engine compiles: the forward and the sampling as one graph.
+    ``cache_arg``: the forward's name for the cache (:func:`cache_argument`, given by the caller
+    so that the compiled graph sees a constant)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True)
+                **{cache_arg: cache}, use_cache=True)
     return sample_with_noise(out.logits[:, -1, :], noise, temperature, top_p)
 
 

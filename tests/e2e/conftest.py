@@ -62,6 +62,7 @@ class DemoRun:
         run_id: ``demo-run`` (the only flow runs of that name in the session's Prefect API are its own
             and its resumes').
         lines: its stdout lines.
+        log: its stderr lines (the console log: the flow's and each task's).
         summary: the summary it wrote when it finished (``root/runs/<run_id>/summary.json`` then).
     """
 
@@ -70,6 +71,7 @@ class DemoRun:
     run_id: str
     lines: list[str]
     summary: dict
+    log: list[str]
 
 
 @pytest.fixture(scope="session")
@@ -79,5 +81,5 @@ def demo_run(prefect_api, tmp_path_factory) -> DemoRun:
     Tests read it; the one test that changes it (``test_model_lifecycle``: resumes with other
     settings) runs after its readers and works from what it finds."""
     tmp = tmp_path_factory.mktemp("demo-run")
-    lines, summary = run_cli(prefect_api, tmp, "demo.yaml", DEMO_RUN_SETS, run_id="demo-run")
-    return DemoRun(tmp=tmp, root=tmp / "out", run_id=summary["run_id"], lines=lines, summary=summary)
+    lines, summary, log = run_cli(prefect_api, tmp, "demo.yaml", DEMO_RUN_SETS, run_id="demo-run")
+    return DemoRun(tmp=tmp, root=tmp / "out", run_id=summary["run_id"], lines=lines, summary=summary, log=log)

@@ -118,13 +118,14 @@ def client(stack: dict) -> Iterator[SyncPrefectClient]:
 
 
 def run_cli(prefect_api: str, tmp: Path, config: str, sets: dict[str, object], run_id: str = "demo-cli",
-            ) -> tuple[list[str], dict]:
+            ) -> tuple[list[str], dict, list[str]]:
     """``posttrain run configs/<config>`` as a user runs it (a child process, against the Prefect API
     ``prefect_api``, its MLflow store the default SQLite file under the storage root) with
     :data:`~tests.tiny.TINY_DEMO` and ``sets`` as ``--set`` overrides, writing under ``tmp/out``.
 
-    Returns its stdout lines and the summary it names, after checking that the run and every stage
-    of it completed and that its last stdout line names the summary."""
+    Returns its stdout lines, the summary it names and its stderr lines (the console log), after
+    checking that the run and every stage of it completed and that its last stdout line names the
+    summary."""
     root = tmp / "out"
     args = [str(PROJECT_DIR / "configs" / config), "--run-id", run_id, "--set", f"storage.root={root}",
             *as_sets(tiny_demo(**sets))]
@@ -143,4 +144,4 @@ def run_cli(prefect_api: str, tmp: Path, config: str, sets: dict[str, object], r
         assert entry["status"] == "completed", (name, entry)
         assert (Path(entry["output_uri"]) / "manifest.json").is_file()
         assert f"{name}: completed -> {entry['output_uri']}" in lines
-    return lines, summary
+    return lines, summary, result.stderr.splitlines()

@@ -10,6 +10,7 @@ ZeRO-3 at 2 ranks, LoRA on one process)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,25 @@ def test_demo_config_through_the_cli(demo_run):
     check_demo_summary(demo_run.summary, demo_run.root, {name: ("single", 1) for name in TRAINED})
 
 
+STAGE_OUTPUT = re.compile(
+    r"^(\[\w+\] step \d+|stage \w+: |stage \w+ committed|Finished in state"  # step metrics, the task's own lines
+    r"|\d{4}-\d\d-\d\d [\d:,]+ (INFO|WARNING|ERROR) (trainer_core|tasks)\.)"  # the trainer's own log records
+)
+"""A task log line's message that is stage output: a step's metrics, the task's lines about its
+stage, the trainer's own log records. Anything else (a library's warning, a progress bar, a
+blank line) is noise to an operator."""
+
+
+def test_the_task_log_is_stage_output(demo_run):
+    """At most 10% of a demo run's task log lines are not stage output (was 58 progress-bar lines,
+    30 blank, 10 MLflow model-card warnings of 193: 55%)."""
+    messages = [line.split(" - ", 1)[1] if " - " in line else "" for line in demo_run.log if "| Task run '" in line]
+    noise = [m for m in messages if not STAGE_OUTPUT.match(m)]
+    print(f"task log: {len(messages)} lines, {len(noise)} not stage output")
+    assert messages and len(noise) <= 0.1 * len(messages), "\n".join(noise)
+    assert not [m for m in messages if not m.strip() or "it/s]" in m], "blank lines or progress bars in the task log"
+
+
 @pytest.mark.slow
 def test_demo_extended_config_with_a_backend_a_stage_through_the_cli(prefect_api, tmp_path):
     """configs/demo-extended.yaml with a backend a stage (:data:`MIXED`): pretrain on raw text
@@ -79,7 +99,7 @@ def test_demo_extended_config_with_a_backend_a_stage_through_the_cli(prefect_api
     policies, in one run; each stage loads the model the previous backend committed."""
     sets = {"stages": EXTENDED_STAGES, "pretrain.max_steps": 4, "pretrain.eval_every": 2, "pretrain.save_every": 2,
             "kto.max_steps": 2, "kto.grad_accum_steps": 1, **MIXED}
-    _, summary = run_cli(prefect_api, tmp_path, "demo-extended.yaml", sets)
+    _, summary, _ = run_cli(prefect_api, tmp_path, "demo-extended.yaml", sets)
     stages = summary["stages"]
     assert set(stages) == set(EXTENDED_STAGES)
     assert stages["pretrain"]["metrics"]["global_step"] == 4 and stages["kto"]["metrics"]["global_step"] == 2

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from trainer_core.backends import build_backend, memory
 from trainer_core.config import BackendConfig, TrainStageConfig
+from trainer_core.static_decode import cache_argument
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 64
@@ -278,7 +279,8 @@ def test_checkpointing_only_when_training_and_the_kv_cache_is_kept():
         calls = count_mlp_calls(model)
         with torch.no_grad():
             first = model(input_ids=batch["input_ids"], use_cache=True)
-            step = model(input_ids=batch["input_ids"][:, :1], past_key_values=first.past_key_values, use_cache=True)
+            step = model(input_ids=batch["input_ids"][:, :1], **{cache_argument(): getattr(first, cache_argument())},
+                         use_cache=True)
         logits.append(step.logits)
         model.eval()
         model(**batch, use_cache=False).loss.backward()

@@ -36,6 +36,7 @@ from trainer_core.static_decode import (
     CompletionBuffers,
     DecodeState,
     FusedProjections,
+    cache_argument,
     grouped_decode_attention,
     sdpa_grouped_decode,
 )
@@ -183,7 +184,7 @@ def reference_sample_completions(
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         out = model(
             input_ids=token[:, None], attention_mask=attention, position_ids=next_position,
-            past_key_values=out.past_key_values, use_cache=True,
+            **{cache_argument(): getattr(out, cache_argument())}, use_cache=True,
         )
         next_position = next_position + 1
     completion_ids, completion_mask = torch.stack(tokens, dim=1), torch.stack(masks, dim=1).float()

@@ -123,7 +123,8 @@ class CheckpointedForward:
         self.eager = block.forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.block.training and torch.is_grad_enabled() and kwargs.get("past_key_values") is None:
+        cached = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None  # transformers <5.24, >=5.24
+        if self.block.training and torch.is_grad_enabled() and not cached:
             return torch.utils.checkpoint.checkpoint(self.eager, *args, use_reentrant=False, **kwargs)
         return self.eager(*args, **kwargs)
 
