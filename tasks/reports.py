@@ -296,7 +296,8 @@ class StageProgress:
         if self.artifact_id is None:
             return
         self._shown_at = now  # a failed call waits as long as a successful one before the next try
-        if self._call(lambda: update_progress_artifact(self.artifact_id, 100.0 * fraction, self._describe())) is not None:
+        percent = round(100.0 * fraction, 1)  # the UI prints the float as it is (46.666666666666664%)
+        if self._call(lambda: update_progress_artifact(self.artifact_id, percent, self._describe())) is not None:
             self.shown = fraction
 
     def _call(self, fn: Callable[[], Any]) -> Any:
