@@ -16,7 +16,7 @@ import pytest
 from trainer_core import storage
 from trainer_core.config import DataSource
 from trainer_core.data.sources import read_records
-from trainer_core.errors import DataError
+from trainer_core.errors import EXIT_BAD_INPUT, DataError
 from trainer_core.storage import join_uri
 
 SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
@@ -173,3 +173,17 @@ def test_real_files_first_rows():
     assert set(gsm[0]) == {"question", "answer", "_source"} and gsm[0]["answer"].endswith("#### 72")
     hh = read_records(DataSource(uri=str(HH), max_rows=2))
     assert hh[1]["_source"] == f"{HH}:2" and hh[0]["chosen"].startswith("\n\nHuman:")
+
+
+def test_an_unreachable_hub_is_bad_input_naming_the_uri(monkeypatch):
+    """After huggingface_hub's own retries (about 30 s here, where the Hub cannot be reached) the
+    error is bad input, not a crash the stage retries 3 times with tracebacks (107 s)."""
+    import datasets
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(DataError, match=r"hf://openai/gsm8k: the Hugging Face Hub cannot be reached \(Couldn't reach") as e:
+        read_records(DataSource(uri="hf://openai/gsm8k", split="train"))
+    assert e.value.exit_code == EXIT_BAD_INPUT

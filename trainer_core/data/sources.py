@@ -234,6 +234,10 @@ def _iter_hf(uri: str, split: str) -> Iterator[dict]:
         raise DataError(f"data set not found: {uri} (split {split!r}): {e}") from e
     except ValueError as e:  # unknown split, unsupported layout
         raise DataError(f"{uri}: cannot load split {split!r}: {e}") from e
+    except ConnectionError as e:  # after huggingface_hub's own retries (5, about 30 s): not worth a stage retry
+        raise DataError(f"{uri}: the Hugging Face Hub cannot be reached ({e}); on a machine without internet, "
+                        "put the data set in the datasets cache beforehand (HF_DATASETS_OFFLINE=1) or point the "
+                        "data uri at a local or object-storage file") from e
     for row, record in enumerate(ds, start=1):
         record = dict(record)
         record["_source"] = f"{uri}:{row}"
