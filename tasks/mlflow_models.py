@@ -22,6 +22,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from tasks.tracking import TAG_PARENT
 from trainer_core.config import PipelineConfig
 from trainer_core.registry import get_stage
+from trainer_core.mlflow_model import stage_logged_model_uri
 from trainer_core.tracking import MODEL_NAME, logged_model_uri
 
 
@@ -73,10 +74,10 @@ def stage_model_uri(
     if not (get_stage(stage).produces_model and config.tracking.log_models):
         return None
     client = MlflowClient(tracking_uri)
-    found = logged_model_uri(client, mlflow_run_id)
+    found = stage_logged_model_uri(client, stage, mlflow_run_id)
     if found is None:
         log_missing()
-        found = logged_model_uri(client, mlflow_run_id)
+        found = stage_logged_model_uri(client, stage, mlflow_run_id)
     if found is None:
         raise RuntimeError(f"stage {stage}: no MLflow model in run {mlflow_run_id} after logging it")
     return found

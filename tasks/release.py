@@ -24,6 +24,7 @@ from tasks import mlflow_models, tracking
 from tasks.gates import GateResult, check_gates, gate_failure_message
 from tasks.results import PipelineRun, StageResult
 from trainer_core.config import config_hash
+from trainer_core.mlflow_model import stage_model_name
 from trainer_core.registry import get_stage, policy_stages
 
 CHAMPION = "champion"
@@ -98,7 +99,7 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
                                      "as a candidate anyway")
         return outcome
     result = results[stage]
-    model_uri = result.model_uri or mlflow_models.run_model_uri(result.mlflow_run_id)
+    model_uri = result.model_uri or mlflow_models.run_model_uri(result.mlflow_run_id, stage_model_name(stage))
     version = mlflow_models.register_model_version(
         name, model_uri, run_id=result.mlflow_run_id, tags=_version_tags(run, stage, results),
         tracking_uri=run.tracking_uri,

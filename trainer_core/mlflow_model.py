@@ -63,6 +63,25 @@ MLflow's default list names torchvision (not installed here) and its inference l
 again in a subprocess."""
 
 
+def stage_model_name(stage: str) -> str:
+    """The LoggedModel name of ``stage``'s final model: ``<stage>-policy`` (a causal LM) or
+    ``<stage>-reward`` (the reward model), so that the experiment's Models tab tells a run's
+    models apart (every one was called ``model``; ``tracking.MODEL_NAME`` is still looked up for
+    runs logged so).
+
+    Raises:
+        ConfigError: unknown stage.
+        ValueError: the stage produces no model.
+    """
+    return f"{stage}-{'reward' if model_task(stage) == 'text-classification' else 'policy'}"
+
+
+def stage_logged_model_uri(client: MlflowClient, stage: str, run_id: str) -> str | None:
+    """``models:/<model_id>`` of ``stage``'s final model in its run: the newest READY LoggedModel
+    named :func:`stage_model_name`, else one named ``model`` (logged before the names changed)."""
+    return logged_model_uri(client, run_id, stage_model_name(stage)) or logged_model_uri(client, run_id)
+
+
 def model_task(stage: str) -> str:
     """The transformers pipeline task of ``stage``'s final model, from the stage registry.
 
@@ -249,13 +268,14 @@ def ensure_stage_model(spec: StageSpec, step: int | None = None) -> str | None:
     if not (get_stage(spec.stage).produces_model and spec.config.tracking.log_models and spec.mlflow_run_id):
         return None
     client = MlflowClient(spec.tracking_uri)
-    found = logged_model_uri(client, spec.mlflow_run_id)
+    found = stage_logged_model_uri(client, spec.stage, spec.mlflow_run_id)
     if found is not None:
         return found
     from trainer_core.storage import StageLayout
 
     return log_transformers_model(spec.mlflow_run_id, StageLayout(spec.output_uri).final,
-                                  task=model_task(spec.stage), tracking_uri=spec.tracking_uri, step=step)
+                                  task=model_task(spec.stage), tracking_uri=spec.tracking_uri,
+                                  artifact_path=stage_model_name(spec.stage), step=step)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,6 +103,9 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_
     runs = {r.data.tags["posttrain.stage"]: r for r in client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
     assert set(runs) == set(STAGES)
+    models = {(m.name, m.source_run_id) for m in client.search_logged_models([parent.info.experiment_id])}
+    assert {(f"{s}-{'reward' if s == 'reward_model' else 'policy'}", runs[s].info.run_id)
+            for s in ("sft", "reward_model", "dpo", "ppo", "grpo")} <= models  # named by stage and role
     for stage in ("sft", "reward_model", "dpo", "ppo", "grpo"):
         assert "plots/curves.png" in [a.path for a in client.list_artifacts(runs[stage].info.run_id, "plots")], stage
         assert not [m for m in runs[stage].data.metrics if m.startswith("final/")], stage
