@@ -22,8 +22,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from tasks.tracking import TAG_PARENT
 from trainer_core.config import PipelineConfig
 from trainer_core.registry import get_stage
-from trainer_core.mlflow_model import stage_logged_model_uri
-from trainer_core.tracking import MODEL_NAME, logged_model_uri
+from trainer_core.tracking import MODEL_NAME, logged_model_uri, stage_logged_model_uri
 
 
 def _model_id(model_uri: str) -> str | None:

@@ -24,8 +24,8 @@ from tasks import mlflow_models, tracking
 from tasks.gates import GateResult, check_gates, gate_failure_message
 from tasks.results import PipelineRun, StageResult
 from trainer_core.config import config_hash
-from trainer_core.mlflow_model import stage_model_name
 from trainer_core.registry import get_stage, policy_stages
+from trainer_core.tracking import stage_model_name
 
 CHAMPION = "champion"
 CANDIDATE = "candidate"
@@ -208,6 +208,8 @@ def publish_release(run: PipelineRun, outcome: dict[str, Any], log: Any) -> None
         "Prefect event": lambda: emit_event(
             event=f"posttrain.release.{kind}",
             resource={"prefect.resource.id": f"posttrain.run.{run.run_id}", "prefect.resource.name": run.run_id},
+            related=[{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}]
+            if flow_run.id else None,
             payload=outcome),
         "MLflow parent run": lambda: _tag_parent_run(run, {TAG_RELEASE: kind, **gate_tags}, markdown),
     }

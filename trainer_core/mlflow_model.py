@@ -30,7 +30,7 @@ from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
 from trainer_core import storage
 from trainer_core.registry import get_stage
 from trainer_core.spec import StageSpec, read_spec
-from trainer_core.tracking import MODEL_NAME, logged_model_uri
+from trainer_core.tracking import MODEL_NAME, logged_model_uri, stage_logged_model_uri, stage_model_name
 
 TAG_OUTPUT_URI = "posttrain.output_uri"
 _MAX_METRICS_PER_BATCH = 1000
@@ -61,25 +61,6 @@ _MODEL_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors")
 """The pip requirements of a logged model, pinned to the installed versions. Given explicitly:
 MLflow's default list names torchvision (not installed here) and its inference loads the model
 again in a subprocess."""
-
-
-def stage_model_name(stage: str) -> str:
-    """The LoggedModel name of ``stage``'s final model: ``<stage>-policy`` (a causal LM) or
-    ``<stage>-reward`` (the reward model), so that the experiment's Models tab tells a run's
-    models apart (every one was called ``model``; ``tracking.MODEL_NAME`` is still looked up for
-    runs logged so).
-
-    Raises:
-        ConfigError: unknown stage.
-        ValueError: the stage produces no model.
-    """
-    return f"{stage}-{'reward' if model_task(stage) == 'text-classification' else 'policy'}"
-
-
-def stage_logged_model_uri(client: MlflowClient, stage: str, run_id: str) -> str | None:
-    """``models:/<model_id>`` of ``stage``'s final model in its run: the newest READY LoggedModel
-    named :func:`stage_model_name`, else one named ``model`` (logged before the names changed)."""
-    return logged_model_uri(client, run_id, stage_model_name(stage)) or logged_model_uri(client, run_id)
 
 
 def model_task(stage: str) -> str:

@@ -177,6 +177,27 @@ MODEL_NAME = "model"
 """The LoggedModel name of a stage's final model (``runs:/<stage run>/model``)."""
 
 
+def stage_model_name(stage: str) -> str:
+    """The LoggedModel name of ``stage``'s final model: ``<stage>-reward`` for the reward model,
+    ``<stage>-policy`` for any other (a causal LM), so that the experiment's Models tab tells a
+    run's models apart (every one was called :data:`MODEL_NAME`, still looked up for runs logged
+    so: :func:`stage_logged_model_uri`).
+
+    Raises:
+        ConfigError: unknown stage.
+    """
+    from trainer_core.registry import get_stage
+
+    return f"{stage}-{'reward' if get_stage(stage).output == 'reward_model' else 'policy'}"
+
+
+def stage_logged_model_uri(client: Any, stage: str, run_id: str) -> str | None:
+    """``models:/<model_id>`` of ``stage``'s final model in its run: the newest READY LoggedModel
+    named :func:`stage_model_name`, else one named :data:`MODEL_NAME` (logged before the names
+    changed); None when there is neither."""
+    return logged_model_uri(client, run_id, stage_model_name(stage)) or logged_model_uri(client, run_id)
+
+
 def logged_model_uri(client: Any, run_id: str, name: str = MODEL_NAME) -> str | None:
     """``models:/<model_id>`` of the newest READY LoggedModel called ``name`` of run ``run_id``.
 

@@ -276,7 +276,8 @@ def test_prefect_file_deployments_resolve():
     entries = deploy.select_deployments(spec, None)
     assert [e["name"] for e in entries] == ["demo", "qwen2.5-0.5b-1gpu", "qwen2.5-0.5b-k8s"]
     demo = entries[0]
-    assert demo["work_pool"] == {"name": "posttrain-local", "job_variables": {"working_dir": str(PROJECT)}}
+    assert demo["work_pool"] == {"name": "posttrain-local", "job_variables": {
+        "working_dir": str(PROJECT), "env": {"POSTTRAIN_MLFLOW_UI_URL": deploy.DEFAULT_MLFLOW_UI_URL}}}
     pools, limits = deploy.used_resources(spec, entries)
     assert {n: p["type"] for n, p in pools.items()} == {"posttrain-local": "process", "posttrain-gpu": "kubernetes"}
     assert deploy.base_job_template(pools["posttrain-gpu"])["job_configuration"]["job_manifest"]["kind"] == "Job"
