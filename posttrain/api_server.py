@@ -25,6 +25,7 @@ import threading
 import time
 
 from trainer_core.errors import PosttrainError
+from trainer_core.run import process_alive
 
 WATCH_POLL_S = 0.5
 """How often the server checks that the CLI that started it is alive."""
@@ -150,16 +151,6 @@ def needs_temporary_server() -> bool:
     return not get_current_settings().api.url
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def serve(port: int, watch_pid: int, poll_s: float = WATCH_POLL_S) -> int:
     """Run Prefect's API (``prefect.server.api.server:create_app``) on 127.0.0.1:``port`` until
     SIGTERM/SIGINT, or until ``watch_pid`` (the CLI) is gone; returns the exit code
@@ -173,7 +164,7 @@ def serve(port: int, watch_pid: int, poll_s: float = WATCH_POLL_S) -> int:
     def watch() -> None:
         while True:
             time.sleep(poll_s)
-            if os.getppid() != parent or not _alive(watch_pid):
+            if os.getppid() != parent or not process_alive(watch_pid):
                 server.should_exit = True  # graceful: uvicorn ends its lifespan
                 time.sleep(STOP_WAIT_S)
                 os._exit(1)

@@ -36,7 +36,8 @@ WATCH_PID_ENV = "POSTTRAIN_WATCH_PID"
 under torchrun a rank's own parent is the agent, so it watches this one too."""
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0; one owned by another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,7 +62,7 @@ def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
     def watch() -> None:
         stop = threading.Event()
         while not stop.wait(poll_s):
-            gone = parent if os.getppid() != parent else launcher if launcher and not _alive(launcher) else None
+            gone = parent if os.getppid() != parent else launcher if launcher and not process_alive(launcher) else None
             if gone is not None:
                 sys.stderr.write(f"error: the trainer's launching process {gone} is gone; exiting without committing\n")
                 sys.stderr.flush()
