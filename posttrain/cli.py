@@ -205,8 +205,13 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
     from trainer_core.storage import RunLayout
 
     from posttrain.api_server import needs_temporary_server, start_temporary_api_server
+    from tasks.preflight import check_storage_root
 
     storage.configure(cfg.storage)
+    try:  # first: an unreachable root is refused in seconds, before any read of the run or Prefect
+        check_storage_root(cfg.storage.root)
+    except ConfigError as e:
+        raise _fail(str(e), EXIT_BAD_INPUT) from None
     layout = RunLayout(cfg.storage.root, run_id)
     _refuse_if_held(cfg, layout)
     typer.echo(f"run id: {run_id}")

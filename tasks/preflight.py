@@ -11,12 +11,21 @@ from __future__ import annotations
 import os
 import uuid
 
+from tenacity import stop_after_attempt
+
 from trainer_core import storage
 from trainer_core.config import PipelineConfig
 from trainer_core.errors import ConfigError, PosttrainError, classify
 from trainer_core.storage import join_uri, names_a_path
 
 _PROBE = ".posttrain-preflight-{}"
+
+PROBE_ATTEMPTS = 1
+"""Attempts of the storage root's probe write. Storage operations retry transient failures for
+up to :data:`~trainer_core.storage.RETRY_MAX_DELAY_S` (a long run must outlive a network blip);
+before anything ran a re-run costs nothing, so the probe makes one attempt (botocore's own retries
+included, about 8 s against a refused endpoint): an unreachable root fails in seconds, not
+after minutes of retried reads and writes."""
 
 
 def _reason(exc: BaseException) -> str:
@@ -26,6 +35,9 @@ def _reason(exc: BaseException) -> str:
 
 def check_storage_root(root: str) -> None:
     """``storage.root`` is a directory (or can be made one) that this process can write.
+
+    One probe write (:data:`PROBE_ATTEMPTS`); ``posttrain run`` checks this before it reads or
+    writes anything of the run, so an unreachable root is refused in seconds.
 
     Raises:
         ConfigError: it is a file or under one, not writable, or (``s3://``) unreachable or
@@ -38,8 +50,9 @@ def check_storage_root(root: str) -> None:
         if node and not os.path.isdir(node):
             raise ConfigError(f"storage.root {root!r}: {node!r} is a file, not a directory")
     probe = join_uri(root, _PROBE.format(uuid.uuid4().hex))
+    once = stop_after_attempt(PROBE_ATTEMPTS)
     try:
-        storage.write_bytes(probe, b"ok")
+        storage.write_bytes.retry_with(stop=once)(probe, b"ok")
         storage.remove(probe, recursive=False)
     except PosttrainError:
         raise

@@ -241,6 +241,8 @@ def test_preflight_refuses_before_anything_is_written(prefect_api, tmp_path, cas
     assert f"error: {needle}" in result.stderr
     assert "summary.json" not in result.stdout and "Traceback" not in result.stderr
     assert not (root / "runs").exists() and not list(tmp_path.rglob("mlflow.db"))
+    if needle == "storage.root":  # the CLI's own check, before it reads the run or starts the flow
+        assert "run id:" not in result.stdout, result.stdout
 
 
 def test_a_model_needing_remote_code_names_the_field(prefect_api, tmp_path):

@@ -326,6 +326,26 @@ def test_preflight_names_missing_s3_credentials(s3_server, monkeypatch, tmp_path
         preflight(config)
 
 
+def test_an_unreachable_storage_root_is_refused_after_one_probe(monkeypatch, caplog, tmp_path):
+    """A refused S3 endpoint: one probe write (botocore's own attempts cut to one here), none of
+    the storage layer's retries, and the root named."""
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    config = load_config(overrides={"storage.root": "s3://bucket/root", "storage.endpoint_url": f"http://127.0.0.1:{port}"})
+    storage.configure(config.storage)
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainer_core.storage"), \
+                pytest.raises(ConfigError, match=r"storage.root 's3://bucket/root' is not writable: .*Could not connect"):
+            preflight(config)
+    finally:
+        storage.configure(load_config(overrides={"storage.root": str(tmp_path)}).storage)
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()], caplog.text
+
+
 def test_a_final_model_with_nonfinite_weights_is_never_committed(tmp_path):
     from trainer_core.backends.single import SingleDeviceBackend
     from trainer_core.spec import build_spec
