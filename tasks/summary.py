@@ -19,6 +19,7 @@ from tasks.reports import mlflow_run_url, mlflow_ui_url
 from tasks.results import PipelineRun, StageResult
 from trainer_core import storage
 from trainer_core.config import config_hash
+from trainer_core.registry import EVALUATED_METRICS
 
 COLUMNS: dict[str, dict[str, str]] = {
     "pretrain": {"train_loss": "train/loss", "eval_loss": "eval/loss"},
@@ -53,27 +54,39 @@ TABLE_COLUMNS: tuple[str, ...] = (
 """The table's columns, in order (a stage without a metric has an empty cell)."""
 
 
+def _evaluate_cell(key: str) -> tuple[str, str] | None:
+    """The table's (row, column) for evaluate's metric ``key`` (:data:`_EVALUATE_CELLS`), or None."""
+    for pattern, column in _EVALUATE_CELLS:
+        if m := pattern.match(key):
+            return m.group("row"), column
+    return None
+
+
 def headline_metrics(summary: dict[str, Any]) -> dict[str, float]:
-    """A run's headline numbers, flat: ``{"<stage>/<metric>": value}``.
+    """A run's headline numbers, flat: ``{"<stage>/<metric>": value}``, one name per quantity.
 
     Args:
         summary: A summary from :func:`build_summary` (its ``stages`` entries' ``metrics``).
 
     Returns:
-        For each training (or scoring) stage, its final :data:`COLUMNS` metrics under
-        ``<stage>/<manifest key>`` (``sft/train/loss``, ``dpo/eval/rewards/accuracies``,
-        ``ppo/reward_mean``); every evaluate metric under its own name (``dpo/exact_match``,
-        ``dpo_vs_sft/win_rate``, ``sft/eval_loss``), as quality gates name them.
+        Every evaluate metric under its own name (``dpo/exact_match``, ``dpo_vs_sft/win_rate``,
+        ``sft/eval_loss``), as quality gates name them; for each training (or scoring) stage, its
+        final :data:`COLUMNS` metrics under ``<stage>/<manifest key>`` (``sft/train/loss``,
+        ``ppo/reward_mean``), except one evaluate measured again on the final model
+        (:data:`~trainer_core.registry.EVALUATED_METRICS`): with evaluate in the run the parent
+        MLflow run has ``sft/eval_loss``, not also SFT's last ``sft/eval/loss`` (one quantity under
+        two names in MLflow's charts), as the summary table shows evaluate's number in that cell.
     """
-    out: dict[str, float] = {}
+    evaluated = (summary["stages"].get(EVALUATE_STAGE) or {}).get("metrics") or {}
+    out: dict[str, float] = {k: float(v) for k, v in evaluated.items()}
     for stage, entry in summary["stages"].items():
-        metrics = entry.get("metrics") or {}
         if stage == EVALUATE_STAGE:
-            out.update({k: float(v) for k, v in metrics.items()})
             continue
+        metrics = entry.get("metrics") or {}
         for key in COLUMNS.get(stage, {}).values():
-            if key in metrics:
-                out[f"{stage}/{key}"] = float(metrics[key])
+            name = f"{stage}/{key}"
+            if key in metrics and EVALUATED_METRICS.get(name) not in evaluated:
+                out[name] = float(metrics[key])
     return out
 
 
@@ -160,13 +173,11 @@ def summary_rows(summary: dict[str, Any], ui_url: str | None = None, experiment_
         row.update({col: _number(metrics[key]) for col, key in COLUMNS.get(name, {}).items() if key in metrics})
         rows[name] = row
     for key, value in (summary["stages"].get(EVALUATE_STAGE, {}).get("metrics") or {}).items():
-        for pattern, column in _EVALUATE_CELLS:
-            if m := pattern.match(key):
-                target = m.group("row")
-                if target not in rows:  # the base model, or a stage reused from another run
-                    rows[target] = {**dict.fromkeys(TABLE_COLUMNS), "stage": target, "status": "evaluated only"}
-                rows[target][column] = _number(value)
-                break
+        if (cell := _evaluate_cell(key)) is not None:
+            target, column = cell
+            if target not in rows:  # the base model, or a stage reused from another run
+                rows[target] = {**dict.fromkeys(TABLE_COLUMNS), "stage": target, "status": "evaluated only"}
+            rows[target][column] = _number(value)
     order = {name: i for i, name in enumerate(["base", *summary["stages"]])}
     return sorted(rows.values(), key=lambda r: order.get(r["stage"], len(order)))
 

@@ -215,6 +215,16 @@ STAGES: tuple[StageDef, ...] = (
 )
 """Every stage, in pipeline order (a topological order of the inputs above)."""
 
+
+EVALUATED_METRICS: Mapping[str, str] = {
+    "sft/eval/loss": "sft/eval_loss",
+    "reward_model/eval/accuracy": "reward_model/eval_accuracy",
+    "dpo/eval/rewards/accuracies": "dpo/eval_reward_accuracy",
+}
+"""A stage's own last eval metric (``<stage>/<its trainer's key>``) -> evaluate's measure of the
+same quantity on the final model (``trainer_core/stages/evaluate.py``). With evaluate in the run,
+the headline metrics and quality gates use evaluate's name only (one name per quantity)."""
+
 STAGE_ORDER: tuple[str, ...] = tuple(s.name for s in STAGES)
 """Every stage name, in pipeline order."""
 

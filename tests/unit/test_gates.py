@@ -61,6 +61,10 @@ def test_gate_config_is_validated():
         load_config(overrides={"evaluate.gates": [{"metric": "exact_match", "threshold": 0.1}]})
     with pytest.raises(ConfigError, match="registered_stage"):
         load_config(overrides={"stages": "prepare_data,sft", "tracking.registered_stage": "dpo"})
+    sft_loss = [{"metric": "sft/eval/loss", "op": "<=", "threshold": 2.0}]
+    with pytest.raises(ConfigError, match=r"gates\[0\].metric='sft/eval/loss': .* is 'sft/eval_loss'"):
+        load_config(overrides={"evaluate.gates": sft_loss})  # evaluate in the run: one name per quantity
+    assert load_config(overrides={"stages": "prepare_data,sft", "evaluate.gates": sft_loss}).evaluate.gates
     config = load_config(overrides={"tracking.registered_model_name": "m",
                                     "evaluate.gates": [{"metric": "dpo/exact_match", "vs_champion": True}]})
     assert config.evaluate.gates[0].op == ">="

@@ -367,9 +367,11 @@ def test_headline_metrics_name_each_stage():
     headline = headline_metrics(summary)
     assert summary["headline"] == headline
     evaluate = realistic_results()["evaluate"].metrics
-    assert headline == {
-        "sft/train/loss": 1.23456, "sft/eval/loss": 1.5,
-        "reward_model/train/loss": 0.61, "reward_model/eval/loss": 0.66, "reward_model/eval/accuracy": 0.62,
-        "dpo/train/loss": 0.55, "dpo/eval/loss": 0.6, "dpo/eval/rewards/accuracies": 0.71,
-        **evaluate,  # every evaluate metric under its own name (sft/eval_loss is evaluate's, not sft's eval/loss)
+    assert headline == {  # one name per quantity: evaluate's held-out number, not also the stage's last eval
+        "sft/train/loss": 1.23456,  # sft/eval/loss: evaluate's sft/eval_loss
+        "reward_model/train/loss": 0.61, "reward_model/eval/loss": 0.66,  # eval/accuracy: reward_model/eval_accuracy
+        "dpo/train/loss": 0.55, "dpo/eval/loss": 0.6,  # eval/rewards/accuracies: dpo/eval_reward_accuracy
+        **evaluate,  # every evaluate metric under its own name
     }
+    stages_only = {**summary, "stages": {k: v for k, v in summary["stages"].items() if k != "evaluate"}}
+    assert headline_metrics(stages_only)["sft/eval/loss"] == 1.5  # without evaluate, the stage's own

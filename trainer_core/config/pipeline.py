@@ -40,7 +40,7 @@ from trainer_core.config.stages import (
     SFTConfig,
 )
 from trainer_core.errors import ConfigError
-from trainer_core.registry import DEFAULT_STAGES, STAGE_ORDER, TRAINING_STAGES, get_stage
+from trainer_core.registry import DEFAULT_STAGES, EVALUATED_METRICS, STAGE_ORDER, TRAINING_STAGES, get_stage
 
 
 class PipelineConfig(ConfigBase):
@@ -139,6 +139,10 @@ class PipelineConfig(ConfigBase):
                 raise ValueError(f"evaluate.gates[{i}].metric={gate.metric!r}: names no stage; a gate's metric is "
                                  "<stage>/<metric>, <stage>_vs_sft/<metric> or base/<metric> (e.g. dpo/exact_match, "
                                  f"dpo_vs_sft/win_rate) with a stage of {list(STAGE_ORDER)}")
+            if gate.metric in EVALUATED_METRICS and "evaluate" in self.stages:
+                raise ValueError(f"evaluate.gates[{i}].metric={gate.metric!r}: with evaluate in the run this "
+                                 f"quantity is {EVALUATED_METRICS[gate.metric]!r} (evaluate's measure of the final "
+                                 "model on held-out data); gate on that name")
             if gate.vs_champion and not self.tracking.registered_model_name:
                 raise ValueError(f"evaluate.gates[{i}] ({gate.metric}): vs_champion needs "
                                  "tracking.registered_model_name (the registered model whose champion it compares with)")
