@@ -14,7 +14,8 @@ example item changed, one item added: a quality gate SFT's loss fails) and submi
 completes its stages, the resolved config it recorded has the typed values, and the gate fails
 it: the deployment's Runs tab lists it Failed, tagged gate-failed, its Details give the gate's
 message, its ``release`` artifact the gate's verdict, and the SFT row's link in its
-``pipeline-summary`` opens SFT's run in the MLflow UI. A second run from the form, with an
+``pipeline-summary`` opens SFT's run in the MLflow UI. A run started beside it through the API,
+with a gate it passes, shows its version made champion in its ``release`` artifact. A second run from the form, with an
 override of the field it changed, fails at once with a message naming both. The V1 UI's form of
 the same deployment must render too; in both, descriptions are plain text (no reST markup).
 
@@ -34,7 +35,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterDeploymentId,
+)
 from prefect.states import Cancelled
 
 from tests.e2e.stack import client, posttrain, start_worker, stop
@@ -53,6 +60,8 @@ RUN_TIMEOUT_S = 600
 FAILED_GATE = '{"metric": "sft/train/loss", "op": "<=", "threshold": 0.0001}'
 """A gate the tiny SFT's final training loss (about 5) fails."""
 TYPED_OVERRIDES = ["evaluate.generation.max_new_tokens=12", f"evaluate.gates=[{FAILED_GATE}]"]
+PASSED_GATE = '{"metric": "sft/train/loss", "op": "<=", "threshold": 1000}'
+"""A gate the same run passes: the run started beside the form's (through the API) to become the champion."""
 SFT_GROUP = "xpath=//label[normalize-space()='SFT']/ancestor::div[contains(@class,'group')][1]"
 """The form's SFT section (a field group labelled "SFT")."""
 OVERRIDES_GROUP = "xpath=//label[normalize-space()='overrides (Optional)']/ancestor::div[contains(@class,'group')][1]"
@@ -137,7 +146,7 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
     worker = start_worker(stack, worker_log)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(UI_TIMEOUT_MS)
-    flow_run_id = None
+    flow_run_id = passing_id = None
     try:
         with evidence(page, tmp_path, worker_log, stack["tmp"] / "prefect-server.log"):
             # The V1 UI (still served, one click away) renders the same form, in plain text.
@@ -175,10 +184,14 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             flow_run_id = response.json()["id"]
             assert response.json()["parameters"]["settings"]["sft"]["max_steps"] == TYPED_MAX_STEPS
             assert response.json()["parameters"]["overrides"] == TYPED_OVERRIDES
+            with client(stack) as api:  # beside it (the worker runs both): a run whose gate passes
+                passing_id = api.create_flow_run_from_deployment(
+                    deployment.id, parameters={"overrides": [f"evaluate.gates=[{PASSED_GATE}]"]}).id
 
             with client(stack) as api:
                 run = wait_final(api, flow_run_id)
-                new_runs = [r.id for r in runs_of(api, deployment.id) if r.id not in earlier_runs]
+                passing = wait_final(api, passing_id)
+                new_runs = [r.id for r in runs_of(api, deployment.id) if r.id not in {*earlier_runs, passing_id}]
             assert run.state.is_failed(), f"flow run {run.name}: {run.state.type}: {run.state.message}"
             assert run.state.name == "Failed" and run.state.message.startswith("gate: sft/train/loss ")
             assert new_runs == [run.id], "the form did not create exactly one flow run"
@@ -204,12 +217,12 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             page.get_by_role("tab", name="Details").click()
             expect(page.get_by_text(run.state.message, exact=True)).to_be_visible()
             page.get_by_role("tab", name="Artifacts").click()
-            open_artifact(page, "release")
+            open_artifact(page, stack, run.id, "release")
             expect(page.get_by_text("Gate failed", exact=True).first).to_be_visible()
             expect(page.get_by_role("cell", name="sft/train/loss", exact=True)).to_be_visible()
             page.goto(f"{ui}/v2/runs/flow-run/{run.id}")
             page.get_by_role("tab", name="Artifacts").click()
-            open_artifact(page, "pipeline-summary")
+            open_artifact(page, stack, run.id, "pipeline-summary")
             sft_run = summary["stages"]["sft"]["mlflow_run_id"]
             link = page.get_by_role("link", name=sft_run, exact=True)
             href = link.get_attribute("href")
@@ -217,6 +230,15 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             page.goto(href)
             expect(page.get_by_text(sft_run, exact=True).first).to_be_visible()
             expect(page.get_by_text("sft", exact=True).first).to_be_visible()
+
+            # The passing run's release: its version became the champion, its gate passed.
+            assert passing.state.is_completed(), f"flow run {passing.name}: {passing.state.type}: {passing.state.message}"
+            page.goto(f"{ui}/v2/runs/flow-run/{passing.id}")
+            page.get_by_role("tab", name="Artifacts").click()
+            open_artifact(page, stack, passing.id, "release")
+            expect(page.get_by_text("Champion", exact=True).first).to_be_visible()
+            expect(page.get_by_text(re.compile(r"is now")).first).to_be_visible()
+            expect(page.get_by_role("cell", name="passed", exact=True)).to_be_visible()
 
             # An override of the field the form changed: refused at the run's start, naming both.
             page.goto(f"{ui}/v2/deployments/deployment/{deployment.id}/run")
@@ -232,18 +254,22 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             assert f"overrides sets sft.max_steps=5 but settings set it to {TYPED_MAX_STEPS}" in clash.state.message
     finally:
         page.close()
-        if flow_run_id is not None:
-            with client(stack) as api:  # never leave a run for the next worker of this pool
-                if not api.read_flow_run(flow_run_id).state.is_final():
-                    api.set_flow_run_state(flow_run_id, Cancelled(), force=True)
+        with client(stack) as api:  # never leave a run for the next worker of this pool
+            for left in (flow_run_id, passing_id):
+                if left is not None and not api.read_flow_run(left).state.is_final():
+                    api.set_flow_run_state(left, Cancelled(), force=True)
         stop(worker)
 
 
-def open_artifact(page, key: str) -> None:
-    """From a flow run's Artifacts tab: the artifact ``key``, then its (only) version's page,
-    where the V2 UI renders its content."""
+def open_artifact(page, stack: dict, flow_run_id, key: str) -> None:
+    """From a flow run's Artifacts tab: the artifact ``key``, then the page of the version this
+    flow run created (the key's page lists every run's versions, each by its id's first 8
+    characters), where the V2 UI renders its content."""
+    with client(stack) as api:
+        [artifact] = api.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     page.get_by_text(key, exact=True).click()
-    page.get_by_role("link", name=re.compile(r"^[0-9a-f]{8}$")).first.click()
+    page.get_by_role("link", name=str(artifact.id)[:8], exact=True).click()
 
 
 def overrides_group(page):
