@@ -13,8 +13,8 @@ Every row generates the full 256 tokens: the engines get an EOS id no token has 
 ``generate`` gets ``min_new_tokens = max_new_tokens`` (EOS suppressed until then); so every side
 computes the same number of tokens.
 
-Sides (``--engines``): ``hf`` (:class:`trainer_core.engines.HFEngine`: dynamic KV cache, the
-RL loop's default), ``static`` (:class:`trainer_core.engines.StaticCacheEngine`: static cache,
+Sides (``--engines``): ``hf`` (:class:`trainer_core.generation.engines.HFEngine`: dynamic KV cache, the
+RL loop's default), ``static`` (:class:`trainer_core.generation.engines.StaticCacheEngine`: static cache,
 batched prefill, on CUDA a CUDA-graph decode step checked for "all ended" every 16 steps),
 ``generate`` (``model.generate(do_sample=True)`` with its default dynamic cache) and, on request,
 ``generate_static`` (``cache_implementation="static"``, which ``generate`` compiles on CUDA).
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from trainer_core.config import RolloutGenerationConfig
-from trainer_core.engines import build_engine
+from trainer_core.generation.engines import build_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / ".bench"

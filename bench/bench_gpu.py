@@ -60,7 +60,7 @@ from torch import nn
 
 from trainer_core.config import PipelineConfig, load_config
 from trainer_core.data.prepared import load_tokenizer_from
-from trainer_core.models import count_parameters
+from trainer_core.modeling.models import count_parameters
 from trainer_core.stages import reference as reference_stage
 from trainer_core.training.loop import TrainLoop
 from trainer_core.training.supervised import DPOObjective, SFTObjective

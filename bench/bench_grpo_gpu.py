@@ -6,7 +6,7 @@ Writes ``<--results-dir>/grpo_gpu.json``.
 
 Workload (issue 39's part B): ``--prompts`` (16) GSM8K prompts a rollout, ``--group`` (8)
 completions each, at most ``--new-tokens`` (256) new tokens, temperature 1, top-p 1; the
-verifier reward (``trainer_core.rewards.VerifierReward``: exact match of the final number plus
+verifier reward (``trainer_core.training.rl.rewards.VerifierReward``: exact match of the final number plus
 0.1 for a ``#### n`` line) on both sides; no KL term (the project's ``grpo.kl_coef`` 0, TRL's
 ``beta`` 0), one optimisation epoch cut into 4 optimizer steps of 32 completions, 16 rows a
 forward. The model is ``bench_gpu``'s: Qwen2.5-0.5B's architecture, random init, so completions
@@ -46,10 +46,10 @@ from bench_gpu import environment_facts, free_device_memory, peak_memory_bytes, 
 from common import cleanup, patched, set_threads, stage_spec, write_result
 
 from trainer_core.data.prepared import load_split, load_tokenizer_from
-from trainer_core.generation import messages_of, prompt_ids
-from trainer_core.rewards import has_answer_line, is_correct
+from trainer_core.generation.completions import messages_of, prompt_ids
+from trainer_core.training.rl.rewards import has_answer_line, is_correct
 from trainer_core.stages.runner import run_spec
-from trainer_core.training.rl import RLTrainer
+from trainer_core.training.rl.trainer import RLTrainer
 
 THROUGHPUT_TARGET = 3.0
 """Project / TRL completion tokens per second of the whole iteration (issue 39)."""

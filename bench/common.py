@@ -42,7 +42,7 @@ from trainer_core.data.prepared import load_tokenizer_from
 from trainer_core.data.synthetic import make_preference_records, make_sft_records
 from trainer_core.data.tokenizer import encode_chat
 from trainer_core.errors import DataError
-from trainer_core.models import count_parameters, load_causal_lm
+from trainer_core.modeling.models import count_parameters, load_causal_lm
 from trainer_core.spec import StageSpec, build_spec
 from trainer_core.stages.runner import run_spec
 from trainer_core.storage import StageLayout, configure

@@ -115,7 +115,7 @@ CURVES: dict[str, tuple[Panel, ...]] = {
     "grpo": (Panel("reward", ("reward_mean", "verifier_accuracy")), Panel("KL to reference", ("objective/kl",))),
 }
 """Stage -> the panels of its curves image (the metric names the trainer logs: ``training/loop.py``
-for pretrain, SFT, reward model, DPO and KTO, ``training/rl.py`` for PPO and GRPO). Other stages have none."""
+for pretrain, SFT, reward model, DPO and KTO, ``training/rl/trainer.py`` for PPO and GRPO). Other stages have none."""
 
 
 def _history(client: MlflowClient, run_id: str, key: str) -> tuple[list[int], list[float]]:

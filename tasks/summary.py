@@ -32,7 +32,7 @@ COLUMNS: dict[str, dict[str, str]] = {
     "score": {"reward": "reward_mean", "accuracy": "verifier_accuracy"},
 }
 """Stage -> table column -> the key of its final metric (its manifest's ``metrics``: the last
-value the trainer logged; see ``training/loop.py`` and ``training/rl.py``)."""
+value the trainer logged; see ``training/loop.py`` and ``training/rl/trainer.py``)."""
 
 EVALUATE_STAGE = "evaluate"
 

@@ -190,7 +190,7 @@ def log_transformers_model(
     import transformers
     from mlflow.models import Model
 
-    from trainer_core.models import from_pretrained_merged, without_absent_integrations
+    from trainer_core.modeling.models import from_pretrained_merged, without_absent_integrations
 
     client = MlflowClient(tracking_uri)
     run = client.get_run(run_id)

@@ -3,7 +3,7 @@ Qwen2.5-0.5B architecture (vocabulary 151,936), peak memory under 40 GiB, the st
 
 Before issue 13 this ran out of memory on an H100 (a float32 log-softmax over [N, T, V] for the
 entropies: 18.5 GiB with 69.7 GiB in use). Now the completion tokens' log-probs and entropies
-come from the chunked LM head (``trainer_core.rollout.completion_forward``), the forwards over
+come from the chunked LM head (``trainer_core.training.rl.rollout.completion_forward``), the forwards over
 the rollout batch go ``forward_micro_batch_size`` rows at a time, and the update is cut into
 mini-batches and micro-batches.
 
@@ -52,7 +52,7 @@ def test_grpo_16x8x256_on_qwen2_0_5b_fits_40_gib(tmp_path, engine):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from trainer_core.stages.runner import run_spec
-    from trainer_core.training.rl import RLTrainer
+    from trainer_core.training.rl.trainer import RLTrainer
 
     from .qwen2_setup import prepare_qwen2
 

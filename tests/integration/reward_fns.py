@@ -1,6 +1,6 @@
 """User reward functions named by import path in the RL integration tests
 (``tests.integration.reward_fns:<name>``), written as a user writes one: see
-:class:`trainer_core.rewards.FunctionReward` for the calling convention."""
+:class:`trainer_core.training.rl.rewards.FunctionReward` for the calling convention."""
 
 from __future__ import annotations
 

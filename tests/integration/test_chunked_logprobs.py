@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when torchrun runs this file
 
-from trainer_core.forward import unwrap_causal_lm  # noqa: E402
+from trainer_core.modeling.forward import unwrap_causal_lm  # noqa: E402
 from trainer_core.objectives.dpo import dpo_loss  # noqa: E402
 from trainer_core.objectives.logprobs import compute_logprobs, sequence_logprobs, shift_mask  # noqa: E402
 from trainer_core.objectives.sft import sft_loss  # noqa: E402

@@ -319,7 +319,7 @@ def test_adapter_commit_is_peft_format_over_its_base(runs, tiny_pipeline):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer_core.models import load_causal_lm, local_model_path
+    from trainer_core.modeling.models import load_causal_lm, local_model_path
 
     _, output = runs.result("handoff")["sft"]
     final = StageLayout(output).final
@@ -387,7 +387,7 @@ def test_qlora_commits_the_dequantized_base_plus_scaled_b_times_a(tiny_pipeline,
     from transformers import AutoModelForCausalLM
 
     from trainer_core.data.prepared import load_tokenizer_from
-    from trainer_core.models import load_causal_lm
+    from trainer_core.modeling.models import load_causal_lm
     from trainer_core.stages.runner import run_spec
 
     config = lora_config(tiny_pipeline, **{"model.init.hidden_size": 64, "model.init.intermediate_size": 128,

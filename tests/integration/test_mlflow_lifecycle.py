@@ -175,8 +175,8 @@ def test_reward_adapter_over_a_remote_causal_lm_logs_merged(config, store, model
     over a causal-LM base also on object storage: MLflow gets the merged reward model, whose
     scores are the adapted model's."""
     from trainer_core.config import LoraConfig, ModelConfig
-    from trainer_core.lora import adapter_files, apply_lora
-    from trainer_core.models import load_reward_model
+    from trainer_core.modeling.lora import adapter_files, apply_lora
+    from trainer_core.modeling.models import load_reward_model
 
     _, uri = store
     base, adapter = "memory://mlflow-lifecycle/sft/final", "memory://mlflow-lifecycle/rm-adapter/final"

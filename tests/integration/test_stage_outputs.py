@@ -32,7 +32,7 @@ from trainer_core.config import BackendConfig, TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, collate_causal, collate_pairs
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.training.loop import BatchSource, TrainLoop
-from trainer_core.models import load_causal_lm, load_reward_model
+from trainer_core.modeling.models import load_causal_lm, load_reward_model
 from trainer_core.storage import StageLayout, join_uri
 from trainer_core.data.prepared import load_split, load_tokenizer_from
 from trainer_core.training.supervised import (

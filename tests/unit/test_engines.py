@@ -21,17 +21,17 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from trainer_core import rollout
+from trainer_core.training.rl import rollout
 from trainer_core.config import GenerationConfig, RolloutGenerationConfig
-from trainer_core.engines import (
+from trainer_core.generation.engines import (
     ENGINES,
     Generated,
     HFEngine,
     StaticCacheEngine,
     build_engine,
 )
-from trainer_core.sampling import exponential_noise, next_tokens, sample_with_noise, top_p_filter
-from trainer_core.static_decode import (
+from trainer_core.generation.sampling import exponential_noise, next_tokens, sample_with_noise, top_p_filter
+from trainer_core.generation.static_decode import (
     GROUPED_DECODE_ATTENTION,
     CompletionBuffers,
     DecodeState,
@@ -114,7 +114,7 @@ def _check_layout(out: Generated, max_new_tokens: int) -> None:
 
 # --- hf ------------------------------------------------------------------------------------------
 
-# The sampling loop of trainer_core/rollout.py before the engines (issue 13), kept verbatim as the
+# The sampling loop of trainer_core/training/rl/rollout.py before the engines (issue 13), kept verbatim as the
 # reference: the hf engine must draw exactly its tokens, so that runs and checkpoints of earlier
 # versions sample and resume as they did.
 def _ref_top_p_filter(logits: Tensor, top_p: float) -> Tensor:

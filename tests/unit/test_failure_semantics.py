@@ -40,7 +40,7 @@ from trainer_core.errors import (
     ResourceError,
     classify,
 )
-from trainer_core.models import load_causal_lm
+from trainer_core.modeling.models import load_causal_lm
 from trainer_core.storage import RunLayout, join_uri
 from trainer_core.training.guard import check_finite_tensors, nonfinite_weights, step_is_finite
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from trainer_core.forward import masked_nll_sum, masked_token_logprobs
+from trainer_core.modeling.forward import masked_nll_sum, masked_token_logprobs
 from trainer_core.objectives.chunked import chunked_linear_logprobs, nll_sum_kernel
 from trainer_core.objectives.logprobs import compute_logprobs, shift_mask
 from trainer_core.objectives.sft import sft_loss

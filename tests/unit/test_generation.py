@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from trainer_core.config import GenerationConfig, SampledGenerationConfig, load_config
 from trainer_core.data.tokenizer import train_tokenizer
 from trainer_core.errors import ConfigError
-from trainer_core.generation import check_generation_engine, generate_completions
+from trainer_core.generation.completions import check_generation_engine, generate_completions
 
 TEXTS = ["one plus two is three", "four minus one is three", "two times two is four", "five and five make ten"]
 PROMPTS = ["one plus", "four minus one is", "two", "five and five make ten and", "one", "two times two is four and",

@@ -1,4 +1,4 @@
-"""LoRA (``trainer_core.lora``): injection, the disabled adapter, the merge, checkpoints, config."""
+"""LoRA (``trainer_core.modeling.lora``): injection, the disabled adapter, the merge, checkpoints, config."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from trainer_core.checkpoint.components import Sharing
 from trainer_core.config import LoraConfig, load_config
 from trainer_core.errors import ConfigError
 from trainer_core.fingerprint import stage_fingerprint
-from trainer_core.lora import adapter_disabled, apply_lora, default_target_modules, has_lora, merged_state_dict
+from trainer_core.modeling.lora import adapter_disabled, apply_lora, default_target_modules, has_lora, merged_state_dict
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, pad_token_id=0)
@@ -174,7 +174,7 @@ def test_qlora_is_refused_off_the_single_backend_naming_the_stage():
 
 
 def write_adapter(model: torch.nn.Module, path, base: str) -> None:
-    from trainer_core.lora import adapter_files
+    from trainer_core.modeling.lora import adapter_files
 
     path.mkdir(parents=True, exist_ok=True)
     for name, data in adapter_files(model, model.state_dict(), base).items():
@@ -188,8 +188,8 @@ def test_committed_adapter_loads_in_peft_and_merges_in_posttrain(tmp_path, tie):
     from peft import PeftModel
 
     from trainer_core.config import ModelConfig
-    from trainer_core.lora import base_state_dict, is_adapter_dir
-    from trainer_core.models import adapter_source, load_causal_lm
+    from trainer_core.modeling.lora import base_state_dict, is_adapter_dir
+    from trainer_core.modeling.models import adapter_source, load_causal_lm
 
     model = tiny_lm(tie)
     apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8), seed=0)
@@ -220,7 +220,7 @@ def test_committed_reward_adapter_carries_its_score_head(tmp_path):
     from peft import PeftModel
 
     from trainer_core.config import ModelConfig
-    from trainer_core.models import load_reward_model
+    from trainer_core.modeling.models import load_reward_model
 
     lm_dir = tmp_path / "lm"
     tiny_lm().save_pretrained(lm_dir)
@@ -241,7 +241,7 @@ def test_committed_reward_adapter_carries_its_score_head(tmp_path):
 
 
 def test_continued_adapter_trains_the_saved_weights_and_refuses_other_settings(tmp_path):
-    from trainer_core.lora import attach_adapter, check_continued, peft_config
+    from trainer_core.modeling.lora import attach_adapter, check_continued, peft_config
 
     model = tiny_lm()
     apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8), seed=0)
@@ -261,7 +261,7 @@ def test_continued_adapter_trains_the_saved_weights_and_refuses_other_settings(t
 
 
 def test_adapter_that_does_not_fit_the_model_names_the_file(tmp_path):
-    from trainer_core.lora import attach_adapter
+    from trainer_core.modeling.lora import attach_adapter
 
     model = tiny_lm()
     apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8), seed=0)

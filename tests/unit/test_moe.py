@@ -15,7 +15,7 @@ from trainer_core.data.batching import collate_causal
 from trainer_core.data.tokenizer import train_tokenizer
 from trainer_core.errors import ConfigError
 from trainer_core.fingerprint import stage_fingerprint
-from trainer_core.models import load_causal_lm
+from trainer_core.modeling.models import load_causal_lm
 from trainer_core.training.moe import MoEObjective, with_moe
 from trainer_core.training.supervised import SFTObjective
 

@@ -1,4 +1,4 @@
-"""The ptx term (trainer_core.training.ptx): demonstrations cut and batched, rows drawn from the
+"""The ptx term (trainer_core.training.rl.ptx): demonstrations cut and batched, rows drawn from the
 step alone, and the loss equal to transformers' own causal-LM loss on the same tokens."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer_core.errors import ConfigError
-from trainer_core.rollout import PolicyAndValue, policy_forward
-from trainer_core.training.ptx import (
+from trainer_core.training.rl.rollout import PolicyAndValue, policy_forward
+from trainer_core.training.rl.ptx import (
     check_demonstrations,
     collate_demonstrations,
     ptx_nll,

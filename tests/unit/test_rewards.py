@@ -15,7 +15,7 @@ from transformers import AutoModelForSequenceClassification, LlamaConfig
 from trainer_core.config import DataConfig, RewardConfig
 from trainer_core.data.tokenizer import render_chat, train_tokenizer
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
-from trainer_core.rewards import (
+from trainer_core.training.rl.rewards import (
     FunctionReward,
     MathVerifyReward,
     PromptItem,

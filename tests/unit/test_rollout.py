@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from trainer_core.config import GenerationConfig
-from trainer_core.engines import HFEngine
-from trainer_core.rollout import (
+from trainer_core.generation.engines import HFEngine
+from trainer_core.training.rl.rollout import (
     PolicyAndValue,
     RolloutBatch,
     completion_forward,

@@ -41,7 +41,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from trainer_core.backends import memory
 from trainer_core.backends.distributed import ProcessGroupBackend
-from trainer_core.architecture import transformer_blocks
+from trainer_core.modeling.architecture import transformer_blocks
 from trainer_core.backends.single import partly_frozen, torch_optimizer_step
 from trainer_core import storage
 from trainer_core.config import BackendConfig

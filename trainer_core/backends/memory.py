@@ -56,7 +56,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from trainer_core.architecture import transformer_blocks
+from trainer_core.modeling.architecture import transformer_blocks
 from trainer_core.errors import ConfigError
 
 log = logging.getLogger(__name__)

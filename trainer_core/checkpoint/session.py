@@ -2,7 +2,7 @@
 the metrics that reach the tracker exactly once.
 
 :class:`CheckpointSession` is what the supervised loop (``training/loop.py``) and the RL trainer
-(``training/rl.py``) call; neither touches checkpoint files itself. A save puts every state
+(``training/rl/trainer.py``) call; neither touches checkpoint files itself. A save puts every state
 component through :func:`~trainer_core.checkpoint.train_state.put_train_state` (the one
 writer, in the backend's format) into a :class:`~trainer_core.checkpoint.components.RankWriter`,
 which commits the manifest last. On the single-device backend the state is serialised in step

@@ -214,8 +214,8 @@ class GenerationConfig(ConfigBase):
     batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
     engine: Literal["hf", "static"] = Field(
         "hf", description="Generation engine: 'hf' the model's own forward with a dynamic KV cache (score and "
-        "evaluate: transformers' generate; PPO/GRPO rollouts: trainer_core.engines.HFEngine, bit-exact resume), the "
-        "CPU reference and the one for sharded policies; 'static' (trainer_core.engines.StaticCacheEngine) a static "
+        "evaluate: transformers' generate; PPO/GRPO rollouts: trainer_core.generation.engines.HFEngine, bit-exact resume), the "
+        "CPU reference and the one for sharded policies; 'static' (trainer_core.generation.engines.StaticCacheEngine) a static "
         "KV cache reserved up front, batched prefill and (on CUDA) a compiled, CUDA-graph decode step; single and "
         "DDP backends."
     )
@@ -311,7 +311,7 @@ class RewardConfig(ConfigBase):
     verifier_weight: float = Field(1.0, description="Weight of the verifier score in 'weighted' (without 'weights').")
     function: str | None = Field(
         None, description="'function' (or a 'weighted' part): import path 'package.module:function' of a reward "
-        "function (see trainer_core.rewards.FunctionReward for its signature)."
+        "function (see trainer_core.training.rl.rewards.FunctionReward for its signature)."
     )
     weights: dict[RewardKind, float] | None = Field(
         None, description="'weighted': kind -> weight, e.g. {verifier: 1.0, function: 0.5}; None: "
@@ -366,7 +366,7 @@ class RLStageConfig(TrainStageConfig):
     ptx_coef: float = Field(
         0.0, ge=0, description="Weight of a supervised loss on the prepared sft/train demonstrations added to "
         "every optimizer step (InstructGPT's PPO-ptx, eq. 2; OpenRLHF's ptx_coef): keeps what the policy "
-        "learnt outside the RL prompts; 0: off. See trainer_core.training.ptx."
+        "learnt outside the RL prompts; 0: off. See trainer_core.training.rl.ptx."
     )
     ptx_rows_per_step: int = Field(16, ge=1, description="Demonstrations per rank in each optimizer step's ptx loss.")
     importance_sampling_cap: float | None = Field(

@@ -68,7 +68,7 @@ def _causal(rows: Sequence[dict], pad_id: int, prefix: str, length: int) -> dict
 def counted_index(loss_mask: Tensor) -> Tensor:
     """Flat positions, in ``loss_mask.flatten()`` order, of the tokens whose NEXT token is counted.
 
-    The forward (:mod:`trainer_core.forward`) selects the hidden states that predict counted
+    The forward (:mod:`trainer_core.modeling.forward`) selects the hidden states that predict counted
     tokens with it (``hidden.reshape(B * T, H).index_select(0, index)``, targets at ``index + 1``);
     computed on the host at collation, it spares the device a data-dependent selection (a host
     synchronisation on CUDA) in every step.

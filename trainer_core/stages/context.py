@@ -22,7 +22,7 @@ from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.config import LoraConfig, PipelineConfig, TrainStageConfig
 from trainer_core.data.prepared import load_split
 from trainer_core.errors import ConfigError, NonFiniteError
-from trainer_core.lora import (
+from trainer_core.modeling.lora import (
     adapter_base_model,
     adapter_files,
     apply_lora,
@@ -35,7 +35,7 @@ from trainer_core.lora import (
     base_state_dict,
     is_trained,
 )
-from trainer_core.models import adapter_source, load_causal_lm, load_reward_model, save_pretrained_to, save_tokenizer_to
+from trainer_core.modeling.models import adapter_source, load_causal_lm, load_reward_model, save_pretrained_to, save_tokenizer_to
 from trainer_core.registry import INIT_SOURCE
 from trainer_core.spec import StageSpec
 from trainer_core.storage import StageLayout, join_uri

@@ -31,7 +31,7 @@ from torch import nn
 
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.data.formats import answers_match, extract_generated_answer
-from trainer_core.generation import (
+from trainer_core.generation.completions import (
     check_generation_engine,
     generate_completions,
     messages_of,

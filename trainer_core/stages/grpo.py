@@ -1,6 +1,6 @@
 """GRPO stage: ``group_size`` samples per prompt, group-relative advantages, the clipped
 objective with an optional k3 KL to the reference, no critic; the GRPO family (Dr. GRPO, DAPO,
-RLOO, REINFORCE++) by configuration (see :mod:`trainer_core.training.rl` for the loop,
+RLOO, REINFORCE++) by configuration (see :mod:`trainer_core.training.rl.trainer` for the loop,
 :mod:`trainer_core.objectives.grpo_family` and :mod:`trainer_core.objectives.grpo` for the math).
 
 Default reward: the verifier (exact match of the final number plus a format bonus). The
@@ -24,10 +24,10 @@ from trainer_core.objectives.grpo_family import (
     dapo_overlong_penalty,
 )
 from trainer_core.objectives.ppo import KL_ESTIMATORS
-from trainer_core.rollout import PolicyForward, RolloutBatch
+from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage
-from trainer_core.training.rl import MiniBatchCounts, masked_sum
+from trainer_core.training.rl.trainer import MiniBatchCounts, masked_sum
 
 
 class GRPOAlgorithm:

@@ -1,6 +1,6 @@
 """PPO stage: a policy with a value head (shared trunk), per-token KL penalty against a frozen
 reference, the score added at the last token, GAE, whitened advantages, clipped policy and
-value losses; several epochs of mini-batches per rollout (see :mod:`trainer_core.training.rl`).
+value losses; several epochs of mini-batches per rollout (see :mod:`trainer_core.training.rl.trainer`).
 
 Default reward: the trained reward model (``ppo.reward.kind``). The final directory holds the
 policy as an HF model plus ``value_head.safetensors`` (``weight`` [1, H], ``bias`` [1]).
@@ -30,10 +30,10 @@ from trainer_core.objectives.ppo import (
     gae,
     penalized_rewards,
 )
-from trainer_core.rollout import PolicyForward, RolloutBatch
+from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage, value_head_bytes
-from trainer_core.training.rl import MiniBatchCounts, masked_sum
+from trainer_core.training.rl.trainer import MiniBatchCounts, masked_sum
 
 
 def whiten_across_ranks(

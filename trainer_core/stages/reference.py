@@ -18,7 +18,7 @@ from torch import nn
 
 from trainer_core.checkpoint.manifest import ArtifactWriter, load_verified
 from trainer_core.config import TrainStageConfig
-from trainer_core.lora import adapter_disabled
+from trainer_core.modeling.lora import adapter_disabled
 from trainer_core.stages.context import StageContext
 from trainer_core.storage import join_uri, read_bytes
 from trainer_core.training.loop import BatchSource

@@ -1,4 +1,4 @@
-"""What the PPO and GRPO stages share around the RL loop (:mod:`trainer_core.training.rl`): the
+"""What the PPO and GRPO stages share around the RL loop (:mod:`trainer_core.training.rl.trainer`): the
 prompt set, the reward function, and building, resuming and running the trainer.
 """
 
@@ -14,8 +14,8 @@ from torch import Tensor
 from trainer_core.config import RLStageConfig
 from trainer_core.data.prepared import PreparedRows
 from trainer_core.errors import ConfigError
-from trainer_core.generation import messages_of, prompt_ids
-from trainer_core.rewards import (
+from trainer_core.generation.completions import messages_of, prompt_ids
+from trainer_core.training.rl.rewards import (
     PromptItem,
     RewardFunction,
     RewardModelReward,
@@ -23,10 +23,10 @@ from trainer_core.rewards import (
     needs_answers,
     needs_reward_model,
 )
-from trainer_core.rollout import PolicyAndValue, value_head_for
+from trainer_core.training.rl.rollout import PolicyAndValue, value_head_for
 from trainer_core.stages.context import StageContext
 from trainer_core.training.loop import summarize
-from trainer_core.training.rl import (
+from trainer_core.training.rl.trainer import (
     RL_CHECKPOINT_LAYOUT,
     Algorithm,
     RLTrainer,

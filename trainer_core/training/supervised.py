@@ -1,7 +1,7 @@
 """The supervised loop's objectives (SFT, reward model, DPO, KTO) and their batch sources.
 
 Each objective implements :class:`~trainer_core.training.loop.Objective` from the pure losses of
-:mod:`trainer_core.objectives` and the forwards of :mod:`trainer_core.forward`; the stages
+:mod:`trainer_core.objectives` and the forwards of :mod:`trainer_core.modeling.forward`; the stages
 (``stages/sft.py``, ``pretrain.py``, ``reward_model.py``, ``dpo.py``, ``kto.py``) train with them and ``stages/evaluate.py``
 scores held-out data with them.
 
@@ -33,7 +33,7 @@ from trainer_core.data.batching import (
 )
 from trainer_core.data.prepared import row_lengths
 from trainer_core.errors import ConfigError
-from trainer_core.forward import masked_nll_sum, masked_token_logprobs, packed_sequence_scores
+from trainer_core.modeling.forward import masked_nll_sum, masked_token_logprobs, packed_sequence_scores
 from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS
 from trainer_core.objectives.dpo import LENGTH_NORMALISED, REFERENCE_FREE, preference_loss
 from trainer_core.objectives.kto import PER_LABEL_METRICS, kto_loss
@@ -82,7 +82,7 @@ def eval_batches(source: BatchSource, max_batches: int):
 class SFTObjective:
     """Masked next-token NLL; the count unit is a completion token.
 
-    The loss sum comes from :func:`~trainer_core.forward.masked_nll_sum` (the LM head on
+    The loss sum comes from :func:`~trainer_core.modeling.forward.masked_nll_sum` (the LM head on
     completion positions only, in chunks or Liger's fused kernel), equal to
     ``sft_loss(masked_token_logprobs(...), mask)``.
 
@@ -232,7 +232,7 @@ def pair_logprobs(
     concatenated [2B, T] pairs or of a packed [1, S] batch (summed per sequence by ``sequence_ids``).
 
     ``model`` is an HF causal LM, plain or wrapped by a backend; its LM head runs on completion
-    positions only, ``chunk_size`` tokens at a time (:func:`~trainer_core.forward.masked_token_logprobs`).
+    positions only, ``chunk_size`` tokens at a time (:func:`~trainer_core.modeling.forward.masked_token_logprobs`).
     """
     pairs = num_pairs(batch)
     if is_packed(batch):
@@ -253,7 +253,7 @@ def padded_sequence_logprobs(
     chunk_size: int = CHUNK_SIZE_TOKENS,
 ) -> Tensor:
     """Summed log-probs [B] float32 of the counted tokens of each padded [B, T] row, the LM head
-    on counted positions only (:func:`~trainer_core.forward.masked_token_logprobs`;
+    on counted positions only (:func:`~trainer_core.modeling.forward.masked_token_logprobs`;
     ``counted_index`` the collated batch's, or None)."""
     token_logprobs = masked_token_logprobs(
         model, input_ids, attention_mask, loss_mask, chunk_size=chunk_size, counted_index=counted_index

@@ -2,7 +2,7 @@
 
 Used by the ``score`` and ``evaluate`` stages. Generation runs on left-padded prompts through
 ``transformers``' ``generate`` (``generation.engine`` "hf") or the ``static`` engine of
-:mod:`trainer_core.engines`; scoring runs the reward model on the chat-rendered prompt +
+:mod:`trainer_core.generation.engines`; scoring runs the reward model on the chat-rendered prompt +
 completion and reads the score at the last non-padding token.
 """
 
@@ -56,7 +56,7 @@ def generate_completions(
     """Generate one completion per prompt, ``gen.batch_size`` prompts at a time.
 
     With ``gen.engine`` "hf", transformers' ``generate`` (sampling seeded through
-    ``torch.manual_seed``); with "static", :class:`trainer_core.engines.StaticCacheEngine`
+    ``torch.manual_seed``); with "static", :class:`trainer_core.generation.engines.StaticCacheEngine`
     (its cache kept from batch to batch while it fits, reserved again for a batch of another
     size, released at the end; sampling from a generator seeded with ``seed``). Greedy decoding
     picks the same tokens in both, up to the float rounding of their different attention kernels.
@@ -82,7 +82,7 @@ def generate_completions(
     model.eval()
     engine = None
     if gen.engine != "hf":
-        from trainer_core.engines import build_engine
+        from trainer_core.generation.engines import build_engine
 
         engine = build_engine(gen.engine, model, device=device, compile=gen.compile,
                               fuse_projections=gen.fuse_projections)

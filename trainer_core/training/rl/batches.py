@@ -1,6 +1,6 @@
 """The RL loop's data: prompt order, the rollout's sampling rounds (DAPO's dynamic sampling),
 mini- and micro-batch sizes, the algorithm protocol, and the rollout's metrics
-(:mod:`trainer_core.training.rl` runs them).
+(:mod:`trainer_core.training.rl.trainer` runs them).
 
 Shape legend: N sequences (this rank's), G completions per prompt, P prompt tokens, T
 completion tokens.
@@ -21,17 +21,17 @@ from torch import Tensor, nn
 from trainer_core.backends.base import Backend
 from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import RLStageConfig
-from trainer_core.engines import Generated
+from trainer_core.generation.engines import Generated
 from trainer_core.errors import ConfigError
 from trainer_core.objectives.ppo import KL_ESTIMATORS
-from trainer_core.rewards import PromptItem, is_correct
-from trainer_core.rollout import PolicyForward, RolloutBatch, completion_forward
+from trainer_core.training.rl.rewards import PromptItem, is_correct
+from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch, completion_forward
 
 
 def _reference_forward(
     model: nn.Module, p_ids: Tensor, p_mask: Tensor, c_ids: Tensor, c_mask: Tensor, *, temperature: float
 ) -> PolicyForward:
-    """:func:`~trainer_core.rollout.completion_forward` in the loop's argument order."""
+    """:func:`~trainer_core.training.rl.rollout.completion_forward` in the loop's argument order."""
     return completion_forward(model, p_ids, p_mask, c_ids, c_mask, temperature=temperature)
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class SampledRound:
     Attributes:
         items: [N] the prompt of each row (a prompt repeated G times, contiguously).
         prompt_ids: [N, P] long, left-padded; prompt_mask: [N, P] float.
-        generated: the engine's :class:`~trainer_core.engines.Generated` ([N, T] ids, mask, log-probs).
+        generated: the engine's :class:`~trainer_core.generation.engines.Generated` ([N, T] ids, mask, log-probs).
         texts: [N] decoded completions.
         scores: [N] float32 rewards.
     """
@@ -111,7 +111,7 @@ class SampledRound:
 def masked_out(sample: SampledRound) -> SampledRound:
     """``sample`` with every completion masked out (mask and log-probs 0, tokens kept): rows that
     still go through the forwards, so that ranks run the same ones, but count nothing (as
-    :func:`~trainer_core.rollout.masked_row`): no loss, no gradient, no token or sequence count."""
+    :func:`~trainer_core.training.rl.rollout.masked_row`): no loss, no gradient, no token or sequence count."""
     g = sample.generated
     hidden = Generated(g.completion_ids, torch.zeros_like(g.completion_mask), torch.zeros_like(g.logprobs))
     return SampledRound(sample.items, sample.prompt_ids, sample.prompt_mask, hidden, sample.texts, sample.scores)

@@ -40,7 +40,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer_core.config import DataConfig, RewardConfig
 from trainer_core.data.formats import answers_match, extract_generated_answer
 from trainer_core.errors import ConfigError, PosttrainError
-from trainer_core.generation import reward_scores
+from trainer_core.generation.completions import reward_scores
 
 FORMAT_LINE = re.compile(r"(?m)^\s*####\s*-?\$?\d[\d,]*(?:\.\d+)?\s*$")
 """A final-answer line: ``#### 42`` on a line of its own."""

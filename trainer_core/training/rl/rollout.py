@@ -4,7 +4,7 @@ Shape legend: N sequences in the rollout batch (prompts x samples per prompt), P
 (left-padded to the longest prompt), T completion tokens (right-padded after each completion's
 end), L = P + T, H hidden size. Token ids are ``torch.long``; masks are float, 1 = a real token.
 
-Sampling is the generation engines' job (:mod:`trainer_core.engines`). The log-probs used by
+Sampling is the generation engines' job (:mod:`trainer_core.generation.engines`). The log-probs used by
 the losses are recomputed here by one forward over ``[prompt | completion]``, of the
 temperature-scaled logits without the top-p cut, as in TRL's PPO and GRPO trainers:
 :func:`completion_forward` and :func:`policy_forward` with a chunked LM head (no [N, T, V]
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainer_core.forward import _forward_replaced, _head_parts, unwrap_causal_lm
+from trainer_core.modeling.forward import _forward_replaced, _head_parts, unwrap_causal_lm
 from trainer_core.objectives.chunked import (
     CHUNK_SIZE_TOKENS,
     chunked_linear_logprobs_entropy,
@@ -247,7 +247,7 @@ def completion_forward(
     """Log-probs and entropies of completion tokens under a causal LM, without [N, T, V] logits.
 
     The LM head runs inside one call of ``model`` (wrapped or not: a DeepSpeed engine's or
-    FSDP2's hooks fire as for a plain forward; see :mod:`trainer_core.forward`), on the real
+    FSDP2's hooks fire as for a plain forward; see :mod:`trainer_core.modeling.forward`), on the real
     completion positions only, ``chunk_size`` tokens at a time. Models whose logits are not a
     plain linear head (soft-capping, logit scaling) take :func:`forward_completions`' full path.
     Equal to :func:`forward_completions` up to float rounding (tested within 1e-5 in fp32).

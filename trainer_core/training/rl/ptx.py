@@ -27,10 +27,10 @@ from torch import Tensor
 
 from trainer_core.data.batching import _padded, collate_prompts_left
 from trainer_core.errors import ConfigError
-from trainer_core.rollout import policy_forward
+from trainer_core.training.rl.rollout import policy_forward
 
 if TYPE_CHECKING:
-    from trainer_core.training.rl import RLTrainer
+    from trainer_core.training.rl.trainer import RLTrainer
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def split_demonstration(row: dict) -> tuple[list[int], list[int], list[int]]:
 
 
 def collate_demonstrations(rows: Sequence[dict], pad_id: int, device: torch.device | str) -> PtxBatch:
-    """Batch prepared SFT rows for :func:`~trainer_core.rollout.policy_forward` (see :class:`PtxBatch`).
+    """Batch prepared SFT rows for :func:`~trainer_core.training.rl.rollout.policy_forward` (see :class:`PtxBatch`).
 
     Raises:
         ConfigError: a row without a completion (:func:`split_demonstration`).

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from trainer_core.architecture import transformer_blocks
+from trainer_core.modeling.architecture import transformer_blocks
 from trainer_core.config import LoraConfig
 from trainer_core.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""Token sampling for the generation engines (:mod:`trainer_core.engines`): the draws of the RL
+"""Token sampling for the generation engines (:mod:`trainer_core.generation.engines`): the draws of the RL
 stages' sampling loop before the engines (``torch.multinomial`` on the temperature-scaled,
 top-p-filtered softmax), and the same draws as plain tensor maths that compile into a decode step
 (:func:`sample_with_noise`, fed Exp(1) noise by :func:`exponential_noise`).
@@ -64,7 +64,7 @@ def sample_with_noise(logits: Tensor, noise: Tensor | None, temperature: float,
     multinomial's input checks, whose host reads would stall a CUDA graph's pipeline every step,
     and as plain tensor maths it compiles into the decode step. Invalid probabilities (NaN or
     infinite logits) show as NaN log-probs, caught after the call
-    (:meth:`trainer_core.engines.StaticCacheEngine.generate`).
+    (:meth:`trainer_core.generation.engines.StaticCacheEngine.generate`).
     """
     if temperature <= 0:
         token = logits.argmax(dim=-1)

@@ -6,10 +6,10 @@ One iteration (``global_step`` counts iterations, as ``max_steps`` does), on eve
    rank ``r`` of ``world_size`` takes prompts ``r, r + world_size, ...`` (equal shares; a GRPO
    group stays on one rank);
 2. sample ``samples_per_prompt`` completions of each with the generation engine
-   (:mod:`trainer_core.engines`, ``generation.engine``; with DAPO's dynamic sampling, more rounds
+   (:mod:`trainer_core.generation.engines`, ``generation.engine``; with DAPO's dynamic sampling, more rounds
    until enough groups carry a signal), score them, and compute the rollout log-probs (and
    values), the reference log-probs (chunked LM head, ``forward_micro_batch_size`` rows per
-   forward: :mod:`trainer_core.rollout`), the difference from the engine's log-probs (truncated
+   forward: :mod:`trainer_core.training.rl.rollout`), the difference from the engine's log-probs (truncated
    importance weights with ``importance_sampling_cap``) and the advantages without gradients
    (PPO and REINFORCE++ whiten with statistics summed over ranks);
 3. ``ppo_epochs`` passes over the rollout batch, each rank cutting its rows into
@@ -17,12 +17,12 @@ One iteration (``global_step`` counts iterations, as ``max_steps`` does), on eve
    parts); one optimizer step per mini-batch, the loss normalised by the mini-batch's
    sizes summed over ranks (the step one device takes on the union of the ranks' rows), its rows
    forward and backward ``forward_micro_batch_size`` at a time, plus the ptx term with
-   ``ptx_coef`` (:mod:`trainer_core.training.ptx`); the LR schedule steps once per iteration;
+   ``ptx_coef`` (:mod:`trainer_core.training.rl.ptx`); the LR schedule steps once per iteration;
 4. update the KL controller with the KL of the whole batch, log metrics computed over every
    rank's sequences and tokens with the iteration's time split (rank 0 prints them), checkpoint
    every ``save_every`` iterations.
 
-The trainable :class:`~trainer_core.rollout.PolicyAndValue` goes through ``Backend.wrap`` and
+The trainable :class:`~trainer_core.training.rl.rollout.PolicyAndValue` goes through ``Backend.wrap`` and
 ``setup_optimizer`` whole (TRL's ``PolicyAndValueWrapper``: one optimizer over policy and value
 head). Gradient-free forwards call the unwrapped module (a DDP forward broadcasts buffers, a
 collective). Under a sharded backend (``Backend.sharded_forward``: FSDP2, ZeRO-3) every forward
@@ -65,17 +65,17 @@ from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import RLStageConfig
 from trainer_core.data.batching import collate_prompts_left
-from trainer_core.engines import GenerationEngine, build_engine
-from trainer_core.generation import check_generation_engine
-from trainer_core.lora import adapter_disabled
+from trainer_core.generation.engines import GenerationEngine, build_engine
+from trainer_core.generation.completions import check_generation_engine
+from trainer_core.modeling.lora import adapter_disabled
 from trainer_core.objectives.ppo import AdaptiveKLController, FixedKLController
-from trainer_core.rewards import PromptItem, RewardFunction
-from trainer_core.rollout import PolicyAndValue, PolicyForward, RolloutBatch, masked_row, policy_forward
+from trainer_core.training.rl.rewards import PromptItem, RewardFunction
+from trainer_core.training.rl.rollout import PolicyAndValue, PolicyForward, RolloutBatch, masked_row, policy_forward
 from trainer_core.storage import join_uri, read_bytes
 from trainer_core.training.guard import check_finite_metrics, check_finite_tensors, finite_only, step_is_finite
 from trainer_core.training.loop import _peak_memory_bytes, build_optimizer, build_scheduler
-from trainer_core.training.ptx import check_demonstrations, ptx_backward
-from trainer_core.training.rl_batches import (  # noqa: F401 (also the loop's public names)
+from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward
+from trainer_core.training.rl.batches import (  # noqa: F401 (also the loop's public names)
     Algorithm, MiniBatchCounts, SampledRound, _reference_forward, check_rl_config, concat_rounds, engine_config,
     groups_with_signal, logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
     row_slices, sampler_seed,
@@ -113,7 +113,7 @@ class RLTrainer:
         session: checkpoints and metrics; create it with ``extra={"rl_checkpoint":
             RL_CHECKPOINT_LAYOUT}`` so that its manifests carry this loop's layout.
         reference_is_disabled_adapter: the reference is the LoRA policy with its adapter disabled
-            (:func:`~trainer_core.lora.adapter_disabled`; ``reference`` is then None).
+            (:func:`~trainer_core.modeling.lora.adapter_disabled`; ``reference`` is then None).
         demonstrations: the prepared ``sft/train`` rows of the ptx term; required when ``cfg.ptx_coef`` > 0
             (ConfigError otherwise).
     """
@@ -291,14 +291,14 @@ class RLTrainer:
         return logprob_diff_metrics(batch, self.backend)
 
     def rollout_metrics(self, batch: RolloutBatch, first: SampledRound) -> dict[str, float]:
-        """:func:`~trainer_core.training.rl_batches.rollout_metrics` of this stage."""
+        """:func:`~trainer_core.training.rl.batches.rollout_metrics` of this stage."""
         return rollout_metrics(batch, first, self.backend, self.tokenizer.eos_token_id, self.kl_ctl.value,
                                self.cfg.kl_estimator)
 
     # ----- update ------------------------------------------------------------------
 
     def forward(self, model: nn.Module, p_ids: Tensor, p_mask: Tensor, c_ids: Tensor, c_mask: Tensor) -> PolicyForward:
-        """:func:`~trainer_core.rollout.policy_forward` of ``self.model`` (training, through the
+        """:func:`~trainer_core.training.rl.rollout.policy_forward` of ``self.model`` (training, through the
         backend's wrapper) or ``self.module`` (no gradients)."""
         temperature = self.cfg.generation.temperature
         with_values = self.value_head is not None
@@ -310,7 +310,7 @@ class RLTrainer:
         Each rank cuts its rows (seeded order) into ``num_mini_batches`` parts, rank ``r``'s list
         rotated by ``r x`` its row count: with uneven parts (fewer rows than mini-batches too) the
         global mini-batches stay as even as on one device. A rank with no row in a mini-batch
-        forwards :func:`~trainer_core.rollout.masked_row` (counts nothing), so that every rank
+        forwards :func:`~trainer_core.training.rl.rollout.masked_row` (counts nothing), so that every rank
         runs the same forwards and collectives.
         """
         cfg, rank, sums, count = self.cfg, self.backend.rank, {}, 0

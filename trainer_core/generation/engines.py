@@ -24,7 +24,7 @@ Engines (:data:`ENGINES`, chosen by ``generation.engine``):
   being trained: nothing is copied), ``release`` does nothing.
 - ``static`` (:class:`StaticCacheEngine`): a transformers ``StaticCache`` of [N, L] reserved up
   front, one batched prefill of every prompt, then one token per decode step: the forward with
-  fused q/k/v and gate/up projections and grouped-KV attention (``trainer_core.static_decode``),
+  fused q/k/v and gate/up projections and grouped-KV attention (``trainer_core.generation.static_decode``),
   and the sampling (the exponential race that ``torch.multinomial`` runs, fed Exp(1) noise drawn
   from the generator: the same draws, without multinomial's host reads), compiled by
   ``torch.compile(fullgraph=True)`` on CUDA; the loop's bookkeeping lives in tensors at fixed
@@ -76,8 +76,8 @@ import torch
 from torch import Tensor, nn
 
 from trainer_core.config import GenerationConfig
-from trainer_core.sampling import exponential_noise, next_tokens, sample_with_noise, token_logprobs
-from trainer_core.static_decode import (
+from trainer_core.generation.sampling import exponential_noise, next_tokens, sample_with_noise, token_logprobs
+from trainer_core.generation.static_decode import (
     CompletionBuffers,
     DecodeGraph,
     DecodeState,
@@ -231,7 +231,7 @@ class StaticCacheEngine:
     On CPU in fp32 with ``compile`` off it samples the same tokens as :class:`HFEngine` (and
     log-probs equal within 1e-5): the same draws from the same generator, logits that differ only
     in float rounding (attention over the whole cache, the LM head on the last position only).
-    The pieces are in :mod:`trainer_core.static_decode`: grouped-KV attention, fused q/k/v and
+    The pieces are in :mod:`trainer_core.generation.static_decode`: grouped-KV attention, fused q/k/v and
     gate/up projections, a cache of one dtype, the step (``decode_and_sample``: the forward,
     then the tokens as ``torch.multinomial`` draws them from Exp(1) noise drawn into a buffer
     kept with the cache), its bookkeeping (``DecodeState``) and its CUDA graph (``DecodeGraph``).
@@ -358,7 +358,7 @@ class StaticCacheEngine:
             return self._generate(prompt_ids, prompt_mask, gen, eos_id, pad_id, generator)
 
     def _projections(self) -> contextlib.AbstractContextManager:
-        """The fused projections (:class:`trainer_core.static_decode.FusedProjections`), with
+        """The fused projections (:class:`trainer_core.generation.static_decode.FusedProjections`), with
         the policy's current weights, installed; kept until :meth:`release`."""
         if not self.fuse_projections:
             return contextlib.nullcontext()

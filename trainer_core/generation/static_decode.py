@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainer_core.sampling import sample_with_noise
+from trainer_core.generation.sampling import sample_with_noise
 
 GROUPED_DECODE_ATTENTION = "posttrain_sdpa_grouped_decode"
 """The attention implementation the ``static`` engine gives an ``sdpa`` model while it generates
@@ -179,7 +179,7 @@ def decode_and_sample(model: nn.Module, input_ids: Tensor, position_ids: Tensor,
                        cache_arg: str = "past_key_values") -> tuple[Tensor, Tensor]:
     """One decoding step ([N, 1] token and position, [N, L] mask) that writes its keys and values
     into the static ``cache`` and samples the next token with ``noise`` (see
-    :func:`trainer_core.sampling.sample_with_noise`): ([N] tokens, [N] float32 log-probs). The
+    :func:`trainer_core.generation.sampling.sample_with_noise`): ([N] tokens, [N] float32 log-probs). The
     unit the ``static`` engine compiles: the forward and the sampling as one graph.
     ``cache_arg``: the forward's name for the cache (:func:`cache_argument`, given by the caller
     so that the compiled graph sees a constant)."""
