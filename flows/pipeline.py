@@ -19,7 +19,7 @@ in ``config.json``; a resume with another config is a re-plan, logged with the c
 
 At the end the flow logs the run's headline metrics on its parent MLflow run; when every stage
 completed it judges ``evaluate.gates`` and registers the final policy as a new model version
-(alias ``champion`` only when every gate passed: ``tasks/release.py``). It writes
+(alias ``champion`` only when every gate passed: ``tasks/report/release.py``). It writes
 ``<root>/runs/<run_id>/summary.json``, also when a stage failed (each stage's status, times,
 metrics, and for a skipped stage the failure that caused it; each gate's result), and then
 re-raises the first failure, or ends in Prefect's ``Failed`` state naming the failed gates
@@ -43,16 +43,16 @@ from pydantic import BaseModel, SecretStr, ValidationError
 
 from flows.settings import RunSettings, settings_overrides
 from tasks.console import use_plain_console
-from tasks.gates import QualityGateFailed
-from tasks.launch import LaunchAborted, abort_launches, forget_launch_group
+from tasks.report.gates import QualityGateFailed
+from tasks.launch.process import LaunchAborted, abort_launches, forget_launch_group
 from tasks.plan import PlannedStage, plan_run
 from tasks.preflight import preflight
 from tasks.results import PipelineRun, StageResult, describe_interrupt
 from tasks.runs import save_run_config
 from tasks.stages import GPU_CONCURRENCY_ENV, stage_task
-from tasks.summary import build_summary, write_summary
-from tasks.release import publish_release, release
-from tasks.tracking import finish_pipeline_run, log_pipeline_metrics, resolve_tracking_uri, start_pipeline_run
+from tasks.report.summary import build_summary, write_summary
+from tasks.report.release import publish_release, release
+from tasks.report.tracking import finish_pipeline_run, log_pipeline_metrics, resolve_tracking_uri, start_pipeline_run
 from trainer_core import storage
 from trainer_core.checkpoint.lease import StageLease
 from trainer_core.config import PipelineConfig, load_config, parse_override, resolve_local_root
@@ -364,7 +364,7 @@ def post_training_pipeline(
             not show it).
 
     Returns:
-        The summary (tasks.summary.build_summary) plus summary_uri.
+        The summary (tasks.report.summary.build_summary) plus summary_uri.
 
     Raises:
         ConfigError: invalid config or run id, a failed pre-flight check (storage root, data,

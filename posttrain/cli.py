@@ -158,9 +158,9 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def exit_code_of(error: BaseException) -> int:
     """The CLI's exit code for a failed pipeline run: 2 for bad input (before any stage, or a
-    stage's :class:`~tasks.failures.BadStageInput`), 4 for a failed quality gate, else 1."""
-    from tasks.failures import BadStageInput
-    from tasks.gates import QualityGateFailed
+    stage's :class:`~tasks.launch.failures.BadStageInput`), 4 for a failed quality gate, else 1."""
+    from tasks.launch.failures import BadStageInput
+    from tasks.report.gates import QualityGateFailed
 
     if isinstance(error, QualityGateFailed):
         return error.exit_code

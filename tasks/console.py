@@ -4,7 +4,7 @@ Prefect's console handler renders log messages with rich, whose emoji codes turn
 ``file.jsonl:100:`` location into ``file.jsonl💯``, and it prints the full traceback of every
 failed task and flow before the message that explains it. :class:`PlainConsoleHandler` is the
 same handler with emoji codes off and, for the failures posttrain already explains (a stage's
-:class:`~tasks.failures.StageFailed` with the trainer's own error, a
+:class:`~tasks.launch.failures.StageFailed` with the trainer's own error, a
 :class:`~trainer_core.errors.PosttrainError` naming its input), one line instead of the
 traceback and the exception's repr. Prefect's API log handler is untouched: the Prefect UI keeps
 every traceback (the debug record).
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.highlighter import NullHighlighter
 from rich.theme import Theme
 
-from tasks.failures import LaunchAborted, StageFailed
+from tasks.launch.failures import LaunchAborted, StageFailed
 from trainer_core.errors import PosttrainError
 
 EXPLAINED = (StageFailed, LaunchAborted, PosttrainError)

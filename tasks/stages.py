@@ -6,7 +6,7 @@ fingerprint, once), returns at once when the stage's committed output already ca
 fingerprint, else creates (or reopens) the stage's nested MLflow run, writes the spec, streams
 the trainer's output into the Prefect log (a training stage's step lines also move its progress
 artifact), reads the committed ``final/manifest.json`` and reports it to MLflow (curves image
-included) and the Prefect UI (``tasks/reports.py``). Retries come from the config, so the flow builds the
+included) and the Prefect UI (``tasks/report/views.py``). Retries come from the config, so the flow builds the
 task with :func:`stage_task`. A retry resumes from the stage's latest checkpoint (the
 trainer's job) and logs into the same MLflow run.
 
@@ -32,13 +32,13 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.runtime import task_run as prefect_task_run
 
-from tasks import mlflow_models, tracking
-from tasks.commands import trainer_command
-from tasks.failures import raise_for_result
-from tasks.k8s_job import run_trainer_job
-from tasks.k8s_manifest import pin_rendezvous, trainer_job
-from tasks.launch import launch_stage_process, retry_condition
-from tasks.reports import StageProgress, artifact_key, log_curves, mlflow_ui_url, png_markdown, run_link_markdown
+from tasks.report import mlflow_models, tracking
+from tasks.launch.commands import trainer_command
+from tasks.launch.failures import raise_for_result
+from tasks.k8s.job import run_trainer_job
+from tasks.k8s.manifest import pin_rendezvous, trainer_job
+from tasks.launch.process import launch_stage_process, retry_condition
+from tasks.report.views import StageProgress, artifact_key, log_curves, mlflow_ui_url, png_markdown, run_link_markdown
 from tasks.results import PipelineRun, StageResult, utc_now
 from tasks.runs import completed_result
 from trainer_core import storage
@@ -126,7 +126,7 @@ def gpu_slots(stage: str, config: PipelineConfig, log: Any) -> Iterator[None]:
 
 def mlflow_run_markdown(config: PipelineConfig, tracking_uri: str, mlflow_run_id: str) -> str:
     """The MLflow run id, as a link to its page in the MLflow UI when a UI URL is known
-    (``tracking.ui_url``, else an http(s) tracking URI: see :func:`tasks.reports.mlflow_ui_url`)."""
+    (``tracking.ui_url``, else an http(s) tracking URI: see :func:`tasks.report.views.mlflow_ui_url`)."""
     ui_url = mlflow_ui_url(config, tracking_uri)
     experiment_id = MlflowClient(tracking_uri).get_run(mlflow_run_id).info.experiment_id if ui_url else None
     return run_link_markdown(ui_url, experiment_id, mlflow_run_id)
@@ -211,7 +211,7 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
     """Run one stage's trainer process and report its committed result.
 
     A stage whose backend has ``nnodes > 1`` runs as a Kubernetes Indexed Job instead of a local
-    process (``tasks/k8s_job.py``); its committed output is read the same way.
+    process (``tasks/k8s/job.py``); its committed output is read the same way.
 
     Args:
         stage: Stage name (``trainer_core.registry.STAGE_ORDER``).
@@ -241,7 +241,7 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
                                                       log_missing=_model_logger(stage, spec_uri, env, config, log))
             reused = reused.model_copy(update={"model_uri": model_uri})
         return reused
-    # Several nodes: a Kubernetes Job whose pods meet at its pod 0 (tasks/k8s_job.py); it holds no slots here.
+    # Several nodes: a Kubernetes Job whose pods meet at its pod 0 (tasks/k8s/job.py); it holds no slots here.
     job = trainer_job(config, stage, run.run_id, spec_uri, run.tracking_uri) if config.backend_for(stage).nnodes > 1 else None
     if job is not None:
         spec_config = pin_rendezvous(spec_config, stage, job.rdzv_endpoint)

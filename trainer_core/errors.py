@@ -8,7 +8,7 @@ decides on a retry from it; the CLI maps the pipeline's outcome to it):
 | bad input (:class:`PosttrainError` and subclasses but :class:`ResourceError`) | 2 | never | a config value, a malformed data file, a missing model, missing credentials, a permission, a diverged run |
 | resource (:class:`ResourceError`) | 3 | never blindly | disk full (with the path), out of memory (with the stage and batch size) |
 | transient (anything else) | 1 | yes | a network error, throttling, a killed process, a crash |
-| quality gate (``tasks.gates.QualityGateFailed``) | 4 | no (the run completed) | the final policy scored below a gate: not made champion |
+| quality gate (``tasks.report.gates.QualityGateFailed``) | 4 | no (the run completed) | the final policy scored below a gate: not made champion |
 
 Every message names its input: the file and line, the URI, or the config field. Code that knows
 the input raises one of these itself; :func:`classify` maps the library exceptions that escape

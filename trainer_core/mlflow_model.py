@@ -5,7 +5,7 @@ Loading a model needs torch and transformers, which the flow process never impor
 trainer right after it committed its final directory (``trainer_core.stages.runner``), or, when
 that never happened (the trainer died between its commit and the logging, or the stage was
 committed before models were logged), ``python -m trainer_core.mlflow_model <spec-uri>``, which
-the stage task runs (``tasks/mlflow_models.py``). Either way the model becomes a LoggedModel of
+the stage task runs (``tasks/report/mlflow_models.py``). Either way the model becomes a LoggedModel of
 MLflow 3 linked to the stage run, loadable with ``mlflow.transformers.load_model``.
 
 Only ``mlflow.MlflowClient`` is used: no fluent API, no process-global active run or tracking

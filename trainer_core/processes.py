@@ -2,7 +2,7 @@
 
 Every process a stage task launches carries ``POSTTRAIN_LAUNCH_ID`` in its environment, and its
 descendants inherit it: torchrun's ranks too, which run in sessions of their own, out of reach
-of a process-group kill. The launcher (``tasks/launch.py``) sweeps a launch's processes when the
+of a process-group kill. The launcher (``tasks/launch/process.py``) sweeps a launch's processes when the
 launch ends; a stage's writer lease (``trainer_core/checkpoint/lease.py``) stops a previous
 attempt's processes before a retry takes the stage over. The variable holds the ids of nested
 launches joined by ``:``, innermost last.

@@ -32,7 +32,7 @@ EXIT_PARENT_GONE = 1
 
 
 WATCH_PID_ENV = "POSTTRAIN_WATCH_PID"
-"""Environment variable naming the process that launched the stage (set by ``tasks/launch.py``);
+"""Environment variable naming the process that launched the stage (set by ``tasks/launch/process.py``);
 under torchrun a rank's own parent is the agent, so it watches this one too."""
 
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from posttrain.cli import app
 from flows.pipeline import post_training_pipeline
-from tasks.launch import BadStageInput
+from tasks.launch.process import BadStageInput
 from tests.tiny import TINY_MODEL
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError
@@ -164,7 +164,7 @@ def test_a_repeated_stage_attempt_logs_into_the_same_mlflow_run(prefect_api, tmp
 
     from tasks.results import PipelineRun
     from tasks.stages import run_stage
-    from tasks.tracking import start_pipeline_run
+    from tasks.report.tracking import start_pipeline_run
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = small_config(tmp_path / "out")

@@ -1,5 +1,5 @@
 """A fake Kubernetes API server on 127.0.0.1 for the trainer Job tests: a real HTTP server
-(aiohttp, in a thread) answering the calls ``tasks/k8s_api.py`` makes, with a bearer token
+(aiohttp, in a thread) answering the calls ``tasks/k8s/api.py`` makes, with a bearer token
 and a kubeconfig pointing at it, and a scripted kubelet and Job controller.
 
 What it keeps: Jobs, Services, Secrets and Pods of any namespace, in memory. Creating an

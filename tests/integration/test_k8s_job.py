@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.aborts import abort_launches, forget_launch_group
-from tasks.failures import BadStageInput, LaunchAborted, StageFailed, StageResourceError
-from tasks.k8s_job import run_trainer_job
-from tasks.k8s_manifest import JobSettings, TrainerJob, trainer_job
+from tasks.launch.aborts import abort_launches, forget_launch_group
+from tasks.launch.failures import BadStageInput, LaunchAborted, StageFailed, StageResourceError
+from tasks.k8s.job import run_trainer_job
+from tasks.k8s.manifest import JobSettings, TrainerJob, trainer_job
 from tests.integration.k8s_fake import FakeCluster, role_rules
 from trainer_core.config import load_config
 

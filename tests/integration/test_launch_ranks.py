@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from prefect.states import Failed
 
-from tasks.commands import launcher_command
-from tasks.failures import BadStageInput, StageFailed, raise_for_result
-from tasks.launch import launch_stage_process, retry_condition
+from tasks.launch.commands import launcher_command
+from tasks.launch.failures import BadStageInput, StageFailed, raise_for_result
+from tasks.launch.process import launch_stage_process, retry_condition
 from trainer_core.config import BackendConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gloo_ranks.py"

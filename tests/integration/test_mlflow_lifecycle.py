@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from mlflow.entities import LoggedModelStatus, Metric
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
-from tasks import mlflow_models, tracking
+from tasks.report import mlflow_models, tracking
 from trainer_core import mlflow_model
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import Manifest

@@ -1,5 +1,5 @@
 """Online RL stages at 2 gloo ranks on CPU, launched the way the stage tasks launch them
-(``torchrun`` through ``tasks.launch``): PPO and GRPO (with the ptx term) on DDP, FSDP2 and
+(``torchrun`` through ``tasks.launch.process``): PPO and GRPO (with the ptx term) on DDP, FSDP2 and
 DeepSpeed ZeRO-3 commit an HF policy with finite metrics; the backends train the same policy
 (same prompts and samples per rank, the loss normalised by the tokens of every rank); a 2-rank FSDP2 PPO run SIGKILLed after a
 checkpoint resumes to the same metrics and weights as an uninterrupted one.
@@ -27,7 +27,7 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tasks.launch import launch_stage_process, trainer_command
+from tasks.launch.process import launch_stage_process, trainer_command
 from trainer_core import storage
 from trainer_core.backends.single import SingleDeviceBackend
 from trainer_core.checkpoint.manifest import read_manifest
@@ -97,7 +97,7 @@ RESUMED = re.compile(r"resumed from \S*step-(\d+)")
 
 
 class LineLog:
-    """``tasks.launch`` line sink; ``stop_when(lines)`` True raises :class:`Killed` (the launcher
+    """``tasks.launch.process`` line sink; ``stop_when(lines)`` True raises :class:`Killed` (the launcher
     then SIGKILLs every process of the launch, torchrun and both ranks)."""
 
     def __init__(self, stop_when=None) -> None:
@@ -130,7 +130,7 @@ def case_spec(pipeline: TinyPipeline, case: Case, name: str) -> tuple[str, str, 
 
 
 def launch(spec_path: str, spec: StageSpec, stop_when=None) -> StageRun:
-    """Run the stage's ranks under torchrun (``tasks.launch``); kill them all once ``stop_when`` holds."""
+    """Run the stage's ranks under torchrun (``tasks.launch.process``); kill them all once ``stop_when`` holds."""
     log = LineLog(stop_when)
     cmd = trainer_command(spec_path, spec.config.backend_for(spec.stage), f"itest-{spec.stage}")
     try:

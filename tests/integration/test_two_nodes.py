@@ -1,5 +1,5 @@
 """Two nodes simulated on one machine: a 2-node x 2-rank FSDP2 SFT run as two node processes,
-``python -m tasks.launch SPEC --node-rank N`` (what each pod of the Kubernetes Indexed Job
+``python -m tasks.launch.process SPEC --node-rank N`` (what each pod of the Kubernetes Indexed Job
 runs), meeting at a c10d rendezvous on loopback:
 
 - the 4-rank job prints the single device's lines (the same 16 examples a step);
@@ -67,7 +67,7 @@ def launch_nodes(spec_path: str) -> Job:
     nodes, lines = [], []
     for rank in (0, 1):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tasks.launch", spec_path, "--node-rank", str(rank)], cwd=REPO_ROOT,
+            [sys.executable, "-m", "tasks.launch.process", spec_path, "--node-rank", str(rank)], cwd=REPO_ROOT,
             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
         out: list[str] = []
@@ -88,7 +88,7 @@ def pump(job: Job) -> None:
 
 
 def torchrun_agent(node: subprocess.Popen) -> int | None:
-    """The pid of the torchrun agent a node's ``tasks.launch`` process started (None before it has)."""
+    """The pid of the torchrun agent a node's ``tasks.launch.process`` process started (None before it has)."""
     table = process_table()
     for pid in descendants(node.pid, table):
         try:

@@ -21,8 +21,8 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from tasks.console import PlainConsoleHandler
-from tasks.failures import BadStageInput, StageFailed, StageResourceError, raise_for_result, retry_condition, trainer_error
-from tasks.launch import LaunchResult
+from tasks.launch.failures import BadStageInput, StageFailed, StageResourceError, raise_for_result, retry_condition, trainer_error
+from tasks.launch.process import LaunchResult
 from tasks.preflight import preflight
 from tasks.runs import config_changes, load_run_config, save_run_config, stage_status
 from trainer_core import storage

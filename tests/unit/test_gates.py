@@ -1,12 +1,12 @@
-"""Quality gates (``tasks/gates.py``): thresholds, the champion comparison with its tolerance,
+"""Quality gates (``tasks/report/gates.py``): thresholds, the champion comparison with its tolerance,
 missing metrics, and the message a failed gate ends the flow with."""
 
 from __future__ import annotations
 
 import pytest
 
-from tasks.gates import check_gates, gate_failure_message
-from tasks.release import release, release_kind, release_markdown
+from tasks.report.gates import check_gates, gate_failure_message
+from tasks.report.release import release, release_kind, release_markdown
 from tasks.results import PipelineRun
 from trainer_core.config import load_config
 from trainer_core.config.stages import QualityGate

@@ -213,7 +213,7 @@ def test_multinode_trainer_manifest_renders():
     assert pod["subdomain"] == service["metadata"]["name"] == job["metadata"]["name"]
     [container] = pod["containers"]
     assert container["command"] == [
-        "python", "-m", "tasks.launch", values["SPEC_URI"], "--node-rank=$(NODE_RANK)",
+        "python", "-m", "tasks.launch.process", values["SPEC_URI"], "--node-rank=$(NODE_RANK)",
         "--nnodes=2", "--nproc-per-node=8", "--rdzv-endpoint=sft-run42-0.sft-run42:29500",
     ]  # fmt: skip
     env = {e["name"]: e for e in container["env"]}
@@ -237,17 +237,17 @@ def write_stage_spec(path: Path, overrides: list[str]) -> str:
 
 def test_multinode_pods_run_the_stage_command_built_from_the_spec(tmp_path, capsys):
     """Each pod's command, with Kubernetes' ``$(NODE_RANK)`` expanded to its index, runs
-    ``tasks.launch``, which prints (``--dry-run``) the torchrun command ``trainer_command``
-    (``tasks/commands.py``) builds for that node from the spec's backend; a spec that disagrees
+    ``tasks.launch.process``, which prints (``--dry-run``) the torchrun command ``trainer_command``
+    (``tasks/launch/commands.py``) builds for that node from the spec's backend; a spec that disagrees
     with the job is refused."""
-    from tasks import commands, launch
+    from tasks.launch import commands, process as launch
 
     spec_uri = write_stage_spec(tmp_path / "sft.json", [
         "backend.name=fsdp2", "backend.nnodes=2", "backend.nproc_per_node=8",
         "backend.rdzv_endpoint=sft-run42-0.sft-run42:29500",
     ])  # fmt: skip
     [container] = render_multinode(MULTINODE_VALUES | {"SPEC_URI": spec_uri})[1]["spec"]["template"]["spec"]["containers"]
-    assert container["command"][:3] == ["python", "-m", "tasks.launch"]
+    assert container["command"][:3] == ["python", "-m", "tasks.launch.process"]
     config = load_config(overrides={"backend.name": "fsdp2", "backend.nnodes": 2, "backend.nproc_per_node": 8,
                                     "backend.rdzv_endpoint": "sft-run42-0.sft-run42:29500"})
     for index in (0, 1):

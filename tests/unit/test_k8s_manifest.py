@@ -1,6 +1,6 @@
 """The trainer Job of a multi-node stage, without a cluster: its name, the objects rendered from
 ``infra/k8s/multinode-trainer.yaml`` (the same as ``envsubst`` renders them for ``kubectl``),
-the spec the flow writes for it (its pods' ``tasks.launch --dry-run`` accepts it), what is
+the spec the flow writes for it (its pods' ``tasks.launch.process --dry-run`` accepts it), what is
 refused before anything is submitted, the settings, and which pod a failed Job is blamed on."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import shlex
 
 import pytest
 
-from tasks import commands, launch
-from tasks.failures import BadStageInput
-from tasks.k8s_manifest import (
+from tasks.launch import commands, process as launch
+from tasks.launch.failures import BadStageInput
+from tasks.k8s.manifest import (
     MAX_NAME_CHARS,
     JobSettings,
     job_name,
@@ -22,7 +22,7 @@ from tasks.k8s_manifest import (
     trainer_job,
     trainer_manifests,
 )
-from tasks.k8s_status import blamed_pod, job_state, JobView, pod_result
+from tasks.k8s.status import blamed_pod, job_state, JobView, pod_result
 from tests.unit.test_infra import MULTINODE_VALUES, render_multinode
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError
@@ -102,7 +102,7 @@ def test_manifests_apply_the_settings_to_the_template():
     [container] = pod["containers"]
     assert container["image"] == "registry.example.com/posttrain:1.2"
     assert container["command"] == [
-        "python", "-m", "tasks.launch", SPEC_URI, "--node-rank=$(NODE_RANK)", "--nnodes=2", "--nproc-per-node=4",
+        "python", "-m", "tasks.launch.process", SPEC_URI, "--node-rank=$(NODE_RANK)", "--nnodes=2", "--nproc-per-node=4",
         f"--rdzv-endpoint={job.rdzv_endpoint}",
     ]  # fmt: skip
     assert container["resources"] == {"requests": {"nvidia.com/gpu": 4, "cpu": "32"},

@@ -1,5 +1,5 @@
-"""tasks/launch.py against real child processes (small ``python -c`` scripts), the launcher
-commands tasks/commands.py builds, and tasks/failures.py on torchrun failure summaries captured
+"""tasks/launch/process.py against real child processes (small ``python -c`` scripts), the launcher
+commands tasks/launch/commands.py builds, and tasks/launch/failures.py on torchrun failure summaries captured
 from real 2-rank runs."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from prefect.states import Failed
 
-from tasks.commands import trainer_command
-from tasks.failures import (
+from tasks.launch.commands import trainer_command
+from tasks.launch.failures import (
     BadStageInput,
     RankFailure,
     StageFailed,
@@ -23,7 +23,7 @@ from tasks.failures import (
     parse_torchrun_failures,
     raise_for_result,
 )
-from tasks.launch import LaunchResult, launch_stage_process, retry_condition
+from tasks.launch.process import LaunchResult, launch_stage_process, retry_condition
 from trainer_core.config import BackendConfig, load_config
 
 

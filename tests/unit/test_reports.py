@@ -1,4 +1,4 @@
-"""tasks/reports.py, tasks/summary.py's table and headline numbers, and the stage markdown: a real
+"""tasks/report/views.py, tasks/report/summary.py's table and headline numbers, and the stage markdown: a real
 MLflow sqlite store, real matplotlib, the trainer's own metrics printer, a real child process.
 
 Prefect's API (progress, table and markdown artifacts) is exercised in tests/e2e/test_reports_prefect.py;
@@ -17,9 +17,9 @@ from matplotlib.image import imread
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from tasks import reports
-from tasks.launch import launch_stage_process
-from tasks.reports import (
+from tasks.report import views as reports
+from tasks.launch.process import launch_stage_process
+from tasks.report.views import (
     CURVES_ARTIFACT,
     StageProgress,
     curves_figure,
@@ -30,7 +30,7 @@ from tasks.reports import (
 )
 from tasks.results import PipelineRun, StageResult
 from tasks.stages import _metrics_markdown, artifact_key, mlflow_run_markdown
-from tasks.summary import TABLE_COLUMNS, build_summary, headline_metrics, summary_markdown, summary_rows
+from tasks.report.summary import TABLE_COLUMNS, build_summary, headline_metrics, summary_markdown, summary_rows
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import load_config
 

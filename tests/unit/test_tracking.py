@@ -1,4 +1,4 @@
-"""MLflow tracking (tasks/tracking.py, trainer_core/tracking.py) against a real sqlite store."""
+"""MLflow tracking (tasks/report/tracking.py, trainer_core/tracking.py) against a real sqlite store."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import pytest
 from mlflow import MlflowClient
 
-from tasks import tracking
+from tasks.report import tracking
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import PipelineConfig, load_config
 from trainer_core.tracking import MetricLogger, sanitize_metric_name
@@ -164,7 +164,7 @@ def _open_store_at(tracking_uri: str, start_at: float, results) -> None:
     """In a spawned process: wait for ``start_at`` (epoch s), then open the store and use it."""
     import time
 
-    from tasks.tracking import open_store
+    from tasks.report.tracking import open_store
 
     while time.time() < start_at:
         time.sleep(0.001)

@@ -4,7 +4,7 @@ run per stage.
 The trainer logs step metrics into its stage run (``trainer_core.tracking.MetricLogger``); this
 module creates the runs (tagged with the Prefect flow run's URL), logs the stage's flattened
 config as params, at the end logs the stage manifest as an artifact, and puts the pipeline's
-headline metrics on the parent run. Models and the registry: ``tasks/mlflow_models.py``. Only
+headline metrics on the parent run. Models and the registry: ``tasks/report/mlflow_models.py``. Only
 ``mlflow.MlflowClient`` is used: no fluent API, no process-global active run or tracking URI, so
 stage tasks may call it from several threads of one process at once.
 """

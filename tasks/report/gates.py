@@ -1,6 +1,6 @@
 """Quality gates: does a run's final policy meet ``evaluate.gates`` and so become the champion?
 
-A gate compares one headline metric of the run (``tasks.summary.headline_metrics``: evaluate's
+A gate compares one headline metric of the run (``tasks.report.summary.headline_metrics``: evaluate's
 metrics under their own names, e.g. ``dpo/exact_match``) with a fixed threshold, with the
 registered model's current champion's value of the same metric (less a tolerance), or both. A
 metric the run did not produce fails its gate; a champion comparison passes when there is no
@@ -8,7 +8,7 @@ champion yet or the champion's run lacks the metric (nothing to fall below).
 
 A gate on a stage the run does not include (``grpo/exact_match`` in a run of prepare_data and
 sft) is not judged: the run completes, but its version cannot become the champion
-(``tasks/release.py`` registers it as a candidate).
+(``tasks/report/release.py`` registers it as a candidate).
 """
 
 from __future__ import annotations

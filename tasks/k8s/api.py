@@ -1,4 +1,4 @@
-"""The few Kubernetes API calls a trainer Job needs (``tasks/k8s_job.py``), on raw JSON.
+"""The few Kubernetes API calls a trainer Job needs (``tasks/k8s/job.py``), on raw JSON.
 
 Through ``kubernetes_asyncio``'s :class:`ApiClient` (authentication from the in-cluster service
 account, else ``$KUBECONFIG`` or ``~/.kube/config``: tokens, client certificates, exec plugins),
@@ -13,8 +13,8 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tasks.failures import BadStageInput
-from tasks.k8s_manifest import CONTAINER, LABEL_JOB, JobSettings
+from tasks.launch.failures import BadStageInput
+from tasks.k8s.manifest import CONTAINER, LABEL_JOB, JobSettings
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 
 _REQUEST_TIMEOUT_S = 60.0
@@ -35,7 +35,7 @@ class KubeApi:
     """The few calls a trainer Job needs, on raw JSON (``_preload_content=False``), in one namespace.
 
     Use as ``async with await KubeApi.connect(settings) as api``. A 401/403 raises
-    :class:`~tasks.failures.BadStageInput` (credentials, RBAC: ``infra/k8s/worker.yaml``), a
+    :class:`~tasks.launch.failures.BadStageInput` (credentials, RBAC: ``infra/k8s/worker.yaml``), a
     400/422 on create one too (the manifest is invalid); other errors raise :class:`KubeError`.
     """
 

@@ -219,7 +219,7 @@ class StageProgress:
     """A Prefect progress artifact (key ``<stage>-progress``) following a stage's global step.
 
     Feed it every output line (:meth:`on_line`, the ``on_line`` of
-    ``tasks.launch.launch_stage_process``); it never raises: the first Prefect API error is
+    ``tasks.launch.process.launch_stage_process``); it never raises: the first Prefect API error is
     logged as a warning, later ones are dropped silently. A resumed stage's first line names its
     resumed step, so the bar starts there.
 

@@ -1,6 +1,6 @@
 """Why a launched stage failed: the errors it raises, and torchrun's failure summary.
 
-:func:`raise_for_result` turns a finished launch (``tasks/launch.py``) into :class:`StageFailed`
+:func:`raise_for_result` turns a finished launch (``tasks/launch/process.py``) into :class:`StageFailed`
 (a retry may fix it) or :class:`BadStageInput` (never retried); :func:`retry_condition` is the
 Prefect retry rule that tells them apart. For a torchrun launch it reads
 torchrun's error summary (:func:`parse_torchrun_failures`), picks the rank to blame
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from trainer_core.errors import EXIT_BAD_INPUT, EXIT_RESOURCE
 
 if TYPE_CHECKING:
-    from tasks.launch import LaunchResult
+    from tasks.launch.process import LaunchResult
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 from mlflow import MlflowClient
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.reports import mlflow_run_url, mlflow_ui_url
+from tasks.report.views import mlflow_run_url, mlflow_ui_url
 from tasks.results import PipelineRun, StageResult
 from trainer_core import storage
 from trainer_core.config import config_hash
@@ -192,10 +192,10 @@ def _cell(column: str, value: Any) -> str:
 
 def summary_markdown(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The ``pipeline-summary`` artifact: the run's status, what its release did (the first line
-    of :func:`~tasks.release.release_markdown`), and :func:`summary_rows` as a Markdown table (a
+    of :func:`~tasks.report.release.release_markdown`), and :func:`summary_rows` as a Markdown table (a
     Markdown artifact, so the MLflow links render as links in both Prefect UIs; a table artifact
     shows them as raw ``[id](url)`` text)."""
-    from tasks.release import release_markdown
+    from tasks.report.release import release_markdown
 
     lines = [f"**Run `{summary['run_id']}`: {summary['status']}**", ""]
     release = summary.get("release") or {}

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.failures import RankFailure, blamed_failure, parse_torchrun_failures
-from tasks.k8s_api import KubeApi
-from tasks.k8s_manifest import CONTAINER, INDEX_ANNOTATION, JobSettings
-from tasks.launch import LaunchResult, LineLogger, Output
+from tasks.launch.failures import RankFailure, blamed_failure, parse_torchrun_failures
+from tasks.k8s.api import KubeApi
+from tasks.k8s.manifest import CONTAINER, INDEX_ANNOTATION, JobSettings
+from tasks.launch.process import LaunchResult, LineLogger, Output
 from trainer_core.errors import EXIT_BAD_INPUT
 
 _CANNOT_START = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
@@ -140,7 +140,7 @@ class Quiet:
 
 def pod_result(lines: list[str], returncode: int, tail_lines: int) -> LaunchResult:
     """A pod's log lines read as a local launch's output would be (merged tail, each rank's tail,
-    torchrun's own lines), so :func:`~tasks.failures.raise_for_result` reads it the same way."""
+    torchrun's own lines), so :func:`~tasks.launch.failures.raise_for_result` reads it the same way."""
     out = Output(Quiet(), tail_lines)
     for line in lines:
         out.add(line)
@@ -152,7 +152,7 @@ def blamed_pod(pods: dict[int, dict[str, Any]], results: dict[int, LaunchResult]
     """The node rank whose pod the stage is failed for.
 
     In order: a pod that exited ``EXIT_BAD_INPUT``; the pod of the rank
-    :func:`~tasks.failures.blamed_failure` picks among every pod's torchrun error summary (global
+    :func:`~tasks.launch.failures.blamed_failure` picks among every pod's torchrun error summary (global
     ranks; pods in the order they ended, so the first one's root cause leads); the first pod to
     end that Kubernetes did not stop itself (exit 143, SIGTERM: the Job controller stopping the
     others); the first failed pod.

@@ -2,7 +2,7 @@
 a LoggedModel of its stage run (logged trainer-side: ``trainer_core/mlflow_model.py``), and the
 model registry (versions, aliases, the champion's metrics).
 
-Only ``mlflow.MlflowClient`` is used, as in ``tasks/tracking.py``: no fluent API, no
+Only ``mlflow.MlflowClient`` is used, as in ``tasks/report/tracking.py``: no fluent API, no
 process-global active run or tracking URI, so stage tasks may call it from several threads of
 one process at once. (``mlflow.transformers.load_model("models:/...")`` itself reads the global
 tracking URI: set ``MLFLOW_TRACKING_URI`` where models are loaded.)
@@ -19,7 +19,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
-from tasks.tracking import TAG_PARENT
+from tasks.report.tracking import TAG_PARENT
 from trainer_core.config import PipelineConfig
 from trainer_core.registry import get_stage
 from trainer_core.tracking import MODEL_NAME, logged_model_uri, stage_logged_model_uri

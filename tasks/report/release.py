@@ -1,7 +1,7 @@
 """Release of a completed run: its headline metrics on the parent MLflow run, its quality gates,
 and its final policy as a new version of the registered model.
 
-A run whose stages all completed is judged against ``evaluate.gates`` (``tasks/gates.py``); with
+A run whose stages all completed is judged against ``evaluate.gates`` (``tasks/report/gates.py``); with
 ``tracking.registered_model_name`` set, its final policy (``tracking.registered_stage``, default
 the last policy stage it trained) becomes a new model version tagged with the run id and the
 config and data fingerprints, and gets the alias ``champion`` only when every gate passed, else
@@ -20,8 +20,8 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from tasks import mlflow_models, tracking
-from tasks.gates import GateResult, check_gates, gate_failure_message
+from tasks.report import mlflow_models, tracking
+from tasks.report.gates import GateResult, check_gates, gate_failure_message
 from tasks.results import PipelineRun, StageResult
 from trainer_core.config import config_hash
 from trainer_core.registry import get_stage, policy_stages
@@ -63,7 +63,7 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     Args:
         run: The pipeline run (its headline metrics are already on the parent MLflow run).
         results: Every stage's result, all completed.
-        headline: The run's headline metrics (``tasks.summary.headline_metrics``).
+        headline: The run's headline metrics (``tasks.report.summary.headline_metrics``).
 
     A run with a gate it could not judge (its stage not in the run, e.g. an SFT-only run of a
     config gated on GRPO's exact match) is not registered: its version could never become the

@@ -1,10 +1,10 @@
 """Launch a stage's trainer as a child process, stream its output, and never leak it.
 
-The command lines come from ``tasks/commands.py`` (:func:`trainer_command`); the errors a
+The command lines come from ``tasks/launch/commands.py`` (:func:`trainer_command`); the errors a
 failed launch raises, the reading of torchrun's error summary and the retry rule, from
-``tasks/failures.py`` (:func:`raise_for_result`, :class:`StageFailed`, :class:`BadStageInput`,
+``tasks/launch/failures.py`` (:func:`raise_for_result`, :class:`StageFailed`, :class:`BadStageInput`,
 :class:`LaunchAborted`, :func:`retry_condition`). Those are re-exported here (``__all__``), so
-``from tasks.launch import ...`` keeps working for them.
+``from tasks.launch.process import ...`` keeps working for them.
 
 Threads: signals reach only a process's main thread, and the flow runs stage tasks in worker
 threads, so an interrupted flow stops their launches through :func:`abort_launches` (each
@@ -26,7 +26,7 @@ prefixes each rank's line with ``[default<local_rank>]:``; the launcher keeps ea
 lines apart, and on failure :func:`raise_for_result` reads torchrun's error summary to name the
 failing rank and show its own last lines.
 
-Node entry point: ``python -m tasks.launch SPEC_URI --node-rank N`` (:func:`main`) runs one
+Node entry point: ``python -m tasks.launch.process SPEC_URI --node-rank N`` (:func:`main`) runs one
 node's share of a multi-node stage, e.g. in each pod of ``infra/k8s/multinode-trainer.yaml``.
 """
 
@@ -49,9 +49,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from tasks.aborts import abort_event, abort_launches, forget_launch_group
-from tasks.commands import trainer_command
-from tasks.failures import BadStageInput, LaunchAborted, StageFailed, raise_for_result, retry_condition
+from tasks.launch.aborts import abort_event, abort_launches, forget_launch_group
+from tasks.launch.commands import trainer_command
+from tasks.launch.failures import BadStageInput, LaunchAborted, StageFailed, raise_for_result, retry_condition
 from trainer_core.config import BackendConfig
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 from trainer_core.processes import LAUNCH_ID_ENV, kill_marked, marked_pids
@@ -390,7 +390,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tasks.launch SPEC_URI --node-rank N``: run one node's share of a stage.
+    """``python -m tasks.launch.process SPEC_URI --node-rank N``: run one node's share of a stage.
 
     What each pod of ``infra/k8s/multinode-trainer.yaml`` runs: the command
     :func:`trainer_command` builds from the spec's backend for its stage, on this node, under
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         with the job, or a rank that exited with 2; 1 for any other failure (storage errors
         included).
     """
-    parser = argparse.ArgumentParser(prog="python -m tasks.launch", description="Run one node's share of a stage.")
+    parser = argparse.ArgumentParser(prog="python -m tasks.launch.process", description="Run one node's share of a stage.")
     parser.add_argument("spec_uri", help="URI of the stage's StageSpec JSON.")
     parser.add_argument("--node-rank", type=int, required=True, help="This node's rank in [0, nnodes).")
     parser.add_argument("--nnodes", type=int, help="The job's node count (checked against the spec).")

@@ -2,7 +2,7 @@
 
 Signals reach only a process's main thread, where the flow runs; the stage tasks run in worker
 threads, each polling its launch. A launch belongs to a group (the flow run's id); aborting the
-group makes each of its launches kill its process tree (``tasks/launch.py``), and refuses the
+group makes each of its launches kill its process tree (``tasks/launch/process.py``), and refuses the
 launches that would start afterwards.
 """
 
@@ -23,8 +23,8 @@ def abort_event(group: str) -> threading.Event:
 def abort_launches(group: str) -> None:
     """Stop every launch of ``group`` (e.g. one flow run's stages, running in task threads).
 
-    Each ``tasks.launch.launch_stage_process`` of the group notices within its poll interval, kills its whole
-    process tree and raises :class:`~tasks.failures.LaunchAborted`. Signals reach only a process's main thread:
+    Each ``tasks.launch.process.launch_stage_process`` of the group notices within its poll interval, kills its whole
+    process tree and raises :class:`~tasks.launch.failures.LaunchAborted`. Signals reach only a process's main thread:
     this is how an interrupted flow (Ctrl-C, Prefect's ``TerminationSignal`` on cancel) stops
     the trainers that task threads launched. Launches started in the group afterwards are
     aborted at once, until :func:`forget_launch_group`.

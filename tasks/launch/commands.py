@@ -3,7 +3,7 @@
 :func:`trainer_command` runs one plain process for the ``single`` backend and every other
 backend under ``torchrun`` (one process per rank, c10d rendezvous: :func:`torchrun_args`) or
 the ``deepspeed`` launcher (:func:`deepspeed_args`); :func:`launcher_command` builds the same
-for any Python entry point. ``tasks/launch.py`` runs these commands.
+for any Python entry point. ``tasks/launch/process.py`` runs these commands.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Run a multi-node stage as a Kubernetes Job: submit it, watch it to its end, report, clean up.
 
 :func:`run_trainer_job` is what the stage task calls instead of
-:func:`~tasks.launch.launch_stage_process` when ``backend.nnodes > 1`` (``tasks/stages.py``). It
-creates the objects :func:`~tasks.k8s_manifest.trainer_manifests` renders from
+:func:`~tasks.launch.process.launch_stage_process` when ``backend.nnodes > 1`` (``tasks/stages.py``). It
+creates the objects :func:`~tasks.k8s.manifest.trainer_manifests` renders from
 ``infra/k8s/multinode-trainer.yaml`` (the Job first, then the headless Service and any
 credentials Secret, both owned by the Job so that Kubernetes deletes them with it) through the
 Kubernetes API (``kubernetes_asyncio``; in-cluster service account, else ``$KUBECONFIG`` or
@@ -10,18 +10,18 @@ Kubernetes API (``kubernetes_asyncio``; in-cluster service account, else ``$KUBE
 
 - node 0's log (rank 0 prints the metrics) is followed into the stage's log and its ``on_line``
   (the progress artifact), as a local launch's output is;
-- success returns a :class:`~tasks.launch.LaunchResult`; the Job and Service are left for
+- success returns a :class:`~tasks.launch.process.LaunchResult`; the Job and Service are left for
   inspection until ``ttlSecondsAfterFinished`` (template: one day);
 - a failed Job (``backoffLimit: 0``: one failed pod fails it, and Kubernetes stops the others)
-  raises the error :func:`~tasks.failures.raise_for_result` gives for the blamed pod's log tail,
-  led by the pod and its node rank (= completion index): :class:`~tasks.failures.StageFailed`
+  raises the error :func:`~tasks.launch.failures.raise_for_result` gives for the blamed pod's log tail,
+  led by the pod and its node rank (= completion index): :class:`~tasks.launch.failures.StageFailed`
   naming the failing global rank where torchrun's error summary is in the log,
-  :class:`~tasks.failures.BadStageInput` for exit code 2 (never retried),
-  :class:`~tasks.failures.StageResourceError` for a container killed for memory. The failed Job
+  :class:`~tasks.launch.failures.BadStageInput` for exit code 2 (never retried),
+  :class:`~tasks.launch.failures.StageResourceError` for a container killed for memory. The failed Job
   stays (``kubectl logs``) until the retry replaces it;
 - a timeout (``launch.timeout_s``, also the Job's ``activeDeadlineSeconds``), a pod that cannot
   start for ``stuck_after_s`` (image pull, missing secret), an abort of the flow run's launch
-  group (:func:`~tasks.aborts.abort_launches`) or any interruption deletes the Job and Service
+  group (:func:`~tasks.launch.aborts.abort_launches`) or any interruption deletes the Job and Service
   (foreground propagation: the pods go first) before the error propagates.
 
 Retries: the stage task's retry calls this again with the same Job name; an existing Job of that
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from tasks.aborts import abort_event
-from tasks.failures import BadStageInput, LaunchAborted, StageFailed, StageResourceError, raise_for_result
-from tasks.k8s_api import KubeApi, KubeError, stamp_key
-from tasks.k8s_manifest import JobSettings, TrainerJob, trainer_manifests
-from tasks.k8s_status import (
+from tasks.launch.aborts import abort_event
+from tasks.launch.failures import BadStageInput, LaunchAborted, StageFailed, StageResourceError, raise_for_result
+from tasks.k8s.api import KubeApi, KubeError, stamp_key
+from tasks.k8s.manifest import JobSettings, TrainerJob, trainer_manifests
+from tasks.k8s.status import (
     JobView,
     blamed_pod,
     container_state,
@@ -56,7 +56,7 @@ from tasks.k8s_status import (
     pod_result,
     terminated,
 )
-from tasks.launch import LaunchResult, LineLogger, Output
+from tasks.launch.process import LaunchResult, LineLogger, Output
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 
 _TICK_S = 0.2
@@ -228,7 +228,7 @@ class _Run:
 
 async def _failure(run: _Run, view: JobView, state: str, message: str) -> StageFailed:
     """The error for a Job that ended in ``state`` (not succeeded): for a failed one, read the
-    failed pods' log tails and name the blamed pod (see :func:`~tasks.k8s_status.blamed_pod`)."""
+    failed pods' log tails and name the blamed pod (see :func:`~tasks.k8s.status.blamed_pod`)."""
     stage, where = run.job.stage, f"Job {run.api.namespace}/{run.job.name}"
     if state == "stuck":
         return BadStageInput(f"stage {stage!r}: {where}: {message} for {run.settings.stuck_after_s:.0f} s", EXIT_BAD_INPUT)
@@ -311,13 +311,13 @@ def run_trainer_job(
     """Run ``job`` on Kubernetes until it ends (see the module docstring); blocks the calling thread.
 
     Args:
-        job: From :func:`~tasks.k8s_manifest.trainer_job` (its spec already written).
+        job: From :func:`~tasks.k8s.manifest.trainer_job` (its spec already written).
         log: Receives node 0's output lines and the Job's progress.
         timeout_s: Wall-clock limit in seconds from submission (also the Job's
             ``activeDeadlineSeconds``); None: none.
-        group: Abort group (the flow run id): :func:`~tasks.aborts.abort_launches` deletes the Job.
+        group: Abort group (the flow run id): :func:`~tasks.launch.aborts.abort_launches` deletes the Job.
         on_line: Called with each of node 0's lines (e.g. the progress tracker).
-        settings: Cluster settings (default :meth:`~tasks.k8s_manifest.JobSettings.from_env`).
+        settings: Cluster settings (default :meth:`~tasks.k8s.manifest.JobSettings.from_env`).
         tail_lines: Lines kept for the result and for error messages.
 
     Returns:

@@ -2,13 +2,13 @@
 
 A stage whose backend has ``nnodes > 1`` runs as ``infra/k8s/multinode-trainer.yaml``: a headless
 Service and an Indexed Job with one pod per node, pod ``i`` running
-``python -m tasks.launch <spec-uri> --node-rank=i ...`` (``tasks/launch.py``, :func:`main`). The
+``python -m tasks.launch.process <spec-uri> --node-rank=i ...`` (``tasks/launch/process.py``, :func:`main`). The
 template is the single source of truth: :func:`render_template` fills its ``${VAR}`` placeholders
 as ``envsubst`` does (the operator's ``kubectl apply`` path), and :func:`trainer_manifests` then
 sets only what the template leaves to the cluster (:class:`JobSettings`: image, service account,
 secrets, GPUs per pod, node selection, deadline, labels).
 
-This module is pure (no API calls); ``tasks/k8s_job.py`` creates, watches and deletes the objects.
+This module is pure (no API calls); ``tasks/k8s/job.py`` creates, watches and deletes the objects.
 
 Names: :func:`job_name` is a DNS-1035 label of at most 52 characters derived from the run id and
 the stage (pod ``i`` is ``<name>-i``, its DNS name ``<name>-i.<name>``), the same for every attempt
@@ -33,13 +33,13 @@ import fsspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tasks.commands import trainer_command
-from tasks.failures import BadStageInput
+from tasks.launch.commands import trainer_command
+from tasks.launch.failures import BadStageInput
 from trainer_core import storage
 from trainer_core.config import BackendConfig, PipelineConfig
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "k8s" / "multinode-trainer.yaml"
+TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "k8s" / "multinode-trainer.yaml"
 """The trainer Job template (in the image at ``/opt/posttrain/infra/k8s/``)."""
 
 MAX_NAME_CHARS = 52
