@@ -6,7 +6,9 @@ the deployment's YAML; so deployments show :class:`RunSettings` instead: the sta
 the data, the backend, and per stage its steps, learning rate and batch sizes. ``posttrain
 deploy`` fills the deployment's ``settings`` parameter with the values of its YAML config
 (:func:`settings_of`), so the form opens on the values a run will use, and a run applies them on
-top of that YAML (:func:`settings_overrides`). Everything else goes through ``overrides``.
+top of that YAML (:func:`settings_overrides`). Everything else goes through ``overrides``, a list
+of ``key.path=value`` items (:func:`overrides_mapping`); :func:`resolve_config` makes the run's
+config of the three, refusing an override that contradicts a field the form changed.
 
 Descriptions are plain text (they render verbatim in both Prefect UIs): no markup, no angle
 brackets.
@@ -14,11 +16,13 @@ brackets.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-from trainer_core.config import PipelineConfig
+from trainer_core.config import PipelineConfig, load_config, parse_override, resolve_local_root
+from trainer_core.errors import ConfigError
 from trainer_core.registry import STAGE_ORDER
 
 StageName = Literal[STAGE_ORDER]  # type: ignore[valid-type]
@@ -173,3 +177,132 @@ def settings_overrides(settings: RunSettings) -> dict[str, Any]:
         for key, value in getattr(settings, name).model_dump(mode="json").items():
             out[f"{name}.{key}"] = value
     return out
+
+
+def _reveal(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, dict):
+        return {k: _reveal(v) for k, v in value.items()}
+    return value
+
+
+def resolve_config(
+    config: PipelineConfig | dict | None,
+    config_uri: str | None,
+    overrides: list[str] | dict[str, Any] | None,
+    settings: RunSettings | dict | None = None,
+) -> PipelineConfig:
+    """``config`` (or the YAML at ``config_uri``, or defaults) with ``settings`` and then
+    ``overrides`` applied, validated, with an absolute local storage root.
+
+    A :class:`PipelineConfig` given without settings or overrides is used as it is (it is already
+    valid); otherwise they are applied to its data and the result validated once.
+
+    Args:
+        config: A whole config (object or data), instead of ``config_uri``.
+        config_uri: The YAML config file.
+        overrides: ``key.path=value`` items (the value read as YAML, as ``posttrain run --set``)
+            or a ``{key.path: value}`` mapping.
+        settings: The run form's values (:class:`RunSettings`).
+
+    Raises:
+        ConfigError: unreadable YAML, bad settings, a bad override or a failed validation (names
+            the field); an override of a key whose value the settings changed from the file's,
+            to yet another value (two edits of one field: both are named; an override of a
+            field the settings leave at the file's value simply applies).
+    """
+    overrides = overrides_mapping(overrides)
+    if settings is not None:
+        try:
+            settings = RunSettings.model_validate(settings)
+        except ValidationError as e:
+            raise ConfigError(f"settings: {e}") from None
+        from_settings = settings_overrides(settings)
+        if overrides:
+            refuse_conflicts(from_settings, overrides, _config_data(config, config_uri))
+        overrides = {**from_settings, **overrides}
+    if isinstance(config, PipelineConfig) and not overrides:
+        return resolve_local_root(config)
+    if config is not None:
+        return resolve_local_root(load_config(base=_config_data(config, None), overrides=overrides))
+    return resolve_local_root(load_config(config_uri, overrides=overrides))
+
+
+def _config_data(config: PipelineConfig | dict | None, config_uri: str | None) -> dict[str, Any]:
+    """The data of ``config``, else of the YAML at ``config_uri`` (defaults filled in when read)."""
+    if isinstance(config, BaseModel):
+        return _reveal(config.model_dump())
+    if config is not None:
+        return dict(config)
+    return _reveal(load_config(config_uri).model_dump())
+
+
+def overrides_mapping(overrides: list[str] | dict[str, Any] | None) -> dict[str, Any]:
+    """``["key.path=value", ...]`` (values read as YAML) or a mapping, as ``{key.path: value}``.
+
+    Raises:
+        ConfigError: an item that is not ``key.path=value`` (named with its index).
+    """
+    if not overrides:
+        return {}
+    if isinstance(overrides, dict):
+        return dict(overrides)
+    out: dict[str, Any] = {}
+    for i, item in enumerate(overrides):
+        try:
+            key, value = parse_override(str(item))
+        except ConfigError as e:
+            raise ConfigError(f"overrides[{i}]: {e}") from None
+        out[key] = value
+    return out
+
+
+def override_items(overrides: dict[str, Any]) -> list[str]:
+    """``{key.path: value}`` as the ``key.path=value`` items the run form edits (values as JSON,
+    which :func:`overrides_mapping` reads back as YAML unchanged)."""
+    return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
+
+
+def flat_overrides(overrides: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"sft": {"max_steps": 4}}`` and ``{"sft.max_steps": 4}`` alike as ``{"sft.max_steps": 4}``."""
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and value:
+            out.update(flat_overrides(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+_MISSING = object()
+
+
+def _value_at(data: dict[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return json.loads(json.dumps(node, default=str))
+
+
+def refuse_conflicts(from_settings: dict[str, Any], overrides: dict[str, Any], file_data: dict[str, Any]) -> None:
+    """Refuse an override of a key whose value the run settings changed from the config file's,
+    to another value than the settings' (a field typed in the form, overridden again).
+
+    Args:
+        from_settings: :func:`~flows.settings.settings_overrides` of the run settings.
+        overrides: The run's overrides, ``{key.path: value}``.
+        file_data: The config the settings and overrides apply to, as data.
+
+    Raises:
+        ConfigError: naming each such key with both values.
+    """
+    flat = flat_overrides(overrides)
+    clashes = [f"overrides sets {key}={flat[key]!r} but settings set it to {value!r} (the config file has "
+               f"{_value_at(file_data, key)!r})"
+               for key, value in from_settings.items()
+               if key in flat and flat[key] != value and _value_at(file_data, key) != value]
+    if clashes:
+        raise ConfigError("; ".join(clashes) + ": set each in one place (the form's field, or overrides)")

@@ -67,7 +67,7 @@ def _load_or_exit(config: str, overrides: list[str] | None) -> PipelineConfig:
 
 
 def _checked_run_id(run_id: str) -> str:
-    from flows.pipeline import check_run_id
+    from tasks.runs import check_run_id
 
     try:
         return check_run_id(run_id)
@@ -89,7 +89,7 @@ def run(
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run id; reuse one to resume it.")] = None,
 ) -> None:
     """Run the pipeline; the last stdout line is the summary.json URI."""
-    from flows.pipeline import new_run_id
+    from tasks.runs import new_run_id
 
     cfg = _load_or_exit(config, overrides)
     _run_pipeline(cfg, _checked_run_id(run_id or new_run_id(cfg)))
@@ -186,7 +186,7 @@ def _summary_bytes(uri: str) -> bytes | None:
 def _refuse_if_held(cfg: PipelineConfig, layout: Any) -> None:
     """Exit 2 at once when a live ``run``/``resume`` holds the run's lease (before starting
     Prefect; the flow takes the lease itself, so two starting together are still told apart)."""
-    from flows.pipeline import run_lease
+    from tasks.runs import run_lease
     from trainer_core.checkpoint.lease import LeaseHeldError
 
     try:

@@ -2,17 +2,21 @@
 
 Used by the stage task (reuse a stage whose committed output already carries the fingerprint
 it would produce now) and by ``posttrain status`` / ``posttrain resume``. Reads storage only;
-no MLflow.
+no MLflow. Also a run's id (:func:`new_run_id`, :func:`check_run_id`) and its writer lease
+(:func:`run_lease`).
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import secrets
+import time
 from typing import Any
 
 from tasks.results import StageResult
 from trainer_core import storage
-from trainer_core.checkpoint.lease import read_lease
+from trainer_core.checkpoint.lease import StageLease, read_lease
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, find_latest, read_manifest
 from trainer_core.config import PipelineConfig
 from trainer_core.errors import ConfigError
@@ -167,3 +171,29 @@ def run_holder(root: str, run_id: str) -> str | None:
     """The owner of the run's live lease (a ``posttrain run``/``resume`` in progress), or None."""
     lease = read_lease(RunLayout(root, run_id).uri)
     return lease["owner"] if lease is not None and lease["live"] else None
+
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""A run id: what URIs and MLflow run names take."""
+
+
+def new_run_id(config: PipelineConfig) -> str:
+    """``<name>-<YYYYmmdd-HHMMSS>-<6 hex>``, e.g. ``demo-20250101-120000-a1b2c3``."""
+    return f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def check_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it is usable in URIs and MLflow run names.
+
+    Raises:
+        ConfigError: it is empty, too long, or has characters other than letters, digits, ``._-``.
+    """
+    if not _RUN_ID.match(run_id):
+        raise ConfigError(f"run_id {run_id!r} must match {_RUN_ID.pattern}")
+    return run_id
+
+
+def run_lease(config: PipelineConfig, layout: RunLayout) -> StageLease:
+    """The writer lease of a whole pipeline run (``<run>/lease.json``): one live run or resume per run id."""
+    return StageLease(layout.uri, ttl_s=config.launch.lease_ttl_s,
+                      what="another posttrain run or resume of this run id is live")

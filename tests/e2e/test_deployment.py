@@ -30,7 +30,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.exceptions import PrefectHTTPStatusError
 
-from flows.pipeline import override_items
+from flows.settings import override_items
 from tests.e2e.stack import PROJECT_DIR, client, posttrain, start_worker, stop
 from tests.tiny import TINY_MODEL
 from trainer_core.config import PipelineConfig

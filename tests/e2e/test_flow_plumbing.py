@@ -193,7 +193,7 @@ def test_a_repeated_stage_attempt_logs_into_the_same_mlflow_run(prefect_api, tmp
 
 
 def test_resolve_config_keeps_secrets_applies_overrides_and_validates(tmp_path):
-    from flows.pipeline import resolve_config
+    from flows.settings import resolve_config
 
     cfg = resolve_config(small_config("rel/out"), None, {"sft.max_steps": 5})
     assert cfg.sft.max_steps == 5 and cfg.storage.secret_access_key.get_secret_value() == SECRET

@@ -11,7 +11,7 @@ import pytest
 from prefect.flows import load_flow_from_entrypoint
 
 from deployments import deploy
-from flows.pipeline import resolve_config
+from flows.settings import resolve_config
 from flows.settings import RunSettings, settings_of, settings_overrides
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError
