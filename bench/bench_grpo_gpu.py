@@ -47,8 +47,8 @@ from common import cleanup, patched, set_threads, stage_spec, write_result
 
 from trainer_core.data.prepared import load_split, load_tokenizer_from
 from trainer_core.generation.completions import messages_of, prompt_ids
-from trainer_core.training.rl.rewards import has_answer_line, is_correct
 from trainer_core.stages.runner import run_spec
+from trainer_core.training.rl.rewards import has_answer_line, is_correct
 from trainer_core.training.rl.trainer import RLTrainer
 
 THROUGHPUT_TARGET = 3.0

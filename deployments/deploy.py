@@ -146,8 +146,14 @@ def deployment_parameters(flow: Flow, entry: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ConfigError: a parameter the flow does not take, or a config that does not validate.
     """
-    from flows.settings import flat_overrides, override_items, overrides_mapping, resolve_config
-    from flows.settings import settings_of, settings_overrides
+    from flows.settings import (
+        flat_overrides,
+        override_items,
+        overrides_mapping,
+        resolve_config,
+        settings_of,
+        settings_overrides,
+    )
 
     params = dict(entry.get("parameters") or {})
     unknown = sorted(set(params) - set(inspect.signature(flow.fn).parameters))

@@ -200,12 +200,11 @@ def _refuse_if_held(cfg: PipelineConfig, layout: Any) -> None:
 def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
     """Run the flow for ``cfg`` under ``run_id``; print locations; last line: the summary URI."""
     from flows.pipeline import post_training_pipeline
+    from posttrain.api_server import needs_temporary_server, start_temporary_api_server
     from tasks.console import use_plain_console
+    from tasks.preflight import check_storage_root
     from trainer_core import storage
     from trainer_core.storage import RunLayout
-
-    from posttrain.api_server import needs_temporary_server, start_temporary_api_server
-    from tasks.preflight import check_storage_root
 
     storage.configure(cfg.storage)
     try:  # first: an unreachable root is refused in seconds, before any read of the run or Prefect

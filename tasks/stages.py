@@ -32,12 +32,12 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.runtime import task_run as prefect_task_run
 
-from tasks.report import mlflow_models, tracking
-from tasks.launch.commands import trainer_command
-from tasks.launch.failures import raise_for_result
 from tasks.k8s.job import run_trainer_job
 from tasks.k8s.manifest import pin_rendezvous, trainer_job
+from tasks.launch.commands import trainer_command
+from tasks.launch.failures import raise_for_result
 from tasks.launch.process import launch_stage_process, retry_condition
+from tasks.report import mlflow_models, tracking
 from tasks.report.views import StageProgress, artifact_key, log_curves, mlflow_ui_url, png_markdown, run_link_markdown
 from tasks.results import PipelineRun, StageResult, utc_now
 from tasks.runs import completed_result

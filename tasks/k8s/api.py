@@ -13,8 +13,8 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tasks.launch.failures import BadStageInput
 from tasks.k8s.manifest import CONTAINER, LABEL_JOB, JobSettings
+from tasks.launch.failures import BadStageInput
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 
 _REQUEST_TIMEOUT_S = 60.0

@@ -40,8 +40,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from tasks.launch.aborts import abort_event
-from tasks.launch.failures import BadStageInput, LaunchAborted, StageFailed, StageResourceError, raise_for_result
 from tasks.k8s.api import KubeApi, KubeError, stamp_key
 from tasks.k8s.manifest import JobSettings, TrainerJob, trainer_manifests
 from tasks.k8s.status import (
@@ -56,6 +54,8 @@ from tasks.k8s.status import (
     pod_result,
     terminated,
 )
+from tasks.launch.aborts import abort_event
+from tasks.launch.failures import BadStageInput, LaunchAborted, StageFailed, StageResourceError, raise_for_result
 from tasks.launch.process import LaunchResult, LineLogger, Output
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.launch.failures import RankFailure, blamed_failure, parse_torchrun_failures
 from tasks.k8s.api import KubeApi
 from tasks.k8s.manifest import CONTAINER, INDEX_ANNOTATION, JobSettings
+from tasks.launch.failures import RankFailure, blamed_failure, parse_torchrun_failures
 from tasks.launch.process import LaunchResult, LineLogger, Output
 from trainer_core.errors import EXIT_BAD_INPUT
 

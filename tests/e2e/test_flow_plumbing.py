@@ -13,8 +13,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
 from typer.testing import CliRunner
 
-from posttrain.cli import app
 from flows.pipeline import post_training_pipeline
+from posttrain.cli import app
 from tasks.launch.process import BadStageInput
 from tests.tiny import TINY_MODEL
 from trainer_core.config import load_config
@@ -162,9 +162,9 @@ def test_a_repeated_stage_attempt_logs_into_the_same_mlflow_run(prefect_api, tmp
     it launches the trainer rather than reusing the output."""
     from prefect import flow
 
+    from tasks.report.tracking import start_pipeline_run
     from tasks.results import PipelineRun
     from tasks.stages import run_stage
-    from tasks.report.tracking import start_pipeline_run
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = small_config(tmp_path / "out")

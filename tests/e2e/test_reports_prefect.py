@@ -13,10 +13,10 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterId
 
+from tasks.report.summary import TABLE_COLUMNS, write_summary
 from tasks.report.views import CURVES_ARTIFACT, StageProgress
 from tasks.results import PipelineRun
 from tasks.stages import _report
-from tasks.report.summary import TABLE_COLUMNS, write_summary
 from trainer_core.checkpoint.manifest import ArtifactWriter
 from trainer_core.config import load_config
 

@@ -100,8 +100,7 @@ def demo_project(stack, tmp_path_factory) -> Path:
 
 def demo_settings(project: Path) -> dict:
     """The form's values for ``project``'s demo.yaml (what ``posttrain deploy`` fills in)."""
-    from flows.settings import resolve_config
-    from flows.settings import settings_of
+    from flows.settings import resolve_config, settings_of
 
     return settings_of(resolve_config(None, str(project / "configs" / "demo.yaml"), None)).model_dump(mode="json")
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.launch.aborts import abort_launches, forget_launch_group
-from tasks.launch.failures import BadStageInput, LaunchAborted, StageFailed, StageResourceError
 from tasks.k8s.job import run_trainer_job
 from tasks.k8s.manifest import JobSettings, TrainerJob, trainer_job
+from tasks.launch.aborts import abort_launches, forget_launch_group
+from tasks.launch.failures import BadStageInput, LaunchAborted, StageFailed, StageResourceError
 from tests.integration.k8s_fake import FakeCluster, role_rules
 from trainer_core.config import load_config
 

@@ -18,8 +18,7 @@ from mlflow.entities import LoggedModelStatus, Metric
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
 from tasks.report import mlflow_models, tracking
-from trainer_core import mlflow_model
-from trainer_core import storage
+from trainer_core import mlflow_model, storage
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import load_config
 from trainer_core.data.tokenizer import train_tokenizer

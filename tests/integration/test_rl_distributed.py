@@ -33,13 +33,13 @@ from trainer_core.backends.single import SingleDeviceBackend
 from trainer_core.checkpoint.manifest import read_manifest
 from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.config import GenerationConfig, GRPOConfig, PPOConfig, load_config
-from trainer_core.generation.engines import HFEngine
 from trainer_core.errors import ConfigError
+from trainer_core.generation.engines import HFEngine
 from trainer_core.objectives.ppo import whiten
-from trainer_core.training.rl.rollout import PolicyAndValue, RolloutBatch, value_head_for
 from trainer_core.spec import StageSpec, build_spec
 from trainer_core.stages.ppo import PPOAlgorithm, whiten_across_ranks
 from trainer_core.storage import StageLayout, join_uri
+from trainer_core.training.rl.rollout import PolicyAndValue, RolloutBatch, value_head_for
 from trainer_core.training.rl.trainer import RLTrainer, check_rl_config
 
 from .helpers import (

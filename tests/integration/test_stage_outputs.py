@@ -25,16 +25,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from trainer_core.backends import build_backend
 from trainer_core import storage
+from trainer_core.backends import build_backend
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, read_manifest, verify
+from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.config import BackendConfig, TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, collate_causal, collate_pairs
-from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
-from trainer_core.training.loop import BatchSource, TrainLoop
-from trainer_core.modeling.models import load_causal_lm, load_reward_model
-from trainer_core.storage import StageLayout, join_uri
 from trainer_core.data.prepared import load_split, load_tokenizer_from
+from trainer_core.errors import EXIT_RESOURCE
+from trainer_core.modeling.models import load_causal_lm, load_reward_model
+from trainer_core.spec import build_spec
+from trainer_core.storage import StageLayout, join_uri
+from trainer_core.training.loop import BatchSource, TrainLoop
 from trainer_core.training.supervised import (
     DPOObjective,
     RewardObjective,
@@ -44,9 +46,6 @@ from trainer_core.training.supervised import (
     pair_source,
     reference_logprobs,
 )
-
-from trainer_core.errors import EXIT_RESOURCE
-from trainer_core.spec import build_spec
 
 from .helpers import MAX_STEPS, TinyPipeline, checkpoint_uri, child_env, committed_steps, final_weights, write_spec
 

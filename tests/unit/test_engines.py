@@ -21,7 +21,6 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from trainer_core.training.rl import rollout
 from trainer_core.config import GenerationConfig, RolloutGenerationConfig
 from trainer_core.generation.engines import (
     ENGINES,
@@ -40,6 +39,7 @@ from trainer_core.generation.static_decode import (
     grouped_decode_attention,
     sdpa_grouped_decode,
 )
+from trainer_core.training.rl import rollout
 
 PAD, EOS, VOCAB = 0, 1, 64
 PROMPT_LENGTHS = (3, 7, 5, 1, 7, 2)

@@ -21,7 +21,14 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from tasks.console import PlainConsoleHandler
-from tasks.launch.failures import BadStageInput, StageFailed, StageResourceError, raise_for_result, retry_condition, trainer_error
+from tasks.launch.failures import (
+    BadStageInput,
+    StageFailed,
+    StageResourceError,
+    raise_for_result,
+    retry_condition,
+    trainer_error,
+)
 from tasks.launch.process import LaunchResult
 from tasks.preflight import preflight
 from tasks.runs import config_changes, load_run_config, save_run_config, stage_status
@@ -43,7 +50,6 @@ from trainer_core.errors import (
 from trainer_core.modeling.models import load_causal_lm
 from trainer_core.storage import RunLayout, join_uri
 from trainer_core.training.guard import check_finite_tensors, nonfinite_weights, step_is_finite
-
 
 # --- the non-finite guard ------------------------------------------------------------------
 

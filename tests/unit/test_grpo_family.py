@@ -170,9 +170,9 @@ def test_truncated_importance_weights_scale_the_policy_term_not_the_kl():
     """With ``is_weights`` the policy loss of each token is weighted (verl's tis_imp_ratio_cap),
     the KL term is not: at ratio 1, A = 1, weights 0 the loss is kl_coef x KL alone."""
     from trainer_core.config import GRPOConfig
-    from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
     from trainer_core.stages.grpo import GRPOAlgorithm
     from trainer_core.training.rl.batches import MiniBatchCounts
+    from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
 
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     logprobs = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
@@ -198,8 +198,8 @@ def test_truncated_importance_weights_scale_the_policy_term_not_the_kl():
 
 def test_masked_out_rows_keep_their_tokens_and_count_nothing():
     from trainer_core.generation.engines import Generated
-    from trainer_core.training.rl.rewards import PromptItem
     from trainer_core.training.rl.batches import SampledRound, masked_out
+    from trainer_core.training.rl.rewards import PromptItem
 
     g = Generated(torch.tensor([[5, 6]]), torch.ones(1, 2), torch.tensor([[-0.5, -0.25]]))
     item = PromptItem([{"role": "user", "content": "q"}], [1], "1")

@@ -240,7 +240,8 @@ def test_multinode_pods_run_the_stage_command_built_from_the_spec(tmp_path, caps
     ``tasks.launch.process``, which prints (``--dry-run``) the torchrun command ``trainer_command``
     (``tasks/launch/commands.py``) builds for that node from the spec's backend; a spec that disagrees
     with the job is refused."""
-    from tasks.launch import commands, process as launch
+    from tasks.launch import commands
+    from tasks.launch import process as launch
 
     spec_uri = write_stage_spec(tmp_path / "sft.json", [
         "backend.name=fsdp2", "backend.nnodes=2", "backend.nproc_per_node=8",

@@ -11,8 +11,6 @@ import shlex
 
 import pytest
 
-from tasks.launch import commands, process as launch
-from tasks.launch.failures import BadStageInput
 from tasks.k8s.manifest import (
     MAX_NAME_CHARS,
     JobSettings,
@@ -22,7 +20,10 @@ from tasks.k8s.manifest import (
     trainer_job,
     trainer_manifests,
 )
-from tasks.k8s.status import blamed_pod, job_state, JobView, pod_result
+from tasks.k8s.status import JobView, blamed_pod, job_state, pod_result
+from tasks.launch import commands
+from tasks.launch import process as launch
+from tasks.launch.failures import BadStageInput
 from tests.unit.test_infra import MULTINODE_VALUES, render_multinode
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError

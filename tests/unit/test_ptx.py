@@ -8,7 +8,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer_core.errors import ConfigError
-from trainer_core.training.rl.rollout import PolicyAndValue, policy_forward
 from trainer_core.training.rl.ptx import (
     check_demonstrations,
     collate_demonstrations,
@@ -16,6 +15,7 @@ from trainer_core.training.rl.ptx import (
     ptx_row_indices,
     split_demonstration,
 )
+from trainer_core.training.rl.rollout import PolicyAndValue, policy_forward
 
 PAD = 0
 

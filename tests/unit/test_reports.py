@@ -17,8 +17,9 @@ from matplotlib.image import imread
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from tasks.report import views as reports
 from tasks.launch.process import launch_stage_process
+from tasks.report import views as reports
+from tasks.report.summary import TABLE_COLUMNS, build_summary, headline_metrics, summary_markdown, summary_rows
 from tasks.report.views import (
     CURVES_ARTIFACT,
     StageProgress,
@@ -30,7 +31,6 @@ from tasks.report.views import (
 )
 from tasks.results import PipelineRun, StageResult
 from tasks.stages import _metrics_markdown, artifact_key, mlflow_run_markdown
-from tasks.report.summary import TABLE_COLUMNS, build_summary, headline_metrics, summary_markdown, summary_rows
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import load_config
 

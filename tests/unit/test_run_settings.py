@@ -11,8 +11,7 @@ import pytest
 from prefect.flows import load_flow_from_entrypoint
 
 from deployments import deploy
-from flows.settings import resolve_config
-from flows.settings import RunSettings, settings_of, settings_overrides
+from flows.settings import RunSettings, resolve_config, settings_of, settings_overrides
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError
 

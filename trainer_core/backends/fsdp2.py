@@ -39,13 +39,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from trainer_core import storage
 from trainer_core.backends import memory
 from trainer_core.backends.distributed import ProcessGroupBackend
-from trainer_core.modeling.architecture import transformer_blocks
 from trainer_core.backends.single import partly_frozen, torch_optimizer_step
-from trainer_core import storage
 from trainer_core.config import BackendConfig
 from trainer_core.errors import ConfigError
+from trainer_core.modeling.architecture import transformer_blocks
 from trainer_core.storage import join_uri
 
 log = logging.getLogger(__name__)

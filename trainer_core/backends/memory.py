@@ -56,8 +56,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from trainer_core.modeling.architecture import transformer_blocks
 from trainer_core.errors import ConfigError
+from trainer_core.modeling.architecture import transformer_blocks
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from trainer_core.config.base import ConfigBase
 from trainer_core.errors import ConfigError
 
+
 class RouterTemperatureConfig(ConfigBase):
     """A router temperature schedule: the routers' logits divided by a temperature that moves
     linearly from ``start`` (the first optimizer step) to ``end`` (reached after ``steps`` steps,

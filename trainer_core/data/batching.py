@@ -27,7 +27,7 @@ from trainer_core.data.samplers import (  # noqa: F401 - re-exported: the sample
 )
 
 
-def _padded(seqs: Sequence[Sequence[int]], length: int, value: int, left: bool = False) -> Tensor:
+def pad_sequences(seqs: Sequence[Sequence[int]], length: int, value: int, left: bool = False) -> Tensor:
     """``[len(seqs), length]`` long tensor of ``seqs`` padded with ``value``."""
     out = torch.full((len(seqs), length), value, dtype=torch.long)
     for i, seq in enumerate(seqs):
@@ -59,9 +59,9 @@ def _causal(rows: Sequence[dict], pad_id: int, prefix: str, length: int) -> dict
     ids = [row[f"{prefix}input_ids"] for row in rows]
     loss = [row.get(f"{prefix}loss_mask", [1] * len(row[f"{prefix}input_ids"])) for row in rows]
     return {
-        f"{prefix}input_ids": _padded(ids, length, pad_id),
-        f"{prefix}attention_mask": _padded([[1] * len(s) for s in ids], length, 0),
-        f"{prefix}loss_mask": _padded(loss, length, 0),
+        f"{prefix}input_ids": pad_sequences(ids, length, pad_id),
+        f"{prefix}attention_mask": pad_sequences([[1] * len(s) for s in ids], length, 0),
+        f"{prefix}loss_mask": pad_sequences(loss, length, 0),
     }
 
 
@@ -185,8 +185,8 @@ def collate_prompts_left(rows: Sequence[dict], pad_id: int, key: str | None = No
     ids = [row[key] for row in rows]
     length = max(len(s) for s in ids)
     return {
-        "input_ids": _padded(ids, length, pad_id, left=True),
-        "attention_mask": _padded([[1] * len(s) for s in ids], length, 0, left=True),
+        "input_ids": pad_sequences(ids, length, pad_id, left=True),
+        "attention_mask": pad_sequences([[1] * len(s) for s in ids], length, 0, left=True),
     }
 
 

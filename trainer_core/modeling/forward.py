@@ -13,7 +13,7 @@ parameter fetch happen as for a plain forward. Like Liger-Kernel's model patches
 (``liger_kernel.transformers.model.llama.lce_forward`` replaces ``LlamaForCausalLM.forward``
 so that the wrapped module's forward computes the loss), the causal LM's ``forward`` is
 replaced; here only on the instance and only for the duration of one call
-(:func:`_forward_replaced`), and ``loss_mask`` travels through the wrapper's forward as a
+(:func:`forward_replaced`), and ``loss_mask`` travels through the wrapper's forward as a
 keyword argument. The class, the parameters and the state dict stay those of the HF model,
 and nothing stays on the instance afterwards (no reference cycle keeps a freed model alive).
 
@@ -28,7 +28,6 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
-
 from transformers import PreTrainedModel
 
 from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS, NLL_SUM_KERNELS, chunked_linear_logprobs, nll_sum_kernel
@@ -45,7 +44,7 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     return model
 
 
-def _head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+def head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """(decoder, lm_head) of an unwrapped model whose logits are exactly ``lm_head(decoder(x))``, else None.
 
     None for models that transform the logits after the head (Gemma-2's soft-capping,
@@ -69,7 +68,7 @@ def _head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
 
 
 @contextlib.contextmanager
-def _forward_replaced(module: nn.Module, forward: Callable[..., Tensor]) -> Iterator[None]:
+def forward_replaced(module: nn.Module, forward: Callable[..., Tensor]) -> Iterator[None]:
     """``module.forward`` is ``forward`` inside the block (an instance attribute shadowing the class's)."""
     previous = module.__dict__.get("forward")
     module.forward = forward
@@ -129,11 +128,11 @@ def _through_wrapper(
     then takes the full-logits path).
     """
     inner = unwrap_causal_lm(model)
-    parts = _head_parts(inner)
+    parts = head_parts(inner)
     if parts is None:
         return None
     forward = partial(_counted_head_forward, *parts, head_fn, chunk_size)
-    with _forward_replaced(inner, forward):
+    with forward_replaced(inner, forward):
         return model(
             input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, position_ids=position_ids,
             counted_index=counted_index,
@@ -257,6 +256,6 @@ def packed_sequence_scores(model: nn.Module, input_ids: Tensor, position_ids: Te
     if not isinstance(inner, PreTrainedModel) or not isinstance(score, nn.Module):
         raise ValueError(f"{type(inner).__name__} is not a sequence classifier with a `score` head: cannot score packed rows")
     base = getattr(inner, inner.base_model_prefix)
-    with _forward_replaced(inner, partial(_packed_scores_forward, base, score)):
+    with forward_replaced(inner, partial(_packed_scores_forward, base, score)):
         scores = model(input_ids=input_ids, position_ids=position_ids, last_token_index=last_token_index)
     return scores.squeeze(-1).float()

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from trainer_core.modeling.architecture import transformer_blocks
 from trainer_core.config import LoraConfig
 from trainer_core.errors import ConfigError
+from trainer_core.modeling.architecture import transformer_blocks
 
 ADAPTER_NAME = "default"
 """peft's adapter name; it appears in state-dict keys (``lora_A.default.weight``)."""

@@ -36,7 +36,13 @@ from transformers import (
 
 from trainer_core.config import ModelConfig
 from trainer_core.errors import ConfigError
-from trainer_core.modeling.lora import ADAPTER_CONFIG, adapter_base_model, attach_adapter, is_adapter_dir, merge_adapters
+from trainer_core.modeling.lora import (
+    ADAPTER_CONFIG,
+    adapter_base_model,
+    attach_adapter,
+    is_adapter_dir,
+    merge_adapters,
+)
 from trainer_core.registry import INIT_SOURCE
 from trainer_core.storage import names_a_path
 

@@ -27,15 +27,21 @@ from trainer_core.modeling.lora import (
     adapter_files,
     apply_lora,
     attach_adapter,
+    base_state_dict,
     check_continued,
     dequantized_state_dict,
     has_lora,
+    is_trained,
     merged_state_dict,
     peft_config,
-    base_state_dict,
-    is_trained,
 )
-from trainer_core.modeling.models import adapter_source, load_causal_lm, load_reward_model, save_pretrained_to, save_tokenizer_to
+from trainer_core.modeling.models import (
+    adapter_source,
+    load_causal_lm,
+    load_reward_model,
+    save_pretrained_to,
+    save_tokenizer_to,
+)
 from trainer_core.registry import INIT_SOURCE
 from trainer_core.spec import StageSpec
 from trainer_core.storage import StageLayout, join_uri
@@ -250,8 +256,8 @@ class StageContext:
         """QLoRA's base: ``source`` loaded in 4-bit NF4 (bitsandbytes), ready for k-bit training, on
         the stage's device (bitsandbytes >= 0.48 has NF4 kernels for CPU as well as CUDA)."""
         try:
-            from transformers import BitsAndBytesConfig
             import bitsandbytes  # noqa: F401
+            from transformers import BitsAndBytesConfig
         except ImportError as e:
             raise ConfigError(f"lora.quantize=4bit needs the bitsandbytes package ({e})") from e
         import torch

@@ -24,9 +24,9 @@ from trainer_core.objectives.grpo_family import (
     dapo_overlong_penalty,
 )
 from trainer_core.objectives.ppo import KL_ESTIMATORS
-from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage
+from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
 from trainer_core.training.rl.trainer import MiniBatchCounts, masked_sum
 
 

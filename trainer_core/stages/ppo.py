@@ -30,9 +30,9 @@ from trainer_core.objectives.ppo import (
     gae,
     penalized_rewards,
 )
-from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage, value_head_bytes
+from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
 from trainer_core.training.rl.trainer import MiniBatchCounts, masked_sum
 
 

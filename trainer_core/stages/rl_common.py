@@ -15,6 +15,8 @@ from trainer_core.config import RLStageConfig
 from trainer_core.data.prepared import PreparedRows
 from trainer_core.errors import ConfigError
 from trainer_core.generation.completions import messages_of, prompt_ids
+from trainer_core.stages.context import StageContext
+from trainer_core.training.loop import summarize
 from trainer_core.training.rl.rewards import (
     PromptItem,
     RewardFunction,
@@ -24,8 +26,6 @@ from trainer_core.training.rl.rewards import (
     needs_reward_model,
 )
 from trainer_core.training.rl.rollout import PolicyAndValue, value_head_for
-from trainer_core.stages.context import StageContext
-from trainer_core.training.loop import summarize
 from trainer_core.training.rl.trainer import (
     RL_CHECKPOINT_LAYOUT,
     Algorithm,

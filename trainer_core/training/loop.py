@@ -166,7 +166,10 @@ def build_optimizer(model: nn.Module, cfg: TrainStageConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adam_betas, **impl)
 
 
-def _peak_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device: torch.device) -> int:
+    """The process's peak memory in bytes (the ``memory/peak_bytes`` metric): CUDA's peak
+    allocation on ``device`` since the last reset, else the process's peak resident set size
+    (``getrusage``'s ``ru_maxrss``, KiB on Linux)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -412,7 +415,7 @@ class TrainLoop:
                 "time/optimizer_s": t_opt,
             }
         )
-        values["memory/peak_bytes"] = float(_peak_memory_bytes(self.backend.device))
+        values["memory/peak_bytes"] = float(peak_memory_bytes(self.backend.device))
         values["train/consumed_samples"] = float(self.progress.consumed_samples)
         self._emit(values)
 

@@ -21,14 +21,14 @@ from torch import Tensor, nn
 from trainer_core.backends.base import Backend
 from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import RLStageConfig
-from trainer_core.generation.engines import Generated
 from trainer_core.errors import ConfigError
+from trainer_core.generation.engines import Generated
 from trainer_core.objectives.ppo import KL_ESTIMATORS
 from trainer_core.training.rl.rewards import PromptItem, is_correct
 from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch, completion_forward
 
 
-def _reference_forward(
+def reference_forward(
     model: nn.Module, p_ids: Tensor, p_mask: Tensor, c_ids: Tensor, c_mask: Tensor, *, temperature: float
 ) -> PolicyForward:
     """:func:`~trainer_core.training.rl.rollout.completion_forward` in the loop's argument order."""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from trainer_core.data.batching import _padded, collate_prompts_left
+from trainer_core.data.batching import collate_prompts_left, pad_sequences
 from trainer_core.errors import ConfigError
 from trainer_core.training.rl.rollout import policy_forward
 
@@ -79,7 +79,7 @@ def collate_demonstrations(rows: Sequence[dict], pad_id: int, device: torch.devi
     prompts = collate_prompts_left([{"input_ids": p} for p in prompt_ids], pad_id)
     length = max(len(c) for c in completion_ids)
     return PtxBatch(prompts["input_ids"].to(device), prompts["attention_mask"].to(device),
-                    _padded(completion_ids, length, pad_id).to(device), _padded(completion_mask, length, 0).to(device))
+                    pad_sequences(completion_ids, length, pad_id).to(device), pad_sequences(completion_mask, length, 0).to(device))
 
 
 def ptx_row_indices(num_rows: int, rows_per_step: int, seed: int, global_step: int, step_index: int,

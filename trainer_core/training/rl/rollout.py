@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainer_core.modeling.forward import _forward_replaced, _head_parts, unwrap_causal_lm
+from trainer_core.modeling.forward import forward_replaced, head_parts, unwrap_causal_lm
 from trainer_core.objectives.chunked import (
     CHUNK_SIZE_TOKENS,
     chunked_linear_logprobs_entropy,
@@ -207,7 +207,7 @@ def _completion_head_forward(
     value head (if any) on every completion position. Nothing [N, T, V] is formed.
 
     Args:
-        decoder, head: the causal LM's decoder and LM head (``forward._head_parts``).
+        decoder, head: the causal LM's decoder and LM head (``forward.head_parts``).
         value_head: ``Linear(H, 1)`` or None.
         temperature: logits are divided by it (0 counts as 1): hidden states and bias are.
         chunk_size: tokens per chunk of the LM head.
@@ -263,7 +263,7 @@ def completion_forward(
         The :class:`PolicyForward` (values None).
     """
     inner = unwrap_causal_lm(model)
-    parts = _head_parts(inner)
+    parts = head_parts(inner)
     if parts is None:
         logprobs, entropies, _ = forward_completions(
             model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature
@@ -271,7 +271,7 @@ def completion_forward(
         return PolicyForward(logprobs, entropies.detach(), None)
     inputs = completion_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
     forward = partial(_completion_head_forward, *parts, None, temperature, chunk_size)
-    with _forward_replaced(inner, forward):
+    with forward_replaced(inner, forward):
         return PolicyForward(*model(**inputs, completion_mask=completion_mask, start=completion_start(prompt_ids)))
 
 
@@ -321,7 +321,7 @@ class PolicyAndValue(nn.Module):
         if with_values and self.value_head is None:
             raise ValueError("with_values needs a value head")
         value_head = self.value_head if with_values else None
-        parts = _head_parts(self.policy)
+        parts = head_parts(self.policy)
         if parts is not None:
             return _completion_head_forward(
                 *parts, value_head, temperature, chunk_size, kwargs["input_ids"], kwargs["attention_mask"],

@@ -65,21 +65,21 @@ from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import RLStageConfig
 from trainer_core.data.batching import collate_prompts_left
-from trainer_core.generation.engines import GenerationEngine, build_engine
 from trainer_core.generation.completions import check_generation_engine
+from trainer_core.generation.engines import GenerationEngine, build_engine
 from trainer_core.modeling.lora import adapter_disabled
 from trainer_core.objectives.ppo import AdaptiveKLController, FixedKLController
-from trainer_core.training.rl.rewards import PromptItem, RewardFunction
-from trainer_core.training.rl.rollout import PolicyAndValue, PolicyForward, RolloutBatch, masked_row, policy_forward
 from trainer_core.storage import join_uri, read_bytes
 from trainer_core.training.guard import check_finite_metrics, check_finite_tensors, finite_only, step_is_finite
-from trainer_core.training.loop import _peak_memory_bytes, build_optimizer, build_scheduler
-from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward
+from trainer_core.training.loop import build_optimizer, build_scheduler, peak_memory_bytes
 from trainer_core.training.rl.batches import (  # noqa: F401 (also the loop's public names)
-    Algorithm, MiniBatchCounts, SampledRound, _reference_forward, check_rl_config, concat_rounds, engine_config,
-    groups_with_signal, logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
+    Algorithm, MiniBatchCounts, SampledRound, check_rl_config, concat_rounds, engine_config, groups_with_signal,
+    logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, reference_forward, rollout_metrics,
     row_slices, sampler_seed,
 )
+from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward
+from trainer_core.training.rl.rewards import PromptItem, RewardFunction
+from trainer_core.training.rl.rollout import PolicyAndValue, PolicyForward, RolloutBatch, masked_row, policy_forward
 from trainer_core.training.timing import PhaseTimer, phase_timer
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ class RLTrainer:
             ref = None
             if self.reference is not None:
                 with timer.phase("reference"):
-                    ref_fn = partial(_reference_forward, temperature=temperature)
+                    ref_fn = partial(reference_forward, temperature=temperature)
                     ref = self._forward_rows(ref_fn, self.reference, sample).logprobs
             elif self.reference_is_disabled_adapter:
                 with timer.phase("reference"), adapter_disabled(self.module):
@@ -412,7 +412,7 @@ class RLTrainer:
         if seconds.get("generation"):
             metrics["rollout/tokens_per_s"] = float(tokens[1]) / seconds["generation"]
         if backend.device.type == "cuda":
-            metrics["memory/peak_bytes"] = float(_peak_memory_bytes(backend.device))
+            metrics["memory/peak_bytes"] = float(peak_memory_bytes(backend.device))
         return metrics
 
     def run(self) -> TrainProgress:
