@@ -12,12 +12,12 @@ import argparse
 import torch
 
 from trainer_core import (
-    CheckpointSession, MetricsBuffer, StepOutput, TrainLoop, build_backend, build_trainer, causal_source,
+    CheckpointSession, MetricsBuffer, Objective, StepOutput, TrainLoop, build_backend, build_trainer, causal_source,
     collate_causal, load_causal_lm, load_config, load_split, load_tokenizer_from, shift_mask,
 )
 
 
-class LabelSmoothedSFT:
+class LabelSmoothedSFT(Objective):
     """Per completion token ``(1 - eps) NLL + eps * mean over the vocabulary of -log p``
     (Szegedy et al. 2016, "Rethinking the Inception Architecture", section 7). Count unit: a
     completion token; ``eval/loss`` is the plain NLL on a held-out batch."""

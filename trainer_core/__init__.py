@@ -2,9 +2,9 @@
 
 The public API has three tiers (``docs/api.md`` documents each name with shapes and errors):
 
-- **Tier 0, protocols**: what you implement to plug in. ``Backend`` (how a model runs: single
-  device, DDP, FSDP2, DeepSpeed ZeRO), ``Objective`` (what the supervised loop optimises) and the
-  ``StepOutput`` an objective returns.
+- **Tier 0, interfaces**: what you implement to plug in. ``Backend`` (a Protocol: how a model
+  runs: single device, DDP, FSDP2, DeepSpeed ZeRO), ``Objective`` (the base class of what the
+  supervised loop optimises) and the ``StepOutput`` an objective returns.
 - **Tier 1, primitives**, each usable on its own: pure losses and log-prob functions, model and
   tokenizer loading, the optimizer and scheduler factories, the backend factory, and the
   manifest commit protocol (write files, commit a ``manifest.json`` last, read and verify it).
@@ -26,7 +26,7 @@ TIER_0: dict[str, str] = {
     "Objective": "trainer_core.training.loop",
     "StepOutput": "trainer_core.training.loop",
 }
-"""Protocols (and the value an ``Objective`` returns): name -> defining module."""
+"""The interfaces (and the value an ``Objective`` returns): name -> defining module."""
 
 TIER_1: dict[str, str] = {
     "sft_loss": "trainer_core.objectives.sft",

@@ -16,7 +16,7 @@ from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.storage import join_uri
-from trainer_core.training.loop import BatchSource, StepOutput, TrainLoop
+from trainer_core.training.loop import BatchSource, Objective, StepOutput, TrainLoop
 
 DEVICE = torch.device("cpu")
 
@@ -32,7 +32,7 @@ def _collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"x": torch.stack([r["x"] for r in rows]), "y": torch.stack([r["y"] for r in rows])}
 
 
-class Regression:
+class Regression(Objective):
     """Squared error per example; eval returns scripted losses when given, else the real one."""
 
     def __init__(self, eval_losses: list[float] | None = None) -> None:

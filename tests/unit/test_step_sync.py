@@ -26,7 +26,7 @@ from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition, iterate_batches
 from trainer_core.storage import join_uri
-from trainer_core.training.loop import BatchSource, StepOutput, TrainLoop, build_scheduler, read_scalars
+from trainer_core.training.loop import BatchSource, Objective, StepOutput, TrainLoop, build_scheduler, read_scalars
 from trainer_core.training.timing import HostPhaseTimer, NullPhaseTimer, phase_timer
 
 CONVERSIONS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
@@ -113,7 +113,7 @@ class CopyingSource(BatchSource):
         return {k: v.clone() for k, v in super().to_device(batch).items()}
 
 
-class Regression:
+class Regression(Objective):
     """Squared error summed per example; counts from the host batch, the SFT way (``int(mask.sum())``).
 
     ``record``: per optimizer step, each micro-batch's (loss_sum, metric sums) as the loop saw them.

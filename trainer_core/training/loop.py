@@ -27,12 +27,13 @@ decision.
 
 from __future__ import annotations
 
+import abc
 import logging
 import math
 import resource
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from types import MappingProxyType
 
 import torch
 from torch import Tensor, nn
@@ -74,29 +75,44 @@ class StepOutput:
     aux_loss: Tensor | None = None
 
 
-class Objective(Protocol):
-    """What a training stage plugs into the loop.
+class Objective(abc.ABC):
+    """What a training stage plugs into the loop: subclass it and define :meth:`count`,
+    :meth:`step` and :meth:`evaluate`; the other hooks do nothing unless a subclass overrides them.
 
-    An objective may also define ``num_tokens(batch) -> int``: the non-padding tokens of a
-    micro-batch, called like :meth:`count` on the host batch; the loop then ignores
-    ``StepOutput.num_tokens``. And ``metric_denominators: dict[str, str]``: a metric reported
-    as its sum over the step divided by another metric's sum (KTO's per-label means), not by
-    the step's count. And ``finalize_metrics(metric_sums) -> dict[str, Tensor]``: called with
-    the step's metric sums (summed over ranks); it removes the sums it consumes and returns
-    metrics reported as they are (a mixture of experts' expert-usage shares and entropies).
-    And ``begin_step(steps_done: int)``: called before each optimizer step's first micro-batch
-    with the steps taken so far (``global_step``; a mixture of experts' router temperature).
+    Attributes:
+        metric_denominators: metric -> the metric whose step sum divides its step sum (KTO's
+            per-label means), instead of the step's count; empty by default.
     """
 
+    metric_denominators: Mapping[str, str] = MappingProxyType({})
+
+    @abc.abstractmethod
     def count(self, batch: dict[str, Tensor]) -> int:
         """Counted units (loss tokens or pairs) in a micro-batch; the loop calls it on the collated
         batch on the host (CPU tensors), before the batch is copied to the device."""
 
+    @abc.abstractmethod
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         """Forward one micro-batch; returns the summed loss with its graph."""
 
+    @abc.abstractmethod
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Held-out metrics; must contain ``loss`` (lower is better, drives early stopping)."""
+
+    def num_tokens(self, batch: dict[str, Tensor]) -> int | None:
+        """The non-padding tokens of a micro-batch, counted on the host batch as :meth:`count` is;
+        None (the default): the loop takes :attr:`StepOutput.num_tokens` instead."""
+        return None
+
+    def finalize_metrics(self, metric_sums: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Called with the step's metric sums (summed over ranks): removes the sums it consumes and
+        returns metrics reported as they are (a mixture of experts' expert-usage shares and
+        entropies). Default: nothing."""
+        return {}
+
+    def begin_step(self, steps_done: int) -> None:
+        """Called before each optimizer step's first micro-batch with the steps taken so far
+        (``global_step``; a mixture of experts' router temperature). Default: nothing."""
 
 
 @dataclass
@@ -311,15 +327,14 @@ class TrainLoop:
             timer: times the forward, backward and optimizer phases.
         """
         cfg, progress, backend, objective = self.cfg, self.progress, self.backend, self.objective
-        begin = getattr(objective, "begin_step", None)
-        if begin is not None:
-            begin(progress.global_step)
+        objective.begin_step(progress.global_step)
         drawn = [next(stream) for _ in range(self.accum_steps * backend.world_size)]
         hosts = [batch for batch, _, _ in drawn if batch is not None]
         counts = [objective.count(batch) for batch in hosts]
         count = sum(counts)
-        counts_tokens = getattr(objective, "num_tokens", None)
-        num_tokens: int | Tensor = sum(counts_tokens(batch) for batch in hosts) if counts_tokens else 0
+        host_tokens = [objective.num_tokens(batch) for batch in hosts]
+        counts_tokens = None not in host_tokens
+        num_tokens: int | Tensor = sum(host_tokens) if counts_tokens else 0  # type: ignore[arg-type]
         micro = [self.batches.to_device(batch) for batch in hosts]
         total = backend.all_reduce_sum(scalar_on(count, backend.device)).clamp(min=1.0)
         loss_sum = torch.zeros((), device=backend.device)
@@ -334,7 +349,7 @@ class TrainLoop:
             loss_sum += loss.detach()
             if not counts_tokens:
                 if out.num_tokens is None:
-                    raise TypeError(f"{type(objective).__name__} has no num_tokens(batch) and its step gave none")
+                    raise TypeError(f"{type(objective).__name__}.num_tokens(batch) gave None and its step gave none")
                 num_tokens = num_tokens + out.num_tokens
             for k, v in out.metric_sums.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + v
@@ -351,10 +366,8 @@ class TrainLoop:
         progress.epoch, progress.batch_index = last_position.epoch, last_position.batch_index
         progress.consumed_samples += sum(n for _, _, n in drawn)
         metrics = {"train/loss": loss_sum / total, "train/grad_norm": grad_norm, "train/lr": lr}
-        finalize = getattr(objective, "finalize_metrics", None)
-        if finalize is not None:
-            metrics.update({f"train/{k}": v for k, v in finalize(metric_sums).items()})
-        per = getattr(objective, "metric_denominators", {})
+        metrics.update({f"train/{k}": v for k, v in objective.finalize_metrics(metric_sums).items()})
+        per = objective.metric_denominators
         metrics.update({f"train/{k}": v / (metric_sums[per[k]].clamp(min=1.0) if k in per else total)
                         for k, v in metric_sums.items()})
         return StepRecord(progress.global_step, metrics, num_tokens, timer)

@@ -30,6 +30,7 @@ the committed model route at temperature 1.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -180,7 +181,7 @@ def _token_mask(batch: dict[str, Tensor], rows: int) -> Tensor | None:
     return None
 
 
-class MoEObjective:
+class MoEObjective(Objective):
     """An objective plus the routers' load-balancing loss and expert-usage counts (module docstring).
 
     Args:
@@ -201,13 +202,21 @@ class MoEObjective:
         self.num_layers = len(recorder.handles)
         self.temperature = temperature
 
-    def __getattr__(self, name: str) -> Any:  # num_tokens, evaluate, metric_denominators, eval_source, ...
-        return getattr(self.inner, name)
+    @property
+    def metric_denominators(self) -> Mapping[str, str]:  # type: ignore[override]
+        """The inner objective's (its own metrics keep their denominators)."""
+        return self.inner.metric_denominators
 
     def count(self, batch: dict[str, Tensor]) -> int:
+        """The inner objective's count."""
         return self.inner.count(batch)
 
+    def num_tokens(self, batch: dict[str, Tensor]) -> int | None:
+        """The inner objective's token count."""
+        return self.inner.num_tokens(batch)
+
     def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """The inner objective's held-out metrics (evaluation adds no router loss)."""
         return self.inner.evaluate(model)
 
     def begin_step(self, steps_done: int) -> None:

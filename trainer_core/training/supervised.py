@@ -39,7 +39,7 @@ from trainer_core.objectives.dpo import LENGTH_NORMALISED, REFERENCE_FREE, prefe
 from trainer_core.objectives.kto import PER_LABEL_METRICS, kto_loss
 from trainer_core.objectives.logprobs import sequence_logprobs, shift_mask
 from trainer_core.objectives.reward import bradley_terry_loss
-from trainer_core.training.loop import BatchSource, StepOutput
+from trainer_core.training.loop import BatchSource, Objective, StepOutput
 
 
 def batch_source(
@@ -79,7 +79,7 @@ def eval_batches(source: BatchSource, max_batches: int):
         yield batch
 
 
-class SFTObjective:
+class SFTObjective(Objective):
     """Masked next-token NLL; the count unit is a completion token.
 
     The loss sum comes from :func:`~trainer_core.modeling.forward.masked_nll_sum` (the LM head on
@@ -184,7 +184,7 @@ def pair_rewards(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Te
     return rewards[:pairs], rewards[pairs:]
 
 
-class RewardObjective:
+class RewardObjective(Objective):
     """Bradley-Terry loss; the count unit is a pair."""
 
     def __init__(self, eval_source: BatchSource, eval_max_batches: int) -> None:
@@ -221,7 +221,7 @@ def evaluate_pairs(objective, model: nn.Module, source: BatchSource, max_batches
         for k, v in out.metric_sums.items():
             totals[k] = totals.get(k, 0.0) + float(v)
         count += objective.count(batch)
-    per = getattr(objective, "metric_denominators", {})
+    per = objective.metric_denominators
     return {k: v / max(totals[per[k]] if k in per else count, 1) for k, v in totals.items()}
 
 
@@ -274,7 +274,7 @@ def collate_with_reference(rows: list[dict], pad_id: int, packed: bool = False) 
     return batch
 
 
-class _OfflinePreferenceObjective:
+class _OfflinePreferenceObjective(Objective):
     """What DPO's and KTO's objectives share: beta, the held-out source and the LM head's chunk
     size; their evaluation is :func:`evaluate_pairs` over the held-out source."""
 
