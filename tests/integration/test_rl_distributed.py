@@ -265,6 +265,7 @@ class ThreadDDP:
     the world size, gradients averaged over ranks before clipping and the step."""
 
     name, checkpoint_format, sharded_forward = "thread-ddp", "full", False
+    process_group, validate_replicas = True, True
 
     def __init__(self, rank: int, world_size: int, all_reduce_sum) -> None:
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")

@@ -50,6 +50,12 @@ class Backend(Protocol):
         sharded_forward: True when a forward needs every rank (FSDP2, ZeRO-3): generation then
             runs in lockstep (``synced_gpus``) and every rank must run the same number of forwards.
         precision: the resolved ``backend.precision``: ``bf16-mixed``, ``bf16`` or ``fp32``.
+        process_group: True when the backend runs collectives over a process group (DDP, FSDP2,
+            DeepSpeed, at any world size): a checkpoint save is then collective (never in the
+            background, where it would race the training thread's collectives) and a committed
+            model's weights are gathered with :meth:`full_state_dict`.
+        validate_replicas: compare replicated checkpoint components' checksums across ranks
+            before writing (``backend.validate_replicas``).
     """
 
     rank: int
@@ -59,6 +65,8 @@ class Backend(Protocol):
     checkpoint_format: str
     sharded_forward: bool
     precision: str
+    process_group: bool
+    validate_replicas: bool
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Place (and shard, if the backend does) a trainable model; returns the model to call."""

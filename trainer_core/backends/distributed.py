@@ -63,9 +63,11 @@ class ProcessGroupBackend:
 
     name = "distributed"
     sharded_forward = False
+    process_group = True
 
     def __init__(self, cfg: BackendConfig) -> None:
         self.cfg = cfg
+        self.validate_replicas = cfg.validate_replicas
         self.rank, self.world_size, self.device = init_process_group(cfg)
         self.precision = memory.resolve_precision(cfg.precision, self.device)
 

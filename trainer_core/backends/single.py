@@ -108,6 +108,7 @@ class SingleDeviceBackend:
     name = "single"
     checkpoint_format = "full"
     sharded_forward = False
+    process_group = False
 
     def __init__(self, cfg: BackendConfig | str = "auto") -> None:
         self.cfg = BackendConfig(device=cfg) if isinstance(cfg, str) else cfg
@@ -115,6 +116,7 @@ class SingleDeviceBackend:
         self.precision = memory.resolve_precision(self.cfg.precision, self.device)
         self.rank = 0
         self.world_size = 1
+        self.validate_replicas = self.cfg.validate_replicas
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = place_trainable(model, self.device, self.cfg)

@@ -208,9 +208,9 @@ class CheckpointSession:
             "world_size": backend.world_size,
             "extra": {**(extra or {}), "checkpoint_format": backend.checkpoint_format},
         }
-        # Only a plain single process saves in the background: any process-group backend (DDP at
-        # world size 1 too) runs collectives in a save, which must not race the training thread's.
-        self.deferred = asynchronous and backend.name == "single"
+        # Only a backend without a process group saves in the background: any other (DDP at world
+        # size 1 too) runs collectives in a save, which must not race the training thread's.
+        self.deferred = asynchronous and not backend.process_group
         self._saver = CheckpointSaver(asynchronous=self.deferred)
 
     def resume(

@@ -160,7 +160,7 @@ class StageContext:
             extra: more ``extra`` manifest fields (a loop's layout version).
             asynchronous: override of ``cfg.async_save``.
         """
-        validate = getattr(getattr(self.backend, "cfg", None), "validate_replicas", True)
+        validate = self.backend.validate_replicas
         return CheckpointSession(
             self.layout.checkpoints,
             self.backend,
@@ -329,7 +329,7 @@ def commit_final(
             other ranks, which would otherwise wait for its manifest).
     """
     backend = ctx.backend
-    weights = backend.full_state_dict(model) if model is not None and backend.name != "single" else None
+    weights = backend.full_state_dict(model) if model is not None and backend.process_group else None
     adapter = None
     if model is not None and has_lora(model):
         plain = backend.unwrap(model)

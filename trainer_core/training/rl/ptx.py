@@ -20,17 +20,13 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from trainer_core.backends.base import Backend
 from trainer_core.data.batching import collate_prompts_left, pad_sequences
 from trainer_core.errors import ConfigError
 from trainer_core.training.rl.rollout import policy_forward
-
-if TYPE_CHECKING:
-    from trainer_core.training.rl.trainer import RLTrainer
 
 
 @dataclass(frozen=True)
@@ -128,24 +124,27 @@ def check_demonstrations(stage: str, ptx_coef: float, demonstrations: Sequence[d
                           "ptx_coef to 0")
 
 
-def ptx_backward(trainer: RLTrainer, step_index: int) -> Tensor:
-    """Forward and backward of ``ptx_coef`` x the ptx loss on this rank's rows for the optimizer
-    step ``step_index`` of the iteration after ``trainer.progress.global_step``, as the step's last
-    micro-batch (its backward synchronises gradients). Collective under every backend: each rank
-    runs one forward of the same number of rows.
+def ptx_batch(rows: Sequence[dict], rows_per_step: int, seed: int, global_step: int, step_index: int, rank: int,
+              pad_token_id: int, device: torch.device) -> PtxBatch:
+    """This rank's demonstrations for the optimizer step ``step_index`` of the iteration after
+    ``global_step`` (:func:`ptx_row_indices`), collated on ``device``."""
+    picked = ptx_row_indices(len(rows), rows_per_step, seed, global_step, step_index, rank)
+    return collate_demonstrations([rows[i] for i in picked], pad_token_id, device)
+
+
+def ptx_backward(model: nn.Module, backend: Backend, batch: PtxBatch, ptx_coef: float) -> Tensor:
+    """Forward and backward of ``ptx_coef`` x the ptx loss of ``batch`` (:func:`ptx_batch`) as the
+    optimizer step's last micro-batch (its backward synchronises gradients). Collective under every
+    backend: each rank runs one forward of the same number of rows.
 
     Returns:
         Scalar float32: this rank's :func:`ptx_nll` (over the world size, as it went backward),
         detached.
     """
-    backend, cfg, rows = trainer.backend, trainer.cfg, trainer.demonstrations
-    picked = ptx_row_indices(len(rows), cfg.ptx_rows_per_step, trainer.seed, trainer.progress.global_step,
-                             step_index, backend.rank)
-    batch = collate_demonstrations([rows[i] for i in picked], trainer.tokenizer.pad_token_id, backend.device)
-    with backend.grad_sync(trainer.model, is_last_micro_batch=True):
+    with backend.grad_sync(model, is_last_micro_batch=True):
         with backend.autocast():
-            out = policy_forward(trainer.model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+            out = policy_forward(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                  batch.completion_mask, temperature=1.0, with_values=False)
             loss = ptx_nll(out.logprobs, batch.completion_mask, backend.world_size)
-        backend.backward(trainer.model, cfg.ptx_coef * loss)
+        backend.backward(model, ptx_coef * loss)
     return loss.detach().float()

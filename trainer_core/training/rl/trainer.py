@@ -77,7 +77,7 @@ from trainer_core.training.rl.batches import (  # noqa: F401 (also the loop's pu
     logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, reference_forward, rollout_metrics,
     row_slices, sampler_seed,
 )
-from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward
+from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward, ptx_batch
 from trainer_core.training.rl.rewards import PromptItem, RewardFunction
 from trainer_core.training.rl.rollout import PolicyAndValue, PolicyForward, RolloutBatch, masked_row, policy_forward
 from trainer_core.training.timing import PhaseTimer, phase_timer
@@ -369,7 +369,9 @@ class RLTrainer:
             for k, v in sums.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + v.float()
         if ptx:  # x num_tokens: the metrics below are sums over ranks / num_tokens
-            metric_sums["train/ptx_loss"] = counts.num_tokens * ptx_backward(self, step_index)
+            demos = ptx_batch(self.demonstrations, cfg.ptx_rows_per_step, self.seed, self.progress.global_step,
+                              step_index, backend.rank, self.tokenizer.pad_token_id, backend.device)
+            metric_sums["train/ptx_loss"] = counts.num_tokens * ptx_backward(self.model, backend, demos, cfg.ptx_coef)
         grad_norm = backend.optimizer_step(
             self.model, self.optimizer, cfg.max_grad_norm, skip_nonfinite=cfg.max_nonfinite_steps > 0
         )
