@@ -74,10 +74,9 @@ def _parquet_to_arrow(uri: str, local_path: str) -> None:
     time, on this thread, a local file read natively.
 
     A batch that spans row groups is assembled in new buffers, and Parquet's read-ahead and
-    decoding threads keep memory of their own: converting a 1M-row split (15 files of 32 row
-    groups of 2,048 rows) in 8,192-row batches with threads raised the process's peak RSS by
-    243 MB and left 204 MB resident; this way, with the Arrow pool's unused memory released at
-    the end, neither moved by 1 MB (measured on this repository's CPU machine).
+    decoding threads keep memory of their own; reading without threads, a row group at a time,
+    and releasing the Arrow pool's unused memory at the end keeps a large split's conversion from
+    raising the process's peak (measured: README, "Data bigger than memory").
     """
     fs, path = storage.url_to_fs(uri)
     with contextlib.ExitStack() as stack:

@@ -48,19 +48,8 @@ advances by up to ``CHECK_EVERY_STEPS - 1`` more draws than the ``hf`` engine's 
 a given engine, seed and device). Under the trainer's ``autocast`` with fp32 weights the step
 casts the weights to bf16 at every token; the bench runs bf16 weights.
 
-A vLLM engine would drop in behind the same Protocol, not implemented here: a colocated
-``vllm.LLM`` on the trainer's GPU (``enable_sleep_mode=True``, a ``gpu_memory_utilization``
-share, ``distributed_executor_backend="external_launcher"`` under torchrun, as TRL's
-``vllm_mode="colocate"`` and verl run it); ``load_weights`` pushes the policy's (gathered) state
-dict into the model of vLLM's model runner (``model_runner.model.load_weights(state_dict.items())``,
-TRL's ``_move_model_to_vllm``) and resets the prefix cache; ``release`` is ``llm.sleep(level=1)``
-(KV cache discarded, weights offloaded) and ``generate`` calls ``llm.wake_up()`` first;
-``generate`` sends the unpadded prompts as token ids with ``SamplingParams(temperature, top_p,
-max_tokens, logprobs=0, seed)`` and returns vLLM's sampled-token log-probs, with ``logprobs_mode``
-set so that they come after the temperature (``processed_logprobs``; whether vLLM's processed
-log-probs also carry the top-p cut depends on its version: check before comparing them with the
-trainer's uncut ones when ``top_p < 1``). vLLM does not draw from this ``torch.Generator``, so a
-resumed run does not sample the same tokens.
+Engines that could come behind the same Protocol (a colocated vLLM) are designed in
+``docs/generation.md``; none is built.
 """
 
 from __future__ import annotations
@@ -234,10 +223,9 @@ class StaticCacheEngine:
     The pieces are in :mod:`trainer_core.generation.static_decode`: grouped-KV attention, fused q/k/v and
     gate/up projections, a cache of one dtype, the step (``decode_and_sample``: the forward,
     then the tokens as ``torch.multinomial`` draws them from Exp(1) noise drawn into a buffer
-    kept with the cache), its bookkeeping (``DecodeState``) and its CUDA graph (``DecodeGraph``).
-    Measured on an H100 (``bench/GPU.md``, 2026-11-27; 128 x 256, 0.5B, bf16): 46,231 tokens/s with
-    torch's CUDA graph trees per compiled step, 50,371 with the step as one graph, 54,666 with
-    the projections fused too.
+    kept with the cache), its bookkeeping (``DecodeState``) and its CUDA graph (``DecodeGraph``):
+    one graph per step rather than torch's graph trees per compiled step, fused projections too
+    (what each gained: ``bench/GPU.md``).
 
     Args:
         model: an HF causal LM, or a module holding one (``PolicyAndValue``, DDP): its parameters

@@ -35,11 +35,9 @@ def sdpa_grouped_decode(module: nn.Module, query: Tensor, key: Tensor, value: Te
     With a padding mask, transformers' ``sdpa_attention_forward`` repeats each KV head
     ``num_key_value_groups`` times (``repeat_kv``: SDPA's ``enable_gqa`` is only taken without a
     mask) before SDPA: in a decode step over a static cache, two copies of the whole cache per
-    layer, then attention over the copies. Profiled on an H100 before this function existed
-    (2026-11-26, Qwen2.5-0.5B architecture in bf16, 128 rows x 256 new tokens, a 384-token cache):
-    the copies and the attention over them took 0.88 s of the call's 1.43 s of GPU time. Without
-    the copies the call ran at 40,608 tokens/s against 21,369 with them (same H100 run,
-    2026-11-27; ``bench/GPU.md``). For one query token the ``G`` query heads
+    layer, then attention over the copies: most of a decode step's GPU time at a rollout's batch
+    size (the profile and the speed-up: ``bench/GPU.md``, "grouped-KV attention measured"). For one query
+    token the ``G`` query heads
     that share a KV head can instead go as ``G`` query positions of that head: query [B, H, 1, D] ->
     [B, H_kv, G, D] (head ``h`` uses KV head ``h // G``, ``repeat_kv``'s order), the [B, 1, 1, L]
     mask broadcast over them; the result is the same attention, reshaped back.
@@ -102,7 +100,7 @@ def _typed_static_cache_class() -> type:
     keys (RoPE multiplies the bf16 projection by fp32 ``cos``/``sin``, which follow the fp32
     hidden states). transformers' ``StaticLayer`` allocates its buffers on the first update from
     those tensors: 5.17 gives both buffers the keys' dtype, so the bf16 values fail its
-    ``index_copy_`` (measured on an H100, 2026-11-26); 5.24 keeps fp32 keys, twice the memory.
+    ``index_copy_``; 5.24 keeps fp32 keys, twice the memory.
     Casting both to the autocast dtype on the way in changes no result: SDPA under autocast
     reads the cached keys in bf16 either way.
     """
@@ -366,10 +364,9 @@ class FusedProjections:
     MLP, concatenated into one weight each, for one GEMM where the model runs three (two).
 
     In a decode step of 128 rows the projections are small GEMMs whose launch and tail cost more
-    than their weights take to read. Measured on an H100 (2026-11-27, ``bench/GPU.md``: Qwen2.5-0.5B
-    architecture, bf16, 128 x 256, the decode step in one CUDA graph): 50,371 tokens/s unfused,
-    54,666 fused, the same tokens and log-probs to the bit (no split-K over the 896-wide
-    reduction, so each output sums in the same order).
+    than their weights take to read, so one GEMM where there were three is faster
+    (``bench/GPU.md``), with the same tokens and log-probs to the bit: no split-K over a reduction
+    as narrow as a small model's hidden size, so each output sums in the same order.
 
     Only the layers of :data:`FUSED_ATTENTION` and :data:`FUSED_MLP` classes with plain
     ``nn.Linear`` projections are fused (a LoRA-wrapped or quantised projection is left as it

@@ -240,8 +240,8 @@ def chunked_linear_logprobs_entropy(
     """:func:`chunked_linear_logprobs` and the entropy of each row's distribution, from one projection.
 
     The online RL stages need both for the completion tokens of a rollout batch; a full
-    ``log_softmax`` over [N, T, V] would not fit at a real vocabulary (152k words: 18.5 GiB in
-    float32 for 16 x 8 completions of 256 tokens, measured on an H100).
+    ``log_softmax`` over [N, T, V] would not fit at a real vocabulary (152k words: N x T x V x 4
+    bytes, 18.5 GiB in float32 for 16 x 8 completions of 256 tokens).
 
     Args:
         hidden, weight, bias, targets, chunk_size: as :func:`chunked_linear_logprobs`

@@ -6,10 +6,8 @@ as ``--ptx_coef`` with a supervised dataset. Here the data is the prepared ``sft
 (demonstrations: the loss covers their ``loss_mask`` tokens, the completion) and the term is
 ``ptx_coef`` times their token-mean negative log-likelihood at temperature 1.
 
-Why the demo needs it: GRPO on a pool of 512 prompts taught the SFT policy the sums those prompts
-exercise (held-out problems whose every step occurs in the pool: +0.02 exact match) and cost it
-sums that only SFT's other data carried (-0.04 to -0.05 on those problems): measured on the demo,
-seed 1, README "Online RL".
+Why the demo needs it: GRPO on a small pool of prompts teaches the SFT policy what those prompts
+exercise and costs it what only SFT's other data carried (the measurement: README, "Online RL").
 
 The rows of each optimizer step are drawn from ``(seed, global_step, step index, rank)`` alone, so
 a resumed run draws the rows an uninterrupted one draws without any saved state.
