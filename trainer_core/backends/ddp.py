@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer_core.backends import memory
 from trainer_core.backends.distributed import ProcessGroupBackend
-from trainer_core.backends.single import load_full_state, place_trainable, put_full_state, torch_optimizer_step
+from trainer_core.backends.single import load_full_state, place_trainable, put_full_state
 from trainer_core.config import BackendConfig
 
 
@@ -47,15 +47,6 @@ class DDPBackend(ProcessGroupBackend):
         if is_last_micro_batch or not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
         return model.no_sync()
-
-    def backward(self, model: nn.Module, loss: Tensor) -> None:
-        (loss * self.world_size).backward()  # DDP averages gradients over ranks
-
-    def optimizer_step(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
-        skip_nonfinite: bool = False,
-    ) -> Tensor:
-        return torch_optimizer_step(model, optimizer, max_grad_norm, skip_nonfinite)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

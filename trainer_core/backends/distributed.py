@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainer_core.backends import memory
-from trainer_core.backends.single import place_frozen, resolve_device
-from trainer_core.config import BackendConfig, TrainStageConfig
+from trainer_core.backends.single import SingleDeviceBackend, resolve_device
+from trainer_core.config import BackendConfig
 from trainer_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -75,13 +75,17 @@ class ProcessGroupBackend:
         """Nothing: FSDP2's policy and DeepSpeed's engine cast themselves (DDP overrides it)."""
         return contextlib.nullcontext()
 
-    def setup_optimizer(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainStageConfig
-    ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        return model, optimizer
+    # As on one device (DeepSpeed overrides the optimizer's two): the optimizer as it is, its step
+    # torch_optimizer_step's, frozen models placed.
+    setup_optimizer = SingleDeviceBackend.setup_optimizer
+    optimizer_step = SingleDeviceBackend.optimizer_step
+    prepare_frozen = SingleDeviceBackend.prepare_frozen
 
-    def prepare_frozen(self, model: nn.Module) -> nn.Module:
-        return place_frozen(model, self.device, self.cfg)
+    def backward(self, model: nn.Module, loss: Tensor) -> None:
+        """``loss x world_size`` backward: DDP's all-reduce and FSDP2's reduce-scatter average the
+        gradients over ranks, and the loop's loss is already divided by every rank's count
+        (DeepSpeed overrides it)."""
+        (loss * self.world_size).backward()
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         out = tensor.clone()

@@ -42,7 +42,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from trainer_core import storage
 from trainer_core.backends import memory
 from trainer_core.backends.distributed import ProcessGroupBackend
-from trainer_core.backends.single import partly_frozen, torch_optimizer_step
+from trainer_core.backends.single import partly_frozen
 from trainer_core.config import BackendConfig
 from trainer_core.errors import ConfigError
 from trainer_core.modeling.architecture import transformer_blocks
@@ -109,15 +109,6 @@ class FSDP2Backend(ProcessGroupBackend):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(is_last_micro_batch)
         return contextlib.nullcontext()
-
-    def backward(self, model: nn.Module, loss: Tensor) -> None:
-        (loss * self.world_size).backward()  # the reduce-scatter averages over ranks
-
-    def optimizer_step(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
-        skip_nonfinite: bool = False,
-    ) -> Tensor:
-        return torch_optimizer_step(model, optimizer, max_grad_norm, skip_nonfinite)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard changes the module's class in place: it is still the HF model
