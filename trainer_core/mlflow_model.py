@@ -23,6 +23,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from typing import Any
 
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
@@ -186,22 +187,10 @@ def log_transformers_model(
     """
     if task not in _AUTO_CLASS_BY_TASK:
         raise ValueError(f"unsupported model task {task!r}; expected one of {sorted(_AUTO_CLASS_BY_TASK)}")
-    import mlflow.transformers
-    import transformers
-    from mlflow.models import Model
-
-    from trainer_core.modeling.models import from_pretrained_merged, without_absent_integrations
-
     client = MlflowClient(tracking_uri)
     run = client.get_run(run_id)
     with _local_model_dir(model_dir_uri) as local, tempfile.TemporaryDirectory(prefix="posttrain-mlmodel-") as tmp:
-        auto_class = getattr(transformers, _AUTO_CLASS_BY_TASK[task])
-        with _LOAD_LOCK:
-            components = {
-                # An adapter (lora.merge_on_commit: false) is logged merged into its base.
-                "model": from_pretrained_merged(auto_class, local, dtype="auto", **_TASK_KWARGS.get(task, {})),
-                "tokenizer": transformers.AutoTokenizer.from_pretrained(local),
-            }
+        components = _load_components(local, task)
         tags = {k: v for k, v in run.data.tags.items() if k.startswith("posttrain.")}
         tags[TAG_OUTPUT_URI] = model_dir_uri
         logged = client.create_logged_model(
@@ -209,25 +198,51 @@ def log_transformers_model(
             tags=tags, params=dict(run.data.params), model_type=task,
         )
         try:
-            client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=step or 0)])
-            mlflow_model = Model(
-                artifact_path=logged.artifact_location, model_uuid=logged.model_id,
-                run_id=run_id, model_id=logged.model_id,
-            )
-            path = os.path.join(tmp, "model")
-            with without_absent_integrations(), _no_hub_lookup_warnings():  # a plain local model
-                mlflow.transformers.save_model(
-                    components, path, task=task, mlflow_model=mlflow_model, pip_requirements=_pinned_requirements()
-                )
-            client.log_model_artifacts(logged.model_id, path)
-            if step is not None:
-                _link_step_metrics(client, run_id, logged.model_id, step)
+            _save_logged_model(client, logged, run_id, components, task=task, tmp=tmp, step=step)
         except BaseException:
             with suppress(Exception):  # the original error matters more
                 client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
             raise
     client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
     return f"models:/{logged.model_id}"
+
+
+def _load_components(local: str, task: str) -> dict[str, Any]:
+    """The model (``dtype="auto"``; an adapter, as ``lora.merge_on_commit: false`` commits it,
+    merged into its base) and the tokenizer of the directory ``local``, as
+    ``mlflow.transformers.save_model`` takes them."""
+    import transformers
+
+    from trainer_core.modeling.models import from_pretrained_merged
+
+    auto_class = getattr(transformers, _AUTO_CLASS_BY_TASK[task])
+    with _LOAD_LOCK:
+        return {
+            "model": from_pretrained_merged(auto_class, local, dtype="auto", **_TASK_KWARGS.get(task, {})),
+            "tokenizer": transformers.AutoTokenizer.from_pretrained(local),
+        }
+
+
+def _save_logged_model(client: MlflowClient, logged: Any, run_id: str, components: dict[str, Any], *, task: str,
+                       tmp: str, step: int | None) -> None:
+    """Make the LoggedModel ``logged`` an output of ``run_id`` and save ``components`` as its
+    artifacts (through ``tmp``); with ``step``, link the run's metrics at that step to it."""
+    import mlflow.transformers
+    from mlflow.models import Model
+
+    from trainer_core.modeling.models import without_absent_integrations
+
+    client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=step or 0)])
+    mlflow_model = Model(artifact_path=logged.artifact_location, model_uuid=logged.model_id, run_id=run_id,
+                         model_id=logged.model_id)
+    path = os.path.join(tmp, "model")
+    with without_absent_integrations(), _no_hub_lookup_warnings():  # a plain local model
+        mlflow.transformers.save_model(
+            components, path, task=task, mlflow_model=mlflow_model, pip_requirements=_pinned_requirements()
+        )
+    client.log_model_artifacts(logged.model_id, path)
+    if step is not None:
+        _link_step_metrics(client, run_id, logged.model_id, step)
 
 
 def ensure_stage_model(spec: StageSpec, step: int | None = None) -> str | None:
