@@ -44,25 +44,28 @@ def input_identity(uri: str) -> str:
 
 
 ADDED_FIELDS: dict[str, object] = {
+    # the supervised loop: non-finite steps, token-budget batches, the attention kernel
     "max_nonfinite_steps": 0, "max_tokens_per_micro_batch": None, "attn_implementation": None,
-    # issue 13: online RL at GPU scale (stage sections and their generation / reward sub-sections)
+    # online RL: batch sizes, importance sampling, the GRPO family's estimators, losses and sampling
     "forward_micro_batch_size": None, "num_prompts": None, "importance_sampling_cap": None, "advantage_estimator": "grpo",
     "loss_aggregation": "token_mean", "clip_eps_high": None, "dynamic_sampling": False,
     "dynamic_sampling_max_rounds": 4, "overlong_buffer_tokens": None, "overlong_penalty": 1.0,
-    "engine": "hf", "compile": None, "function": None, "weights": None,  # engine, compile: also score's and evaluate's
-    "loss_type": "sigmoid", "label_smoothing": 0.0, "simpo_gamma": 0.5,
-    # issue 16: KTO and continued pretraining (data.kto, data.pretrain and a DataSource's text_field)
-    "kto": None, "pretrain": None, "text_field": "text",
-    # issue 16: mixture-of-experts models (model.init and every training stage's moe section)
-    "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(), "router_temperature": None,
-    # issue 13: the ptx term of the online RL stages
     "ptx_coef": 0.0, "ptx_rows_per_step": 16,
-    # issue 13: the static engine's fused projections (results unchanged; measured to the bit on an H100)
-    "fuse_projections": True,
+    # generation (RL, score, evaluate) and rewards: the engine, compilation, its fused projections
+    # (the same tokens to the bit), reward functions and weights
+    "engine": "hf", "compile": None, "fuse_projections": True, "function": None, "weights": None,
+    # DPO's loss family
+    "loss_type": "sigmoid", "label_smoothing": 0.0, "simpo_gamma": 0.5,
+    # KTO and continued pretraining data (data.kto, data.pretrain, a DataSource's text_field)
+    "kto": None, "pretrain": None, "text_field": "text",
+    # mixture-of-experts models (model.init and every training stage's moe section)
+    "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(), "router_temperature": None,
 }
-"""Fields added to stage sections after runs were committed, with the value that reproduces the
-earlier behaviour: hashed only when set to something else, so that the fingerprints of runs
-committed before them (and their resume) are unchanged."""
+"""Fields added to the config after runs were committed, each with the value that reproduces the
+earlier behaviour (its neutral value). The rule: a field named here is hashed only when it is set
+to something other than its neutral value, in whichever section (or sub-section) carries it, so
+the fingerprints of runs committed before it existed, and their resume, are unchanged. A field
+added from now on goes here with its neutral value; removing one changes earlier fingerprints."""
 
 
 POST_HOC_FIELDS = ("gates",)
