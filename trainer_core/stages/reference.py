@@ -50,17 +50,9 @@ def load_or_compute_reference(
         Every rank gets the same values; rank 0 has committed them.
     """
     uri = ctx.layout.artifact("reference")
-    expected = ctx.fingerprint
-    reuse = False
-    if ctx.is_main:  # one decision for all ranks: a sharded reference needs every rank's forward
-        try:
-            reuse = load_verified(uri).config_hash == expected
-        except (FileNotFoundError, ValueError) as e:
-            log.info("computing reference log-probs (%s)", e.__class__.__name__)
-    if ctx.backend.broadcast_object(reuse):
-        log.info("reusing reference log-probs from %s", uri)
-        loaded = {s: json.loads(read_bytes(join_uri(uri, f"{s}.json"))) for s in SPLITS}
-        return {s: {int(i): v for i, v in values.items()} for s, values in loaded.items()}
+    committed = _committed_reference(ctx, uri)
+    if committed is not None:
+        return committed
     if policy is None:
         reference, disabled = ctx.backend.prepare_frozen(ctx.causal_lm("reference")), contextlib.nullcontext()
     else:  # LoRA: the policy with its adapter off is the model it starts from; eval mode (no adapter dropout)
@@ -80,16 +72,37 @@ def load_or_compute_reference(
         policy.train()
     del reference
     ctx.check_fence(f"the reference log-probs {uri}")  # collective: every rank stops alike
-    if not ctx.is_main:  # every rank computed the same values; rank 0 commits them
-        return values
+    if ctx.is_main:  # every rank computed the same values; rank 0 commits them
+        _commit_reference(ctx, uri, values)
+    return values
+
+
+def _committed_reference(ctx: StageContext, uri: str) -> dict[str, dict[int, list[float]]] | None:
+    """The reference log-probs committed at ``uri`` under this stage's fingerprint, on every rank;
+    None (on every rank) when there are none or they are another config's. Rank 0 decides for all:
+    a sharded reference needs every rank's forward."""
+    reuse = False
+    if ctx.is_main:
+        try:
+            reuse = load_verified(uri).config_hash == ctx.fingerprint
+        except (FileNotFoundError, ValueError) as e:
+            log.info("computing reference log-probs (%s)", e.__class__.__name__)
+    if not ctx.backend.broadcast_object(reuse):
+        return None
+    log.info("reusing reference log-probs from %s", uri)
+    loaded = {s: json.loads(read_bytes(join_uri(uri, f"{s}.json"))) for s in SPLITS}
+    return {s: {int(i): v for i, v in values.items()} for s, values in loaded.items()}
+
+
+def _commit_reference(ctx: StageContext, uri: str, values: dict[str, dict[int, list[float]]]) -> None:
+    """Commit ``values`` at ``uri`` (one JSON file a split) under this stage's fingerprint."""
     writer = ArtifactWriter(uri, overwrite=True)
     for s, v in values.items():
         writer.write_bytes(f"{s}.json", json.dumps({str(i): lp for i, lp in v.items()}).encode())
     writer.commit(
-        kind="final", stage=ctx.spec.stage, run_id=ctx.spec.run_id, config_hash=expected,
+        kind="final", stage=ctx.spec.stage, run_id=ctx.spec.run_id, config_hash=ctx.fingerprint,
         extra={"role": "reference_logprobs", "reference": ctx.input("reference")},
     )
-    return values
 
 
 def attach_reference(splits: dict[str, list[dict]], values: dict[str, dict[int, list[float]]],
