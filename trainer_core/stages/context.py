@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from trainer_core.backends import Backend
@@ -329,26 +329,8 @@ def commit_final(
             other ranks, which would otherwise wait for its manifest).
     """
     backend = ctx.backend
-    weights = backend.full_state_dict(model) if model is not None and backend.process_group else None
-    adapter = None
-    if model is not None and has_lora(model):
-        plain = backend.unwrap(model)
-        if ctx.is_main and ctx.lora.merge_on_commit:
-            # The committed model is the merged one, a plain HF model (W + scaling B A).
-            weights = merged_state_dict(plain, weights if weights is not None else plain.state_dict(), copy=weights is None)
-        elif ctx.is_main:  # the adapter in PEFT format, over the base it was trained on
-            weights = weights if weights is not None else plain.state_dict()
-            adapter = AdapterCommit.of(ctx, plain, weights)
-            weights = adapter.weights
-    bad = None
-    if model is not None and ctx.is_main:
-        bad = nonfinite_weights(weights if weights is not None else backend.unwrap(model).state_dict())
-    bad = backend.broadcast_object(bad) if backend.world_size > 1 else bad
-    if bad:
-        raise NonFiniteError(
-            f"stage {ctx.spec.stage}: the final model has non-finite weights ({len(bad)} tensors, e.g. "
-            f"{', '.join(bad[:3])}); it is not committed"
-        )
+    weights, adapter = _final_weights(ctx, model)
+    _refuse_nonfinite(ctx, model, weights)
     ctx.check_fence(f"the final output {ctx.layout.final}")
     if backend.world_size == 1:
         return _write_final(ctx, metrics, model, weights, files, extra, adapter)
@@ -364,6 +346,41 @@ def commit_final(
             raise error
         raise LeaseLostError(data) if kind == LeaseLostError.__name__ else RuntimeError(f"{kind}: {data}")
     return Manifest.model_validate(data)
+
+
+def _final_weights(ctx: StageContext, model: nn.Module | None) -> tuple[dict[str, Tensor] | None, AdapterCommit | None]:
+    """The state dict rank 0 commits for ``model`` (None: the unwrapped model's own) and, for a
+    LoRA model not merged on commit, its adapter commit. Collective under a process group
+    (``Backend.full_state_dict`` gathers every rank's shards).
+
+    A LoRA model is committed merged (a plain HF model, W + scaling B A) with
+    ``lora.merge_on_commit``, else as the adapter in PEFT format over the base it was trained on.
+    """
+    backend = ctx.backend
+    weights = backend.full_state_dict(model) if model is not None and backend.process_group else None
+    if model is None or not has_lora(model) or not ctx.is_main:
+        return weights, None
+    plain = backend.unwrap(model)
+    if ctx.lora.merge_on_commit:
+        full = weights if weights is not None else plain.state_dict()
+        return merged_state_dict(plain, full, copy=weights is None), None
+    adapter = AdapterCommit.of(ctx, plain, weights if weights is not None else plain.state_dict())
+    return adapter.weights, adapter
+
+
+def _refuse_nonfinite(ctx: StageContext, model: nn.Module | None, weights: dict[str, Tensor] | None) -> None:
+    """Raise :class:`NonFiniteError` on every rank when rank 0 finds NaN or infinity in the final
+    ``weights`` (or, when None, the unwrapped model's own)."""
+    backend = ctx.backend
+    bad = None
+    if model is not None and ctx.is_main:
+        bad = nonfinite_weights(weights if weights is not None else backend.unwrap(model).state_dict())
+    bad = backend.broadcast_object(bad) if backend.world_size > 1 else bad
+    if bad:
+        raise NonFiniteError(
+            f"stage {ctx.spec.stage}: the final model has non-finite weights ({len(bad)} tensors, e.g. "
+            f"{', '.join(bad[:3])}); it is not committed"
+        )
 
 
 BASE_DIR = "base"
