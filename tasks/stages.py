@@ -21,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from datetime import datetime
 from typing import Any
 
 from mlflow import MlflowClient
@@ -36,7 +37,7 @@ from tasks.k8s.job import run_trainer_job
 from tasks.k8s.manifest import pin_rendezvous, trainer_job
 from tasks.launch.commands import trainer_command
 from tasks.launch.failures import raise_for_result
-from tasks.launch.process import launch_stage_process, retry_condition
+from tasks.launch.process import LaunchResult, launch_stage_process, retry_condition
 from tasks.report import mlflow_models, tracking
 from tasks.report.views import StageProgress, artifact_key, log_curves, mlflow_ui_url, png_markdown, run_link_markdown
 from tasks.results import PipelineRun, StageResult, utc_now
@@ -235,12 +236,7 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
     spec_config, env = _spec_config_and_env(config)
     reused = completed_result(layout, stage, spec.fingerprint)
     if reused is not None:
-        log.info("stage %s: committed output %s matches its config and inputs; not re-run", stage, reused.output_uri)
-        if reused.mlflow_run_id:  # its model may predate model logging, or its trainer died before it
-            model_uri = mlflow_models.stage_model_uri(stage, config, reused.mlflow_run_id, tracking_uri=run.tracking_uri,
-                                                      log_missing=_model_logger(stage, spec_uri, env, config, log))
-            reused = reused.model_copy(update={"model_uri": model_uri})
-        return reused
+        return _reuse(reused, run, spec_uri, env, log)
     # Several nodes: a Kubernetes Job whose pods meet at its pod 0 (tasks/k8s/job.py); it holds no slots here.
     job = trainer_job(config, stage, run.run_id, spec_uri, run.tracking_uri) if config.backend_for(stage).nnodes > 1 else None
     if job is not None:
@@ -249,20 +245,8 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
     storage.write_json(spec_uri, spec.model_copy(update={"config": spec_config}).model_dump(mode="json"))
     log.info("stage %s: spec %s, inputs %s", stage, spec_uri, inputs)
     try:
-        cmd = trainer_command(spec_uri, config.backend_for(stage), rdzv_id=f"{run.run_id}-{stage}")
         progress = StageProgress(stage, config.section(stage).max_steps, log=log) if get_stage(stage).trains else None
-        with gpu_slots(stage, config, log) if job is None else nullcontext():
-            if progress is not None:
-                progress.start()
-            started_at = utc_now()
-            on_line = progress.on_line if progress is not None else None
-            if job is not None:
-                result = run_trainer_job(job, log=log, timeout_s=config.launch.timeout_s, group=prefect_flow_run.id,
-                                         on_line=on_line)
-            else:
-                result = launch_stage_process(cmd, env=env, log=log, timeout_s=config.launch.timeout_s,
-                                              group=prefect_flow_run.id, on_line=on_line)
-            ended_at = utc_now()
+        result, started_at, ended_at = _launch_trainer(stage, run, spec_uri, env, job, progress, log)
         raise_for_result(result, stage)
         if progress is not None:
             progress.complete()
@@ -285,6 +269,43 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
         mlflow_run_id=spec.mlflow_run_id,
         model_uri=model_uri,
     )
+
+
+def _reuse(reused: StageResult, run: PipelineRun, spec_uri: str, env: dict[str, str], log: Any) -> StageResult:
+    """The result of a stage whose committed output already carries the fingerprint it would
+    produce now, with its MLflow model (logged now if it was not: its output may predate model
+    logging, or its trainer died before it)."""
+    stage, config = reused.stage, run.config
+    log.info("stage %s: committed output %s matches its config and inputs; not re-run", stage, reused.output_uri)
+    if not reused.mlflow_run_id:
+        return reused
+    model_uri = mlflow_models.stage_model_uri(stage, config, reused.mlflow_run_id, tracking_uri=run.tracking_uri,
+                                              log_missing=_model_logger(stage, spec_uri, env, config, log))
+    return reused.model_copy(update={"model_uri": model_uri})
+
+
+def _launch_trainer(stage: str, run: PipelineRun, spec_uri: str, env: dict[str, str], job: Any,
+                    progress: StageProgress | None, log: Any) -> tuple[LaunchResult, datetime, datetime]:
+    """Run the stage's trainer to its end: as the Kubernetes Job ``job`` when there is one, else as
+    a local process holding the stage's GPU slots; its output lines feed ``progress``.
+
+    Returns:
+        The launch's result, and when the trainer started and ended (UTC).
+    """
+    config = run.config
+    with gpu_slots(stage, config, log) if job is None else nullcontext():
+        if progress is not None:
+            progress.start()
+        started_at = utc_now()
+        on_line = progress.on_line if progress is not None else None
+        if job is not None:
+            result = run_trainer_job(job, log=log, timeout_s=config.launch.timeout_s, group=prefect_flow_run.id,
+                                     on_line=on_line)
+        else:
+            cmd = trainer_command(spec_uri, config.backend_for(stage), rdzv_id=f"{run.run_id}-{stage}")
+            result = launch_stage_process(cmd, env=env, log=log, timeout_s=config.launch.timeout_s,
+                                          group=prefect_flow_run.id, on_line=on_line)
+        return result, started_at, utc_now()
 
 
 def stage_task(stage: str, config: PipelineConfig) -> Task:
