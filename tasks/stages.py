@@ -209,10 +209,8 @@ def _mark_failed(mlflow_run_id: str, tracking_uri: str, log: Any) -> None:
 
 @task(name="run_stage", cache_policy=NO_CACHE, persist_result=False)
 def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResult:
-    """Run one stage's trainer process and report its committed result.
-
-    A stage whose backend has ``nnodes > 1`` runs as a Kubernetes Indexed Job instead of a local
-    process (``tasks/k8s/job.py``); its committed output is read the same way.
+    """Run one stage's trainer process and report its committed result. A stage whose backend has
+    ``nnodes > 1`` runs as a Kubernetes Indexed Job (``tasks/k8s/job.py``), read the same way.
 
     Args:
         stage: Stage name (``trainer_core.registry.STAGE_ORDER``).

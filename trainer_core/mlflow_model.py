@@ -153,11 +153,10 @@ def log_transformers_model(
     artifact_path: str = MODEL_NAME,
     step: int | None = None,
 ) -> str:
-    """Log a final HF model directory into the existing run ``run_id`` as an MLflow
-    ``transformers`` model (weights, tokenizer, task, pip requirements).
+    """Log a final HF model directory into the run ``run_id`` as an MLflow ``transformers`` model.
 
-    The model and tokenizer are loaded (``dtype="auto"``: the stored dtype) and saved with
-    ``mlflow.transformers.save_model`` into a LoggedModel created with the client (as
+    The model and tokenizer are loaded (``dtype="auto"``: the stored dtype) and saved (weights,
+    tokenizer, task, pinned pip requirements) with ``mlflow.transformers.save_model`` into a LoggedModel created with the client (as
     ``mlflow.transformers.log_model`` does, but without the fluent API's process-global run and
     tracking URI): the model appears in the experiment's Models tab and as an output of the run,
     with the run's params and ``posttrain.*`` tags. A failure after the LoggedModel was created
