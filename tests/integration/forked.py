@@ -19,6 +19,10 @@ watches the server), and modules the server imported that a fresh stage would no
 stage runner's own imports only). Kills of a rank and every pipeline run through the CLI or a
 flow stay real subprocesses.
 
+A test that kills a stage at an output line hands the line's pattern in ``STOP_AT_ENV``: the
+child stops itself right after writing it (:class:`StopAtLine`) and waits for the SIGKILL, so
+the kill lands at that line even when the test's polling thread is starved of CPU.
+
 The server imports only; it runs no torch op and starts no thread, so each fork starts from the
 state a fresh interpreter has after its imports. ``POSTTRAIN_TEST_FORK=0`` launches every stage
 as a subprocess instead (what a coverage measurement with ``COVERAGE_PROCESS_START`` needs).
@@ -27,8 +31,10 @@ as a subprocess instead (what a coverage measurement with ``COVERAGE_PROCESS_STA
 from __future__ import annotations
 
 import atexit
+import io
 import multiprocessing
 import os
+import re
 import runpy
 import signal
 import sys
@@ -39,6 +45,11 @@ from pathlib import Path
 PRELOAD = ["trainer_core.run", "trainer_core.stages.runner", "tests.integration.forked"]
 """Modules the fork server imports before it forks (a stage imports the rest lazily, as a fresh
 process would)."""
+
+STOP_AT_ENV = "POSTTRAIN_TEST_STOP_AT"
+"""A regular expression: the forked child stops itself (SIGSTOP) right after it writes the first
+stdout line that matches it, so the test can SIGKILL it exactly there (see :class:`StopAtLine`).
+The child removes the variable from its environment before the stage starts."""
 
 _lock = threading.Lock()
 _context: ForkServerContext | None = None
@@ -71,6 +82,47 @@ def _server(env: dict[str, str]) -> ForkServerContext:
         return _context
 
 
+class StopAtLine(io.TextIOWrapper):
+    """The forked child's stdout when the test kills it at a line: each complete line written is
+    matched against ``pattern``; after the first match is written and flushed, the whole process
+    stops (``SIGSTOP``, every thread) until the test's SIGKILL arrives.
+
+    Why: a tiny stage runs 12 steps in well under a second; a test that polls the output from
+    another process can miss a 0.2 s window on a loaded 2-core machine and see the stage finish
+    before the kill point. Stopped at the line, the stage is killed with the state it had when it
+    wrote it (a checkpoint's "committed" log line follows its manifest on storage).
+    """
+
+    def __init__(self, fd: int, pattern: str) -> None:
+        super().__init__(io.FileIO(fd, "w", closefd=False), line_buffering=True)
+        self._pattern = re.compile(pattern)
+        self._pending = ""
+        self._stopped = False
+
+    def write(self, s: str) -> int:
+        n = super().write(s)
+        if self._stopped:
+            return n
+        self._pending += s
+        if "\n" in self._pending:
+            *complete, self._pending = self._pending.split("\n")
+            if any(self._pattern.search(line) for line in complete):
+                self._stopped = True
+                self.flush()
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return n
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (state ``T`` in ``/proc/<pid>/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] == "T"
+
+
 def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
     """In the forked child: become what ``python -m module args...`` (``module`` a path ending in
     ``.py``: ``python module args...``) in ``cwd`` with ``env`` would be, run it, and exit with
@@ -79,11 +131,15 @@ def _run_module(module: str, args: list[str], env: dict[str, str], cwd: str, log
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    stop_at = os.environ.pop(STOP_AT_ENV, None)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stdout
+    if stop_at is None:
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stdout
+    else:
+        sys.stdout = StopAtLine(1, stop_at)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     import torch
 
@@ -137,6 +193,10 @@ class ForkedProcess:
         if self.returncode is None and not self._process.is_alive():
             self.returncode = self._process.exitcode
         return self.returncode
+
+    def stopped(self) -> bool:
+        """Whether it stopped itself at its :data:`STOP_AT_ENV` line (and waits for the kill)."""
+        return self.poll() is None and stopped(self.pid)
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the exit; returns the status.

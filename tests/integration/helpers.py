@@ -214,7 +214,8 @@ def run_stage(
     Args:
         spec_path: the stage spec file.
         kill_when: polled every ``poll_s`` with the output lines so far; when it returns True the
-            whole process group gets SIGKILL (no cleanup runs, as when a node dies).
+            whole process group gets SIGKILL (no cleanup runs, as when a node dies). A
+            :class:`KillPoint` also makes a forked stage stop itself at its line until the kill.
         env: extra environment variables for the child.
         timeout_s: kill and fail after this long.
         poll_s: polling interval.
@@ -225,6 +226,8 @@ def run_stage(
     """
     t0 = time.monotonic()
     if forked.enabled():
+        if isinstance(kill_when, KillPoint):
+            env = {**(env or {}), forked.STOP_AT_ENV: kill_when.pattern}
         proc, lines, reader, done = start_forked("trainer_core.run", [spec_path], env)
         kill_group = proc.kill_group
     else:
@@ -237,7 +240,7 @@ def run_stage(
     killed = False
     try:
         while proc.poll() is None:
-            if kill_when is not None and kill_when(lines):
+            if kill_when is not None and (kill_when(lines) or (done is not None and proc.stopped())):
                 kill_group()
                 killed = True
                 break
@@ -296,10 +299,31 @@ def after_checkpoint(output_uri: str, step: int) -> Callable[[list[str]], bool]:
     return lambda _lines: bool(step_checkpoints(output_uri, step))
 
 
-def after_step(stage: str, step: int) -> Callable[[list[str]], bool]:
+@dataclass(frozen=True)
+class KillPoint:
+    """Kill condition: the stage wrote an output line matching ``pattern`` (``re.search``).
+
+    Called with the output lines, as any ``kill_when``. :func:`run_stage` also hands the pattern
+    to a forked stage, which stops itself right after writing the line
+    (:class:`tests.integration.forked.StopAtLine`), so the kill lands there however loaded the
+    machine is; a subprocess stage is killed when the polling sees the line.
+    """
+
+    pattern: str
+
+    def __call__(self, lines: list[str]) -> bool:
+        return any(re.search(self.pattern, line) for line in lines)
+
+
+def after_step(stage: str, step: int) -> KillPoint:
     """Kill condition: the stage printed the metrics line of optimizer step ``step``."""
-    prefix = f"[{stage}] step {step}:"
-    return lambda lines: any(line.startswith(prefix) for line in lines)
+    return KillPoint(rf"^\[{re.escape(stage)}\] step {step}:")
+
+
+def after_checkpoint_line(step: int) -> KillPoint:
+    """Kill condition: the stage logged that its checkpoint of ``step`` is committed (the line
+    follows the manifest's write; any attempt's directory of that step)."""
+    return KillPoint(rf"checkpoint \S*/{step_dirname(step)}(-[0-9a-f]+)? committed")
 
 
 def committed_steps(output_uri: str) -> list[int]:

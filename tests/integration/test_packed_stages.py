@@ -27,7 +27,7 @@ from .helpers import (
     DEMO_CONFIG,
     MAX_STEPS,
     RUN_ID,
-    after_checkpoint,
+    after_checkpoint_line,
     assert_same_weights,
     final_weights,
     run_stage,
@@ -71,7 +71,7 @@ def packed_runs(tiny_pipeline, tmp_path_factory):
         "dpo": lambda: run_stage(_spec(tiny_pipeline, root, "dpo", "dpo")),
         "sft-killed": lambda: run_stage(
             _spec(tiny_pipeline, root, "sft", "sft-resumed", writer_id="packed-writer"),
-            kill_when=after_checkpoint(os.path.join(root, "sft-resumed"), 8),
+            kill_when=after_checkpoint_line(8),
         ),
         "sft-ddp": lambda: run_stage_ranks(
             _spec(tiny_pipeline, root, "sft", "sft-ddp", **{"sft.grad_accum_steps": 1,
