@@ -70,8 +70,7 @@ def test_ptx_loss_equals_the_causal_lm_loss_on_the_same_tokens():
     rows = [{"input_ids": [3, 11, 12, 13, 14, 15], "loss_mask": [0, 0, 1, 1, 1, 0]},
             {"input_ids": [3, 21, 22, 23], "loss_mask": [0, 1, 1, 1]}]
     batch = collate_demonstrations(rows, PAD, "cpu")
-    out = policy_forward(PolicyAndValue(model, None), batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                         batch.completion_mask, temperature=1.0, with_values=False)
+    out = policy_forward(PolicyAndValue(model, None), batch, temperature=1.0, with_values=False)
     ours = ptx_nll(out.logprobs, batch.completion_mask, 1)
     nll_sum, count = 0.0, 0
     for row in rows:

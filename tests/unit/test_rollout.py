@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from trainer_core.config import GenerationConfig
 from trainer_core.generation.engines import HFEngine
 from trainer_core.training.rl.rollout import (
+    Completions,
     PolicyAndValue,
     RolloutBatch,
     completion_forward,
-    forward_completions,
     policy_forward,
     value_head_for,
 )
@@ -70,8 +70,9 @@ def test_forward_logprobs_match_stepwise_distribution(policy):
     ids, p_mask = _prompts()
     tokens, c_mask = _sample(policy, 1, max_new_tokens=6)
     with torch.no_grad():
-        logprobs, entropies, hidden = forward_completions(policy, ids, p_mask, tokens, c_mask, temperature=1.0, with_hidden=True)
-    assert hidden.shape == (*tokens.shape, 16) and (entropies >= 0).all()
+        full = completion_forward(policy, Completions(ids, p_mask, tokens, c_mask), temperature=1.0, full_logits=True)
+    logprobs, entropies = full.logprobs, full.entropies
+    assert logprobs.shape == tokens.shape and (entropies >= 0).all()
     for i in range(2):
         prompt = ids[i][p_mask[i] > 0]
         for t in range(int(c_mask[i].sum())):
@@ -101,29 +102,29 @@ def test_chunked_completion_forward_equals_full_logits(policy, temperature):
     give the full-logits path's log-probs, entropies and values within 1e-5, gradients included."""
     ids, p_mask = _prompts()
     tokens, c_mask = _sample(policy, 2, max_new_tokens=6)
+    batch = Completions(ids, p_mask, tokens, c_mask)
     torch.manual_seed(1)
     head = value_head_for(policy)
     torch.nn.init.normal_(head.weight)
     model = PolicyAndValue(policy, head)
-    full_lp, full_ent, hidden = forward_completions(policy, ids, p_mask, tokens, c_mask, temperature=temperature,
-                                                    with_hidden=True)
-    out = policy_forward(model, ids, p_mask, tokens, c_mask, temperature=temperature, with_values=True)
-    torch.testing.assert_close(out.logprobs, full_lp, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.entropies, full_ent.detach(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.values, head(hidden).squeeze(-1), atol=1e-5, rtol=1e-5)
+    full = policy_forward(model, batch, temperature=temperature, with_values=True, full_logits=True)
+    out = policy_forward(model, batch, temperature=temperature, with_values=True)
+    torch.testing.assert_close(out.logprobs, full.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropies, full.entropies, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.values, full.values, atol=1e-5, rtol=1e-5)
     assert not out.entropies.requires_grad and (out.logprobs[c_mask == 0] == 0).all()
-    ref = completion_forward(policy, ids, p_mask, tokens, c_mask, temperature=temperature)
-    torch.testing.assert_close(ref.logprobs, full_lp, atol=1e-5, rtol=1e-5)
+    ref = completion_forward(policy, batch, temperature=temperature)
+    torch.testing.assert_close(ref.logprobs, full.logprobs, atol=1e-5, rtol=1e-5)
     assert ref.values is None
+    ref_full = completion_forward(policy, batch, temperature=temperature, full_logits=True)
+    torch.testing.assert_close(ref_full.logprobs, full.logprobs, atol=0, rtol=0)
     # Gradients of a weighted sum of log-probs and values, through the chunked head and the full one.
     weights = torch.randn(c_mask.shape) * c_mask
-    chunked = {n: g for n, g in zip(
-        [n for n, _ in model.named_parameters()],
-        torch.autograd.grad((out.logprobs * weights).sum() + out.values.sum(), list(model.parameters())),
-    )}
-    full = torch.autograd.grad((full_lp * weights).sum() + head(hidden).squeeze(-1).sum(), list(model.parameters()))
-    for (name, _), want in zip(model.named_parameters(), full):
-        torch.testing.assert_close(chunked[name], want, atol=1e-5, rtol=1e-4, msg=name)
+    params = list(model.parameters())
+    chunked = torch.autograd.grad((out.logprobs * weights).sum() + out.values.sum(), params)
+    want = torch.autograd.grad((full.logprobs * weights).sum() + full.values.sum(), params)
+    for (name, _), got, expected in zip(model.named_parameters(), chunked, want):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_masked_row_scores_nothing(policy):
@@ -132,7 +133,8 @@ def test_masked_row_scores_nothing(policy):
     ids, p_mask = _prompts()
     tokens, _ = _sample(policy, 2, max_new_tokens=4)
     model = PolicyAndValue(policy)
-    out = policy_forward(model, ids, p_mask, tokens, torch.zeros(tokens.shape), temperature=1.0, with_values=False)
+    out = policy_forward(model, Completions(ids, p_mask, tokens, torch.zeros(tokens.shape)), temperature=1.0,
+                         with_values=False)
     assert (out.logprobs == 0).all() and (out.entropies == 0).all()
     out.logprobs.sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -41,6 +41,8 @@ from trainer_core.config.stages import (
 )
 from trainer_core.errors import ConfigError
 from trainer_core.registry import DEFAULT_STAGES, EVALUATED_METRICS, STAGE_ORDER, TRAINING_STAGES, get_stage
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class PipelineConfig(ConfigBase):
@@ -165,13 +167,7 @@ class PipelineConfig(ConfigBase):
         """
         if stage not in TRAINING_STAGES:
             return LoraConfig()
-        override = self.section(stage).lora
-        if not override:
-            return self.lora
-        try:
-            return LoraConfig.model_validate({**self.lora.model_dump(), **override})
-        except ValidationError as e:
-            raise ValueError(f"{stage}.lora: {e}") from None
+        return _merged(self.lora, self.section(stage).lora, f"{stage}.lora")
 
     def backend_for(self, stage: str) -> BackendConfig:
         """The backend ``stage`` runs on: the pipeline's, with the stage's ``backend`` override merged.
@@ -185,13 +181,22 @@ class PipelineConfig(ConfigBase):
         """
         if stage not in TRAINING_STAGES:
             return BackendConfig(device=self.backend.device)
-        override = self.section(stage).backend
-        if not override:
-            return self.backend
-        try:
-            return BackendConfig.model_validate({**self.backend.model_dump(), **override})
-        except ValidationError as e:
-            raise ValueError(f"{stage}.backend: {e}") from None
+        return _merged(self.backend, self.section(stage).backend, f"{stage}.backend")
+
+
+def _merged(base: ModelT, override: dict[str, Any] | None, field: str) -> ModelT:
+    """``base`` with a stage's ``override`` keys set and validated again; ``base`` itself when the
+    override is empty.
+
+    Raises:
+        ValueError: the merged mapping is invalid (the message starts with ``field``).
+    """
+    if not override:
+        return base
+    try:
+        return type(base).model_validate({**base.model_dump(), **override})
+    except ValidationError as e:
+        raise ValueError(f"{field}: {e}") from None
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

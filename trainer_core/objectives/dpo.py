@@ -7,6 +7,12 @@ names the ones that need no reference model (SimPO, ORPO).
 
 Shape legend: B batch (pairs). Log-probs are float32 sums over a completion's tokens; lengths
 are the number of completion tokens summed (float32 or long).
+
+Arguments every loss names alike: ``policy_chosen_logprobs`` and ``policy_rejected_logprobs``
+[B], the summed log-probs of the chosen and the rejected completions under the policy;
+``ref_chosen_logprobs`` and ``ref_rejected_logprobs`` [B], the same under the frozen reference;
+``chosen_lengths`` and ``rejected_lengths`` [B], the completion tokens of each (> 0);
+``label_smoothing`` eps in [0, 0.5), the probability that a preference label is flipped.
 """
 
 from __future__ import annotations
@@ -69,12 +75,8 @@ def dpo_loss(
     ``rewards/margins = rewards/chosen - rewards/rejected``.
 
     Args:
-        policy_chosen_logprobs: [B] summed log-probs of chosen completions under the policy.
-        policy_rejected_logprobs: [B] same for the rejected completions.
-        ref_chosen_logprobs: [B] summed log-probs of chosen completions under the frozen reference.
-        ref_rejected_logprobs: [B] same for the rejected completions.
-        beta: strength of the implicit KL constraint (> 0).
-        label_smoothing: eps in [0, 0.5).
+        beta: strength of the implicit KL constraint (> 0); the log-probs and ``label_smoothing``
+            as the module docstring says.
 
     Returns:
         (losses [B], metrics): metrics are detached [B] tensors keyed ``rewards/chosen``,
@@ -171,9 +173,7 @@ def ipo_loss(
     Preferences", eq. 17; TRL ``loss_type="ipo"``.
 
     Args:
-        chosen_lengths: [B] completion tokens of the chosen completions (> 0).
-        rejected_lengths: [B] same for the rejected ones.
-        Others as :func:`dpo_loss`.
+        As :func:`dpo_loss`, with the completion lengths (the module docstring).
 
     Returns:
         As :func:`dpo_loss`, rewards ``beta`` times the averaged log-ratios.
@@ -211,13 +211,9 @@ def simpo_loss(
     ``loss_type="simpo"`` with ``cpo_alpha=0`` (TRL's ``simpo_gamma`` is this ``gamma``).
 
     Args:
-        policy_chosen_logprobs: [B] summed log-probs of chosen completions under the policy.
-        policy_rejected_logprobs: [B] same for the rejected completions.
-        chosen_lengths: [B] completion tokens of the chosen completions (> 0).
-        rejected_lengths: [B] same for the rejected ones.
         beta: reward scale (> 0).
         gamma: target reward margin (>= 0).
-        label_smoothing: eps in [0, 0.5).
+        The policy's log-probs, the lengths and ``label_smoothing`` as the module docstring says.
 
     Returns:
         As :func:`dpo_loss`, with the implicit rewards ``beta * pi / |y|``.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from trainer_core.backends.base import Backend
 from trainer_core.checkpoint.train_state import TrainProgress
@@ -25,14 +25,8 @@ from trainer_core.errors import ConfigError
 from trainer_core.generation.engines import Generated
 from trainer_core.objectives.ppo import KL_ESTIMATORS
 from trainer_core.training.rl.rewards import PromptItem, is_correct
-from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch, completion_forward
+from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
 
-
-def reference_forward(
-    model: nn.Module, p_ids: Tensor, p_mask: Tensor, c_ids: Tensor, c_mask: Tensor, *, temperature: float
-) -> PolicyForward:
-    """:func:`~trainer_core.training.rl.rollout.completion_forward` in the loop's argument order."""
-    return completion_forward(model, p_ids, p_mask, c_ids, c_mask, temperature=temperature)
 
 @dataclass(frozen=True)
 class MiniBatchCounts:

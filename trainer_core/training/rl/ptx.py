@@ -18,17 +18,18 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
 from trainer_core.backends.base import Backend
 from trainer_core.data.batching import collate_prompts_left, pad_sequences
 from trainer_core.errors import ConfigError
-from trainer_core.training.rl.rollout import policy_forward
+from trainer_core.training.rl.rollout import Completions, policy_forward
 
 
-@dataclass(frozen=True)
-class PtxBatch:
+@dataclass
+class PtxBatch(Completions):
     """Demonstrations cut at their first loss token into a prompt and a completion.
 
     Attributes:
@@ -36,11 +37,6 @@ class PtxBatch:
         completion_ids: [N, T] long, right-padded; completion_mask: [N, T] long, 1 = a token the
             loss covers (the row's ``loss_mask`` after its prompt).
     """
-
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
 
 
 def split_demonstration(row: dict) -> tuple[list[int], list[int], list[int]]:
@@ -141,8 +137,7 @@ def ptx_backward(model: nn.Module, backend: Backend, batch: PtxBatch, ptx_coef: 
     """
     with backend.grad_sync(model, is_last_micro_batch=True):
         with backend.autocast():
-            out = policy_forward(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                 batch.completion_mask, temperature=1.0, with_values=False)
+            out = policy_forward(model, batch, temperature=1.0, with_values=False)
             loss = ptx_nll(out.logprobs, batch.completion_mask, backend.world_size)
         backend.backward(model, ptx_coef * loss)
     return loss.detach().float()

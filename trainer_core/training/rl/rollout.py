@@ -7,8 +7,9 @@ end), L = P + T, H hidden size. Token ids are ``torch.long``; masks are float, 1
 Sampling is the generation engines' job (:mod:`trainer_core.generation.engines`). The log-probs used by
 the losses are recomputed here by one forward over ``[prompt | completion]``, of the
 temperature-scaled logits without the top-p cut, as in TRL's PPO and GRPO trainers:
-:func:`completion_forward` and :func:`policy_forward` with a chunked LM head (no [N, T, V]
-logits), :func:`forward_completions` from full logits (the reference path).
+:func:`completion_forward` (a causal LM: the frozen reference) and :func:`policy_forward` (the
+trainable :class:`PolicyAndValue`), both of a :class:`Completions`, with a chunked LM head (no
+[N, T, V] logits) or, with ``full_logits``, from the full logits (the reference path).
 
 The trainable model of the RL stages is :class:`PolicyAndValue`: the policy and (PPO) a value
 head on its last hidden state, one module for a backend to wrap; :func:`policy_forward` gives
@@ -33,14 +34,29 @@ from trainer_core.objectives.logprobs import compute_logprobs
 
 
 @dataclass
-class RolloutBatch:
-    """One rollout: prompts, sampled completions and everything the update needs about them.
+class Completions:
+    """Prompts and their completions: what every log-prob forward of the RL stages reads.
 
     Attributes:
         prompt_ids: [N, P] long, left-padded prompt token ids.
-        prompt_mask: [N, P] float, 1 = real prompt token.
-        completion_ids: [N, T] long, sampled tokens (EOS included), pad after the end.
-        completion_mask: [N, T] float, 1 = real completion token (counted in the loss).
+        prompt_mask: [N, P] float or long, 1 = real prompt token.
+        completion_ids: [N, T] long, pad after each completion's end.
+        completion_mask: [N, T] float or long, 1 = a completion token the loss counts.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+
+
+@dataclass
+class RolloutBatch(Completions):
+    """One rollout: prompts, sampled completions and everything the update needs about them.
+
+    Attributes:
+        prompt_ids, prompt_mask, completion_ids, completion_mask: the :class:`Completions`; the
+            completions are sampled tokens (EOS included) and the mask is float.
         logprobs: [N, T] float32, log-probs of ``completion_ids`` under the policy at rollout
             time (``old_logprobs`` of the PPO ratio), 0 on padding.
         scores: [N] float32, the reward function's score of each completion.
@@ -56,10 +72,6 @@ class RolloutBatch:
             None (no correction).
     """
 
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
     logprobs: Tensor
     scores: Tensor
     prompt_index: Tensor
@@ -99,41 +111,6 @@ def masked_row(batch: RolloutBatch) -> RolloutBatch:
         if value is not None:
             setattr(row, name, torch.zeros_like(value))
     return row
-
-
-def forward_completions(
-    model: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    completion_ids: Tensor,
-    completion_mask: Tensor,
-    *,
-    temperature: float,
-    with_hidden: bool = False,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Per-token log-probs (and entropies, hidden states) of completions after their prompts,
-    from the full [N, P + T, V] logits: the reference path (any causal LM, including one whose
-    logits are not a plain linear head). The RL loop uses :func:`completion_forward`, which never
-    builds those logits.
-
-    Args:
-        model: a causal LM.
-        prompt_ids: [N, P] long, left-padded; prompt_mask: [N, P] 1 = real token.
-        completion_ids: [N, T] long; completion_mask: [N, T] 1 = real token.
-        temperature: the sampling temperature (logits are divided by it; 0 counts as 1).
-        with_hidden: also return the last hidden state at the positions that predict each
-            completion token (the state V(s_t) is read from).
-
-    Returns:
-        (logprobs [N, T] float32 zeroed on padding, entropies [N, T] float32 detached of the
-        temperature-scaled next-token distribution, hidden [N, T, H] or None).
-    """
-    inputs = completion_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
-    out = model(**inputs, output_hidden_states=with_hidden)
-    start = completion_start(prompt_ids)
-    logprobs, entropies = completion_logprobs(out.logits, inputs["input_ids"], completion_mask, start, temperature)
-    hidden = out.hidden_states[-1][:, start:-1, :] if with_hidden else None
-    return logprobs, entropies, hidden
 
 
 def completion_inputs(
@@ -236,43 +213,43 @@ def _completion_head_forward(
 
 def completion_forward(
     model: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    completion_ids: Tensor,
-    completion_mask: Tensor,
+    batch: Completions,
     *,
     temperature: float,
     chunk_size: int = CHUNK_SIZE_TOKENS,
+    full_logits: bool = False,
 ) -> PolicyForward:
-    """Log-probs and entropies of completion tokens under a causal LM, without [N, T, V] logits.
+    """Log-probs and entropies of ``batch``'s completion tokens under a causal LM (the frozen
+    reference), without [N, T, V] logits.
 
     The LM head runs inside one call of ``model`` (wrapped or not: a DeepSpeed engine's or
-    FSDP2's hooks fire as for a plain forward; see :mod:`trainer_core.modeling.forward`), on the real
-    completion positions only, ``chunk_size`` tokens at a time. Models whose logits are not a
-    plain linear head (soft-capping, logit scaling) take :func:`forward_completions`' full path.
-    Equal to :func:`forward_completions` up to float rounding (tested within 1e-5 in fp32).
+    FSDP2's hooks fire as for a plain forward; see :mod:`trainer_core.modeling.forward`), on the
+    real completion positions only, ``chunk_size`` tokens at a time. Models whose logits are not
+    a plain linear head (soft-capping, logit scaling), and ``full_logits``, take the full
+    [N, P + T, V] logits (:func:`completion_logprobs`); both paths agree up to float rounding
+    (tested within 1e-5 in fp32).
 
     Args:
-        model: an HF causal LM (the reference), plain or as a backend wrapped it.
-        prompt_ids: [N, P] long, left-padded; prompt_mask: [N, P] 1 = real token.
-        completion_ids: [N, T] long; completion_mask: [N, T] 1 = real token.
+        model: an HF causal LM, plain or as a backend wrapped it.
+        batch: the prompts and completions ([N, P] and [N, T]).
         temperature: the sampling temperature (logits are divided by it; 0 counts as 1).
         chunk_size: tokens per chunk of the LM head (extra memory O(chunk_size x V)).
+        full_logits: score from the full logits (the reference path).
 
     Returns:
         The :class:`PolicyForward` (values None).
     """
     inner = unwrap_causal_lm(model)
-    parts = head_parts(inner)
+    parts = None if full_logits else head_parts(inner)
+    inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    start = completion_start(batch.prompt_ids)
     if parts is None:
-        logprobs, entropies, _ = forward_completions(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature
-        )
-        return PolicyForward(logprobs, entropies.detach(), None)
-    inputs = completion_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        logits = model(**inputs).logits
+        logprobs, entropies = completion_logprobs(logits, inputs["input_ids"], batch.completion_mask, start, temperature)
+        return PolicyForward(logprobs, entropies, None)
     forward = partial(_completion_head_forward, *parts, None, temperature, chunk_size)
     with forward_replaced(inner, forward):
-        return PolicyForward(*model(**inputs, completion_mask=completion_mask, start=completion_start(prompt_ids)))
+        return PolicyForward(*model(**inputs, completion_mask=batch.completion_mask, start=start))
 
 
 class PolicyAndValue(nn.Module):
@@ -298,7 +275,7 @@ class PolicyAndValue(nn.Module):
 
     def forward(
         self, *, completion_mask: Tensor | None = None, start: int = 0, temperature: float = 1.0,
-        with_values: bool = False, chunk_size: int = CHUNK_SIZE_TOKENS, **kwargs: Any,
+        with_values: bool = False, chunk_size: int = CHUNK_SIZE_TOKENS, full_logits: bool = False, **kwargs: Any,
     ) -> Any:
         """The policy's output on ``kwargs``; with ``completion_mask``, the tuple (logprobs,
         entropies, values) of :class:`PolicyForward` (:func:`policy_forward` builds it).
@@ -311,6 +288,8 @@ class PolicyAndValue(nn.Module):
             with_values: also return values [N, T] float32 read from the last hidden state at
                 the positions predicting the completion tokens.
             chunk_size: tokens per chunk of the LM head.
+            full_logits: score from the policy's full [N, L, V] logits instead (the reference
+                path, and the one of a policy whose logits are not a plain linear head).
             **kwargs: the policy's forward arguments (``input_ids`` [N, L] ...).
 
         Raises:
@@ -321,7 +300,7 @@ class PolicyAndValue(nn.Module):
         if with_values and self.value_head is None:
             raise ValueError("with_values needs a value head")
         value_head = self.value_head if with_values else None
-        parts = head_parts(self.policy)
+        parts = None if full_logits else head_parts(self.policy)
         if parts is not None:
             return _completion_head_forward(
                 *parts, value_head, temperature, chunk_size, kwargs["input_ids"], kwargs["attention_mask"],
@@ -349,30 +328,24 @@ def value_head_for(policy: nn.Module) -> nn.Linear:
 
 
 def policy_forward(
-    model: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    completion_ids: Tensor,
-    completion_mask: Tensor,
-    *,
-    temperature: float,
-    with_values: bool,
+    model: nn.Module, batch: Completions, *, temperature: float, with_values: bool, full_logits: bool = False
 ) -> PolicyForward:
-    """Log-probs, entropies and (``with_values``) values of completions from one forward.
+    """Log-probs, entropies and (``with_values``) values of ``batch``'s completions from one
+    forward of the trainable model.
 
     Args:
         model: a :class:`PolicyAndValue`, plain or as a backend wrapped it (DDP, a DeepSpeed
             engine: the backend's hooks run on the wrapper's forward).
-        prompt_ids: [N, P] long, left-padded; prompt_mask: [N, P] 1 = real token.
-        completion_ids: [N, T] long; completion_mask: [N, T] 1 = real token.
+        batch: the prompts and completions ([N, P] and [N, T]).
         temperature: the sampling temperature (logits are divided by it; 0 counts as 1).
         with_values: also run the value head (``model`` must have one).
+        full_logits: score from the full logits (:meth:`PolicyAndValue.forward`).
 
     Returns:
         The :class:`PolicyForward` (values unmasked; None without ``with_values``).
     """
-    inputs = completion_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
     return PolicyForward(*model(
-        **inputs, completion_mask=completion_mask, start=completion_start(prompt_ids), temperature=temperature,
-        with_values=with_values,
+        **inputs, completion_mask=batch.completion_mask, start=completion_start(batch.prompt_ids),
+        temperature=temperature, with_values=with_values, full_logits=full_logits,
     ))

@@ -74,12 +74,14 @@ from trainer_core.training.guard import check_finite_metrics, check_finite_tenso
 from trainer_core.training.loop import build_optimizer, build_scheduler, peak_memory_bytes
 from trainer_core.training.rl.batches import (  # noqa: F401 (also the loop's public names)
     Algorithm, MiniBatchCounts, SampledRound, check_rl_config, concat_rounds, engine_config, groups_with_signal,
-    logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, reference_forward, rollout_metrics,
+    logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
     row_slices, sampler_seed,
 )
 from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward, ptx_batch
 from trainer_core.training.rl.rewards import PromptItem, RewardFunction
-from trainer_core.training.rl.rollout import PolicyAndValue, PolicyForward, RolloutBatch, masked_row, policy_forward
+from trainer_core.training.rl.rollout import (
+    Completions, PolicyAndValue, PolicyForward, RolloutBatch, completion_forward, masked_row, policy_forward,
+)
 from trainer_core.training.timing import PhaseTimer, phase_timer
 
 log = logging.getLogger(__name__)
@@ -230,10 +232,12 @@ class RLTrainer:
         return concat_rounds(kept, self.tokenizer.pad_token_id), first, stats
 
     def _forward_rows(self, fn: Callable[..., PolicyForward], model: nn.Module, sample: SampledRound) -> PolicyForward:
-        """``fn`` (:func:`policy_forward`-like) over ``sample``'s rows, ``forward_micro_batch_size`` at a time."""
+        """``fn(model, completions)`` (:func:`policy_forward`-like) over ``sample``'s rows,
+        ``forward_micro_batch_size`` at a time."""
         g = sample.generated
         outs = [
-            fn(model, sample.prompt_ids[rows], sample.prompt_mask[rows], g.completion_ids[rows], g.completion_mask[rows])
+            fn(model, Completions(sample.prompt_ids[rows], sample.prompt_mask[rows], g.completion_ids[rows],
+                                  g.completion_mask[rows]))
             for rows in row_slices(len(sample.items), self.cfg.forward_micro_batch_size)
         ]
         cat = lambda xs: None if xs[0] is None else torch.cat(xs, dim=0)
@@ -263,7 +267,7 @@ class RLTrainer:
             ref = None
             if self.reference is not None:
                 with timer.phase("reference"):
-                    ref_fn = partial(reference_forward, temperature=temperature)
+                    ref_fn = partial(completion_forward, temperature=temperature)
                     ref = self._forward_rows(ref_fn, self.reference, sample).logprobs
             elif self.reference_is_disabled_adapter:
                 with timer.phase("reference"), adapter_disabled(self.module):
@@ -297,12 +301,11 @@ class RLTrainer:
 
     # ----- update ------------------------------------------------------------------
 
-    def forward(self, model: nn.Module, p_ids: Tensor, p_mask: Tensor, c_ids: Tensor, c_mask: Tensor) -> PolicyForward:
-        """:func:`~trainer_core.training.rl.rollout.policy_forward` of ``self.model`` (training, through the
-        backend's wrapper) or ``self.module`` (no gradients)."""
+    def forward(self, model: nn.Module, batch: Completions) -> PolicyForward:
+        """:func:`~trainer_core.training.rl.rollout.policy_forward` of ``batch`` under ``self.model``
+        (training, through the backend's wrapper) or ``self.module`` (no gradients)."""
         temperature = self.cfg.generation.temperature
-        with_values = self.value_head is not None
-        return policy_forward(model, p_ids, p_mask, c_ids, c_mask, temperature=temperature, with_values=with_values)
+        return policy_forward(model, batch, temperature=temperature, with_values=self.value_head is not None)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """``ppo_epochs`` x ``num_mini_batches`` optimizer steps on the rollout batch; mean metrics.
@@ -361,8 +364,7 @@ class RLTrainer:
         for index, part in enumerate(parts):
             with backend.grad_sync(self.model, is_last_micro_batch=index == len(parts) - 1 and not ptx):
                 with backend.autocast():
-                    out = self.forward(self.model, part.prompt_ids, part.prompt_mask, part.completion_ids,
-                                       part.completion_mask)
+                    out = self.forward(self.model, part)
                     loss, sums = self.algo.loss(part, out, counts)
                 backend.backward(self.model, loss)
             loss_sum = loss_sum + loss.detach().float()
