@@ -6,6 +6,14 @@ registered model's current champion's value of the same metric (less a tolerance
 metric the run did not produce fails its gate; a champion comparison passes when there is no
 champion yet or the champion's run lacks the metric (nothing to fall below).
 
+A gate with ``min_gain_se`` k on ``<policy>/exact_match`` also asks for a paired gain over a
+baseline larger than k standard errors, on the same held-out problems
+(:func:`~trainer_core.objectives.paired.paired_gain`, as evaluate computes it): over the
+champion's policy with ``vs_champion`` (the two runs' evaluate sample tables, paired by problem),
+else over this run's SFT (evaluate's ``<policy>_vs_sft/exact_match_gain`` and ``_gain_se``). A
+champion registered without its sample table (``posttrain.eval_samples_uri``) gives nothing to
+compare: that comparison passes, as for a champion without the metric.
+
 A gate on a stage the run does not include (``grpo/exact_match`` in a run of prepare_data and
 sft) is not judged: the run completes, but its version cannot become the champion
 (``tasks/report/release.py`` registers it as a candidate).
@@ -20,6 +28,7 @@ from typing import Any
 
 from trainer_core.config.stages import QualityGate
 from trainer_core.errors import EXIT_GATE_FAILED, PosttrainError
+from trainer_core.objectives.paired import paired_gain, paired_verdicts
 
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 _NEGATED = {">=": "<", ">": "<=", "<=": ">", "<": ">="}
@@ -43,6 +52,8 @@ class GateResult:
         against: ``threshold`` or ``champion v<N>``.
         passed: Whether the comparison held (True for a gate not judged).
         judged: False when the run does not include the stage the metric describes.
+        note: Why there is no value, when the metric is there but the comparison is not
+            (``min_gain_se`` against the champion); empty otherwise.
     """
 
     metric: str
@@ -52,13 +63,14 @@ class GateResult:
     against: str
     passed: bool
     judged: bool = True
+    note: str = ""
 
     def describe(self) -> str:
         """``dpo/exact_match 0.041 < champion v3 0.047`` (failed) or ``... >= ...`` (passed)."""
         if not self.judged:
             return f"{self.metric} not judged (its stage is not in this run)"
         if self.value is None:
-            return f"{self.metric} missing (the run did not produce it)"
+            return f"{self.metric} {self.note or 'missing (the run did not produce it)'}"
         if self.bound is None:
             return f"{self.metric} {self.value:.4g} ({self.against})"
         op = self.op if self.passed else _NEGATED[self.op]
@@ -81,11 +93,56 @@ def metric_stage(metric: str) -> str:
     return "evaluate" if prefix == "base" else prefix
 
 
+@dataclass(frozen=True)
+class ChampionSamples:
+    """The champion's per-problem verdicts: its evaluate sample table and the policy registered.
+
+    Attributes:
+        stage: The registered policy stage (its verdicts are the ``<stage>_correct`` column).
+        rows: The rows of its run's evaluate ``samples.jsonl``.
+    """
+
+    stage: str
+    rows: list[dict]
+
+
+def _gain_result(
+    gate: QualityGate,
+    metrics: dict[str, float],
+    champion: tuple[str, dict[str, float]] | None,
+    samples: list[dict] | None,
+    champion_samples: ChampionSamples | None,
+) -> GateResult:
+    """The ``min_gain_se`` comparison of ``gate`` (see the module docstring)."""
+    policy, k = gate.metric.split("/", 1)[0], gate.min_gain_se
+    if gate.vs_champion and champion is not None:
+        version = champion[0]
+        name, against = f"{policy}_vs_champion/exact_match_gain", f"{k:g} SE (champion v{version})"
+        if champion_samples is None:
+            return GateResult(name, ">", None, None, against, True,
+                              note=f"not compared (champion v{version} was registered without its sample table)")
+        baseline, other = paired_verdicts(champion_samples.rows, f"{champion_samples.stage}_correct", samples or [],
+                                          f"{policy}_correct")
+        if not baseline:
+            return GateResult(name, ">", None, None, against, False,
+                              note=f"missing (no held-out problem with a verdict in both this run and champion v{version})")
+        gain, se = paired_gain(baseline, other)
+    else:
+        name, against = f"{policy}_vs_sft/exact_match_gain", f"{k:g} SE"
+        gain, se = metrics.get(name), metrics.get(f"{name}_se")
+        if gain is None or se is None or not math.isfinite(gain) or not math.isfinite(se):
+            return GateResult(name, ">", None, None, against, False)
+    bound = k * se
+    return GateResult(name, ">", gain, bound, against, gain > bound)
+
+
 def check_gates(
     gates: list[QualityGate],
     metrics: dict[str, float],
     champion: tuple[str, dict[str, float]] | None,
     stages: list[str] | None = None,
+    samples: list[dict] | None = None,
+    champion_samples: ChampionSamples | None = None,
 ) -> list[GateResult]:
     """Judge ``gates`` against a run's headline ``metrics``.
 
@@ -95,9 +152,13 @@ def check_gates(
         champion: The registered model's champion version and its run's metrics, or None.
         stages: The run's stages; a gate on a metric of another stage (:func:`metric_stage`) is
             not judged. None: every gate is judged.
+        samples: The rows of this run's evaluate ``samples.jsonl`` (read for ``min_gain_se``
+            against the champion).
+        champion_samples: The champion's sample table, or None (none, or registered without one).
 
     Returns:
-        One result per comparison: a gate with both a threshold and ``vs_champion`` gives two.
+        One result per comparison: a gate with a threshold, ``vs_champion`` and ``min_gain_se``
+        gives three.
     """
     results = []
     for gate in gates:
@@ -118,6 +179,8 @@ def check_gates(
             results.append(GateResult(gate.metric, gate.op, value, bound, f"champion v{version}", passed))
         elif gate.vs_champion:  # no champion (or one without the metric): nothing to fall below
             results.append(GateResult(gate.metric, gate.op, value, None, "no champion yet", value is not None))
+        if gate.min_gain_se is not None:
+            results.append(_gain_result(gate, metrics, champion, samples, champion_samples))
     return results
 
 

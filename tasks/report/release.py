@@ -16,15 +16,19 @@ MLflow, tags and the description of the parent run and of the new model version.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from mlflow.tracking import MlflowClient
 
 from tasks.report import mlflow_models, tracking
-from tasks.report.gates import GateResult, check_gates, gate_failure_message
+from tasks.report.gates import ChampionSamples, GateResult, check_gates, gate_failure_message
 from tasks.results import PipelineRun, StageResult
+from trainer_core import storage
 from trainer_core.config import config_hash
+from trainer_core.objectives.paired import SAMPLES_FILE
 from trainer_core.registry import get_stage, policy_stages
+from trainer_core.storage import StageLayout, join_uri
 from trainer_core.tracking import stage_model_name
 
 CHAMPION = "champion"
@@ -41,6 +45,37 @@ def registered_stage(run: PipelineRun) -> str | None:
     return trained[-1] if trained else None
 
 
+TAG_EVAL_SAMPLES = "posttrain.eval_samples_uri"
+"""Tag on a model version: its run's evaluate sample table, the per-problem verdicts a later
+run's ``min_gain_se`` gate pairs with its own."""
+
+
+def _samples_uri(results: dict[str, StageResult]) -> str | None:
+    """Evaluate's sample table of a run, or None when the run did not evaluate."""
+    evaluate = results.get("evaluate")
+    if evaluate is None or not evaluate.output_uri:
+        return None
+    return join_uri(StageLayout(evaluate.output_uri).final, SAMPLES_FILE)
+
+
+def _read_samples(uri: str | None) -> list[dict] | None:
+    """The rows of a sample table (JSON lines), or None when there is none at ``uri``."""
+    if not uri or not storage.exists(uri):
+        return None
+    return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]
+
+
+def _champion_samples(name: str, run: PipelineRun) -> ChampionSamples | None:
+    """The champion's sample table, when a gate pairs with it (``min_gain_se`` and
+    ``vs_champion``) and the champion was registered with one."""
+    if not any(g.min_gain_se is not None and g.vs_champion for g in run.config.evaluate.gates):
+        return None
+    version = mlflow_models.model_version_by_alias(name, CHAMPION, tracking_uri=run.tracking_uri)
+    tags = dict(version.tags or {}) if version is not None else {}
+    rows = _read_samples(tags.get(TAG_EVAL_SAMPLES))
+    return ChampionSamples(tags.get("posttrain.stage", ""), rows) if rows is not None else None
+
+
 def _version_tags(run: PipelineRun, stage: str, results: dict[str, StageResult]) -> dict[str, str]:
     data = results.get("prepare_data")
     tags = {
@@ -52,6 +87,9 @@ def _version_tags(run: PipelineRun, stage: str, results: dict[str, StageResult])
     }
     if data is not None and data.fingerprint:
         tags["posttrain.data_fingerprint"] = data.fingerprint
+    samples_uri = _samples_uri(results)
+    if samples_uri:
+        tags[TAG_EVAL_SAMPLES] = samples_uri
     if run.flow_run_url:
         tags[tracking.TAG_FLOW_RUN_URL] = run.flow_run_url
     return tags
@@ -82,7 +120,10 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     config = run.config
     name = config.tracking.registered_model_name
     champion = mlflow_models.champion_metrics(name, tracking_uri=run.tracking_uri) if name else None
-    gates: list[GateResult] = check_gates(config.evaluate.gates, headline, champion, list(config.stages))
+    champion_samples = _champion_samples(name, run) if champion is not None else None
+    samples = _read_samples(_samples_uri(results)) if champion_samples is not None else None
+    gates: list[GateResult] = check_gates(config.evaluate.gates, headline, champion, list(config.stages),
+                                          samples=samples, champion_samples=champion_samples)
     failure = gate_failure_message(gates)
     judged = all(g.judged for g in gates)
     outcome: dict[str, Any] = {

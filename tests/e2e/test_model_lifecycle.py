@@ -97,6 +97,8 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_
     assert (parent.data.tags["posttrain.release"], parent.data.tags["posttrain.gates"]) == ("champion", "passed")
     assert shown in parent.data.tags["mlflow.note.content"] and version.description == shown
     assert version.tags["posttrain.gates"] == "passed"
+    samples = version.tags["posttrain.eval_samples_uri"]  # the verdicts a min_gain_se gate pairs with
+    assert samples.startswith(summary["stages"]["evaluate"]["output_uri"]) and samples.endswith("/final/samples.jsonl")
     experiment = client.get_experiment(parent.info.experiment_id)
     assert experiment.tags.get("mlflow.experimentKind")
     runs = {r.data.tags["posttrain.stage"]: r for r in client.search_runs(
@@ -181,11 +183,17 @@ def test_resumes_reuse_what_is_unchanged_and_a_failed_gate_keeps_the_champion(pr
     champion = str(client.get_model_version_by_alias(MODEL, "champion").version)
     assert summary["release"]["passed"] and champion == summary["release"]["registered_model"]["version"]
 
-    # A gate the run fails (exact match is at most 1): nothing re-runs (gates are judged after the
-    # stages, never hashed), the version is registered as a candidate and the champion stays.
-    failing = json.dumps([{"metric": "grpo/exact_match", "threshold": 2.0}])
+    # Gates the run fails: exact match is at most 1; and its gain over the champion (the same
+    # policy's verdicts, paired by problem from the champion's sample table) is inside the noise.
+    # Nothing re-runs (gates are judged after the stages, never hashed), the version is registered
+    # as a candidate and the champion stays.
+    failing = json.dumps([{"metric": "grpo/exact_match", "threshold": 2.0},
+                          {"metric": "grpo/exact_match", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0}])
     summary, _, stderr, _ = _resume(run_id, root, f"evaluate.gates={failing}", exit_code=EXIT_GATE_FAILED)
     assert "gate: grpo/exact_match" in stderr and "< threshold 2" in stderr
+    noise = [g for g in summary["release"]["gates"] if g["metric"] == "grpo_vs_champion/exact_match_gain"]
+    assert [(g["value"], g["bound"], g["passed"]) for g in noise] == [(0.0, 0.0, False)], noise
+    assert f"grpo_vs_champion/exact_match_gain 0 <= 1 SE (champion v{champion}) 0" in stderr
     assert not [s for s, e in summary["stages"].items() if not e.get("reused")]
     assert summary["status"] == "gate_failed" and not summary["release"]["passed"]
     candidate = summary["release"]["registered_model"]

@@ -1,4 +1,4 @@
-"""``trainer_core.stages.evaluate.paired_gain``: a policy's exact match against SFT's on the same
+"""``trainer_core.objectives.paired.paired_gain``: a policy's exact match against SFT's on the same
 problems, with the standard error of the paired difference, against hand-worked values."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trainer_core.stages.evaluate import paired_gain
+from trainer_core.objectives.paired import paired_gain, paired_verdicts
 
 
 def test_paired_gain_hand_worked():
@@ -37,3 +37,11 @@ def test_paired_gain_of_identical_verdicts_is_exactly_zero():
 def test_paired_gain_refuses_unpaired_verdicts(baseline, other):
     with pytest.raises(ValueError, match="equally long, non-empty"):
         paired_gain(baseline, other)
+
+
+def test_paired_verdicts_match_problems_by_prompt():
+    baseline = [{"prompt": "a", "sft_correct": True}, {"prompt": "b", "sft_correct": False}, {"prompt": "c"}]
+    rows = [{"prompt": "c", "grpo_correct": True}, {"prompt": "b", "grpo_correct": True},
+            {"prompt": "a", "grpo_correct": False}, {"prompt": "d", "grpo_correct": True}]
+    assert paired_verdicts(baseline, "sft_correct", rows, "grpo_correct") == ([False, True], [True, False])
+    assert paired_verdicts(baseline, "dpo_correct", rows, "grpo_correct") == ([], [])

@@ -111,3 +111,57 @@ def test_a_run_that_leaves_out_a_gates_stage_registers_nothing(tmp_path):
                                                 "sft model could not become the champion")
     assert release_kind(outcome) == "unregistered"
     assert release_markdown("r1", outcome).startswith("No model registered for run `r1` (the run leaves out")
+
+
+def test_min_gain_se_over_sft_asks_for_a_gain_beyond_the_noise():
+    """Without a champion the baseline is this run's SFT: evaluate's paired gain and its SE."""
+    metrics = {"grpo/exact_match": 0.44, "grpo_vs_sft/exact_match_gain": 0.031, "grpo_vs_sft/exact_match_gain_se": 0.013}
+    noisy = QualityGate(metric="grpo/exact_match", min_gain_se=3.0)
+    [refused] = check_gates([noisy], metrics, None)
+    assert not refused.passed and refused.bound == pytest.approx(0.039)
+    assert gate_failure_message([refused]) == "gate: grpo_vs_sft/exact_match_gain 0.031 <= 3 SE 0.039"
+    [passed] = check_gates([noisy.model_copy(update={"min_gain_se": 2.0})], metrics, None)
+    assert passed.passed and passed.describe() == "grpo_vs_sft/exact_match_gain 0.031 > 2 SE 0.026"
+    # vs_champion with no champion yet: the first champion must beat SFT beyond the noise.
+    results = check_gates([QualityGate(metric="grpo/exact_match", vs_champion=True, min_gain_se=3.0)], metrics, None)
+    assert [r.against for r in results] == ["no champion yet", "3 SE"] and not results[1].passed
+    # A run without SFT has no gain to judge: the gate fails, naming what is missing.
+    [missing] = check_gates([noisy], {"grpo/exact_match": 0.44}, None)
+    assert not missing.passed and "grpo_vs_sft/exact_match_gain missing" in gate_failure_message([missing])
+
+
+def test_min_gain_se_over_the_champion_pairs_the_two_sample_tables():
+    """Against the champion, the verdicts of both runs' sample tables are paired by prompt and
+    judged by evaluate's paired_gain; problems only one table holds are left out."""
+    from tasks.report.gates import ChampionSamples
+    from trainer_core.objectives.paired import paired_gain
+
+    champion_rows = [{"prompt": f"q{i}", "dpo_correct": i < 4} for i in range(10)]
+    rows = [{"prompt": f"q{i}", "grpo_correct": i < 7} for i in range(1, 12)]  # q10, q11: not in the champion's
+    gate = QualityGate(metric="grpo/exact_match", vs_champion=True, min_gain_se=1.0)
+    champion = ("3", {"grpo/exact_match": 0.4})
+    results = check_gates([gate], {"grpo/exact_match": 0.6}, champion, samples=rows,
+                          champion_samples=ChampionSamples("dpo", champion_rows))
+    gain, se = paired_gain([i < 4 for i in range(1, 10)], [i < 7 for i in range(1, 10)])
+    assert gain == pytest.approx(3 / 9)
+    assert results[1].metric == "grpo_vs_champion/exact_match_gain" and results[1].value == pytest.approx(gain)
+    assert results[1].bound == pytest.approx(se) and results[1].passed == (gain > se)
+    strict = gate.model_copy(update={"min_gain_se": 3.0})
+    [_, refused] = check_gates([strict], {"grpo/exact_match": 0.6}, champion, samples=rows,
+                               champion_samples=ChampionSamples("dpo", champion_rows))
+    assert not refused.passed and refused.describe().startswith("grpo_vs_champion/exact_match_gain 0.3333 <= 3 SE (champion v3)")
+    # A champion registered without a sample table: nothing to pair with, as for a missing metric.
+    [_, unpaired] = check_gates([gate], {"grpo/exact_match": 0.6}, champion, samples=rows, champion_samples=None)
+    assert unpaired.passed and "registered without its sample table" in unpaired.describe()
+    # No problem in common: the gate cannot be judged and fails.
+    [_, disjoint] = check_gates([gate], {"grpo/exact_match": 0.6}, champion, samples=rows[-2:],
+                                champion_samples=ChampionSamples("dpo", champion_rows))
+    assert not disjoint.passed and "no held-out problem" in disjoint.describe()
+
+
+def test_min_gain_se_needs_a_rising_exact_match():
+    with pytest.raises(ValueError, match="min_gain_se needs a <policy>/exact_match"):
+        QualityGate(metric="sft/eval_loss", op="<=", min_gain_se=2.0)
+    with pytest.raises(ValueError, match="min_gain_se needs"):
+        QualityGate(metric="grpo/exact_match", op="<=", min_gain_se=2.0)
+    assert QualityGate(metric="grpo/exact_match", min_gain_se=2.0).threshold is None

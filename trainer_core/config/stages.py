@@ -133,6 +133,14 @@ class SupervisedStageConfig(TrainStageConfig):
         return self
 
 
+class ReferenceModelConfig(ConfigBase):
+    """Mixed into the stages that score the policy against a frozen reference model (DPO, KTO, PPO, GRPO)."""
+
+    reference_from: str | None = Field(
+        None, description="Reference model URI; None: the policy's starting model (the SFT output by default)."
+    )
+
+
 class SFTConfig(SupervisedStageConfig):
     """Supervised fine-tuning: causal-LM loss on completion tokens only."""
 
@@ -143,7 +151,7 @@ class RewardModelConfig(SupervisedStageConfig):
     learning_rate: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
 
 
-class DPOConfig(SupervisedStageConfig):
+class DPOConfig(SupervisedStageConfig, ReferenceModelConfig):
     """Preference optimisation on chosen/rejected pairs: DPO (sigmoid loss) against a frozen
     reference, or another loss of the family (``loss_type``; see ``trainer_core.objectives.dpo``)."""
 
@@ -163,10 +171,6 @@ class DPOConfig(SupervisedStageConfig):
     )
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin gamma.")
 
-    reference_from: str | None = Field(
-        None, description="Reference model URI; None: the policy's starting model (the SFT output)."
-    )
-
     @model_validator(mode="after")
     def _smoothing_applies(self) -> DPOConfig:
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "simpo"):
@@ -175,7 +179,7 @@ class DPOConfig(SupervisedStageConfig):
         return self
 
 
-class KTOConfig(TrainStageConfig):
+class KTOConfig(TrainStageConfig, ReferenceModelConfig):
     """Kahneman-Tversky optimisation on unpaired desirable / undesirable examples (``data.kto``)
     against a frozen reference (Ethayarajh et al. 2024; ``trainer_core.objectives.kto``)."""
 
@@ -189,10 +193,6 @@ class KTOConfig(TrainStageConfig):
         "desirable_weight x #desirable / (undesirable_weight x #undesirable) in [1, 4/3].",
     )
     undesirable_weight: float = Field(1.0, gt=0, description="lambda_U, the weight of an undesirable example's loss.")
-    reference_from: str | None = Field(
-        None, description="Reference model URI; None: the policy's starting model (the SFT output)."
-    )
-
     @model_validator(mode="after")
     def _kl_needs_a_batch(self) -> KTOConfig:
         if self.micro_batch_size < 2:
@@ -263,6 +263,8 @@ class QualityGate(ConfigBase):
     The metric is compared with ``threshold``, with the registered model's current champion's value
     of the same metric (``vs_champion``: at least the champion's value minus ``tolerance`` for
     ``>=``/``>``, at most the champion's value plus ``tolerance`` for ``<=``/``<``), or with both.
+    ``min_gain_se`` k asks more of an exact match: a paired gain over the baseline larger than k
+    standard errors (a gain inside the noise of these problems does not pass).
     """
 
     metric: str = Field(description="An evaluate metric, e.g. dpo/exact_match or dpo_vs_sft/win_rate.")
@@ -272,11 +274,20 @@ class QualityGate(ConfigBase):
         False, description="Also compare with the champion's value of the metric (passes when there is no champion)."
     )
     tolerance: float = Field(0.0, ge=0, description="Slack allowed against the champion's value.")
+    min_gain_se: float | None = Field(
+        None, ge=0, description="On an exact-match metric (<policy>/exact_match): also require the policy's paired "
+        "gain over a baseline on the same held-out problems to exceed this many standard errors (evaluate's "
+        "paired_gain). The baseline is the champion's policy with vs_champion (its run's per-problem verdicts), "
+        "else, and while there is no champion, this run's SFT policy. None: no such requirement.",
+    )
 
     @model_validator(mode="after")
     def _one_bound(self) -> QualityGate:
-        if self.threshold is None and not self.vs_champion:
-            raise ValueError(f"gate on {self.metric!r}: set threshold, vs_champion, or both")
+        if self.threshold is None and not self.vs_champion and self.min_gain_se is None:
+            raise ValueError(f"gate on {self.metric!r}: set threshold, vs_champion, min_gain_se, or several")
+        if self.min_gain_se is not None and (not self.metric.endswith("/exact_match") or self.op not in (">=", ">")):
+            raise ValueError(f"gate on {self.metric!r} (op {self.op!r}): min_gain_se needs a <policy>/exact_match "
+                             "metric that must rise (op >= or >)")
         return self
 
 
@@ -337,12 +348,11 @@ class RewardConfig(ConfigBase):
     )
 
 
-class RLStageConfig(TrainStageConfig):
+class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
     """Settings shared by online RL stages (PPO, GRPO). ``max_steps`` counts rollout-update iterations."""
 
     learning_rate: float = Field(1e-4, gt=0, description="Peak policy learning rate (AdamW).")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay.")
-    reference_from: str | None = Field(None, description="Reference model URI; None: the policy's starting model.")
     prompts_per_rollout: int = Field(8, ge=1, description="Prompts sampled per rollout-update iteration.")
     num_prompts: int | None = Field(
         None, ge=1, description="RL prompt pool: this many prompts of the prepared train split, drawn with the "

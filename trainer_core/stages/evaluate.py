@@ -11,7 +11,8 @@ Metrics (each present when its models were trained in this run):
   ``ppo`` and ``grpo``.
 - ``<policy>_vs_sft/exact_match_gain``, ``<policy>_vs_sft/exact_match_gain_se`` (every trained
   policy but SFT, when SFT was trained): the policy's exact match minus SFT's on the same problems, and
-  the standard error of that paired difference (:func:`paired_gain`): a gain within about twice
+  the standard error of that paired difference
+  (:func:`~trainer_core.objectives.paired.paired_gain`): a gain within about twice
   its standard error is not a difference these problems can show.
 - ``<policy>_vs_sft/win_rate`` (``dpo``, ``ppo``, ``grpo``): fraction of held-out preference
   prompts where the reward model scores the policy's completion above the SFT policy's (ties
@@ -38,6 +39,7 @@ from trainer_core.generation.completions import (
     prompt_ids,
     reward_scores,
 )
+from trainer_core.objectives.paired import SAMPLES_FILE, paired_gain
 from trainer_core.registry import INIT_SOURCE, policy_role, policy_stages
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.training.supervised import (
@@ -70,38 +72,6 @@ def exact_match(ctx: StageContext, policy: nn.Module, problems: list[dict]) -> t
     prompts = [prompt_ids(ctx.tokenizer, messages_of(p), ctx.config.data) for p in problems]
     completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, ctx.backend.device, ctx.config.seed)
     return [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(completions, problems)], completions
-
-
-def paired_gain(baseline: list[bool], other: list[bool]) -> tuple[float, float]:
-    """Mean of ``other - baseline`` over the same problems, and its standard error.
-
-    The per-problem differences ``d_i`` are -1, 0 or 1; the error is ``std(d) / sqrt(n)`` with the
-    sample standard deviation (n - 1), the paired-difference standard error (McNemar's setting:
-    only problems that one policy solves and the other does not move it).
-
-    Args:
-        baseline: the baseline policy's verdict per problem.
-        other: the other policy's verdict on the same problems, in the same order.
-
-    Returns:
-        (gain, standard error); the error is 0.0 for fewer than 2 problems.
-
-    Raises:
-        ValueError: the lists differ in length or are empty.
-
-    Worked values: baseline [1, 1, 0, 0], other [1, 0, 1, 1]: d = [0, -1, 1, 1], gain 0.25,
-    sample variance 2.75 / 3, standard error sqrt(2.75 / 3) / 2 = 0.4787.
-    """
-    if len(baseline) != len(other) or not baseline:
-        raise ValueError(f"paired_gain needs two equally long, non-empty verdict lists, got {len(baseline)} "
-                         f"and {len(other)}")
-    diffs = [float(b) - float(a) for a, b in zip(baseline, other)]
-    n = len(diffs)
-    gain = sum(diffs) / n
-    if n < 2:
-        return gain, 0.0
-    variance = sum((d - gain) ** 2 for d in diffs) / (n - 1)
-    return gain, (variance / n) ** 0.5
 
 
 def _sft_metrics(ctx: StageContext, sft: nn.Module) -> dict[str, float]:
@@ -242,7 +212,3 @@ def run(ctx: StageContext) -> Manifest:
         ctx.metrics.log_table(samples, "eval/samples.json")
     blob = "".join(json.dumps(row) + "\n" for row in samples).encode()
     return commit_final(ctx, metrics, files={SAMPLES_FILE: blob})
-
-
-SAMPLES_FILE = "samples.jsonl"
-"""The sample-generation table in evaluate's final directory (JSON lines)."""

@@ -1,0 +1,66 @@
+"""Paired comparisons of two policies' verdicts on the same held-out problems.
+
+Evaluate reports each policy's exact-match gain over SFT with :func:`paired_gain`; a quality
+gate with ``min_gain_se`` (``tasks/report/gates.py``) asks the same question of a run's policy
+against the registered champion's, pairing the two runs' sample tables by problem
+(:func:`paired_verdicts`). Pure Python: the flow process imports it without torch.
+"""
+
+from __future__ import annotations
+
+SAMPLES_FILE = "samples.jsonl"
+"""Evaluate's sample table in its final directory (JSON lines, one row per held-out problem:
+``prompt``, ``answer``, and per policy its completion and ``<policy>_correct`` verdict)."""
+
+
+def paired_gain(baseline: list[bool], other: list[bool]) -> tuple[float, float]:
+    """Mean of ``other - baseline`` over the same problems, and its standard error.
+
+    The per-problem differences ``d_i`` are -1, 0 or 1; the error is ``std(d) / sqrt(n)`` with the
+    sample standard deviation (n - 1), the paired-difference standard error (McNemar's setting:
+    only problems that one policy solves and the other does not move it).
+
+    Args:
+        baseline: the baseline policy's verdict per problem.
+        other: the other policy's verdict on the same problems, in the same order.
+
+    Returns:
+        (gain, standard error); the error is 0.0 for fewer than 2 problems.
+
+    Raises:
+        ValueError: the lists differ in length or are empty.
+
+    Worked values: baseline [1, 1, 0, 0], other [1, 0, 1, 1]: d = [0, -1, 1, 1], gain 0.25,
+    sample variance 2.75 / 3, standard error sqrt(2.75 / 3) / 2 = 0.4787.
+    """
+    if len(baseline) != len(other) or not baseline:
+        raise ValueError(f"paired_gain needs two equally long, non-empty verdict lists, got {len(baseline)} "
+                         f"and {len(other)}")
+    diffs = [float(b) - float(a) for a, b in zip(baseline, other)]
+    n = len(diffs)
+    gain = sum(diffs) / n
+    if n < 2:
+        return gain, 0.0
+    variance = sum((d - gain) ** 2 for d in diffs) / (n - 1)
+    return gain, (variance / n) ** 0.5
+
+
+def paired_verdicts(
+    baseline_rows: list[dict], baseline_column: str, rows: list[dict], column: str
+) -> tuple[list[bool], list[bool]]:
+    """The verdicts of two sample tables (evaluate's ``samples.jsonl`` rows) on the problems both
+    hold, matched by their ``prompt``, in ``rows``' order.
+
+    Args:
+        baseline_rows: the baseline's rows; ``baseline_column`` its verdict column
+            (``<policy>_correct``).
+        rows: the other policy's rows; ``column`` its verdict column.
+
+    Returns:
+        (baseline verdicts, other verdicts), equally long; empty when no problem is in both or a
+        table lacks its column.
+    """
+    baseline = {row["prompt"]: bool(row[baseline_column]) for row in baseline_rows if baseline_column in row}
+    matched = [(baseline[row["prompt"]], bool(row[column])) for row in rows
+               if column in row and row.get("prompt") in baseline]
+    return [b for b, _ in matched], [o for _, o in matched]
