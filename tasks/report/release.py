@@ -28,7 +28,7 @@ from trainer_core import storage
 from trainer_core.config import config_hash
 from trainer_core.objectives.paired import SAMPLES_FILE
 from trainer_core.registry import get_stage, policy_stages
-from trainer_core.storage import StageLayout, join_uri
+from trainer_core.storage import join_uri
 from trainer_core.tracking import stage_model_name
 
 CHAMPION = "champion"
@@ -55,7 +55,7 @@ def _samples_uri(results: dict[str, StageResult]) -> str | None:
     evaluate = results.get("evaluate")
     if evaluate is None or not evaluate.output_uri:
         return None
-    return join_uri(StageLayout(evaluate.output_uri).final, SAMPLES_FILE)
+    return join_uri(evaluate.output_uri, SAMPLES_FILE)  # output_uri: the committed final/ directory
 
 
 def _read_samples(uri: str | None) -> list[dict] | None:

@@ -98,7 +98,7 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_
     assert shown in parent.data.tags["mlflow.note.content"] and version.description == shown
     assert version.tags["posttrain.gates"] == "passed"
     samples = version.tags["posttrain.eval_samples_uri"]  # the verdicts a min_gain_se gate pairs with
-    assert samples.startswith(summary["stages"]["evaluate"]["output_uri"]) and samples.endswith("/final/samples.jsonl")
+    assert samples == str(Path(summary["stages"]["evaluate"]["output_uri"]) / "samples.jsonl") and Path(samples).is_file()
     experiment = client.get_experiment(parent.info.experiment_id)
     assert experiment.tags.get("mlflow.experimentKind")
     runs = {r.data.tags["posttrain.stage"]: r for r in client.search_runs(
