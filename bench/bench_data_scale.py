@@ -43,6 +43,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.procfs import cpu_ticks  # noqa: E402
 from trainer_core.checkpoint.manifest import read_manifest  # noqa: E402
 from trainer_core.config import load_config  # noqa: E402
 from trainer_core.spec import build_spec  # noqa: E402
@@ -74,17 +75,6 @@ def _status_kb(pid: int) -> dict[str, int]:
     except (OSError, ValueError):
         return {}
     return out
-
-
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(total, idle) clock ticks of all CPUs since boot, from ``/proc/stat`` (as ``common.py``
-    reads them, without its torch import); None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return sum(values), values[3] + values[4]
 
 
 def _cpu_ticks_of(pid: int) -> int:
@@ -144,7 +134,7 @@ class TreeMonitor:
 def run_process(spec_path: Path, code_root: Path, env: dict[str, str], log_path: Path) -> dict:
     """Run one stage process; wall time, memory peaks and the time of its first step line."""
     first_step: list[float] = []
-    ticks, children = _cpu_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    ticks, children = cpu_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "trainer_core.run", str(spec_path)], cwd=code_root, env=env,
@@ -177,7 +167,7 @@ def run_process(spec_path: Path, code_root: Path, env: dict[str, str], log_path:
         "worker_peak_rss_mb": max((p.get("VmHWM", 0) for p in workers), default=0) / 1024,
         "maxrss_tree_mb": usage.ru_maxrss / 1024,
         "cpu_s": own_cpu_s,
-        "others_cpu_share": _others_share(ticks, _cpu_ticks(), own_cpu_s),
+        "others_cpu_share": _others_share(ticks, cpu_ticks(), own_cpu_s),
     }
 
 

@@ -17,38 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from typing import Any
 
-from bench_sft import (
-    add_arguments,
-    count_collated,
-    probe_stage,
-    run_stage_probed,
-    stage_overrides,
-    step_timer,
-    trl_args,
-)
-from common import (
-    MICRO_BATCH_SIZE,
-    StepLog,
-    Workload,
-    alternate,
-    best_round,
-    cleanup,
-    environment,
-    patched,
-    prepare_workload,
-    print_rounds,
-    print_table,
-    quiet_libraries,
-    ratio_row,
-    set_niceness,
-    set_threads,
-    stage_spec,
-    summarize_steps,
-    write_result,
-)
-from trainer_core.data.prepared import load_split, load_tokenizer_from
+from bench_sft import parse_args, run_probed, stage_overrides, time_trl, trl_args
+from common import MICRO_BATCH_SIZE, Workload, best_round, patched, ratio_row, report_title, time_sides, write_report
+from trainer_core.data.prepared import load_split
 from trainer_core.stages import reference as reference_stage
 from trainer_core.training.supervised import DPOObjective
 
@@ -71,13 +45,13 @@ def timed_reference(record: dict[str, float]):
 
 
 def run_project(w: Workload, warmup: int, steps: int, round_index: int = 0) -> dict[str, Any]:
-    """The project's DPO stage in this process (policy and reference: the shared initial model)."""
-    log, reference = StepLog(), {}
-    hooks = probe_stage(log, DPOObjective, lambda b: int(b["chosen_input_ids"].shape[0]))
-    spec = stage_spec(w, "dpo", {"model": w.model_dir, "reference": w.model_dir}, run_id=f"round-{round_index}")
+    """The project's DPO stage in this process (policy and reference: the shared initial model),
+    with its reference pass timed on its own."""
+    reference: dict[str, float] = {}
     with patched(reference_stage, "reference_logprobs", timed_reference(reference)):
-        total_s = run_stage_probed(spec, hooks)
-    return {**summarize_steps(log, warmup, steps), **reference, "stage_total_s": total_s}
+        result = run_probed(w, "dpo", {"model": w.model_dir, "reference": w.model_dir}, DPOObjective,
+                            lambda b: int(b["chosen_input_ids"].shape[0]), warmup, steps, round_index)
+    return {**result, **reference}
 
 
 def trl_rows(w: Workload) -> tuple[list[dict], list[tuple[int, int]]]:
@@ -98,17 +72,14 @@ def same_lengths(dataset, lengths: list[tuple[int, int]]) -> bool:
 
 
 def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, precompute: bool = True) -> dict[str, Any]:
-    """TRL's ``DPOTrainer`` (sigmoid loss, beta from the config) on the same pairs and weights."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
+    """TRL's ``DPOTrainer`` (sigmoid loss, beta from the config) on the same pairs and weights; its
+    reference pass (in the trainer's construction) is timed on its own."""
     from trl import DPOConfig, DPOTrainer
 
     examples, lengths = trl_rows(w)
-    log, reference = StepLog(), {}
-    tokenizer = load_tokenizer_from(w.data_uri)
-    model = AutoModelForCausalLM.from_pretrained(w.model_dir, dtype="float32")
-    args = DPOConfig(**trl_args(w, "dpo", warmup, steps, beta=w.config.dpo.beta, loss_type=["sigmoid"],
-                                precompute_ref_log_probs=precompute, precompute_ref_batch_size=MICRO_BATCH_SIZE))
+    reference: dict[str, float] = {}
+    config = DPOConfig(**trl_args(w, "dpo", warmup, steps, beta=w.config.dpo.beta, loss_type=["sigmoid"],
+                                  precompute_ref_log_probs=precompute, precompute_ref_batch_size=MICRO_BATCH_SIZE))
 
     def timed_precompute(original):
         def _precompute_ref_logps(self, dataset, name, batch_size):
@@ -120,18 +91,10 @@ def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, precompu
 
         return _precompute_ref_logps
 
-    t0 = time.perf_counter()
     with patched(DPOTrainer, "_precompute_ref_logps", timed_precompute):
-        trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
-                             processing_class=tokenizer, callbacks=[step_timer(log)])
-    init_s = time.perf_counter() - t0
-    same = same_lengths(trainer.train_dataset, lengths)
-    count_collated(trainer, log, examples_per_row=1)
-    t0 = time.perf_counter()
-    trainer.train()
-    return {**summarize_steps(log, warmup, steps), **reference, "init_s": init_s,
-            "train_total_s": time.perf_counter() - t0, "precompute_ref_log_probs": precompute,
-            "num_train_pairs": len(examples), "same_token_ids_as_project": same}
+        result = time_trl(w, DPOTrainer, config, examples, warmup, steps,
+                          lambda dataset: same_lengths(dataset, lengths))
+    return {**result, **reference, "precompute_ref_log_probs": precompute, "num_train_pairs": len(examples)}
 
 
 def with_reference(result: dict[str, Any], num_pairs: int) -> dict[str, float]:
@@ -165,41 +128,21 @@ def report_rows(project: dict[str, Any], trl: dict[str, Any], trl_online: dict[s
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Prepare the DPO workload, time the project's stage then TRL's trainer, report."""
-    set_niceness(args.nice)
-    set_threads()
-    quiet_libraries()
-    t0 = time.perf_counter()
-    overrides = {**stage_overrides("dpo", args.warmup, args.steps), "dpo.beta": 0.1}
-    w = prepare_workload("dpo", synthetic=args.synthetic, max_length=args.dpo_max_length,
-                         num_examples=args.dpo_pairs, seed=args.seed, overrides=overrides)
-    try:
-        prep_s = time.perf_counter() - t0
-        runs = {"project": lambda i: run_project(w, args.warmup, args.steps, i),
-                "trl": lambda i: run_trl(w, args.warmup, args.steps, i)}
-        if args.trl_online_reference:
-            runs["trl_online"] = lambda i: run_trl(w, args.warmup, args.steps, i, precompute=False)
-        results = alternate(args.rounds, runs, args.quiet_wait_s)
-    finally:
-        cleanup(w)
+    sides = {"project": run_project, "trl": run_trl}
+    if args.trl_online_reference:
+        sides["trl_online"] = partial(run_trl, precompute=False)
+    w, results, prep_s = time_sides("dpo", args, sides, max_length=args.dpo_max_length, num_examples=args.dpo_pairs,
+                                    overrides={**stage_overrides("dpo", args.warmup, args.steps), "dpo.beta": 0.1})
     num_pairs = results["trl"][0]["num_train_pairs"]
     for side in results.values():
         for r in side:
             r.update(with_reference(r, num_pairs))
     project, trl = (best_round(results[k], "examples_per_s") for k in ("project", "trl"))
     trl_online = best_round(results["trl_online"], "examples_per_s") if args.trl_online_reference else None
-    rows = report_rows(project, trl, trl_online)
-    print_table(f"DPO, {w.num_params / 1e6:.2f}M-param Llama, batch {MICRO_BATCH_SIZE} pairs, max_length "
-                f"{w.max_length_tokens}, {num_pairs} train pairs, {args.steps} timed steps after {args.warmup} "
-                f"warmup, best of {args.rounds} rounds, data {w.source}", rows)
-    payload = {"benchmark": "dpo", "rows": rows, "project": project, "trl": trl, "trl_online_reference": trl_online,
-               "all_rounds": results,
-               "workload": {"source": w.source, "num_params": w.num_params, "max_length": w.max_length_tokens,
-                            "micro_batch_size": MICRO_BATCH_SIZE, "num_train_pairs": num_pairs,
-                            "prepare_s": prep_s},
-               "environment": environment()}
-    print_rounds(results, "examples_per_s")
-    print(f"wrote {write_result('dpo', payload)}")
-    return payload
+    title = report_title("DPO", w, args, batch_unit=" pairs", detail=f"{num_pairs} train pairs, ")
+    return write_report("dpo", title, report_rows(project, trl, trl_online),
+                        {"project": project, "trl": trl, "trl_online_reference": trl_online}, results,
+                        "examples_per_s", w, num_train_pairs=num_pairs, prepare_s=prep_s)
 
 
 def add_dpo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,10 +153,7 @@ def add_dpo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    add_dpo_arguments(parser)
-    run(parser.parse_args())
+    run(parse_args(__doc__, add_dpo_arguments))
 
 
 if __name__ == "__main__":

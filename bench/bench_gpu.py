@@ -40,7 +40,7 @@ import common
 import torch
 from bench_dpo import timed_reference, with_reference
 from bench_dpo import trl_rows as dpo_trl_rows
-from bench_sft import run_stage_probed, stage_overrides, step_timer, trl_args
+from bench_sft import run_stage_probed, stage_overrides, stamp_step_ends, step_timer, trl_args
 from bench_sft import same_lengths as sft_same_lengths
 from bench_sft import trl_rows as sft_trl_rows
 from common import (
@@ -62,7 +62,6 @@ from trainer_core.config import PipelineConfig, load_config
 from trainer_core.data.prepared import load_tokenizer_from
 from trainer_core.modeling.models import count_parameters
 from trainer_core.stages import reference as reference_stage
-from trainer_core.training.loop import TrainLoop
 from trainer_core.training.supervised import DPOObjective, SFTObjective
 
 QWEN2_0_5B: dict[str, Any] = {
@@ -238,23 +237,9 @@ def peak_memory_bytes(device: torch.device) -> int | None:
 
 def project_hooks(log: SyncedStepLog, objective: type, rows_per_example: int) -> list[tuple]:
     """Hooks (for ``bench_sft.run_stage_probed``): the loop's metric printer stamps each
-    optimizer step's end; the objective's host-side ``num_tokens`` (called by the loop on each
-    training micro-batch before its copy to the device, never in evaluation) records the batch."""
-
-    def on_init(original):
-        def __post_init__(self):
-            original(self)
-            buffer, inner = self.metrics, self.metrics.printer
-
-            def printer(metrics, step):
-                if "train/loss" in metrics:
-                    log.mark_end(sum(metrics.get(f"time/{k}_s", 0.0) for k in ("forward", "backward", "optimizer")))
-                if inner is not None:
-                    inner(metrics, step)
-
-            buffer.printer = printer
-
-        return __post_init__
+    optimizer step's end (``bench_sft.stamp_step_ends``); the objective's host-side
+    ``num_tokens`` (called by the loop on each training micro-batch before its copy to the
+    device, never in evaluation) records the batch."""
 
     def on_num_tokens(original):
         def num_tokens(self, batch):
@@ -263,7 +248,7 @@ def project_hooks(log: SyncedStepLog, objective: type, rows_per_example: int) ->
 
         return num_tokens
 
-    return [(TrainLoop, "__post_init__", on_init), (objective, "num_tokens", on_num_tokens)]
+    return [stamp_step_ends(log), (objective, "num_tokens", on_num_tokens)]
 
 
 @contextlib.contextmanager
@@ -555,10 +540,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return payload
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def device_parser(description: str, tiny_help: str) -> argparse.ArgumentParser:
+    """The start of this family's command lines (this bench, ``bench_grpo_gpu.py``): ``--device``
+    (cuda; cpu for a smoke run) and ``--tiny`` (``tiny_help``: the smoke-test sizes it selects)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer, hidden-64 Qwen2 (CPU smoke test)")
+    p.add_argument("--tiny", action="store_true", help=tiny_help)
+    return p
+
+
+def parse_sized(p: argparse.ArgumentParser, argv: list[str] | None,
+                defaults: dict[str, tuple[Any, Any]]) -> argparse.Namespace:
+    """Parse ``argv``; each option named in ``defaults`` that was not given (None) takes the first
+    of its (tiny, full) values with ``--tiny``, the second without."""
+    args = p.parse_args(argv)
+    for name, (tiny, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = device_parser(__doc__, "a 2-layer, hidden-64 Qwen2 (CPU smoke test)")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side and case")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them (>= 1; compile needs a few)")
     p.add_argument("--rounds", type=int, default=1, help="runs per side, alternating the order; the best is reported")
@@ -580,12 +583,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile this many steps of each side after the warmup (its times are then not comparable)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    defaults = {"max_tokens": (1024, 16384), "sft_examples": (400, 4000), "dpo_pairs": (200, 1000)}
-    for name, (tiny, full) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, tiny if args.tiny else full)
-    return args
+    return parse_sized(p, argv, {"max_tokens": (1024, 16384), "sft_examples": (400, 4000), "dpo_pairs": (200, 1000)})
 
 
 if __name__ == "__main__":

@@ -42,7 +42,17 @@ from typing import Any
 
 import common
 import torch
-from bench_gpu import environment_facts, free_device_memory, peak_memory_bytes, prepare, print_rows, row, with_overrides
+from bench_gpu import (
+    device_parser,
+    environment_facts,
+    free_device_memory,
+    parse_sized,
+    peak_memory_bytes,
+    prepare,
+    print_rows,
+    row,
+    with_overrides,
+)
 from common import cleanup, patched, set_threads, stage_spec, write_result
 
 from trainer_core.data.prepared import load_split, load_tokenizer_from
@@ -246,9 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer, hidden-64 Qwen2, 2 x 2 x 8 (CPU smoke test)")
+    p = device_parser(__doc__, "a 2-layer, hidden-64 Qwen2, 2 x 2 x 8 (CPU smoke test)")
     p.add_argument("--synthetic", action="store_true", help="the generated arithmetic task instead of GSM8K")
     p.add_argument("--data-dir", help="folder holding gsm8k/train.jsonl")
     p.add_argument("--results-dir", default=str(common.RESULTS_DIR), help="where grpo_gpu.json is written")
@@ -262,11 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=512, help="longest SFT row kept when preparing the prompts")
     p.add_argument("--no-trl", action="store_true", help="time the project only (TRL not installed)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    defaults = {"prompts": (2, 16), "group": (2, 8), "new_tokens": (8, 256), "micro_batch_size": (1, 16)}
-    for name, (tiny, full) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, tiny if args.tiny else full)
+    args = parse_sized(p, argv, {"prompts": (2, 16), "group": (2, 8), "new_tokens": (8, 256),
+                                 "micro_batch_size": (1, 16)})
     if args.prompts * args.group % (MINI_BATCHES * args.micro_batch_size):
         p.error(f"--prompts x --group ({args.prompts * args.group}) must split into {MINI_BATCHES} mini-batches of "
                 f"--micro-batch-size multiples")

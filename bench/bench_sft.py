@@ -11,28 +11,23 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from common import (
     MICRO_BATCH_SIZE,
     StepLog,
     Workload,
-    alternate,
     best_round,
     captured_stdout,
-    cleanup,
-    environment,
     patched,
-    prepare_workload,
-    print_rounds,
-    print_table,
-    quiet_libraries,
     ratio_row,
-    set_niceness,
-    set_threads,
+    report_title,
     stage_spec,
     summarize_steps,
-    write_result,
+    time_sides,
+    write_report,
 )
 from trainer_core.data.prepared import load_split, load_tokenizer_from
 from trainer_core.spec import StageSpec
@@ -51,13 +46,13 @@ def stage_overrides(stage: str, warmup: int, steps: int) -> dict[str, Any]:
             f"{stage}.save_every": 10**9, f"{stage}.log_every": 1}
 
 
-def probe_stage(log: StepLog, objective: type, count_examples):
-    """Hooks recording each training step's end time, tokens and examples while a stage runs.
+def stamp_step_ends(log: StepLog) -> tuple[type, str, Callable]:
+    """The hook (for :func:`common.patched`) stamping each training step's end in ``log``.
 
     The loop emits its metrics through its checkpoint session's ``MetricsBuffer``, whose
     ``printer`` is called at once, once per optimizer step (``log_every=1``) with ``train/*``
-    metrics; the printer is wrapped as each ``TrainLoop`` is built. The objective's ``step``
-    is counted only in training mode (evaluation calls it too).
+    metrics; the printer is wrapped as each ``TrainLoop`` is built, and stamps the step's end
+    with the loop's forward + backward + optimizer seconds.
     """
 
     def on_init(original):
@@ -76,6 +71,14 @@ def probe_stage(log: StepLog, objective: type, count_examples):
 
         return __post_init__
 
+    return TrainLoop, "__post_init__", on_init
+
+
+def probe_stage(log: StepLog, objective: type, count_examples):
+    """Hooks recording each training step's end time (:func:`stamp_step_ends`), tokens and
+    examples while a stage runs. The objective's ``step`` is counted only in training mode
+    (evaluation calls it too)."""
+
     def on_step(original):
         def step(self, model, batch):
             out = original(self, model, batch)
@@ -88,7 +91,7 @@ def probe_stage(log: StepLog, objective: type, count_examples):
 
         return step
 
-    return [(TrainLoop, "__post_init__", on_init), (objective, "step", on_step)]
+    return [stamp_step_ends(log), (objective, "step", on_step)]
 
 
 def run_stage_probed(spec: StageSpec, hooks) -> float:
@@ -105,13 +108,21 @@ def run_stage_probed(spec: StageSpec, hooks) -> float:
     return time.perf_counter() - t0
 
 
+def run_probed(w: Workload, stage: str, inputs: dict[str, str], objective: type,
+               count_examples: Callable[[dict], int], warmup: int, steps: int, round_index: int) -> dict[str, Any]:
+    """The project's ``stage`` of the workload on ``inputs``, in this process, probed by
+    :func:`probe_stage` (``count_examples`` of each training batch): the summary of its timed
+    steps (:func:`common.summarize_steps`) and its wall seconds, ``stage_total_s``."""
+    log = StepLog()
+    spec = stage_spec(w, stage, inputs, run_id=f"round-{round_index}")
+    total_s = run_stage_probed(spec, probe_stage(log, objective, count_examples))
+    return {**summarize_steps(log, warmup, steps), "stage_total_s": total_s}
+
+
 def run_project(w: Workload, warmup: int, steps: int, round_index: int = 0) -> dict[str, Any]:
     """The project's SFT stage, in this process; per-step times from the loop's metric printer."""
-    log = StepLog()
-    hooks = probe_stage(log, SFTObjective, lambda b: int(b["input_ids"].shape[0]))
-    spec = stage_spec(w, "sft", {"model": w.model_dir}, run_id=f"round-{round_index}")
-    total_s = run_stage_probed(spec, hooks)
-    return {**summarize_steps(log, warmup, steps), "stage_total_s": total_s}
+    return run_probed(w, "sft", {"model": w.model_dir}, SFTObjective, lambda b: int(b["input_ids"].shape[0]),
+                      warmup, steps, round_index)
 
 
 def trl_rows(w: Workload) -> tuple[list[dict], list[int], list[int]]:
@@ -174,27 +185,44 @@ def count_collated(trainer, log: StepLog, examples_per_row: int = 1) -> None:
     trainer.data_collator = counting
 
 
-def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, packing: bool = False) -> dict[str, Any]:
-    """TRL's ``SFTTrainer`` on the same rows, tokenizer and initial weights."""
+def time_trl(w: Workload, trainer_class: type, config: Any, examples: list[dict], warmup: int, steps: int,
+             same_ids: Callable[[Any], bool | None]) -> dict[str, Any]:
+    """Build TRL's ``trainer_class`` with ``config`` on ``examples`` from the workload's tokenizer
+    and initial weights (fp32), then train it, timing each step (:func:`step_timer`) and counting
+    each collated batch (:func:`count_collated`).
+
+    Returns:
+        :func:`common.summarize_steps` of the timed steps, ``init_s`` (building the trainer:
+        tokenisation and what it precomputes), ``train_total_s`` and ``same_token_ids_as_project``
+        (``same_ids`` of the trainer's tokenised train set).
+    """
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
-    from trl import SFTConfig, SFTTrainer
 
-    examples, lengths, completion_tokens = trl_rows(w)
     log = StepLog()
     tokenizer = load_tokenizer_from(w.data_uri)
     model = AutoModelForCausalLM.from_pretrained(w.model_dir, dtype="float32")
-    args = SFTConfig(**trl_args(w, "sft", warmup, steps, packing=packing, completion_only_loss=True))
     t0 = time.perf_counter()
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
-                         processing_class=tokenizer, callbacks=[step_timer(log)])
+    trainer = trainer_class(model=model, args=config, train_dataset=Dataset.from_list(examples),
+                            processing_class=tokenizer, callbacks=[step_timer(log)])
     init_s = time.perf_counter() - t0
-    same = None if packing else same_lengths(trainer.train_dataset, lengths, completion_tokens)
+    same = same_ids(trainer.train_dataset)
     count_collated(trainer, log)
     t0 = time.perf_counter()
     trainer.train()
     return {**summarize_steps(log, warmup, steps), "init_s": init_s, "train_total_s": time.perf_counter() - t0,
-            "packing": packing, "same_token_ids_as_project": same}
+            "same_token_ids_as_project": same}
+
+
+def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, packing: bool = False) -> dict[str, Any]:
+    """TRL's ``SFTTrainer`` on the same rows, tokenizer and initial weights."""
+    from trl import SFTConfig, SFTTrainer
+
+    examples, lengths, completion_tokens = trl_rows(w)
+    config = SFTConfig(**trl_args(w, "sft", warmup, steps, packing=packing, completion_only_loss=True))
+    result = time_trl(w, SFTTrainer, config, examples, warmup, steps,
+                      lambda dataset: None if packing else same_lengths(dataset, lengths, completion_tokens))
+    return {**result, "packing": packing}
 
 
 def same_lengths(dataset, lengths: list[int], completion_tokens: list[int]) -> bool:
@@ -233,39 +261,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def parse_args(description: str, add_own_arguments: Callable[[argparse.ArgumentParser], None],
+               argv: list[str] | None = None) -> argparse.Namespace:
+    """A speed benchmark's command line: the shared arguments (:func:`add_arguments`) and its own."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    add_own_arguments(parser)
+    return parser.parse_args(argv)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Prepare the SFT workload, time the project's stage then TRL's trainer, report."""
-    set_niceness(args.nice)
-    set_threads()
-    quiet_libraries()
-    t0 = time.perf_counter()
-    w = prepare_workload("sft", synthetic=args.synthetic, max_length=args.sft_max_length,
-                         num_examples=args.sft_examples, seed=args.seed,
-                         overrides=stage_overrides("sft", args.warmup, args.steps))
-    try:
-        prep_s = time.perf_counter() - t0
-        runs = {"project": lambda i: run_project(w, args.warmup, args.steps, i),
-                "trl": lambda i: run_trl(w, args.warmup, args.steps, i)}
-        if args.trl_packing:
-            runs["trl_packing"] = lambda i: run_trl(w, args.warmup, args.steps, i, packing=True)
-        results = alternate(args.rounds, runs, args.quiet_wait_s)
-    finally:
-        cleanup(w)
+    sides = {"project": run_project, "trl": run_trl}
+    if args.trl_packing:
+        sides["trl_packing"] = partial(run_trl, packing=True)
+    w, results, prep_s = time_sides("sft", args, sides, max_length=args.sft_max_length, num_examples=args.sft_examples,
+                                    overrides=stage_overrides("sft", args.warmup, args.steps))
     project, trl = (best_round(results[k], "tokens_per_s") for k in ("project", "trl"))
     trl_packed = best_round(results["trl_packing"], "tokens_per_s") if args.trl_packing else None
-    rows = report_rows(project, trl, trl_packed)
-    print_table(f"SFT, {w.num_params / 1e6:.2f}M-param Llama, batch {MICRO_BATCH_SIZE}, max_length "
-                f"{w.max_length_tokens}, {args.steps} timed steps after {args.warmup} warmup, best of "
-                f"{args.rounds} rounds, data {w.source}", rows)
-    payload = {"benchmark": "sft", "rows": rows, "project": project, "trl": trl, "trl_packing": trl_packed,
-               "all_rounds": results,
-               "workload": {"source": w.source, "num_params": w.num_params, "max_length": w.max_length_tokens,
-                            "micro_batch_size": MICRO_BATCH_SIZE, "examples": args.sft_examples,
-                            "prepare_s": prep_s},
-               "environment": environment()}
-    print_rounds(results, "tokens_per_s")
-    print(f"wrote {write_result('sft', payload)}")
-    return payload
+    return write_report("sft", report_title("SFT", w, args), report_rows(project, trl, trl_packed),
+                        {"project": project, "trl": trl, "trl_packing": trl_packed}, results, "tokens_per_s", w,
+                        examples=args.sft_examples, prepare_s=prep_s)
 
 
 def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -275,10 +291,7 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    add_sft_arguments(parser)
-    run(parser.parse_args())
+    run(parse_args(__doc__, add_sft_arguments))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ reported separately where it matters.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
 import io
 import json
 import os
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from procfs import cpu_ticks
 
 from trainer_core.config import PipelineConfig, load_config
 from trainer_core.data.formats import to_preference_example, to_sft_example
@@ -48,7 +51,8 @@ from trainer_core.stages.runner import run_spec
 from trainer_core.storage import StageLayout, configure
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / ".bench"
+RESULTS_DIR = Path(os.environ.get("POSTTRAIN_BENCH_RESULTS_DIR", REPO_ROOT / ".bench"))
+"""Where the benchmarks write their JSON (``POSTTRAIN_BENCH_RESULTS_DIR``; default ``.bench/``)."""
 DATA_DIR = Path(os.environ.get("POSTTRAIN_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
 GSM8K = DATA_DIR / "gsm8k" / "train.jsonl"
 HH_PAIRS = DATA_DIR / "hh-rlhf-harmless" / "pairs.jsonl"
@@ -310,21 +314,11 @@ def summarize_steps(log: StepLog, warmup: int, steps: int) -> dict[str, float]:
     return out
 
 
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(total, idle) clock ticks of all CPUs since boot, from ``/proc/stat``; None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return sum(values), values[3] + values[4]
-
-
 def busy_share(interval_s: float = 1.0) -> float:
     """Fraction of the machine's CPU capacity in use over ``interval_s`` (NaN off Linux)."""
-    before = _cpu_ticks()
+    before = cpu_ticks()
     time.sleep(interval_s)
-    after = _cpu_ticks()
+    after = cpu_ticks()
     if before is None or after is None or after[0] == before[0]:
         return float("nan")
     return 1.0 - (after[1] - before[1]) / (after[0] - before[0])
@@ -347,10 +341,10 @@ def wait_for_quiet(max_wait_s: float, threshold: float = 0.25) -> float:
 def others_load(into: dict[str, Any]) -> Iterator[None]:
     """Measure the share of the CPUs used by OTHER processes during the block into
     ``into["others_cpu_share"]`` (0 = the benchmark had the machine to itself)."""
-    ticks, cpu0 = _cpu_ticks(), time.process_time()
+    ticks, cpu0 = cpu_ticks(), time.process_time()
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     yield
-    after, cpu1 = _cpu_ticks(), time.process_time()
+    after, cpu1 = cpu_ticks(), time.process_time()
     if ticks is None or after is None or after[0] == ticks[0]:
         into["others_cpu_share"] = float("nan")
         return
@@ -379,6 +373,34 @@ def best_round(results: list[dict], key: str) -> dict:
     """The round with the highest ``key`` (the least disturbed), with every round's value listed."""
     top = max(results, key=lambda r: r[key])
     return {**top, f"rounds_{key}": [r[key] for r in results]}
+
+
+def time_sides(kind: str, args: argparse.Namespace, sides: dict[str, Callable[..., dict[str, Any]]], *,
+               max_length: int, num_examples: int,
+               overrides: dict[str, Any]) -> tuple[Workload, dict[str, list[dict]], float]:
+    """A speed benchmark's measurement: set the process up (``args.nice``, :func:`set_threads`,
+    :func:`quiet_libraries`), prepare the ``kind`` workload (:func:`prepare_workload`), then run
+    every side ``side(workload, args.warmup, args.steps, round_index)`` for ``args.rounds``
+    alternating rounds (:func:`alternate`, waiting up to ``args.quiet_wait_s`` for a quiet
+    machine); the workload's storage is deleted afterwards.
+
+    Returns:
+        The workload (its facts, for the report), each side's rounds, and the seconds the
+        preparation took.
+    """
+    set_niceness(args.nice)
+    set_threads()
+    quiet_libraries()
+    t0 = time.perf_counter()
+    w = prepare_workload(kind, synthetic=args.synthetic, max_length=max_length, num_examples=num_examples,
+                         seed=args.seed, overrides=overrides)
+    try:
+        prep_s = time.perf_counter() - t0
+        runs = {name: functools.partial(side, w, args.warmup, args.steps) for name, side in sides.items()}
+        results = alternate(args.rounds, runs, args.quiet_wait_s)
+    finally:
+        cleanup(w)
+    return w, results, prep_s
 
 
 @contextlib.contextmanager
@@ -457,7 +479,7 @@ def environment() -> dict[str, Any]:
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:
     """Write ``payload`` as ``.bench/<name>.json``; returns the path."""
-    RESULTS_DIR.mkdir(exist_ok=True)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
     return path
@@ -472,3 +494,31 @@ def quiet_libraries() -> None:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_warning()
     transformers.logging.set_verbosity_warning()
+
+
+def report_title(stage: str, w: Workload, args: argparse.Namespace, batch_unit: str = "", detail: str = "") -> str:
+    """The heading of a speed benchmark's table: the stage, the model's size, the micro-batch
+    (``batch_unit``: what it counts, when not rows), the max length, ``detail``, the timed steps,
+    the rounds and the data."""
+    return (f"{stage}, {w.num_params / 1e6:.2f}M-param Llama, batch {MICRO_BATCH_SIZE}{batch_unit}, max_length "
+            f"{w.max_length_tokens}, {detail}{args.steps} timed steps after {args.warmup} warmup, best of "
+            f"{args.rounds} rounds, data {w.source}")
+
+
+def write_report(name: str, title: str, rows: list[dict[str, Any]], best: dict[str, dict | None],
+                 results: dict[str, list[dict]], key: str, w: Workload, **workload_facts: Any) -> dict[str, Any]:
+    """Print the report (the table of ``rows`` under ``title``, then each side's ``key`` per round)
+    and write it as ``.bench/<name>.json``: the rows, the best round of each side (``best``),
+    every round, the workload's facts (with ``workload_facts``) and the environment.
+
+    Returns:
+        That payload.
+    """
+    print_table(title, rows)
+    payload = {"benchmark": name, "rows": rows, **best, "all_rounds": results,
+               "workload": {"source": w.source, "num_params": w.num_params, "max_length": w.max_length_tokens,
+                            "micro_batch_size": MICRO_BATCH_SIZE, **workload_facts},
+               "environment": environment()}
+    print_rounds(results, key)
+    print(f"wrote {write_result(name, payload)}")
+    return payload

@@ -8,7 +8,8 @@ differently as dotted overrides on it (``--set`` items for the CLI, ``overrides`
 * :data:`TINY_DATA`: the synthetic task's sizes;
 * :data:`TINY_DEMO`: both, and every stage of the demo at tiny sizes (the whole demo in about
   70 s on one process here, against ~6 minutes at the demo's sizes);
-* :func:`tiny_demo`: :data:`TINY_DEMO` with a test's own overrides on top.
+* :func:`tiny_demo`: :data:`TINY_DEMO` with a test's own overrides on top;
+* :data:`TINY_PREPARE`: the data of ``prepare_data``'s own unit tests (it trains the tokenizer).
 
 The integration tests' stage-by-stage config (``tests/integration/helpers.py``:
 ``tiny_overrides``) is :data:`TINY_MODEL` and :data:`TINY_DATA` with the variations its bit-exact
@@ -39,6 +40,17 @@ TINY_DATA: dict[str, object] = {
     "data.max_eval_rows": 8,
 }
 """The synthetic task: 120 problems and 60 preference pairs, at most 8 held-out rows a set."""
+
+TINY_PREPARE: dict[str, object] = {
+    "seed": 5,
+    "data.synthetic.num_problems": 40,
+    "data.synthetic.num_pairs": 20,
+    "data.eval_fraction": 0.25,
+    "data.max_eval_rows": 8,
+    "tokenizer.vocab_size": 400,
+}
+"""``prepare_data`` in the unit tests of its splits and formats: 40 problems and 20 pairs, a
+quarter held out (at most 8 rows a set), a 400-token BPE vocabulary, seed 5."""
 
 TINY_DEMO: dict[str, object] = {
     **TINY_DATA,

@@ -14,17 +14,15 @@ import json
 import os
 import re
 import signal
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 from mlflow import MlflowClient
 
-from flows.pipeline import post_training_pipeline
 from test_retry_resume import (
     KILL_AT,
     MAX_STEPS,
+    FlowInThread,
     checkpoint_manifest,
     pipeline_config,
     single_thread_trainers,  # noqa: F401  (fixture)
@@ -32,6 +30,7 @@ from test_retry_resume import (
     task_runs_of,
     wait_for,
 )
+from tests.processes import alive
 from trainer_core.checkpoint.lease import LEASE_NAME
 from trainer_core.checkpoint.manifest import MANIFEST_NAME
 from trainer_core.storage import RunLayout
@@ -57,14 +56,6 @@ def _children(ppid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
-    except FileNotFoundError:
-        return False
-
-
 def test_one_rank_killed_fails_the_attempt_and_the_retry_resumes(prefect_api, tmp_path, single_thread_trainers):  # noqa: F811
     root, run_id = tmp_path / "out", "retry-fsdp2"
     config = pipeline_config(
@@ -72,32 +63,20 @@ def test_one_rank_killed_fails_the_attempt_and_the_retry_resumes(prefect_api, tm
     )
     stage_dir = Path(RunLayout(str(root), run_id).stage("sft").output)
     checkpoint = checkpoint_manifest(stage_dir, KILL_AT)
-    done, outcome = threading.Event(), {}
-
-    def run_flow() -> None:
-        try:
-            outcome["state"] = post_training_pipeline(config=config, run_id=run_id, return_state=True)
-        finally:
-            done.set()
-
-    flow = threading.Thread(target=run_flow, name="flow", daemon=True)
-    t0 = time.monotonic()
-    flow.start()
-    wait_for(checkpoint, 400, done)
+    flow = FlowInThread(config, run_id)
+    wait_for(checkpoint, 400, flow.done)
     rank0 = json.loads((stage_dir / LEASE_NAME).read_text())["pid"]  # rank 0 holds the lease
     agent = _parent(rank0)  # the torchrun agent
     ranks = _children(agent)
     assert rank0 in ranks and len(ranks) == 2, (agent, ranks)
     (rank1,) = [p for p in ranks if p != rank0]
     os.kill(rank1, signal.SIGKILL)
-    flow.join(timeout=500)
-    assert not flow.is_alive(), "the flow did not finish"
-    print(f"flow with one rank killed: {time.monotonic() - t0:.1f}s")
+    print(f"flow with one rank killed: {flow.join(timeout_s=500):.1f}s")
 
     # The killed attempt left nothing behind: agent and both ranks are gone.
-    assert [p for p in (agent, rank0, rank1) if _alive(p)] == []
+    assert [p for p in (agent, rank0, rank1) if alive(p)] == []
 
-    state = outcome["state"]
+    state = flow.state
     assert state.is_completed(), state.message
     sft = state.result()["stages"]["sft"]
     assert sft["status"] == "completed" and sft["metrics"]["global_step"] == MAX_STEPS

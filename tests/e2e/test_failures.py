@@ -14,17 +14,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.helpers import DEMO_CONFIG
+from tests.processes import alive, command_lines
 from tests.tiny import TINY_DATA, TINY_MODEL, as_sets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,20 +50,17 @@ def posttrain(api_url: str | None, *args: str, timeout_s: float = 300) -> subpro
                           capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
+def launch_marked(pid: int) -> bool:
+    """Whether ``pid`` carries ``POSTTRAIN_LAUNCH_ID`` in its environment (False once it is gone)."""
+    try:
+        return b"POSTTRAIN_LAUNCH_ID=" in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+
+
 def marked_processes(root: Path) -> list[int]:
     """Processes of a launch (``POSTTRAIN_LAUNCH_ID`` in their environment) working under ``root``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if b"POSTTRAIN_LAUNCH_ID=" in environ and str(root) in cmdline:
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, cmdline in command_lines().items() if str(root) in cmdline and launch_marked(pid)]
 
 
 def children_of(pid: int) -> list[int]:
@@ -75,14 +75,6 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def wait_for(path: Path, deadline_s: float = 180) -> None:
     end = time.monotonic() + deadline_s
     while not path.exists():
@@ -90,12 +82,21 @@ def wait_for(path: Path, deadline_s: float = 180) -> None:
         time.sleep(0.2)
 
 
-def start_sft_run(root: Path, run_id: str) -> subprocess.Popen:
-    """A demo run of prepare_data and a long SFT, with its own temporary Prefect API server."""
+@contextlib.contextmanager
+def sft_run(root: Path, run_id: str) -> Iterator[subprocess.Popen]:
+    """A demo run of prepare_data and a long SFT, with its own temporary Prefect API server, in
+    its own process group (as in a terminal); yields the CLI's process once the SFT trainer
+    holds its stage's lease. The group is SIGKILLed afterwards if the CLI still runs."""
     args = [sys.executable, "-m", "posttrain", "run", str(DEMO_CONFIG), "--run-id", run_id, *SMALL,
             "--set", f"storage.root={root}", "--set", "stages=prepare_data,sft", "--set", "sft.max_steps=5000"]
-    return subprocess.Popen(args, cwd=REPO, env=cli_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # its own process group, as in a terminal
+    cli = subprocess.Popen(args, cwd=REPO, env=cli_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    try:
+        wait_for(root / "runs" / run_id / "stages" / "sft" / "lease.json")
+        yield cli
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
 
 
 def stop_group_and_check(cli: subprocess.Popen, root: Path, run_id: str, sig: signal.Signals) -> None:
@@ -128,9 +129,7 @@ def test_sigterm_to_the_group_stops_everything_and_a_second_run_of_the_id_is_ref
     """What ``timeout 45 posttrain run ...`` does (SIGTERM to the group); it used to kill Prefect's
     temporary server too and leave the flow retrying the dead API for minutes."""
     root, run_id = tmp_path / "out", "held"
-    cli = start_sft_run(root, run_id)
-    try:
-        wait_for(root / "runs" / run_id / "stages" / "sft" / "lease.json")
+    with sft_run(root, run_id) as cli:
         config_before = (root / "runs" / run_id / "config.json").read_text()
 
         t0 = time.monotonic()
@@ -146,49 +145,41 @@ def test_sigterm_to_the_group_stops_everything_and_a_second_run_of_the_id_is_ref
         stop_group_and_check(cli, root, run_id, signal.SIGTERM)
         status = posttrain(None, "status", run_id, "--root", str(root))
         assert "not running" in status.stdout and "interrupted" in status.stdout, status.stdout
-    finally:
-        if cli.poll() is None:
-            os.killpg(cli.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
 def test_ctrl_c_to_the_group_stops_everything_with_exit_130(tmp_path):
     root, run_id = tmp_path / "out", "ctrl-c"
-    cli = start_sft_run(root, run_id)
-    try:
-        wait_for(root / "runs" / run_id / "stages" / "sft" / "lease.json")
+    with sft_run(root, run_id) as cli:
         stop_group_and_check(cli, root, run_id, signal.SIGINT)
-    finally:
-        if cli.poll() is None:
-            os.killpg(cli.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
 def test_after_sigkill_of_the_cli_the_trainer_stops_within_seconds(tmp_path):
     root, run_id = tmp_path / "out", "killed"
-    cli = start_sft_run(root, run_id)
     helpers: list[int] = []
     try:
-        wait_for(root / "runs" / run_id / "stages" / "sft" / "lease.json")
-        trainers, helpers = marked_processes(root), [p for p in children_of(cli.pid) if p not in marked_processes(root)]
-        assert trainers
-        cli.kill()
-        cli.wait(timeout=10)
-        t0 = time.monotonic()
-        while any(alive(p) for p in trainers) and time.monotonic() - t0 < 15:
-            time.sleep(0.1)
-        gone_s = time.monotonic() - t0
-        print(f"trainer gone {gone_s:.1f}s after SIGKILL of the CLI")
-        assert not any(alive(p) for p in trainers) and gone_s < 10
-        while any(alive(p) for p in helpers) and time.monotonic() - t0 < 15:
-            time.sleep(0.1)
-        print(f"temporary API server gone {time.monotonic() - t0:.1f}s after SIGKILL of the CLI")
-        assert helpers and not any(alive(p) for p in helpers), helpers  # it watches the CLI
-        status = posttrain(None, "status", run_id, "--root", str(root))
-        assert status.returncode == 0, status.stderr
-        sft = next(line for line in status.stdout.splitlines() if " sft " in line)
-        assert "interrupted" in sft, status.stdout
-        assert not (root / "runs" / run_id / "stages" / "sft" / "final").exists()
+        with sft_run(root, run_id) as cli:
+            trainers = marked_processes(root)
+            helpers = [p for p in children_of(cli.pid) if p not in marked_processes(root)]
+            assert trainers
+            cli.kill()
+            cli.wait(timeout=10)
+            t0 = time.monotonic()
+            while any(alive(p) for p in trainers) and time.monotonic() - t0 < 15:
+                time.sleep(0.1)
+            gone_s = time.monotonic() - t0
+            print(f"trainer gone {gone_s:.1f}s after SIGKILL of the CLI")
+            assert not any(alive(p) for p in trainers) and gone_s < 10
+            while any(alive(p) for p in helpers) and time.monotonic() - t0 < 15:
+                time.sleep(0.1)
+            print(f"temporary API server gone {time.monotonic() - t0:.1f}s after SIGKILL of the CLI")
+            assert helpers and not any(alive(p) for p in helpers), helpers  # it watches the CLI
+            status = posttrain(None, "status", run_id, "--root", str(root))
+            assert status.returncode == 0, status.stderr
+            sft = next(line for line in status.stdout.splitlines() if " sft " in line)
+            assert "interrupted" in sft, status.stdout
+            assert not (root / "runs" / run_id / "stages" / "sft" / "final").exists()
     finally:
         for pid in helpers:
             if alive(pid):

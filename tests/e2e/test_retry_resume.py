@@ -102,6 +102,30 @@ def wait_for(path: Path, deadline_s: float, done: threading.Event, poll_s: float
         time.sleep(poll_s)
 
 
+class FlowInThread:
+    """``post_training_pipeline(config=config, run_id=run_id)`` run in a daemon thread, started at
+    once: ``done`` is set when it returns or raises; ``state`` is then its final state."""
+
+    def __init__(self, config: PipelineConfig, run_id: str):
+        self.done = threading.Event()
+        self.state = None
+        self.started_s = time.monotonic()
+        self._thread = threading.Thread(target=self._run, args=(config, run_id), name="flow", daemon=True)
+        self._thread.start()
+
+    def _run(self, config: PipelineConfig, run_id: str) -> None:
+        try:
+            self.state = post_training_pipeline(config=config, run_id=run_id, return_state=True)
+        finally:
+            self.done.set()
+
+    def join(self, timeout_s: float) -> float:
+        """Wait for the flow (failing if it runs past ``timeout_s``); the seconds since it started."""
+        self._thread.join(timeout=timeout_s)
+        assert not self._thread.is_alive(), "the flow did not finish"
+        return time.monotonic() - self.started_s
+
+
 def kill_trainer(stage_dir: Path) -> int:
     """SIGKILL the process group of the trainer holding ``<stage_dir>/lease.json``; its pid."""
     pid = json.loads((stage_dir / LEASE_NAME).read_text())["pid"]
@@ -144,35 +168,24 @@ def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
     data_final = Path(RunLayout(str(root), run_id).stage("prepare_data").final)
     checkpoint = checkpoint_manifest(stage_dir, KILL_AT)
 
-    done, outcome = threading.Event(), {}
-
-    def run_flow() -> None:
-        try:
-            outcome["state"] = post_training_pipeline(config=config, run_id=run_id, return_state=True)
-        finally:
-            done.set()
-
     def uninterrupted_sft() -> StageSpec:
         """The same SFT run, never killed, on the flow's prepared data (the reference)."""
-        wait_for(data_final / MANIFEST_NAME, 300, done)
+        wait_for(data_final / MANIFEST_NAME, 300, flow.done)
         spec = build_spec(config, "sft", run_id, {"data": str(data_final), "model": "init"}, output_uri=str(tmp_path / "uninterrupted"))
         run = run_stage(write_spec(spec, tmp_path / "uninterrupted.json"))
         assert run.returncode == 0, run.tail()
         return spec
 
-    flow_thread = threading.Thread(target=run_flow, name="flow", daemon=True)
-    t0 = time.monotonic()
-    flow_thread.start()
+    flow = FlowInThread(config, run_id)
     with ThreadPoolExecutor(max_workers=1) as pool:
         reference = pool.submit(uninterrupted_sft)
-        wait_for(checkpoint, 300, done)
+        wait_for(checkpoint, 300, flow.done)
         killed_pid = kill_trainer(stage_dir)
-        flow_thread.join(timeout=400)
-        assert not flow_thread.is_alive(), "the flow did not finish"
+        flow_s = flow.join(timeout_s=400)
         reference_spec = reference.result()
-    print(f"flow with one killed SFT attempt: {time.monotonic() - t0:.1f}s (trainer pid {killed_pid} killed)")
+    print(f"flow with one killed SFT attempt: {flow_s:.1f}s (trainer pid {killed_pid} killed)")
 
-    state = outcome["state"]
+    state = flow.state
     assert state.is_completed(), state.message
     summary = state.result()
     sft = summary["stages"]["sft"]

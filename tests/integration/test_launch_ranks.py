@@ -22,25 +22,12 @@ from prefect.states import Failed
 from tasks.launch.commands import launcher_command
 from tasks.launch.failures import BadStageInput, StageFailed, raise_for_result
 from tasks.launch.process import launch_stage_process, retry_condition
+from tests.processes import ListLog, alive, command_lines
 from trainer_core.config import BackendConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gloo_ranks.py"
 BACKEND = BackendConfig(name="ddp", device="cpu", nproc_per_node=2)
 PIDS = re.compile(r"pids rank=(\d+) pid=(\d+) ppid=(\d+) child=(\d+)")
-
-
-class ListLog:
-    """Collects ``info`` lines; ``on_line`` may act on (or raise from) each one."""
-
-    def __init__(self, on_line=None):
-        self.lines: list[str] = []
-        self.on_line = on_line
-
-    def info(self, msg, *args):
-        line = msg % args if args else msg
-        self.lines.append(line)
-        if self.on_line is not None:
-            self.on_line(line)
 
 
 def ranks_command(tag: str, *args: str) -> list[str]:
@@ -57,28 +44,9 @@ def launched_pids(lines: list[str]) -> dict[int, list[int]]:
     return found
 
 
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie (killed, not yet reaped) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
 def alive_with_tag(tag: str) -> list[str]:
-    """Command lines of live processes that mention ``tag`` (torchrun, ranks, their children)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if tag in cmdline and alive(int(entry.name)):
-            found.append(f"{entry.name}: {cmdline}")
-    return found
+    """``"<pid>: <command line>"`` of live processes that mention ``tag`` (torchrun, ranks, their children)."""
+    return [f"{pid}: {cmdline}" for pid, cmdline in command_lines().items() if tag in cmdline and alive(pid)]
 
 
 def assert_nothing_left(tag: str, pids: dict[int, list[int]]) -> None:

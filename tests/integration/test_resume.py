@@ -256,19 +256,18 @@ def _skip_warning(outcome: Resumed) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("scenario", ["sft-checkpoint8"])
-def test_resume_falls_back_past_checkpoint_without_manifest(outcomes, tiny_pipeline, scenario):
-    outcome = outcomes[scenario].result()["uncommitted"]
+@pytest.mark.parametrize(
+    ("scenario", "damage", "reason"),
+    [("sft-checkpoint8", "uncommitted", "no manifest.json"),
+     ("sft-checkpoint8", "corrupt", "sha256 mismatch model.safetensors")],
+    ids=["without_manifest", "with_corrupt_weights"],
+)
+def test_resume_falls_back_past_damaged_checkpoint(outcomes, tiny_pipeline, scenario, damage, reason):
+    """The newest checkpoint damaged (:data:`DAMAGES`): the relaunch warns that it skips it, naming
+    ``reason``, and resumes bit-exactly from the one before."""
+    outcome = outcomes[scenario].result()[damage]
     assert len(outcome.committed_at_kill) >= 2 and outcome.resume_step == outcome.committed_at_kill[-2]
-    assert "no manifest.json" in _skip_warning(outcome)
-    assert_exact_resume(outcome, tiny_pipeline)
-
-
-@pytest.mark.parametrize("scenario", ["sft-checkpoint8"])
-def test_resume_falls_back_past_checkpoint_with_corrupt_weights(outcomes, tiny_pipeline, scenario):
-    outcome = outcomes[scenario].result()["corrupt"]
-    assert len(outcome.committed_at_kill) >= 2 and outcome.resume_step == outcome.committed_at_kill[-2]
-    assert "sha256 mismatch model.safetensors" in _skip_warning(outcome)
+    assert reason in _skip_warning(outcome)
     assert_exact_resume(outcome, tiny_pipeline)
 
 

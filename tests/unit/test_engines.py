@@ -114,25 +114,33 @@ def _check_layout(out: Generated, max_new_tokens: int) -> None:
 
 # --- hf ------------------------------------------------------------------------------------------
 
-# The sampling loop of trainer_core/training/rl/rollout.py before the engines (issue 13), kept verbatim as the
+@pytest.mark.parametrize(
+    ("top_p", "kept"), [(0.3, [1]), (0.6, [1, 3]), (0.8, [1, 2, 3]), (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])]
+)
+def test_top_p_filter_keeps_the_hand_worked_nucleus(top_p, kept):
+    """Probabilities [0.1, 0.5, 0.15, 0.25]: by likelihood tokens 1, 3, 2, 0, with 0, 0.5, 0.75 and
+    0.9 of the mass on the tokens more likely than each. A token stays while that mass is under
+    ``top_p`` (so the top token always does), its logit untouched; the others get -inf. Row 1
+    holds the same tokens in reverse order: the nucleus is found by probability, not position."""
+    logits = torch.tensor([[0.10, 0.50, 0.15, 0.25]]).log()
+    logits = torch.cat([logits, logits.flip(-1)])
+    want = torch.zeros(2, 4, dtype=torch.bool)
+    want[0, kept] = True
+    want[1] = want[0].flip(-1)
+    out = top_p_filter(logits, top_p)
+    assert torch.equal(torch.isfinite(out), want)
+    assert torch.equal(out[want], logits[want]) and (out[~want] == float("-inf")).all()
+
+
+# The sampling loop of trainer_core/training/rl/rollout.py before the engines (issue 13), kept as the
 # reference: the hf engine must draw exactly its tokens, so that runs and checkpoints of earlier
-# versions sample and resume as they did.
-def _ref_top_p_filter(logits: Tensor, top_p: float) -> Tensor:
-    """[N, V] logits with tokens outside the top-p nucleus set to -inf (the top token always stays)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
+# versions sample and resume as they did. Its nucleus filter was the one ``sampling.top_p_filter``
+# is now, pinned by the hand-worked test above.
 def _ref_next_tokens(logits: Tensor, gen: GenerationConfig, generator: torch.Generator) -> Tensor:
     """[N] tokens drawn from [N, V] last-position logits (greedy when temperature is 0)."""
     if gen.temperature <= 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(_ref_top_p_filter(logits.float() / gen.temperature, gen.top_p), dim=-1)
+    probs = torch.softmax(top_p_filter(logits.float() / gen.temperature, gen.top_p), dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

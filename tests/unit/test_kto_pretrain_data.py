@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny import TINY_PREPARE
 from trainer_core.config import DataSource, PipelineConfig, load_config
 from trainer_core.data.batching import collate_kto
 from trainer_core.data.formats import detect_format, to_kto_examples, to_text_example
@@ -22,16 +23,8 @@ from trainer_core.spec import build_spec
 from trainer_core.stages.runner import run_spec
 from trainer_core.storage import StageLayout, join_uri
 
-TINY = {
-    "seed": 5,
-    "data.synthetic.num_problems": 40,
-    "data.synthetic.num_pairs": 20,
-    "data.eval_fraction": 0.25,
-    "data.max_eval_rows": 8,
-    "data.max_length_tokens": 64,
-    "data.max_prompt_length_tokens": 32,
-    "tokenizer.vocab_size": 400,
-}
+TINY = {**TINY_PREPARE, "data.max_length_tokens": 64, "data.max_prompt_length_tokens": 32}
+"""prepare_data's tiny data (``tests/tiny.py``), rows of at most 64 tokens (prompts 32)."""
 
 
 def test_detect_kto_and_text():

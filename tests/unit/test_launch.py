@@ -24,35 +24,12 @@ from tasks.launch.failures import (
     raise_for_result,
 )
 from tasks.launch.process import LaunchResult, launch_stage_process, retry_condition
+from tests.processes import ListLog, alive
 from trainer_core.config import BackendConfig, load_config
-
-
-class ListLog:
-    """Collects ``info`` lines; ``on_line`` may act on (or raise from) each one."""
-
-    def __init__(self, on_line=None):
-        self.lines: list[str] = []
-        self.on_line = on_line
-
-    def info(self, msg, *args):
-        line = msg % args if args else msg
-        self.lines.append(line)
-        if self.on_line is not None:
-            self.on_line(line)
 
 
 def py(code: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code)]
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie (killed, not yet reaped by init) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
 
 
 def wait_dead(pid: int, within_s: float = 3.0) -> bool:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.processes import alive
 from trainer_core import storage
 from trainer_core.checkpoint.lease import LEASE_NAME, LeaseHeldError, StageLease
 from trainer_core.storage import join_uri
@@ -89,14 +90,6 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def test_new_attempt_stops_the_earlier_attempts_processes_first(tmp_path):
     """A retry of the same task run (same owner, new attempt) on the same host SIGKILLs every
     process of the attempt it replaces, found by the launch id they carry (here a 'rank' in a
@@ -123,7 +116,7 @@ def test_new_attempt_stops_the_earlier_attempts_processes_first(tmp_path):
         retry.acquire(wait_s=0)  # no wait for the live lease: its processes are stopped instead
         took = time.monotonic() - t0
         assert holder.wait(timeout=10) == -9
-        assert not _running(rank)
+        assert not alive(rank)
         assert took < 10, took
         assert json.loads(storage.read_bytes(join_uri(prefix, LEASE_NAME)))["attempt"] == "b2"
         with pytest.raises(LeaseLostError, match=r"held by task-run-1 \(attempt b2\), not by this attempt"):

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import fsspec.config
 import pytest
 
+from tests.tiny import TINY_PREPARE
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import read_manifest, verify
 from trainer_core.config import load_config
@@ -28,21 +29,11 @@ GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
 HH = SHARED_DATA / "hh-rlhf-harmless" / "pairs.jsonl"
 needs_shared_data = pytest.mark.skipif(not GSM8K.exists(), reason=f"shared data not at {SHARED_DATA}")
 
-TINY = {
-    "seed": 5,
-    "data.synthetic.num_problems": 40,
-    "data.synthetic.num_pairs": 20,
-    "data.eval_fraction": 0.25,
-    "data.max_eval_rows": 8,
-    "tokenizer.vocab_size": 400,
-}
-
-
 def _spec(root: str, **overrides) -> StageSpec:
     """A prepare_data spec writing under ``root`` (on S3: the endpoint the test configured)."""
     if root.startswith("s3://"):
         overrides.setdefault("storage.endpoint_url", fsspec.config.conf["s3"]["endpoint_url"])
-    config = load_config(overrides={**TINY, **overrides})
+    config = load_config(overrides={**TINY_PREPARE, **overrides})
     return build_spec(config, "prepare_data", "run-1", {}, output_uri=join_uri(root, "prepare_data"))
 
 
