@@ -29,7 +29,7 @@ import safetensors.torch
 import torch
 
 from tests.integration import forked
-from tests.tiny import TINY_DATA, TINY_MODEL
+from tests.tiny import TINY_DATA, TINY_GATES, TINY_MODEL
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, parse_step_dirname, step_dirname
 from trainer_core.config import PipelineConfig, load_config
@@ -86,7 +86,7 @@ TIMING_METRICS = ("train/tokens_per_s", "rollout/tokens_per_s")
 
 def tiny_overrides() -> dict[str, object]:
     """``key.path -> value`` overrides shrinking the demo config to a seconds-long run per stage."""
-    out: dict[str, object] = dict(_DATA_OVERRIDES)
+    out: dict[str, object] = {**_DATA_OVERRIDES, **TINY_GATES}
     for stage in TRAINING_STAGES:
         for key, value in {**_TRAIN_OVERRIDES, **_STAGE_OVERRIDES.get(stage, {})}.items():
             out[f"{stage}.{key}"] = value
