@@ -31,6 +31,7 @@ TIER_0: dict[str, str] = {
 TIER_1: dict[str, str] = {
     "sft_loss": "trainer_core.objectives.sft",
     "bradley_terry_loss": "trainer_core.objectives.reward",
+    "PairLogprobs": "trainer_core.objectives.dpo",
     "dpo_loss": "trainer_core.objectives.dpo",
     "preference_loss": "trainer_core.objectives.dpo",
     "kto_loss": "trainer_core.objectives.kto",

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when torchrun runs this file
 
 from trainer_core.modeling.forward import unwrap_causal_lm  # noqa: E402
-from trainer_core.objectives.dpo import dpo_loss  # noqa: E402
+from trainer_core.objectives.dpo import PairLogprobs, dpo_loss  # noqa: E402
 from trainer_core.objectives.logprobs import compute_logprobs, sequence_logprobs, shift_mask  # noqa: E402
 from trainer_core.objectives.sft import sft_loss  # noqa: E402
 from trainer_core.training.supervised import (  # noqa: E402
@@ -117,7 +117,8 @@ def full_sft(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[s
 def full_dpo(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """(DPO loss sum, gradients of loss sum / pairs) from the full logits."""
     chosen, rejected = full_pair_logprobs(model, batch)
-    losses, _ = dpo_loss(chosen, rejected, batch["ref_chosen_logprobs"], batch["ref_rejected_logprobs"], beta=BETA)
+    pairs = PairLogprobs(chosen, rejected, batch["ref_chosen_logprobs"], batch["ref_rejected_logprobs"])
+    losses, _ = dpo_loss(pairs, beta=BETA)
     return losses.sum().detach(), grads_of(model, losses.mean())
 
 

@@ -20,6 +20,7 @@ summary) to get them.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -380,9 +381,10 @@ def record_preference_loss(monkeypatch) -> list[tuple[bool, list[torch.Tensor | 
     calls: list[tuple[bool, list[torch.Tensor | None]]] = []
     real = supervised.preference_loss
 
-    def recording(loss_type, *tensors, **settings):
+    def recording(loss_type, pairs, **settings):
+        tensors = [getattr(pairs, f.name) for f in dataclasses.fields(pairs)]
         calls.append((torch.is_grad_enabled(), [None if t is None else t.detach().clone() for t in tensors]))
-        return real(loss_type, *tensors, **settings)
+        return real(loss_type, pairs, **settings)
 
     monkeypatch.setattr(supervised, "preference_loss", recording)
     return calls

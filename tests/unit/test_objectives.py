@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer_core.objectives.dpo import dpo_loss
+from trainer_core.objectives.dpo import PairLogprobs, dpo_loss
 from trainer_core.objectives.logprobs import compute_logprobs, sequence_logprobs, shift_mask
 from trainer_core.objectives.reward import bradley_terry_loss
 from trainer_core.objectives.sft import sft_loss
@@ -61,7 +61,7 @@ def test_sequence_logprobs_sums_masked_tokens():
 
 def test_dpo_loss_is_log2_when_policy_equals_reference():
     lp = torch.tensor([-3.0, -10.0, -0.5])
-    losses, m = dpo_loss(lp, lp - 1.0, lp, lp - 1.0, beta=0.1)
+    losses, m = dpo_loss(PairLogprobs(lp, lp - 1.0, lp, lp - 1.0), beta=0.1)
     assert torch.allclose(losses, torch.full((3,), LOG2))
     assert torch.all(m["rewards/accuracies"] == 0)
     assert torch.allclose(m["rewards/margins"], torch.zeros(3))
@@ -69,9 +69,8 @@ def test_dpo_loss_is_log2_when_policy_equals_reference():
 
 def test_dpo_loss_and_trl_metrics_by_hand():
     """beta=0.5; chosen log-ratio +2, rejected log-ratio -2 -> logits 4, loss = -log sigmoid(2)."""
-    losses, m = dpo_loss(
-        torch.tensor([-1.0]), torch.tensor([-7.0]), torch.tensor([-3.0]), torch.tensor([-5.0]), beta=0.5
-    )
+    pairs = PairLogprobs(torch.tensor([-1.0]), torch.tensor([-7.0]), torch.tensor([-3.0]), torch.tensor([-5.0]))
+    losses, m = dpo_loss(pairs, beta=0.5)
     assert losses.item() == pytest.approx(math.log1p(math.exp(-2.0)), rel=1e-6)
     assert m["rewards/chosen"].item() == pytest.approx(1.0)
     assert m["rewards/rejected"].item() == pytest.approx(-1.0)
@@ -82,7 +81,7 @@ def test_dpo_loss_and_trl_metrics_by_hand():
 def test_dpo_rejects_non_positive_beta():
     x = torch.zeros(1)
     with pytest.raises(ValueError, match="beta"):
-        dpo_loss(x, x, x, x, beta=0.0)
+        dpo_loss(PairLogprobs(x, x, x, x), beta=0.0)
 
 
 def test_bradley_terry_on_hand_made_batch():

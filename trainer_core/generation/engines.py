@@ -48,18 +48,19 @@ advances by up to ``CHECK_EVERY_STEPS - 1`` more draws than the ``hf`` engine's 
 a given engine, seed and device). Under the trainer's ``autocast`` with fp32 weights the step
 casts the weights to bf16 at every token; the bench runs bf16 weights.
 
-Engines that could come behind the same Protocol (a colocated vLLM) are designed in
+Engines that could come behind the same interface (a colocated vLLM) are designed in
 ``docs/generation.md``; none is built.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -104,12 +105,18 @@ class Generated:
     logprobs: Tensor
 
 
-class GenerationEngine(Protocol):
+class GenerationEngine(abc.ABC):
     """Samples completions for the RL loop; ``load_weights`` after each optimizer update,
-    ``release`` before it."""
+    ``release`` before it.
+
+    An engine implements :meth:`_sample` (the decode loop), :meth:`load_weights` and
+    :meth:`release`; :meth:`generate` is the one entry point, run without autograd inside
+    :meth:`_serving`.
+    """
 
     name: str
 
+    @torch.no_grad()
     def generate(
         self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, *, eos_id: int, pad_id: int,
         generator: torch.Generator,
@@ -127,15 +134,25 @@ class GenerationEngine(Protocol):
         Returns:
             The :class:`Generated` completions, T <= max_new_tokens the longest row.
         """
-        ...
+        with self._serving():
+            return self._sample(prompt_ids, prompt_mask, gen, eos_id, pad_id, generator)
 
+    def _serving(self) -> contextlib.AbstractContextManager:
+        """What is installed on the model while it samples (none by default)."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
+                generator: torch.Generator) -> Generated:
+        """The decode loop of :meth:`generate` (same arguments)."""
+
+    @abc.abstractmethod
     def load_weights(self, model: nn.Module) -> None:
         """Serve ``model``'s current weights (the policy after an optimizer update)."""
-        ...
 
+    @abc.abstractmethod
     def release(self) -> None:
         """Free what the engine holds between calls (KV cache) before the update."""
-        ...
 
 
 def _all_finished(finished: Tensor, sync: Callable[[Tensor], Tensor] | None) -> bool:
@@ -154,7 +171,7 @@ def _prompt_positions(prompt_mask: Tensor) -> Tensor:
 # --- hf: a dynamic KV cache ----------------------------------------------------------------------
 
 
-class HFEngine:
+class HFEngine(GenerationEngine):
     """The rollout loop: the model's forward with a dynamic KV cache, one token at a time.
 
     The reference engine: any causal LM (the ``PolicyAndValue`` module, wrapped by DDP, sharded
@@ -175,12 +192,9 @@ class HFEngine:
         self.model = model
         self.sync = sync
 
-    @torch.no_grad()
-    def generate(
-        self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, *, eos_id: int, pad_id: int,
-        generator: torch.Generator,
-    ) -> Generated:
-        """See :meth:`GenerationEngine.generate` (T the same with or without ``sync``)."""
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
+                generator: torch.Generator) -> Generated:
+        """The decode loop (T the same with or without ``sync``)."""
         attention = prompt_mask.long()
         positions = _prompt_positions(prompt_mask)
         cache_arg = cache_argument()
@@ -213,7 +227,7 @@ class HFEngine:
 # --- static: a static KV cache, a compiled decode step -------------------------------------------
 
 
-class StaticCacheEngine:
+class StaticCacheEngine(GenerationEngine):
     """A static KV cache reserved once per call, batched prefill, and a (compiled) decode step
     that runs as one CUDA graph on CUDA.
 
@@ -336,14 +350,11 @@ class StaticCacheEngine:
         self._graph = DecodeGraph(step, generator)
         self._graph_key = key
 
-    @torch.no_grad()
-    def generate(
-        self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, *, eos_id: int, pad_id: int,
-        generator: torch.Generator,
-    ) -> Generated:
-        """See :meth:`GenerationEngine.generate`."""
+    @contextlib.contextmanager
+    def _serving(self) -> Iterator[None]:
+        """Grouped decode attention and the fused projections, installed while it samples."""
         with grouped_decode_attention(self.model), self._projections():
-            return self._generate(prompt_ids, prompt_mask, gen, eos_id, pad_id, generator)
+            yield
 
     def _projections(self) -> contextlib.AbstractContextManager:
         """The fused projections (:class:`trainer_core.generation.static_decode.FusedProjections`), with
@@ -357,8 +368,8 @@ class StaticCacheEngine:
             self._fused.refresh()
         return self._fused.installed()
 
-    def _generate(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
-                  generator: torch.Generator) -> Generated:
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
+                generator: torch.Generator) -> Generated:
         num_rows, prompt_len = prompt_ids.shape
         cache, state = self._reserve(num_rows, prompt_len + gen.max_new_tokens, gen.max_new_tokens)
         positions = _prompt_positions(prompt_mask)

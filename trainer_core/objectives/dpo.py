@@ -1,23 +1,21 @@
 """Preference losses: DPO (sigmoid) and its family, chosen by ``dpo.loss_type``.
 
-Each loss is a pure function of per-pair summed completion log-probs (and, for the
-length-normalised ones, completion lengths), returning per-pair losses [B] and TRL-named reward
-metrics. :data:`PREFERENCE_LOSSES` maps ``loss_type`` to the function; :data:`REFERENCE_FREE`
+Each loss is a pure function of a batch of pairs' summed completion log-probs (and, for the
+length-normalised ones, completion lengths), held in one :class:`PairLogprobs`, returning
+per-pair losses [B] and TRL-named reward metrics. :data:`PREFERENCE_LOSSES` maps ``loss_type`` to the function; :data:`REFERENCE_FREE`
 names the ones that need no reference model (SimPO, ORPO).
 
 Shape legend: B batch (pairs). Log-probs are float32 sums over a completion's tokens; lengths
 are the number of completion tokens summed (float32 or long).
 
-Arguments every loss names alike: ``policy_chosen_logprobs`` and ``policy_rejected_logprobs``
-[B], the summed log-probs of the chosen and the rejected completions under the policy;
-``ref_chosen_logprobs`` and ``ref_rejected_logprobs`` [B], the same under the frozen reference;
-``chosen_lengths`` and ``rejected_lengths`` [B], the completion tokens of each (> 0);
-``label_smoothing`` eps in [0, 0.5), the probability that a preference label is flipped.
+``label_smoothing``, where a loss takes it, is eps in [0, 0.5): the probability that a
+preference label is flipped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +32,50 @@ def _metrics(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, Tens
     }
 
 
-def _logratios(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor,
-               ref_rejected: Tensor) -> tuple[Tensor, Tensor]:
-    """(policy - reference) log-ratios of the chosen and the rejected completions, float32 [B]."""
-    return policy_chosen.float() - ref_chosen.float(), policy_rejected.float() - ref_rejected.float()
+@dataclass(frozen=True)
+class PairLogprobs:
+    """A batch of preference pairs as the losses read it.
+
+    Attributes:
+        policy_chosen_logprobs: [B] float, the chosen completions' summed log-probs under the policy.
+        policy_rejected_logprobs: [B] float, the same for the rejected completions.
+        ref_chosen_logprobs: [B] float, the chosen completions' under the frozen reference; None
+            for the :data:`REFERENCE_FREE` losses.
+        ref_rejected_logprobs: [B] float, the same for the rejected completions, or None.
+        chosen_lengths: [B] float or long, completion tokens of each chosen completion (> 0);
+            needed by the :data:`LENGTH_NORMALISED` losses, else None.
+        rejected_lengths: [B], the same for the rejected completions, or None.
+    """
+
+    policy_chosen_logprobs: Tensor
+    policy_rejected_logprobs: Tensor
+    ref_chosen_logprobs: Tensor | None = None
+    ref_rejected_logprobs: Tensor | None = None
+    chosen_lengths: Tensor | None = None
+    rejected_lengths: Tensor | None = None
+
+    def logratios(self) -> tuple[Tensor, Tensor]:
+        """(policy - reference) summed log-ratios of the chosen and the rejected completions,
+        float32 [B] each.
+
+        Raises:
+            ValueError: a reference log-prob field is None.
+        """
+        if self.ref_chosen_logprobs is None or self.ref_rejected_logprobs is None:
+            raise ValueError("this loss needs ref_chosen_logprobs and ref_rejected_logprobs (got None)")
+        return (self.policy_chosen_logprobs.float() - self.ref_chosen_logprobs.float(),
+                self.policy_rejected_logprobs.float() - self.ref_rejected_logprobs.float())
+
+    def per_token(self, chosen: Tensor, rejected: Tensor) -> tuple[Tensor, Tensor]:
+        """``chosen / chosen_lengths`` and ``rejected / rejected_lengths``, float32 [B] each: sums
+        over a completion's tokens made averages.
+
+        Raises:
+            ValueError: a length field is None.
+        """
+        if self.chosen_lengths is None or self.rejected_lengths is None:
+            raise ValueError("this loss needs chosen_lengths and rejected_lengths (got None)")
+        return chosen.float() / self.chosen_lengths.float(), rejected.float() / self.rejected_lengths.float()
 
 
 def _smoothed_sigmoid(logits: Tensor, label_smoothing: float) -> Tensor:
@@ -54,10 +92,7 @@ def _check(beta: float, label_smoothing: float = 0.0, upper: float = 1.0) -> Non
 
 
 def dpo_loss(
-    policy_chosen_logprobs: Tensor,
-    policy_rejected_logprobs: Tensor,
-    ref_chosen_logprobs: Tensor,
-    ref_rejected_logprobs: Tensor,
+    pairs: PairLogprobs,
     *,
     beta: float,
     label_smoothing: float = 0.0,
@@ -75,8 +110,9 @@ def dpo_loss(
     ``rewards/margins = rewards/chosen - rewards/rejected``.
 
     Args:
-        beta: strength of the implicit KL constraint (> 0); the log-probs and ``label_smoothing``
-            as the module docstring says.
+        pairs: the policy's and the reference's log-probs.
+        beta: strength of the implicit KL constraint (> 0).
+        label_smoothing: eps (the module docstring).
 
     Returns:
         (losses [B], metrics): metrics are detached [B] tensors keyed ``rewards/chosen``,
@@ -88,17 +124,13 @@ def dpo_loss(
     Worked value: policy == reference gives ``log 2 = 0.6931`` per pair, whatever eps.
     """
     _check(beta, label_smoothing, 0.5)
-    chosen_logratios, rejected_logratios = _logratios(
-        policy_chosen_logprobs, policy_rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs)
+    chosen_logratios, rejected_logratios = pairs.logratios()
     losses = _smoothed_sigmoid(beta * (chosen_logratios - rejected_logratios), label_smoothing)
     return losses, _metrics(beta * chosen_logratios, beta * rejected_logratios)
 
 
 def robust_dpo_loss(
-    policy_chosen_logprobs: Tensor,
-    policy_rejected_logprobs: Tensor,
-    ref_chosen_logprobs: Tensor,
-    ref_rejected_logprobs: Tensor,
+    pairs: PairLogprobs,
     *,
     beta: float,
     label_smoothing: float,
@@ -118,8 +150,7 @@ def robust_dpo_loss(
     Worked value: eps = 0 is the sigmoid loss; policy == reference gives ``log 2`` whatever eps.
     """
     _check(beta, label_smoothing, 0.5)
-    chosen_logratios, rejected_logratios = _logratios(
-        policy_chosen_logprobs, policy_rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs)
+    chosen_logratios, rejected_logratios = pairs.logratios()
     logits = beta * (chosen_logratios - rejected_logratios)
     losses = (-F.logsigmoid(logits) * (1 - label_smoothing) + F.logsigmoid(-logits) * label_smoothing) / (
         1 - 2 * label_smoothing)
@@ -127,10 +158,7 @@ def robust_dpo_loss(
 
 
 def hinge_loss(
-    policy_chosen_logprobs: Tensor,
-    policy_rejected_logprobs: Tensor,
-    ref_chosen_logprobs: Tensor,
-    ref_rejected_logprobs: Tensor,
+    pairs: PairLogprobs,
     *,
     beta: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -146,19 +174,13 @@ def hinge_loss(
     Worked value: policy == reference gives 1 per pair.
     """
     _check(beta)
-    chosen_logratios, rejected_logratios = _logratios(
-        policy_chosen_logprobs, policy_rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs)
+    chosen_logratios, rejected_logratios = pairs.logratios()
     losses = torch.relu(1 - beta * (chosen_logratios - rejected_logratios))
     return losses, _metrics(beta * chosen_logratios, beta * rejected_logratios)
 
 
 def ipo_loss(
-    policy_chosen_logprobs: Tensor,
-    policy_rejected_logprobs: Tensor,
-    ref_chosen_logprobs: Tensor,
-    ref_rejected_logprobs: Tensor,
-    chosen_lengths: Tensor,
-    rejected_lengths: Tensor,
+    pairs: PairLogprobs,
     *,
     beta: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -173,7 +195,7 @@ def ipo_loss(
     Preferences", eq. 17; TRL ``loss_type="ipo"``.
 
     Args:
-        As :func:`dpo_loss`, with the completion lengths (the module docstring).
+        As :func:`dpo_loss`; ``pairs`` with the completion lengths.
 
     Returns:
         As :func:`dpo_loss`, rewards ``beta`` times the averaged log-ratios.
@@ -184,18 +206,13 @@ def ipo_loss(
     Worked value: policy == reference gives ``1 / (4 beta^2)`` per pair (25 at beta 0.1).
     """
     _check(beta)
-    chosen_summed, rejected_summed = _logratios(
-        policy_chosen_logprobs, policy_rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs)
-    chosen_logratios, rejected_logratios = chosen_summed / chosen_lengths.float(), rejected_summed / rejected_lengths.float()
+    chosen_logratios, rejected_logratios = pairs.per_token(*pairs.logratios())
     losses = (chosen_logratios - rejected_logratios - 1 / (2 * beta)) ** 2
     return losses, _metrics(beta * chosen_logratios, beta * rejected_logratios)
 
 
 def simpo_loss(
-    policy_chosen_logprobs: Tensor,
-    policy_rejected_logprobs: Tensor,
-    chosen_lengths: Tensor,
-    rejected_lengths: Tensor,
+    pairs: PairLogprobs,
     *,
     beta: float,
     gamma: float,
@@ -213,7 +230,8 @@ def simpo_loss(
     Args:
         beta: reward scale (> 0).
         gamma: target reward margin (>= 0).
-        The policy's log-probs, the lengths and ``label_smoothing`` as the module docstring says.
+        pairs: the policy's log-probs and the completion lengths (no reference).
+        label_smoothing: eps (the module docstring).
 
     Returns:
         As :func:`dpo_loss`, with the implicit rewards ``beta * pi / |y|``.
@@ -226,17 +244,14 @@ def simpo_loss(
     _check(beta, label_smoothing, 0.5)
     if gamma < 0:
         raise ValueError(f"gamma must be >= 0, got {gamma}")
-    chosen_rewards = beta * policy_chosen_logprobs.float() / chosen_lengths.float()
-    rejected_rewards = beta * policy_rejected_logprobs.float() / rejected_lengths.float()
+    chosen_rewards, rejected_rewards = pairs.per_token(beta * pairs.policy_chosen_logprobs.float(),
+                                                       beta * pairs.policy_rejected_logprobs.float())
     losses = _smoothed_sigmoid(chosen_rewards - rejected_rewards - gamma, label_smoothing)
     return losses, _metrics(chosen_rewards, rejected_rewards)
 
 
 def orpo_loss(
-    policy_chosen_logprobs: Tensor,
-    policy_rejected_logprobs: Tensor,
-    chosen_lengths: Tensor,
-    rejected_lengths: Tensor,
+    pairs: PairLogprobs,
     *,
     beta: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -266,8 +281,7 @@ def orpo_loss(
     log 0.75``: loss ``log 2 - beta log 0.75`` (0.7219 at beta 0.1).
     """
     _check(beta)
-    chosen = policy_chosen_logprobs.float() / chosen_lengths.float()
-    rejected = policy_rejected_logprobs.float() / rejected_lengths.float()
+    chosen, rejected = pairs.per_token(pairs.policy_chosen_logprobs, pairs.policy_rejected_logprobs)
     # log(1 - exp(a)) for a < 0, stable near 0 (torch.log1p(-exp(a)) loses precision there).
     log_odds = (chosen - rejected) - (torch.log(-torch.expm1(chosen)) - torch.log(-torch.expm1(rejected)))
     ratio = F.logsigmoid(log_odds)
@@ -297,40 +311,33 @@ LENGTH_NORMALISED = frozenset({"ipo", "simpo", "orpo"})
 
 def preference_loss(
     loss_type: str,
-    policy_chosen_logprobs: Tensor,
-    policy_rejected_logprobs: Tensor,
-    ref_chosen_logprobs: Tensor | None = None,
-    ref_rejected_logprobs: Tensor | None = None,
-    chosen_lengths: Tensor | None = None,
-    rejected_lengths: Tensor | None = None,
+    pairs: PairLogprobs,
     *,
     beta: float,
     label_smoothing: float = 0.0,
     gamma: float = 0.5,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The :data:`PREFERENCE_LOSSES` entry ``loss_type`` on these tensors, with the settings it takes.
+    """The :data:`PREFERENCE_LOSSES` entry ``loss_type`` on ``pairs``, with the settings it takes.
 
     Args:
         loss_type: a key of :data:`PREFERENCE_LOSSES`.
-        ref_chosen_logprobs, ref_rejected_logprobs: [B]; None for the :data:`REFERENCE_FREE` ones.
-        chosen_lengths, rejected_lengths: [B]; needed by the :data:`LENGTH_NORMALISED` ones.
+        pairs: the log-probs (reference ones None for the :data:`REFERENCE_FREE` losses; lengths
+            needed by the :data:`LENGTH_NORMALISED` ones).
         beta: every loss's beta (ORPO's lambda).
         label_smoothing: sigmoid (cDPO), robust and SimPO.
         gamma: SimPO's target margin.
 
     Raises:
-        ValueError: an unknown ``loss_type``, or a tensor it needs is None.
+        ValueError: an unknown ``loss_type``, or a field of ``pairs`` it needs is None.
     """
     if loss_type not in PREFERENCE_LOSSES:
         raise ValueError(f"unknown preference loss_type {loss_type!r}; expected one of {sorted(PREFERENCE_LOSSES)}")
-    policy = (policy_chosen_logprobs, policy_rejected_logprobs)
-    reference = () if loss_type in REFERENCE_FREE else (ref_chosen_logprobs, ref_rejected_logprobs)
-    lengths = (chosen_lengths, rejected_lengths) if loss_type in LENGTH_NORMALISED else ()
-    if any(t is None for t in (*reference, *lengths)):
-        raise ValueError(f"loss_type {loss_type!r} needs {'reference log-probs' if None in reference else 'lengths'}")
     settings: dict[str, float] = {"beta": beta}
     if loss_type in ("sigmoid", "robust", "simpo"):
         settings["label_smoothing"] = label_smoothing
     if loss_type == "simpo":
         settings["gamma"] = gamma
-    return PREFERENCE_LOSSES[loss_type](*policy, *reference, *lengths, **settings)
+    try:
+        return PREFERENCE_LOSSES[loss_type](pairs, **settings)
+    except ValueError as e:
+        raise ValueError(f"loss_type {loss_type!r}: {e}") from None

@@ -35,7 +35,7 @@ from trainer_core.data.prepared import row_lengths
 from trainer_core.errors import ConfigError
 from trainer_core.modeling.forward import masked_nll_sum, masked_token_logprobs, packed_sequence_scores
 from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS
-from trainer_core.objectives.dpo import LENGTH_NORMALISED, REFERENCE_FREE, preference_loss
+from trainer_core.objectives.dpo import LENGTH_NORMALISED, REFERENCE_FREE, PairLogprobs, preference_loss
 from trainer_core.objectives.kto import PER_LABEL_METRICS, kto_loss
 from trainer_core.objectives.logprobs import sequence_logprobs, shift_mask
 from trainer_core.objectives.reward import bradley_terry_loss
@@ -325,12 +325,11 @@ class DPOObjective(_OfflinePreferenceObjective):
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         chosen, rejected = pair_logprobs(model, batch, self.chunk_size)
-        lengths = (batch["chosen_lengths"], batch["rejected_lengths"]) if self.loss_type in LENGTH_NORMALISED else (None, None)
         reference = (batch["ref_chosen_logprobs"], batch["ref_rejected_logprobs"]) if self.needs_reference else (None, None)
+        lengths = (batch["chosen_lengths"], batch["rejected_lengths"]) if self.loss_type in LENGTH_NORMALISED else (None, None)
+        pairs = PairLogprobs(chosen, rejected, *reference, *lengths)
         losses, m = preference_loss(
-            self.loss_type, chosen, rejected, *reference, *lengths,
-            beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma,
-        )
+            self.loss_type, pairs, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
         sums = {k: v.sum() for k, v in m.items()}
         sums["logps/chosen"] = chosen.detach().sum()
         sums["logps/rejected"] = rejected.detach().sum()
