@@ -6,7 +6,11 @@ For each seed, ``posttrain run CONFIG --set seed=S --set storage.root=WORK/seed-
 - GRPO: the mean verifier reward (``reward_mean``) of the first and of the last ``--window``
   iterations;
 - PPO: the reward model's mean score (``objective/scores``) likewise;
-- evaluate: exact match of the SFT, PPO and GRPO policies (``summary.json``).
+- evaluate: exact match of every policy (``summary.json``), and each one's paired gain over SFT
+  on the same held-out problems with its standard error (``<policy>_vs_sft/exact_match_gain``,
+  ``..._gain_se``): a policy "holds" when its gain is at least minus one standard error;
+- the reward model's held-out pair accuracy and DPO's held-out preference accuracy (before its
+  first step and after its last).
 
 A stage "learns" when ``mean(last) - mean(first)`` exceeds twice its standard error,
 ``sqrt(var(first) / w + var(last) / w)`` (sample variances of the ``w`` per-iteration values).
@@ -110,6 +114,32 @@ def _exact_match(summary: dict) -> dict[str, float]:
     return {k.split("/")[0]: v for k, v in metrics.items() if k.endswith("/exact_match")}
 
 
+def policy_gains(metrics: dict[str, float]) -> dict[str, dict[str, float | bool]]:
+    """Each policy's paired exact-match gain over SFT from evaluate's ``metrics``:
+    ``policy -> {gain, se, holds}``, ``holds`` when ``gain >= -se`` (no worse than SFT beyond one
+    standard error)."""
+    out = {}
+    for key, gain in metrics.items():
+        if key.endswith("_vs_sft/exact_match_gain"):
+            policy = key.split("_vs_sft/")[0]
+            se = metrics[f"{policy}_vs_sft/exact_match_gain_se"]
+            out[policy] = {"gain": gain, "se": se, "holds": gain >= -se}
+    return out
+
+
+def _accuracies(summary: dict) -> dict[str, float]:
+    """The reward model's held-out pair accuracy and DPO's held-out preference accuracy (first and
+    last evaluation), where the run has those stages."""
+    stages = summary.get("stages", {})
+    out = {}
+    if "reward_model" in stages:
+        out["reward_model"] = stages["reward_model"]["metrics"].get("eval/accuracy")
+    if "dpo" in stages:
+        dpo = stages["dpo"]["metrics"]
+        out["dpo_first"], out["dpo"] = dpo.get("first/eval/rewards/accuracies"), dpo.get("eval/rewards/accuracies")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.work_dir).resolve()
@@ -123,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             summary_path, seconds = _run_demo(args.config, seed, root, args.overrides)
         summary = json.loads(summary_path.read_text())
         histories = _histories(root, args.judge)
-        row = {"seed": seed, "wall_s": seconds, "exact_match": _exact_match(summary)}
+        evaluate = summary.get("stages", {}).get("evaluate", {}).get("metrics", {})
+        row = {"seed": seed, "wall_s": seconds, "exact_match": _exact_match(summary),
+               "vs_sft": policy_gains(evaluate), "accuracy": _accuracies(summary)}
         for stage, values in histories.items():
             row[stage] = {**window_gain(values, args.window), "values": values}
         rows.append(row)
@@ -133,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             f"gain {row[stage]['gain']:+.4f} (2 SE {2 * row[stage]['se']:.4f}: "
             f"{'learns' if row[stage]['learns'] else 'NOT shown'})" for stage in args.judge
         ) + f"; exact match {json.dumps(em, sort_keys=True)}", flush=True)
+        print(f"seed {seed}: vs SFT " + "; ".join(
+            f"{policy} {g['gain']:+.4f} (SE {g['se']:.4f}: {'holds' if g['holds'] else 'WORSE'})"
+            for policy, g in sorted(row["vs_sft"].items())
+        ) + f"; accuracy {json.dumps(row['accuracy'], sort_keys=True)}", flush=True)
     work.mkdir(parents=True, exist_ok=True)
     (work / "rl_learning.json").write_text(json.dumps({"config": args.config, "window": args.window,
                                                        "overrides": args.overrides, "seeds": rows}, indent=2))

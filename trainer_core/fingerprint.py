@@ -55,7 +55,7 @@ ADDED_FIELDS: dict[str, object] = {
     # (the same tokens to the bit), reward functions and weights
     "engine": "hf", "compile": None, "fuse_projections": True, "function": None, "weights": None,
     # DPO's loss family
-    "loss_type": "sigmoid", "label_smoothing": 0.0, "simpo_gamma": 0.5,
+    "loss_type": "sigmoid", "label_smoothing": 0.0, "simpo_gamma": 0.5, "rpo_alpha": 0.0,
     # KTO and continued pretraining data (data.kto, data.pretrain, a DataSource's text_field)
     "kto": None, "pretrain": None, "text_field": "text",
     # mixture-of-experts models (model.init and every training stage's moe section)

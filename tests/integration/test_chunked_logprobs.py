@@ -172,6 +172,21 @@ def test_dpo_objective_and_reference_pass_equal_the_full_logits():
     assert max_diff(grads, expected_grads) <= TOL
 
 
+def test_rpo_adds_the_chosen_nll_per_token():
+    """``rpo_alpha``: each pair's loss gains ``alpha * (-pi_c / |c|)`` (RPO, Pang et al. 2024 eq. 1),
+    from the full logits by hand; ``nll_loss`` sums that NLL over the pairs."""
+    policy = tiny_llama(0)
+    batch = collate_with_reference(pair_rows([[-3.0, -4.0]] * 4), PAD_ID)
+    chosen, _ = full_pair_logprobs(policy, batch)
+    nll = -chosen.detach() / batch["chosen_lengths"]
+    assert len(set(batch["chosen_lengths"].tolist())) > 1  # the per-pair normalisation matters
+    plain = DPOObjective(BETA, None, 0, chunk_size=CHUNK).step(policy, batch)
+    rpo = DPOObjective(BETA, None, 0, chunk_size=CHUNK, rpo_alpha=0.5).step(policy, batch)
+    assert abs(float(rpo.loss_sum - plain.loss_sum) - 0.5 * float(nll.sum())) <= TOL
+    assert abs(float(rpo.metric_sums["nll_loss"]) - float(nll.sum())) <= TOL
+    assert "nll_loss" not in plain.metric_sums
+
+
 # --- two ranks -------------------------------------------------------------------------------
 
 

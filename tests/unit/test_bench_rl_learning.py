@@ -10,11 +10,26 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "rl_learning.py"
 
 
-def _window_gain():
+def _module():
     spec = importlib.util.spec_from_file_location("rl_learning", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.window_gain
+    return module
+
+
+def _window_gain():
+    return _module().window_gain
+
+
+def test_policy_gains_hold_within_one_standard_error():
+    metrics = {"dpo_vs_sft/exact_match_gain": -0.012, "dpo_vs_sft/exact_match_gain_se": 0.013,
+               "ppo_vs_sft/exact_match_gain": -0.03, "ppo_vs_sft/exact_match_gain_se": 0.015,
+               "grpo_vs_sft/exact_match_gain": 0.031, "grpo_vs_sft/exact_match_gain_se": 0.013,
+               "sft/exact_match": 0.409}
+    got = _module().policy_gains(metrics)
+    assert set(got) == {"dpo", "ppo", "grpo"}
+    assert got["dpo"]["holds"] and got["grpo"]["holds"] and not got["ppo"]["holds"]
+    assert got["ppo"] == {"gain": -0.03, "se": 0.015, "holds": False}
 
 
 def test_window_gain_hand_worked():

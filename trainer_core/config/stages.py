@@ -170,9 +170,17 @@ class DPOConfig(SupervisedStageConfig, ReferenceModelConfig):
         "(robust) and SimPO; 0 elsewhere.",
     )
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin gamma.")
+    rpo_alpha: float = Field(
+        0.0, ge=0, description="Weight of the chosen completions' negative log-likelihood (per token) added to "
+        "the preference loss: RPO (Pang et al. 2024, eq. 1; TRL 1.x: loss_type ['sigmoid', 'sft'] with "
+        "loss_weights [1, rpo_alpha]); keeps the chosen solutions likely where DPO alone lowers both sides. "
+        "0: off (ORPO has its own NLL term).",
+    )
 
     @model_validator(mode="after")
     def _smoothing_applies(self) -> DPOConfig:
+        if self.rpo_alpha and self.loss_type == "orpo":
+            raise ValueError(f"rpo_alpha={self.rpo_alpha}: loss_type 'orpo' already adds the chosen NLL")
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "simpo"):
             raise ValueError(f"label_smoothing={self.label_smoothing}: loss_type {self.loss_type!r} has no label "
                              "smoothing (sigmoid, robust and simpo have)")

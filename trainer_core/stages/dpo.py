@@ -36,7 +36,7 @@ def run(ctx: StageContext) -> Manifest:
     )
     held_out = pair_source(splits["eval"], pad_id, cfg.micro_batch_size, seed, device, shuffle=False, collate=collate)
     objective = DPOObjective(cfg.beta, held_out, cfg.eval_max_batches, loss_type=cfg.loss_type,
-                             label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma)
+                             label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma, rpo_alpha=cfg.rpo_alpha)
     if objective.needs_reference:
         model = policy_and_reference(ctx, cfg, train, held_out, splits, ("ref_chosen_logprobs", "ref_rejected_logprobs"))
     else:

@@ -302,14 +302,18 @@ class DPOObjective(_OfflinePreferenceObjective):
         loss_type: ``dpo.loss_type`` (``sigmoid``: DPO).
         label_smoothing: cDPO / rDPO / SimPO label smoothing.
         gamma: SimPO's target margin.
+        rpo_alpha: weight of each pair's chosen NLL per token, ``-pi_c / |c|``, added to its loss
+            (RPO, Pang et al. 2024, "Iterative Reasoning Preference Optimization", eq. 1; logged
+            as ``nll_loss``). TRL 1.16 (``loss_type="sft"``) averages it over the batch's chosen
+            tokens; here over each pair's, then over pairs like the loss (equal for equal lengths).
     """
 
     def __init__(
         self, beta: float, eval_source: BatchSource, eval_max_batches: int, chunk_size: int = CHUNK_SIZE_TOKENS,
-        *, loss_type: str = "sigmoid", label_smoothing: float = 0.0, gamma: float = 0.5,
+        *, loss_type: str = "sigmoid", label_smoothing: float = 0.0, gamma: float = 0.5, rpo_alpha: float = 0.0,
     ) -> None:
         super().__init__(beta, eval_source, eval_max_batches, chunk_size)
-        self.loss_type, self.label_smoothing, self.gamma = loss_type, label_smoothing, gamma
+        self.loss_type, self.label_smoothing, self.gamma, self.rpo_alpha = loss_type, label_smoothing, gamma, rpo_alpha
 
     @property
     def needs_reference(self) -> bool:
@@ -331,6 +335,10 @@ class DPOObjective(_OfflinePreferenceObjective):
         losses, m = preference_loss(
             self.loss_type, pairs, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
         sums = {k: v.sum() for k, v in m.items()}
+        if self.rpo_alpha:
+            nll = -chosen / batch["chosen_lengths"].float()
+            losses = losses + self.rpo_alpha * nll
+            sums["nll_loss"] = nll.detach().sum()
         sums["logps/chosen"] = chosen.detach().sum()
         sums["logps/rejected"] = rejected.detach().sum()
         return StepOutput(loss_sum=losses.sum(), metric_sums=sums)
