@@ -31,7 +31,7 @@ from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
 from trainer_core import storage
 from trainer_core.registry import get_stage
 from trainer_core.spec import StageSpec, read_spec
-from trainer_core.tracking import MODEL_NAME, logged_model_uri, stage_logged_model_uri, stage_model_name
+from trainer_core.tracking import MODEL_NAME, stage_logged_model_uri, stage_model_name
 
 TAG_OUTPUT_URI = "posttrain.output_uri"
 _MAX_METRICS_PER_BATCH = 1000

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
@@ -178,14 +179,29 @@ def model_version_by_alias(name: str, alias: str, *, tracking_uri: str) -> Model
     return client.get_model_version(name, version) if version is not None else None
 
 
-def champion_metrics(
-    name: str, *, tracking_uri: str, alias: str = "champion"
-) -> tuple[str, dict[str, float]] | None:
-    """The version ``alias`` points at and the metrics of the pipeline run that produced it.
+@dataclass(frozen=True)
+class Champion:
+    """The version an alias points at, read once.
+
+    Attributes:
+        version: The version number, as MLflow writes it (``"3"``).
+        metrics: The metrics of the pipeline run that produced it (``{metric: latest value}``);
+            empty when the version names no run.
+        tags: The version's tags (``posttrain.eval_samples_uri``: its evaluate sample table).
+    """
+
+    version: str
+    metrics: dict[str, float]
+    tags: dict[str, str]
+
+
+def read_champion(name: str, *, tracking_uri: str, alias: str = "champion") -> Champion | None:
+    """The version ``alias`` points at, its tags and the metrics of the pipeline run that produced it.
 
     The version's run is a stage run; its tag ``mlflow.parentRunId`` names the pipeline's parent
     run, which holds the headline metrics (:func:`log_pipeline_metrics`). A version registered
-    from a run without a parent reads that run's own metrics.
+    from a run without a parent reads that run's own metrics. The alias is read once, so the
+    metrics and the tags are those of one version.
 
     Args:
         name: The registered model's name.
@@ -193,8 +209,7 @@ def champion_metrics(
         alias: The alias to read.
 
     Returns:
-        ``(version, {metric: latest value})``; the metrics are empty when the version names no
-        run. None when the registered model or the alias does not exist.
+        The :class:`Champion`; None when the registered model or the alias does not exist.
 
     Raises:
         MlflowException: the version's run (or its parent) no longer exists, or the store fails.
@@ -202,12 +217,25 @@ def champion_metrics(
     version = model_version_by_alias(name, alias, tracking_uri=tracking_uri)
     if version is None:
         return None
+    tags = dict(version.tags or {})
     if not version.run_id:
-        return str(version.version), {}
+        return Champion(str(version.version), {}, tags)
     client = MlflowClient(tracking_uri)
     run = client.get_run(version.run_id)
     parent_id = run.data.tags.get(TAG_PARENT)
     metrics = client.get_run(parent_id).data.metrics if parent_id else run.data.metrics
-    return str(version.version), dict(metrics)
+    return Champion(str(version.version), dict(metrics), tags)
+
+
+def champion_metrics(
+    name: str, *, tracking_uri: str, alias: str = "champion"
+) -> tuple[str, dict[str, float]] | None:
+    """``(version, metrics)`` of :func:`read_champion` (the form the gates take), or None.
+
+    Raises:
+        MlflowException: as :func:`read_champion`.
+    """
+    champion = read_champion(name, tracking_uri=tracking_uri, alias=alias)
+    return None if champion is None else (champion.version, champion.metrics)
 
 

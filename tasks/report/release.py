@@ -65,15 +65,13 @@ def _read_samples(uri: str | None) -> list[dict] | None:
     return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]
 
 
-def _champion_samples(name: str, run: PipelineRun) -> ChampionSamples | None:
+def _champion_samples(run: PipelineRun, champion: mlflow_models.Champion) -> ChampionSamples | None:
     """The champion's sample table, when a gate pairs with it (``min_gain_se`` and
     ``vs_champion``) and the champion was registered with one."""
     if not any(g.min_gain_se is not None and g.vs_champion for g in run.config.evaluate.gates):
         return None
-    version = mlflow_models.model_version_by_alias(name, CHAMPION, tracking_uri=run.tracking_uri)
-    tags = dict(version.tags or {}) if version is not None else {}
-    rows = _read_samples(tags.get(TAG_EVAL_SAMPLES))
-    return ChampionSamples(tags.get("posttrain.stage", ""), rows) if rows is not None else None
+    rows = _read_samples(champion.tags.get(TAG_EVAL_SAMPLES))
+    return ChampionSamples(champion.tags.get("posttrain.stage", ""), rows) if rows is not None else None
 
 
 def _version_tags(run: PipelineRun, stage: str, results: dict[str, StageResult]) -> dict[str, str]:
@@ -119,8 +117,9 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     """
     config = run.config
     name = config.tracking.registered_model_name
-    champion = mlflow_models.champion_metrics(name, tracking_uri=run.tracking_uri) if name else None
-    champion_samples = _champion_samples(name, run) if champion is not None else None
+    found = mlflow_models.read_champion(name, tracking_uri=run.tracking_uri) if name else None
+    champion = (found.version, found.metrics) if found is not None else None
+    champion_samples = _champion_samples(run, found) if found is not None else None
     samples = _read_samples(_samples_uri(results)) if champion_samples is not None else None
     gates: list[GateResult] = check_gates(config.evaluate.gates, headline, champion, list(config.stages),
                                           samples=samples, champion_samples=champion_samples)
