@@ -58,6 +58,8 @@ ADDED_FIELDS: dict[str, object] = {
     "loss_type": "sigmoid", "label_smoothing": 0.0, "simpo_gamma": 0.5, "rpo_alpha": 0.0,
     # KTO and continued pretraining data (data.kto, data.pretrain, a DataSource's text_field)
     "kto": None, "pretrain": None, "text_field": "text",
+    # conversations: SFT loss on every assistant turn
+    "assistant_turns": "last",
     # mixture-of-experts models (model.init and every training stage's moe section)
     "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(), "router_temperature": None,
 }

@@ -42,6 +42,7 @@ HH_ROW = {
         ({"prompt": "p", "completion": "c"}, "prompt_completion"),
         ({"prompt": "p", "chosen": "a", "rejected": "b"}, "prompt_completion"),
         ({"chosen": "a", "rejected": "b"}, "hh_rlhf"),
+        ({"messages": []}, "messages"),
     ],
 )
 def test_detect_format(record, fmt):
@@ -72,6 +73,36 @@ def test_prompt_completion_sft_example_string_and_message_prompts():
     ex = to_sft_example({"prompt": msgs, "completion": "c"})
     assert ex["messages"] == msgs and ex["prompt"] == "System: s\n\nUser: u"
     assert to_sft_example({"prompt": "p", "completion": "so\n#### 1,500"})["answer"] == "1500"
+
+
+CHAT = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2\n#### 7"}]
+
+
+def test_messages_sft_example_and_eval_problem():
+    """A conversation: the last assistant turn is the completion, the turns before it (the earlier
+    reply included) the prompt; its final answer the eval problem's."""
+    ex = to_sft_example({"messages": CHAT, "_source": "c.jsonl:1"})
+    assert ex == {"prompt": "System: s\n\nUser: u1\n\nAssistant: a1\n\nUser: u2", "completion": "a2\n#### 7",
+                  "messages": CHAT[:-1], "answer": "7", "_source": "c.jsonl:1"}
+    assert to_eval_problem({"messages": CHAT}) == {"messages": CHAT[:-1], "answer": "7"}
+    with pytest.raises(DataError, match="format 'messages' has no preference pairs"):
+        to_preference_example({"messages": CHAT})
+
+
+@pytest.mark.parametrize(
+    ("messages", "pattern"),
+    [
+        (CHAT[:-1], r"c:2: field 'messages' must end with an assistant turn, got role 'user' last"),
+        (CHAT[-1:], r"c:2: field 'messages' has no turn before its assistant reply"),
+        ([], r"c:2: field 'messages' is an empty message list"),
+        ("hello", r"c:2: field 'messages' must be list, got str"),
+        ([{"role": "tool", "content": "x"}, CHAT[-1]], r"c:2: field 'messages'\[0\] must be"),
+    ],
+)
+def test_messages_errors_name_source_and_field(messages, pattern):
+    with pytest.raises(DataError, match=pattern):
+        to_sft_example({"messages": messages, "_source": "c:2"}, "messages")
 
 
 def test_hh_sft_example_uses_chosen_reply():

@@ -133,6 +133,27 @@ def test_real_files_with_pretrained_tokenizer_and_eval_source(tmp_path):
     assert manifest.metrics["num_preference_train"] + manifest.metrics["num_preference_eval"] <= 30
 
 
+def test_conversations_count_every_assistant_turn(tmp_path):
+    """``messages`` records with ``data.assistant_turns: all``: each SFT row's loss mask covers both
+    assistant replies (their text and end of turn), nothing else; ``last`` covers the final one."""
+    rows = [{"messages": [{"role": "user", "content": f"Tom has {i} apples."},
+                          {"role": "assistant", "content": f"{i}+1={i + 1}"},
+                          {"role": "user", "content": "And now?"},
+                          {"role": "assistant", "content": f"#### {i + 1}"}]} for i in range(20)]
+    sft = _jsonl(tmp_path / "chat.jsonl", rows)
+    counted = {}
+    for turns in ("all", "last"):
+        spec = _spec(str(tmp_path / turns), **{"data.sft.uri": sft, "data.assistant_turns": turns})
+        run(spec)
+        out = StageLayout(spec.output_uri).final
+        tok = load_tokenizer_from(out)
+        row = load_split(out, "sft/train")[0]
+        counted[turns] = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+        i = int(row["completion"].removeprefix("#### ")) - 1
+    assert counted["all"] == f"{i}+1={i + 1}<|end|>\n#### {i + 1}<|end|>\n"
+    assert counted["last"] == f"#### {i + 1}<|end|>\n"
+
+
 def test_train_rows_with_an_eval_problem_prompt_are_dropped(tmp_path):
     rows = [{"question": f"How many is {i}?", "answer": f"It is {i}.\n#### {i}"} for i in range(20)]
     sft = _jsonl(tmp_path / "sft.jsonl", rows)

@@ -171,6 +171,54 @@ def test_template_that_is_not_prefix_stable_is_rejected(tok):
         encode_chat(odd, [{"role": "user", "content": "x"}], "y", 64, 32)
 
 
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Tom has 3 apples."},
+    {"role": "assistant", "content": "3+2=5"},
+    {"role": "user", "content": "And then?"},
+]
+
+
+def test_encode_chat_counts_every_assistant_turn(tok):
+    """``assistant_turns="all"``: the earlier reply's text and end of turn are counted, as the final
+    completion's are; headers, system and user turns are not. The ids are those of the whole
+    rendering, and ``"last"`` counts the final reply alone."""
+    enc = encode_chat(tok, CONVERSATION, "7", max_length=128, max_prompt_length=96, assistant_turns="all")
+    ids, mask = enc["input_ids"], enc["loss_mask"]
+    whole = render_chat(CONVERSATION + [{"role": "assistant", "content": "7"}])
+    assert ids == tok(whole, add_special_tokens=False)["input_ids"]
+    counted = [tok.decode([i]) for i, m in zip(ids, mask) if m]
+    assert "".join(counted) == "3+2=5<|end|>\n" + "7<|end|>\n"
+    spans = [i for i in range(1, len(mask)) if mask[i] != mask[i - 1]]
+    assert len(spans) == 3  # counted, not, counted to the end
+    assert tok.decode(ids[: spans[0]]) == render_chat(CONVERSATION[:2], add_generation_prompt=True)
+    last = encode_chat(tok, CONVERSATION, "7", max_length=128, max_prompt_length=96)
+    assert last["input_ids"] == ids
+    assert "".join(tok.decode([i]) for i, m in zip(ids, last["loss_mask"]) if m) == "7<|end|>\n"
+
+
+def test_encode_chat_all_turns_truncates_the_prompt_from_the_left(tok):
+    """A cut prompt keeps its last tokens and their mask: the earlier reply stays counted."""
+    full = encode_chat(tok, CONVERSATION, "7", 128, 96, assistant_turns="all")
+    num_prompt = len(full["input_ids"]) - full["loss_mask"][::-1].index(0)
+    cut = encode_chat(tok, CONVERSATION, "7", 128, 16, assistant_turns="all")
+    assert cut["input_ids"][:16] == full["input_ids"][num_prompt - 16 : num_prompt]
+    assert cut["loss_mask"][:16] == full["loss_mask"][num_prompt - 16 : num_prompt]
+    assert any(cut["loss_mask"][:16])
+
+
+def test_encode_chat_all_turns_refuses_a_template_that_drops_earlier_replies(tok):
+    """A template that renders only the last assistant reply (as reasoning templates drop earlier
+    thinking) cannot count every turn: a ConfigError naming the turn and the way out."""
+    dropping = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token="<|end|>")
+    dropping.chat_template = CHAT_TEMPLATE.replace(
+        "message['content']", "(message['content'] if message['role'] != 'assistant' or loop.last else '')")
+    with pytest.raises(ConfigError, match=r"assistant turn 2 \(messages\[2\]\).*data.assistant_turns to 'last'"):
+        encode_chat(dropping, CONVERSATION, "7", 128, 96, assistant_turns="all")
+    with pytest.raises(ValueError, match="assistant_turns must be 'last' or 'all'"):
+        encode_chat(tok, CONVERSATION, "7", 128, 96, assistant_turns="every")
+
+
 def test_synthetic_answers_are_short(records):
     texts = [render_chat(_conversation(r)) for r in make_sft_records(2000, 1, 20)]
     tok = train_tokenizer(texts, vocab_size=2048, min_frequency=2)

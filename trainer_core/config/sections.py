@@ -83,9 +83,10 @@ class DataSource(ConfigBase):
         description="JSONL / Parquet file URI (any fsspec URI) or 'hf://<dataset id>' for a Hugging Face "
         "datasets id. None: use the generated synthetic task.",
     )
-    format: Literal["auto", "prompt_completion", "gsm8k", "hh_rlhf", "kto", "text"] = Field(
+    format: Literal["auto", "prompt_completion", "gsm8k", "hh_rlhf", "kto", "messages", "text"] = Field(
         "auto",
-        description="Record format; 'auto' detects it from the first record's keys. 'kto': unpaired "
+        description="Record format; 'auto' detects it from the first record's keys. 'messages': a conversation "
+        "{messages: [{role, content}, ...]} ending in an assistant turn (SFT and eval). 'kto': unpaired "
         "{prompt, completion, label} examples; 'text': raw text (the text_field of JSONL/Parquet records, or each "
         "line of a .txt file).",
     )
@@ -131,6 +132,11 @@ class DataConfig(ConfigBase):
     max_length_tokens: int = Field(256, ge=8, description="Max tokens of prompt + completion; longer rows are truncated.")
     max_prompt_length_tokens: int = Field(
         192, ge=4, description="Max prompt tokens; longer prompts keep their last tokens."
+    )
+    assistant_turns: Literal["last", "all"] = Field(
+        "last", description="SFT rows of a conversation (a 'messages' record, or a prompt with assistant turns): "
+        "'last' counts only the final assistant reply in the loss, 'all' every assistant reply (system, user "
+        "and the template's headers are never counted). Preference and KTO rows count their final reply.",
     )
     num_proc: int = Field(
         1, ge=1, description="Processes that tokenise in prepare_data (chunks of rows, results in order: the "

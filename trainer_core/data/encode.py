@@ -102,12 +102,15 @@ class ChunkEncoder:
         tokenizer: any HF tokenizer with a chat template.
         max_length: ``data.max_length_tokens``.
         max_prompt_length: ``data.max_prompt_length_tokens``.
+        assistant_turns: ``data.assistant_turns``: the SFT rows' counted assistant turns
+            (``"last"`` or ``"all"``); preference and KTO rows count their final reply only.
     """
 
-    def __init__(self, tokenizer: Any, max_length: int, max_prompt_length: int) -> None:
+    def __init__(self, tokenizer: Any, max_length: int, max_prompt_length: int, assistant_turns: str = "last") -> None:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_prompt_length = max_prompt_length
+        self.assistant_turns = assistant_turns
 
     def __call__(self, chunk: Chunk) -> tuple[pa.RecordBatch, ChunkCounts]:
         """Encode one chunk.
@@ -121,10 +124,12 @@ class ChunkEncoder:
         counts.rows = len(rows)
         return pa.RecordBatch.from_pylist(rows, schema=SCHEMAS[chunk.kind]), counts
 
-    def _encode(self, messages: list[dict], completion: str | None, counts: ChunkCounts) -> dict[str, list[int]]:
+    def _encode(self, messages: list[dict], completion: str | None, counts: ChunkCounts,
+                assistant_turns: str = "last") -> dict[str, list[int]]:
         """:func:`encode_chat` with the limits; a cut prompt or completion is counted in ``counts``."""
         cut: dict[str, int] = {}
-        enc = encode_chat(self.tokenizer, messages, completion, self.max_length, self.max_prompt_length, truncated=cut)
+        enc = encode_chat(self.tokenizer, messages, completion, self.max_length, self.max_prompt_length, truncated=cut,
+                          assistant_turns=assistant_turns)
         counts.truncated_prompts += cut.get("prompt", 0)
         counts.truncated_completions += cut.get("completion", 0)
         return enc
@@ -132,7 +137,7 @@ class ChunkEncoder:
     def _sft(self, chunk: Chunk) -> tuple[list[dict], ChunkCounts]:
         rows, counts = [], ChunkCounts()
         for ex in chunk.rows():
-            enc = self._encode(ex["messages"], ex["completion"], counts)
+            enc = self._encode(ex["messages"], ex["completion"], counts, self.assistant_turns)
             if not any(enc["loss_mask"]):
                 counts.dropped_empty += 1
                 continue

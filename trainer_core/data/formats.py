@@ -12,6 +12,10 @@ Formats (``DataSource.format``):
   https://github.com/anthropics/hh-rlhf).
 - ``kto``: ``{"prompt", "completion", "label"}``, one unpaired example; ``label`` true for a
   desirable completion, false for an undesirable one (TRL's unpaired preference format).
+- ``messages``: ``{"messages": [{"role", "content"}, ...]}``, a conversation ending in an
+  assistant turn (the chat format of Hugging Face datasets and TRL): for SFT the last assistant
+  turn is the completion and the turns before it the prompt (earlier assistant replies counted
+  in the loss with ``data.assistant_turns: all``); for evaluation its final answer is the answer.
 - ``text``: raw text for continued pretraining, in a record field (``text`` unless the source
   names another), or one line of a plain-text file.
 
@@ -36,7 +40,7 @@ from typing import Any
 
 from trainer_core.errors import DataError
 
-FORMATS = ("prompt_completion", "gsm8k", "hh_rlhf", "kto", "text")
+FORMATS = ("prompt_completion", "gsm8k", "hh_rlhf", "kto", "messages", "text")
 """Concrete record formats (``"auto"`` resolves to one of these)."""
 
 ROLES = ("system", "user", "assistant")
@@ -81,8 +85,8 @@ def detect_format(record: dict) -> str:
     Returns:
         ``"gsm8k"`` (``question`` + ``answer``), ``"kto"`` (``prompt`` + ``completion`` +
         a boolean ``label``), ``"prompt_completion"`` (``prompt`` + ``completion``, or ``prompt`` +
-        ``chosen`` + ``rejected``), ``"hh_rlhf"`` (``chosen`` + ``rejected`` without ``prompt``)
-        or ``"text"`` (``text`` alone).
+        ``chosen`` + ``rejected``), ``"hh_rlhf"`` (``chosen`` + ``rejected`` without ``prompt``),
+        ``"messages"`` (``messages``) or ``"text"`` (``text`` alone).
 
     Raises:
         DataError: the keys match no known format.
@@ -96,13 +100,15 @@ def detect_format(record: dict) -> str:
         return "prompt_completion"
     if {"chosen", "rejected"} <= keys:
         return "hh_rlhf"
+    if "messages" in keys:
+        return "messages"
     if "text" in keys:
         return "text"
     shown = sorted(k for k in keys if k != "_source")
     raise DataError(
         f"{_where(record)}: cannot detect the record format from fields {shown}; expected "
         "question/answer (gsm8k), prompt/completion or prompt/chosen/rejected (prompt_completion), "
-        "chosen/rejected dialogues (hh_rlhf), prompt/completion/label (kto) or text (text)"
+        "chosen/rejected dialogues (hh_rlhf), prompt/completion/label (kto), messages (messages) or text (text)"
     )
 
 
@@ -116,21 +122,39 @@ def _resolve(record: dict, fmt: str) -> str:
     return fmt
 
 
-def _prompt_messages(record: dict) -> list[dict[str, str]]:
-    """The ``prompt`` field as chat messages (a string is one user turn)."""
-    prompt = _field(record, "prompt", (str, list))
+def _prompt_messages(record: dict, name: str = "prompt") -> list[dict[str, str]]:
+    """The ``name`` field as chat messages (a string is one user turn)."""
+    prompt = _field(record, name, (str, list))
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if not prompt:
-        raise DataError(f"{_where(record)}: field 'prompt' is an empty message list")
+        raise DataError(f"{_where(record)}: field '{name}' is an empty message list")
     messages = []
     for i, m in enumerate(prompt):
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
             raise DataError(
-                f"{_where(record)}: field 'prompt'[{i}] must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}"
+                f"{_where(record)}: field '{name}'[{i}] must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}"
             )
         messages.append({"role": m["role"], "content": m["content"]})
     return messages
+
+
+def _conversation(record: dict) -> tuple[list[dict[str, str]], str]:
+    """(the turns before the last, the last assistant reply) of a ``messages`` record.
+
+    Raises:
+        DataError: ``messages`` is not a list of messages, does not end in an assistant turn, or
+            has no turn before it.
+    """
+    if not isinstance(record.get("messages"), list):
+        _field(record, "messages", list)
+    messages = _prompt_messages(record, "messages")
+    if messages[-1]["role"] != "assistant":
+        raise DataError(f"{_where(record)}: field 'messages' must end with an assistant turn, "
+                        f"got role {messages[-1]['role']!r} last")
+    if len(messages) < 2:
+        raise DataError(f"{_where(record)}: field 'messages' has no turn before its assistant reply")
+    return messages[:-1], messages[-1]["content"]
 
 
 def messages_to_text(messages: list[dict[str, str]]) -> str:
@@ -185,7 +209,8 @@ def to_sft_example(record: dict, fmt: str = "auto") -> dict:
     gsm8k: prompt = question, completion = the whole worked answer (``#### n`` included),
     answer = :func:`final_answer` of it. prompt_completion: answer = :func:`final_answer` of the
     completion (None without ``####``). hh_rlhf: the shared dialogue is the prompt, the chosen
-    reply the completion, answer None.
+    reply the completion, answer None. messages: the last assistant turn is the completion, the
+    turns before it the prompt (``prompt`` their text rendering), answer as prompt_completion.
 
     Raises:
         DataError: unknown format, missing field or wrong type (names the source and field);
@@ -205,6 +230,10 @@ def to_sft_example(record: dict, fmt: str = "auto") -> dict:
         pair = _hh_pair(record)
         example = {"prompt": messages_to_text(pair["messages"]), "completion": pair["chosen"],
                    "messages": pair["messages"], "answer": None}
+    elif fmt == "messages":
+        messages, completion = _conversation(record)
+        example = {"prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
+                   "completion": completion, "messages": messages, "answer": final_answer(completion)}
     else:
         raise DataError(f"{_where(record)}: format {fmt!r} has no SFT examples (prompt and completion)")
     return _with_source(example, record)
@@ -287,7 +316,8 @@ def to_eval_problem(record: dict, fmt: str = "auto") -> dict:
     """Canonical eval problem ``{"messages", "answer"}`` with a verifiable final answer.
 
     gsm8k: the question and the number after ``####``. prompt_completion: the prompt and the
-    final answer of the completion (which must contain ``#### n``).
+    final answer of the completion (which must contain ``#### n``). messages: the turns before
+    the last assistant reply, and that reply's final answer.
 
     Raises:
         DataError: missing field, wrong type, or no ``#### <answer>`` in the answer/completion.
@@ -297,9 +327,12 @@ def to_eval_problem(record: dict, fmt: str = "auto") -> dict:
         messages, field = [{"role": "user", "content": _field(record, "question")}], "answer"
     elif fmt == "prompt_completion":
         messages, field = _prompt_messages(record), "completion"
+    elif fmt == "messages":
+        messages, field = _conversation(record)[0], "messages"
     else:
         raise DataError(f"{_where(record)}: format {fmt!r} has no verifiable answers for evaluation")
-    answer = final_answer(_field(record, field))
+    reply = _conversation(record)[1] if fmt == "messages" else _field(record, field)
+    answer = final_answer(reply)
     if answer is None:
         raise DataError(f"{_where(record)}: field '{field}' has no final answer after '####'")
     return _with_source({"messages": messages, "answer": answer}, record)

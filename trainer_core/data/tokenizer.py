@@ -196,36 +196,41 @@ def encode_chat(
     max_length: int,
     max_prompt_length: int,
     truncated: dict[str, int] | None = None,
+    assistant_turns: str = "last",
 ) -> dict[str, list[int]]:
     """Token ids of a chat prompt (plus an assistant completion) and the loss mask.
 
     Args:
         tokenizer: any HF tokenizer with a chat template.
-        messages: prompt turns ``[{"role", "content"}]``.
+        messages: prompt turns ``[{"role", "content"}]`` (earlier assistant replies included).
         completion: the assistant reply; None encodes the prompt alone (for generation).
         max_length: max tokens of prompt + completion; the completion is cut to fit.
         max_prompt_length: max prompt tokens; a longer prompt keeps its LAST tokens.
         truncated: when given, ``truncated["prompt"]`` / ``truncated["completion"]`` are incremented
             (from 0 when absent) when the prompt / the completion was cut.
+        assistant_turns: ``"last"``: only ``completion`` is counted; ``"all"``: the replies in
+            ``messages`` too, end of turn included (as TRL's ``assistant_only_loss``).
 
     Returns:
         ``{"input_ids": list[int], "loss_mask": list[int]}`` of equal length; loss_mask is
-        1 = counted in the loss (completion tokens, end-of-turn included), 0 on the prompt.
+        1 = counted in the loss (completion tokens, end-of-turn included), 0 on the rest.
 
     Raises:
-        ConfigError: ``max_prompt_length`` is not below ``max_length``, or the template renders
-            the conversation so that it does not start with the rendered prompt.
+        ConfigError: ``max_prompt_length`` is not below ``max_length``, the template renders the
+            conversation so that it does not start with the rendered prompt, or (``"all"``) it
+            renders an earlier assistant turn so that the conversation does not extend it (a
+            template that drops earlier replies); ValueError: an unknown ``assistant_turns``.
     """
     if not 0 < max_prompt_length < max_length:
         raise ConfigError(f"need 0 < max_prompt_length < max_length, got {max_prompt_length}, {max_length}")
     prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    prompt_ids = _ids(tokenizer, prompt_text)
+    prompt_ids, prompt_mask = _encode_prompt(tokenizer, messages, prompt_text, assistant_turns)
     if len(prompt_ids) > max_prompt_length:
-        prompt_ids = prompt_ids[-max_prompt_length:]
+        prompt_ids, prompt_mask = prompt_ids[-max_prompt_length:], prompt_mask[-max_prompt_length:]
         if truncated is not None:
             truncated["prompt"] = truncated.get("prompt", 0) + 1
     if completion is None:
-        return {"input_ids": prompt_ids, "loss_mask": [0] * len(prompt_ids)}
+        return {"input_ids": prompt_ids, "loss_mask": prompt_mask}
     full_text = tokenizer.apply_chat_template(
         messages + [{"role": "assistant", "content": completion}], tokenize=False
     )
@@ -241,5 +246,54 @@ def encode_chat(
             truncated["completion"] = truncated.get("completion", 0) + 1
     return {
         "input_ids": prompt_ids + completion_ids,
-        "loss_mask": [0] * len(prompt_ids) + [1] * len(completion_ids),
+        "loss_mask": prompt_mask + [1] * len(completion_ids),
     }
+
+
+def _encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, messages: list[dict[str, str]], prompt_text: str,
+                   assistant_turns: str) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of the rendered prompt: nothing counted (``"last"``) or each earlier
+    assistant reply (``"all"``, :func:`_prompt_segments`).
+
+    Raises:
+        ValueError: an unknown ``assistant_turns``; ConfigError: as :func:`_prompt_segments`.
+    """
+    if assistant_turns == "last":
+        ids = _ids(tokenizer, prompt_text)
+        return ids, [0] * len(ids)
+    if assistant_turns != "all":
+        raise ValueError(f"assistant_turns must be 'last' or 'all', got {assistant_turns!r}")
+    prompt_ids, prompt_mask = [], []
+    for text, counted in _prompt_segments(tokenizer, messages, prompt_text):
+        ids = _ids(tokenizer, text)
+        prompt_ids += ids
+        prompt_mask += [counted] * len(ids)
+    return prompt_ids, prompt_mask
+
+
+def _prompt_segments(
+    tokenizer: transformers.PreTrainedTokenizerBase, messages: list[dict[str, str]], prompt_text: str
+) -> list[tuple[str, int]]:
+    """``prompt_text`` cut into ``(text, counted)`` pieces: 1 for each assistant reply of
+    ``messages`` (the text its turn adds after its generation prompt), 0 between them.
+
+    Raises:
+        ConfigError: a turn's rendering is not a prefix of the next one's (the template rewrites
+            or drops an earlier reply), naming the turn.
+    """
+    pieces, start = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (through.startswith(before) and prompt_text.startswith(through) and len(before) >= start):
+            raise ConfigError(
+                f"the tokenizer's chat template renders the conversation so that it does not extend its assistant "
+                f"turn {i} (messages[{i}]) as rendered alone (a template that rewrites or drops earlier replies); "
+                "cannot count every assistant turn: set data.assistant_turns to 'last'"
+            )
+        pieces += [(before[start:], 0), (through[len(before):], 1)]
+        start = len(through)
+    pieces.append((prompt_text[start:], 0))
+    return [(text, counted) for text, counted in pieces if text]

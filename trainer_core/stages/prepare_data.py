@@ -330,7 +330,7 @@ def _write_splits(writer: ArtifactWriter, tokenizer: Any, sets: dict[str, Split]
         DataError: a split left with no rows.
     """
     data = config.data
-    encoder = ChunkEncoder(tokenizer, data.max_length_tokens, data.max_prompt_length_tokens)
+    encoder = ChunkEncoder(tokenizer, data.max_length_tokens, data.max_prompt_length_tokens, data.assistant_turns)
     num_rows: dict[str, int] = {}
     with ChunkMap(encoder, data.num_proc) as pool:
         for set_name in ("sft", "preference", "eval_problems", "kto", "pretrain"):
