@@ -61,6 +61,7 @@ def lora_config(pipeline: TinyPipeline, backend: str = "single", nproc: int = 1,
     overrides: dict[str, Any] = {
         **LORA, "backend.name": backend, "backend.nproc_per_node": nproc, "backend.device": "cpu",
         "sft.global_batch_size": 8, "dpo.grad_accum_steps": 2 // nproc,
+        "dpo.rpo_alpha": 0.0,  # plain DPO (the demo adds RPO's term): its step-1 loss is log 2
     }
     for stage in ("sft", "dpo", "reward_model"):
         overrides.update({f"{stage}.max_steps": STEPS, f"{stage}.save_every": SAVE_EVERY, f"{stage}.eval_every": SAVE_EVERY,

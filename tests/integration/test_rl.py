@@ -163,6 +163,11 @@ _TREND_OVERRIDES = {
     # updates 1-10 vs 21-30 went 0.060 -> 0.066 (measured 2026-11-26): the supervised term holds
     # the policy near SFT's demonstrations. These trends measure the RL alone.
     "grpo.ptx_coef": 0.0,
+    # Likewise PPO's anchor (the demo's ptx_coef 2.0 and kl_coef 0.05, 2026-11-28, which hold its
+    # exact match to SFT's against a weak reward model): with it this trend was 0.547 -> 0.884
+    # (2 SE 0.364). The recipe the trend was measured with: no ptx term, kl_coef 0.01.
+    "ppo.ptx_coef": 0.0,
+    "ppo.kl_coef": 0.01,
     "data.eval_fraction": 0.1,
     "data.max_eval_rows": 16,
     "model.init.hidden_size": 64,

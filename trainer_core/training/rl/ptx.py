@@ -131,13 +131,19 @@ def ptx_backward(model: nn.Module, backend: Backend, batch: PtxBatch, ptx_coef: 
     optimizer step's last micro-batch (its backward synchronises gradients). Collective under every
     backend: each rank runs one forward of the same number of rows.
 
+    A policy with a value head (PPO) runs it too, its values entering the loss times 0: DDP
+    reduces the gradients of every parameter at this synchronising backward and fails on one
+    that took no part (the value head's gradient stays what the PPO micro-batches made it).
+
     Returns:
         Scalar float32: this rank's :func:`ptx_nll` (over the world size, as it went backward),
         detached.
     """
+    with_values = backend.unwrap(model).value_head is not None
     with backend.grad_sync(model, is_last_micro_batch=True):
         with backend.autocast():
-            out = policy_forward(model, batch, temperature=1.0, with_values=False)
+            out = policy_forward(model, batch, temperature=1.0, with_values=with_values)
             loss = ptx_nll(out.logprobs, batch.completion_mask, backend.world_size)
-        backend.backward(model, ptx_coef * loss)
+            objective = ptx_coef * loss + (0.0 * out.values.sum() if with_values else 0.0)
+        backend.backward(model, objective)
     return loss.detach().float()
