@@ -17,7 +17,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     write("| objective | quantity | steps | max rel. diff | max abs. diff | tolerance |")
     write("|---|---|---|---|---|---|")
     for r in trl_oracle.RESULTS:
-        if r.departure:
+        if r.tolerance:
+            tolerance = r.tolerance
+        elif r.departure:
             tolerance = f"departure: must exceed rel {r.rtol:g}"
         else:
             tolerance = f"rel {r.rtol:g}" + (f" + abs {r.atol:g}" if r.atol else "")

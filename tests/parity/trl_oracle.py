@@ -93,6 +93,8 @@ class Result:
     rtol: float
     atol: float
     departure: bool = False
+    tolerance: str | None = None
+    """The tolerance as the table states it, where ``atol`` alone does not (a per-element floor)."""
 
 
 RESULTS: list[Result] = []
@@ -101,17 +103,20 @@ the table of bench/README.md at the end of the session."""
 
 
 def word_tokenizer():
-    """A word-level tokenizer over :data:`VOCAB` ids (``t<i>`` is id i): TRL's trainers need a
-    ``processing_class`` with a pad token; the rows are token ids already, so only its pad / eos
-    ids and its length (the model's vocabulary) matter."""
+    """A word-level tokenizer over :data:`VOCAB` ids (``t<i>`` is id i; words split on whitespace,
+    so ``"t5 t17"`` encodes to ``[5, 17]`` and decodes back): TRL's trainers need a
+    ``processing_class`` with a pad token; the supervised and preference rows are token ids
+    already (only its pad / eos ids and its length, the model's vocabulary, matter there), while
+    GRPOTrainer tokenises its text prompts and the project's RL loop decodes completions."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": PAD_ID, "<eos>": EOS_ID, **{f"t{i}": i for i in range(2, VOCAB)}}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<eos>")), pad_token="<pad>", eos_token="<eos>"
-    )
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<eos>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
 
 
 def tiny_model_config():
@@ -335,20 +340,28 @@ def train_trl(trainer) -> TRLRun:
 
 
 def check_close(objective: str, quantity: str, ours: Sequence[float], theirs: Sequence[float], *,
-                steps: str, atol: float = 0.0, rtol: float = RTOL) -> None:
+                steps: str, atol: float | Sequence[float] = 0.0, rtol: float = RTOL, tolerance: str | None = None,
+                labels: Sequence[str] | None = None) -> None:
     """Assert ``|ours - theirs| <= rtol |theirs| + atol`` elementwise and record the row in
     :data:`RESULTS` (before asserting, so a failing row is in the table too).
 
     The recorded relative difference of an element is ``|ours - theirs| / max(|ours|, |theirs|)``
-    (0 where both are 0); ``steps`` says which steps (or ``eval``) the elements are.
+    (0 where both are 0); ``steps`` says which steps (or ``eval``) the elements are. ``atol`` may
+    be one floor per element (several cases compared in one row), ``tolerance`` then says in words
+    what it is, for the table; ``labels`` names each element's case in a failure's message.
     """
     assert len(ours) == len(theirs) and len(ours) > 0, (objective, quantity, len(ours), len(theirs))
+    floors = [float(atol)] * len(ours) if isinstance(atol, (int, float)) else [float(a) for a in atol]
+    assert len(floors) == len(ours) and (tolerance is not None or len(set(floors)) == 1), (objective, quantity)
     diffs = [abs(a - b) for a, b in zip(ours, theirs)]
     rels = [d / max(abs(a), abs(b)) if d else 0.0 for d, a, b in zip(diffs, ours, theirs)]
-    RESULTS.append(Result(objective, quantity, steps, max(rels), max(diffs), rtol, atol))
-    bad = [i for i, (d, b) in enumerate(zip(diffs, theirs)) if not d <= rtol * abs(b) + atol]
-    assert not bad, (f"{objective} {quantity} ({steps}): project {[ours[i] for i in bad]} vs TRL "
-                     f"{[theirs[i] for i in bad]} at elements {bad} (rtol {rtol}, atol {atol})")
+    RESULTS.append(Result(objective, quantity, steps, max(rels), max(diffs), rtol, max(floors), tolerance=tolerance))
+    bad = [i for i, (d, b, f) in enumerate(zip(diffs, theirs, floors)) if not d <= rtol * abs(b) + f]
+    shown = bad[:10]
+    where = [labels[i] for i in shown] if labels is not None else shown
+    assert not bad, (f"{objective} {quantity} ({steps}): {len(bad)} element(s) differ beyond tolerance, e.g. project "
+                     f"{[ours[i] for i in shown]} vs TRL {[theirs[i] for i in shown]} at {where} "
+                     f"(rtol {rtol}, atol {[floors[i] for i in shown]})")
 
 
 def check_departure(objective: str, quantity: str, one: float, other: float, *, steps: str,
@@ -360,6 +373,17 @@ def check_departure(objective: str, quantity: str, one: float, other: float, *, 
     rel = diff / max(abs(one), abs(other))
     RESULTS.append(Result(objective, quantity, steps, rel, diff, minimum, 0.0, departure=True))
     assert rel > minimum, f"{objective} {quantity}: {one} and {other} differ by only {rel:.2g} relative"
+
+
+def check_departure_vectors(objective: str, quantity: str, one: torch.Tensor, other: torch.Tensor, *,
+                            steps: str, minimum: float = 10 * RTOL) -> None:
+    """:func:`check_departure` of two vectors (a gradient under two definitions): their difference's
+    L2 norm relative to the larger of their norms must exceed ``minimum``; records it (the max.
+    abs. diff column: the largest element difference)."""
+    diff = (one - other).float()
+    rel = float(diff.norm()) / max(float(one.norm()), float(other.norm()))
+    RESULTS.append(Result(objective, quantity, steps, rel, float(diff.abs().max()), minimum, 0.0, departure=True))
+    assert rel > minimum, f"{objective} {quantity}: the two differ by only {rel:.2g} relative (L2)"
 
 
 def check_weights(objective: str, ours: nn.Module, theirs: nn.Module, atol: float) -> None:
