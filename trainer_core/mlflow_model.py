@@ -16,6 +16,7 @@ set ``MLFLOW_TRACKING_URI`` where models are loaded.)
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 import sys
@@ -79,6 +80,19 @@ def model_task(stage: str) -> str:
     if output not in _TASK_BY_OUTPUT:
         raise ValueError(f"stage {stage!r} produces no model (its final directory holds {output!r})")
     return _TASK_BY_OUTPUT[output]
+
+
+def _directory_task(local: str, task: str) -> str:
+    """``task``, except for an implicit reward model (a causal LM whose ``config.json`` carries
+    :data:`~trainer_core.modeling.forward.IMPLICIT_REWARD_KEY`): ``"text-generation"``."""
+    from trainer_core.modeling.forward import IMPLICIT_REWARD_KEY
+
+    config = os.path.join(local, "config.json")
+    if task == "text-classification" and os.path.exists(config):
+        with open(config) as f:
+            if IMPLICIT_REWARD_KEY in json.load(f):
+                return "text-generation"
+    return task
 
 
 def _pinned_requirements() -> list[str]:
@@ -168,7 +182,7 @@ def log_transformers_model(
             local path or any fsspec URI (downloaded to a temporary directory first); or a PEFT
             adapter directory, logged merged into its base model (``base_model_name_or_path``).
         task: ``"text-generation"`` (causal LM) or ``"text-classification"`` (sequence
-            classification, e.g. the reward model); see :func:`model_task`.
+            classification, e.g. the reward model; an implicit one is a causal LM, logged as text generation).
         tracking_uri: The MLflow tracking URI.
         artifact_path: The LoggedModel's name.
         step: The run's global step of this model: the run's metrics logged at this step are
@@ -189,9 +203,9 @@ def log_transformers_model(
     client = MlflowClient(tracking_uri)
     run = client.get_run(run_id)
     with _local_model_dir(model_dir_uri) as local, tempfile.TemporaryDirectory(prefix="posttrain-mlmodel-") as tmp:
+        task = _directory_task(local, task)
         components = _load_components(local, task)
-        tags = {k: v for k, v in run.data.tags.items() if k.startswith("posttrain.")}
-        tags[TAG_OUTPUT_URI] = model_dir_uri
+        tags = {**{k: v for k, v in run.data.tags.items() if k.startswith("posttrain.")}, TAG_OUTPUT_URI: model_dir_uri}
         logged = client.create_logged_model(
             run.info.experiment_id, name=artifact_path, source_run_id=run_id,
             tags=tags, params=dict(run.data.params), model_type=task,

@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 from posttrain.cli import app
 from trainer_core.checkpoint.manifest import MANIFEST_NAME
 from trainer_core.errors import EXIT_GATE_FAILED
+from trainer_core.modeling.forward import IMPLICIT_REWARD_KEY
 from trainer_core.storage import RunLayout
 
 pytestmark = pytest.mark.slow
@@ -104,9 +105,14 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_
     runs = {r.data.tags["posttrain.stage"]: r for r in client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
     assert set(runs) == set(STAGES)
-    models = {(m.name, m.source_run_id) for m in client.search_logged_models([parent.info.experiment_id])}
+    logged = client.search_logged_models([parent.info.experiment_id])
+    models = {(m.name, m.source_run_id) for m in logged}
     assert {(f"{s}-{'reward' if s == 'reward_model' else 'policy'}", runs[s].info.run_id)
             for s in ("sft", "reward_model", "dpo", "ppo", "grpo")} <= models  # named by stage and role
+    # configs/demo.yaml's reward model is implicit: a causal LM marked as one, logged as text generation.
+    rm_dir = Path(summary["stages"]["reward_model"]["output_uri"])
+    assert json.loads((rm_dir / "config.json").read_text())[IMPLICIT_REWARD_KEY] == {"beta": 2.0}
+    assert {m.model_type for m in logged if m.name == "reward_model-reward"} == {"text-generation"}
     for stage in ("sft", "reward_model", "dpo", "ppo", "grpo"):
         assert "plots/curves.png" in [a.path for a in client.list_artifacts(runs[stage].info.run_id, "plots")], stage
         assert not [m for m in runs[stage].data.metrics if m.startswith("final/")], stage

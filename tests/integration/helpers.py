@@ -74,7 +74,8 @@ _TRAIN_OVERRIDES = {
 _STAGE_OVERRIDES = {
     # 16 pairs a step over the 71 training pairs (5 micro-batches an epoch): the step-8
     # checkpoint sits inside epoch 1, so a resume from it starts mid-way through a reshuffled epoch.
-    "reward_model": {"micro_batch_size": 16},
+    # The scalar head (the default; configs/demo.yaml's implicit reward model runs in the e2e tiny demo).
+    "reward_model": {"micro_batch_size": 16, "parameterization": "scalar_head"},
     # Two micro-batches a step: accumulation state must not leak across a resume.
     "dpo": {"grad_accum_steps": 2},
 }

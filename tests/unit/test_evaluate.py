@@ -1,5 +1,6 @@
-"""``trainer_core.objectives.paired.paired_gain``: a policy's exact match against SFT's on the same
-problems, with the standard error of the paired difference, against hand-worked values."""
+"""``trainer_core.objectives.paired``: ``paired_gain`` (a policy's exact match against SFT's on the
+same problems, with the standard error of the paired difference) and ``verdict_auc`` (how well a
+reward ranks right answers above wrong ones), against hand-worked values."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import pytest
 
-from trainer_core.objectives.paired import paired_gain, paired_verdicts
+from trainer_core.objectives.paired import paired_gain, paired_verdicts, verdict_auc
 
 
 def test_paired_gain_hand_worked():
@@ -45,3 +46,17 @@ def test_paired_verdicts_match_problems_by_prompt():
             {"prompt": "a", "grpo_correct": False}, {"prompt": "d", "grpo_correct": True}]
     assert paired_verdicts(baseline, "sft_correct", rows, "grpo_correct") == ([False, True], [True, False])
     assert paired_verdicts(baseline, "dpo_correct", rows, "grpo_correct") == ([], [])
+
+
+def test_verdict_auc_hand_worked():
+    # correct 3 and 2 against wrong 1 and 2: 3 > 1, 3 > 2, 2 > 1 win; 2 = 2 counts half: 3.5 / 4.
+    assert verdict_auc([3.0, 1.0, 2.0, 2.0], [True, False, True, False]) == 0.875
+    assert verdict_auc([1.0, 2.0, 3.0], [False, True, True]) == 1.0
+    assert verdict_auc([1.0, 2.0, 3.0], [True, True, False]) == 0.0
+    assert verdict_auc([5.0, 5.0], [True, False]) == 0.5
+
+
+def test_verdict_auc_is_undefined_without_both_verdicts_and_refuses_unpaired_lists():
+    assert verdict_auc([1.0, 2.0], [True, True]) is None and verdict_auc([], []) is None
+    with pytest.raises(ValueError, match="one verdict per score"):
+        verdict_auc([1.0], [True, False])

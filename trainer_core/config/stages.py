@@ -146,9 +146,19 @@ class SFTConfig(SupervisedStageConfig):
 
 
 class RewardModelConfig(SupervisedStageConfig):
-    """Bradley-Terry reward model on preference pairs."""
+    """Bradley-Terry reward model on preference pairs, in one of two parameterisations."""
 
     learning_rate: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
+    parameterization: Literal["scalar_head", "implicit"] = Field(
+        "scalar_head",
+        description="scalar_head: a sequence classifier with one output read at the last token (InstructGPT; TRL's "
+        "RewardTrainer), its head new; implicit: the causal LM itself, reward implicit_beta / |y| * log pi(y | x), "
+        "the mean log-probability of the completion (SimPO's reference-free implicit reward, Meng et al. 2024, "
+        "eq. 4), committed as a causal LM whose config.json says so. Both train with the Bradley-Terry loss.",
+    )
+    implicit_beta: float = Field(
+        2.0, gt=0, description="The implicit reward's scale beta (SimPO's default 2.0); unused by scalar_head."
+    )
 
 
 class DPOConfig(SupervisedStageConfig, ReferenceModelConfig):

@@ -19,6 +19,7 @@ from trainer_core.config import DataConfig, GenerationConfig
 from trainer_core.data.batching import collate_causal, collate_prompts_left
 from trainer_core.data.tokenizer import encode_chat
 from trainer_core.errors import ConfigError
+from trainer_core.modeling.forward import sequence_rewards
 
 if TYPE_CHECKING:
     from trainer_core.backends import Backend
@@ -129,7 +130,8 @@ def reward_scores(
     batch_size: int,
     device: torch.device,
 ) -> list[float]:
-    """The reward model's scalar score of each (prompt messages, completion).
+    """The reward model's score of each (prompt messages, completion), in either parameterisation
+    (:func:`~trainer_core.modeling.forward.sequence_rewards`).
 
     Raises:
         ValueError: ``messages`` and ``completions`` differ in length.
@@ -143,10 +145,8 @@ def reward_scores(
     scores: list[float] = []
     for start in range(0, len(rows), batch_size):
         batch = collate_causal(rows[start : start + batch_size], tokenizer.pad_token_id)
-        logits = reward_model(
-            input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
-        ).logits
-        scores.extend(logits.squeeze(-1).float().tolist())
+        keys = ("input_ids", "attention_mask", "loss_mask", "counted_index")
+        scores.extend(sequence_rewards(reward_model, *(batch[k].to(device) for k in keys)).tolist())
     return scores
 
 

@@ -31,7 +31,12 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS, NLL_SUM_KERNELS, chunked_linear_logprobs, nll_sum_kernel
-from trainer_core.objectives.logprobs import compute_logprobs, shift_mask
+from trainer_core.objectives.logprobs import compute_logprobs, sequence_logprobs, shift_mask
+
+IMPLICIT_REWARD_KEY = "posttrain_implicit_reward"
+"""Attribute of an HF config (saved in its ``config.json``) that makes a causal LM a reward model
+with the reference-free implicit reward; its value is ``{"beta": float}``
+(:func:`implicit_reward_beta`)."""
 
 HeadFn = Callable[[Tensor, Tensor, "Tensor | None", Tensor, int], Tensor]
 """(hidden [N, H], weight [V, H], bias [V] | None, targets [N] long, chunk_size) -> a tensor."""
@@ -42,6 +47,58 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     while not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
+
+
+def implicit_reward_beta(model: nn.Module) -> float | None:
+    """``beta`` of a causal LM that is an implicit reward model (:data:`IMPLICIT_REWARD_KEY` in its
+    config), or None: the model is a scalar-head (sequence-classification) reward model or a policy.
+
+    Args:
+        model: an HF model, plain or as a backend wrapped it.
+    """
+    spec = getattr(getattr(unwrap_causal_lm(model), "config", None), IMPLICIT_REWARD_KEY, None)
+    return None if spec is None else float(spec["beta"])
+
+
+def mark_implicit_reward(model: nn.Module, beta: float) -> None:
+    """Make the causal LM ``model`` an implicit reward model of scale ``beta`` (written to its
+    config, and so to the ``config.json`` of every directory it is saved to).
+
+    Raises:
+        ValueError: ``beta`` is not positive.
+    """
+    if not beta > 0:
+        raise ValueError(f"implicit reward beta must be > 0, got {beta}")
+    setattr(unwrap_causal_lm(model).config, IMPLICIT_REWARD_KEY, {"beta": float(beta)})
+
+
+def sequence_rewards(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, counted_index: Tensor | None = None
+) -> Tensor:
+    """A reward model's reward of each padded (prompt + completion) row, [B] float32.
+
+    Two parameterisations, told apart by the model (:func:`implicit_reward_beta`):
+
+    - scalar head (InstructGPT, Ouyang et al. 2022; TRL's ``RewardTrainer``): an HF
+      ``*ForSequenceClassification`` with one label, read at each row's last real token;
+      ``loss_mask`` is not used.
+    - implicit, reference-free (SimPO, Meng et al. 2024, eq. 4): a causal LM's mean log-probability
+      of the completion tokens times ``beta``, ``r(x, y) = beta / |y| * log pi(y | x)``; the
+      completion is where ``loss_mask`` is 1 (:func:`masked_token_logprobs`).
+
+    Args:
+        model: the reward model, plain or as a backend wrapped it.
+        input_ids: [B, T] long, right-padded.
+        attention_mask: [B, T] long, 1 = real token.
+        loss_mask: [B, T] long, 1 = completion token.
+        counted_index: the collated batch's ``counted_index`` of ``loss_mask``, or None.
+    """
+    beta = implicit_reward_beta(model)
+    if beta is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+    token_logprobs = masked_token_logprobs(model, input_ids, attention_mask, loss_mask, counted_index=counted_index)
+    mask = shift_mask(loss_mask)
+    return beta * sequence_logprobs(token_logprobs, mask).float() / mask.sum(-1).clamp(min=1)
 
 
 def head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:

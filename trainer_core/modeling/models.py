@@ -36,6 +36,7 @@ from transformers import (
 
 from trainer_core.config import ModelConfig
 from trainer_core.errors import ConfigError
+from trainer_core.modeling.forward import IMPLICIT_REWARD_KEY
 from trainer_core.modeling.lora import (
     ADAPTER_CONFIG,
     adapter_base_model,
@@ -211,7 +212,9 @@ def load_causal_lm(
 def load_reward_model(
     source: str, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int, quantization_config=None
 ) -> nn.Module:
-    """A sequence-classification model with one output (``num_labels=1``): the reward.
+    """A sequence-classification model with one output (``num_labels=1``): the reward; or, from
+    the directory of an implicit reward model (a causal LM whose config carries
+    :data:`~trainer_core.modeling.forward.IMPLICIT_REWARD_KEY`), that causal LM.
 
     From a causal-LM directory (the SFT output) the backbone is reused and the score head is
     freshly initialised (seeded); from a reward-model directory everything is loaded.
@@ -229,6 +232,8 @@ def load_reward_model(
         config = _init_config(model, tokenizer, num_labels=1)
         return AutoModelForSequenceClassification.from_config(config, dtype=dtype, **_attn(model))
     config = _from_pretrained(AutoConfig.from_pretrained, source, model)
+    if getattr(config, IMPLICIT_REWARD_KEY, None) is not None:
+        return load_causal_lm(source, model, tokenizer, seed, quantization_config)
     config.num_labels = 1
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id

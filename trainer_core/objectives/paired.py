@@ -8,6 +8,8 @@ against the registered champion's, pairing the two runs' sample tables by proble
 
 from __future__ import annotations
 
+import bisect
+
 SAMPLES_FILE = "samples.jsonl"
 """Evaluate's sample table in its final directory (JSON lines, one row per held-out problem:
 ``prompt``, ``answer``, and per policy its completion and ``<policy>_correct`` verdict)."""
@@ -64,3 +66,38 @@ def paired_verdicts(
     matched = [(baseline[row["prompt"]], bool(row[column])) for row in rows
                if column in row and row.get("prompt") in baseline]
     return [b for b, _ in matched], [o for _, o in matched]
+
+
+def verdict_auc(scores: list[float], verdicts: list[bool]) -> float | None:
+    """How well ``scores`` rank correct answers above wrong ones: the ROC AUC, the probability that
+    a correct answer's score exceeds a wrong one's (ties count half; the Mann-Whitney U statistic
+    over ``n_correct * n_wrong``).
+
+    Evaluate reads it as ``<policy>/reward_auc``: the reward model's scores of a policy's own
+    answers against the verifier's verdicts on them, which says whether the reward tracks
+    correctness where RL samples, not only on the held-out preference pairs.
+
+    Args:
+        scores: one score per answer.
+        verdicts: whether each answer is correct, in the same order.
+
+    Returns:
+        The AUC in [0, 1] (0.5: no better than chance); None when every verdict is the same.
+
+    Raises:
+        ValueError: the lists differ in length.
+
+    Worked values: scores [3, 1, 2, 2], verdicts [1, 0, 1, 0]: pairs (3, 1) (3, 2) (2, 1) (2, 2)
+    win 1, 1, 1, 0.5: AUC 3.5 / 4 = 0.875.
+    """
+    if len(scores) != len(verdicts):
+        raise ValueError(f"verdict_auc needs one verdict per score, got {len(scores)} scores and "
+                         f"{len(verdicts)} verdicts")
+    correct = [s for s, v in zip(scores, verdicts) if v]
+    wrong = [s for s, v in zip(scores, verdicts) if not v]
+    if not correct or not wrong:
+        return None
+    wrong.sort()
+    wins = sum(bisect.bisect_left(wrong, c) + 0.5 * (bisect.bisect_right(wrong, c) - bisect.bisect_left(wrong, c))
+               for c in correct)
+    return wins / (len(correct) * len(wrong))

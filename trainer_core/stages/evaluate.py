@@ -14,6 +14,11 @@ Metrics (each present when its models were trained in this run):
   the standard error of that paired difference
   (:func:`~trainer_core.objectives.paired.paired_gain`): a gain within about twice
   its standard error is not a difference these problems can show.
+- ``<policy>/reward_auc`` (when a reward model was trained): the ROC AUC of the reward model's
+  scores of the policy's greedy answers against the verifier's verdicts on them
+  (:func:`~trainer_core.objectives.paired.verdict_auc`; 0.5 is chance): whether the reward
+  tracks correctness on the policy's own answers, where RL samples; absent when every answer
+  is right or every one wrong.
 - ``<policy>_vs_sft/win_rate`` (``dpo``, ``ppo``, ``grpo``): fraction of held-out preference
   prompts where the reward model scores the policy's completion above the SFT policy's (ties
   count one half).
@@ -39,7 +44,7 @@ from trainer_core.generation.completions import (
     prompt_ids,
     reward_scores,
 )
-from trainer_core.objectives.paired import SAMPLES_FILE, paired_gain
+from trainer_core.objectives.paired import SAMPLES_FILE, paired_gain, verdict_auc
 from trainer_core.registry import INIT_SOURCE, policy_role, policy_stages
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.training.supervised import (
@@ -206,6 +211,8 @@ def run(ctx: StageContext) -> Manifest:
         for name in (n for n in verdicts if n not in ("sft", "base")):
             gain, se = paired_gain(verdicts["sft"], verdicts[name])
             metrics[f"{name}_vs_sft/exact_match_gain"], metrics[f"{name}_vs_sft/exact_match_gain_se"] = gain, se
+    aucs = {name: verdict_auc(scores, verdicts[name]) for name, scores in rewards.items()}  # on its own answers
+    metrics |= {f"{name}/reward_auc": auc for name, auc in aucs.items() if auc is not None}
     samples = sample_rows(problems, completions, verdicts, rewards)
     ctx.log_metrics(metrics, 0)
     if ctx.is_main:

@@ -33,7 +33,13 @@ from trainer_core.data.batching import (
 )
 from trainer_core.data.prepared import row_lengths
 from trainer_core.errors import ConfigError
-from trainer_core.modeling.forward import masked_nll_sum, masked_token_logprobs, packed_sequence_scores
+from trainer_core.modeling.forward import (
+    implicit_reward_beta,
+    masked_nll_sum,
+    masked_token_logprobs,
+    packed_sequence_scores,
+    sequence_rewards,
+)
 from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS
 from trainer_core.objectives.dpo import LENGTH_NORMALISED, REFERENCE_FREE, PairLogprobs, preference_loss
 from trainer_core.objectives.kto import PER_LABEL_METRICS, kto_loss
@@ -173,14 +179,22 @@ def concat_pairs(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def pair_rewards(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Scalar rewards of chosen and rejected completions, each [B] float32, from one forward of
-    the concatenated [2B, T] pairs or of a packed [1, S] batch."""
-    if is_packed(batch):
+    """Rewards of chosen and rejected completions, each [B] float32, from one forward of the
+    concatenated [2B, T] pairs or of a packed [1, S] batch, in the model's parameterisation
+    (:func:`~trainer_core.modeling.forward.sequence_rewards`: a scalar head, or the implicit
+    reward ``beta / |y| * log pi(y | x)``)."""
+    pairs = num_pairs(batch)
+    beta = implicit_reward_beta(model)
+    if not is_packed(batch):
+        input_ids, attention_mask, loss_mask = concat_pairs(batch)
+        rewards = sequence_rewards(model, input_ids, attention_mask, loss_mask, batch.get("counted_index"))
+    elif beta is None:
         rewards = packed_sequence_scores(model, batch["input_ids"], batch["position_ids"], batch["last_token_index"])
     else:
-        input_ids, attention_mask, _ = concat_pairs(batch)
-        rewards = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
-    pairs = num_pairs(batch)
+        chosen, rejected = pair_logprobs(model, batch)
+        counted = batch["loss_mask"][0, 1:].float()  # as pair_logprobs sums: each sequence's tokens after its first
+        lengths = torch.zeros(2 * pairs, device=counted.device).index_add(0, batch["sequence_ids"][0, 1:], counted)
+        rewards = beta * torch.cat([chosen, rejected]) / lengths.clamp(min=1)
     return rewards[:pairs], rewards[pairs:]
 
 

@@ -277,10 +277,11 @@ class MathVerifyReward:
 
 
 class RewardModelReward:
-    """The reward model's scalar score of each (prompt, completion), in batches, without gradients.
+    """The reward model's score of each (prompt, completion), in batches, without gradients.
 
     Args:
-        model: a frozen sequence-classification model with one label.
+        model: a frozen reward model: a sequence classifier with one label, or an implicit
+            reward model (a causal LM; :func:`~trainer_core.modeling.forward.sequence_rewards`).
         tokenizer: renders prompt + completion with the chat template.
         data: max lengths used to encode (as in training the reward model).
         batch_size: sequences per forward.
