@@ -16,6 +16,7 @@ from trainer_core.data.formats import (
     final_answer,
     parse_hh_dialogue,
     to_eval_problem,
+    to_kto_examples,
     to_preference_example,
     to_sft_example,
 )
@@ -43,6 +44,7 @@ HH_ROW = {
         ({"prompt": "p", "chosen": "a", "rejected": "b"}, "prompt_completion"),
         ({"chosen": "a", "rejected": "b"}, "hh_rlhf"),
         ({"messages": []}, "messages"),
+        ({"chosen": [], "rejected": []}, "messages"),
     ],
 )
 def test_detect_format(record, fmt):
@@ -103,6 +105,51 @@ def test_messages_sft_example_and_eval_problem():
 def test_messages_errors_name_source_and_field(messages, pattern):
     with pytest.raises(DataError, match=pattern):
         to_sft_example({"messages": messages, "_source": "c:2"}, "messages")
+
+
+USER = [{"role": "user", "content": "2+2?"}]
+
+
+def _said(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def test_trl_conversational_formats_give_the_canonical_examples():
+    """TRL's conversational dataset formats (huggingface.co/docs/trl/dataset_formats): explicit-
+    and implicit-prompt preference, unpaired preference and prompt-completion, each the same
+    canonical example as its string form."""
+    pair = {"messages": USER, "chosen": "4", "rejected": "5"}
+    explicit = {"prompt": USER, "chosen": _said("4"), "rejected": _said("5")}
+    implicit = {"chosen": USER + _said("4"), "rejected": USER + _said("5")}
+    assert to_preference_example(explicit) == pair == to_preference_example(implicit)
+    assert to_preference_example({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) == pair
+    assert to_kto_examples(implicit) == to_kto_examples(explicit) == [
+        {"messages": USER, "completion": "4", "label": True}, {"messages": USER, "completion": "5", "label": False}]
+    assert to_kto_examples({"prompt": USER, "completion": _said("5"), "label": False}) == [
+        {"messages": USER, "completion": "5", "label": False}]
+    assert to_sft_example({"prompt": USER, "completion": _said("4\n#### 4")}) == {
+        "prompt": "2+2?", "completion": "4\n#### 4", "messages": USER, "answer": "4"}
+    assert to_eval_problem({"prompt": USER, "completion": _said("#### 4")}) == {"messages": USER, "answer": "4"}
+    assert to_sft_example(implicit)["completion"] == "4"
+
+
+@pytest.mark.parametrize(
+    ("record", "pattern"),
+    [
+        ({"prompt": USER, "chosen": _said("4") + _said("5"), "rejected": "5"},
+         r"p:4: field 'chosen' must hold one assistant message, got 2 messages"),
+        ({"prompt": USER, "chosen": USER, "rejected": "5"},
+         r"p:4: field 'chosen' must hold an assistant message, got role 'user'"),
+        ({"prompt": USER, "chosen": 4, "rejected": "5"}, r"p:4: field 'chosen' must be str or list, got int"),
+        ({"chosen": USER + _said("4"), "rejected": [{"role": "user", "content": "3+3?"}, *_said("5")]},
+         r"p:4: fields 'chosen'/'rejected' do not share all turns but the last assistant reply"),
+        ({"chosen": USER + _said("4"), "rejected": USER},
+         r"p:4: field 'rejected' must end with an assistant turn, got role 'user' last"),
+    ],
+)
+def test_conversational_pair_errors_name_source_and_field(record, pattern):
+    with pytest.raises(DataError, match=pattern):
+        to_preference_example({**record, "_source": "p:4"})
 
 
 def test_hh_sft_example_uses_chosen_reply():

@@ -4,18 +4,24 @@ Formats (``DataSource.format``):
 
 - ``prompt_completion``: ``{"prompt", "completion"}`` for SFT, ``{"prompt", "chosen", "rejected"}``
   for preference pairs. ``prompt`` is a string (one user turn) or a list of
-  ``{"role", "content"}`` messages.
+  ``{"role", "content"}`` messages; ``completion``, ``chosen`` and ``rejected`` a string or a list
+  of one assistant message (TRL's conversational prompt-completion and explicit-prompt
+  preference formats).
 - ``gsm8k``: ``{"question", "answer"}``; the answer is a worked solution ending in
   ``#### <number>`` (Cobbe et al. 2021, https://github.com/openai/grade-school-math).
 - ``hh_rlhf``: ``{"chosen", "rejected"}``, each a whole dialogue of ``\\n\\nHuman: ...`` /
   ``\\n\\nAssistant: ...`` turns that share all but the last assistant reply (Bai et al. 2022,
   https://github.com/anthropics/hh-rlhf).
 - ``kto``: ``{"prompt", "completion", "label"}``, one unpaired example; ``label`` true for a
-  desirable completion, false for an undesirable one (TRL's unpaired preference format).
+  desirable completion, false for an undesirable one (TRL's unpaired preference format; prompt
+  and completion as in ``prompt_completion``).
 - ``messages``: ``{"messages": [{"role", "content"}, ...]}``, a conversation ending in an
   assistant turn (the chat format of Hugging Face datasets and TRL): for SFT the last assistant
   turn is the completion and the turns before it the prompt (earlier assistant replies counted
   in the loss with ``data.assistant_turns: all``); for evaluation its final answer is the answer.
+  A preference pair as two such conversations, ``{"chosen": [...], "rejected": [...]}``, that
+  share every turn but the last assistant reply (TRL's implicit-prompt conversational preference
+  format); for KTO each side is one example.
 - ``text``: raw text for continued pretraining, in a record field (``text`` unless the source
   names another), or one line of a plain-text file.
 
@@ -99,7 +105,7 @@ def detect_format(record: dict) -> str:
     if "prompt" in keys and ("completion" in keys or {"chosen", "rejected"} <= keys):
         return "prompt_completion"
     if {"chosen", "rejected"} <= keys:
-        return "hh_rlhf"
+        return "messages" if isinstance(record["chosen"], list) else "hh_rlhf"
     if "messages" in keys:
         return "messages"
     if "text" in keys:
@@ -108,7 +114,8 @@ def detect_format(record: dict) -> str:
     raise DataError(
         f"{_where(record)}: cannot detect the record format from fields {shown}; expected "
         "question/answer (gsm8k), prompt/completion or prompt/chosen/rejected (prompt_completion), "
-        "chosen/rejected dialogues (hh_rlhf), prompt/completion/label (kto), messages (messages) or text (text)"
+        "chosen/rejected dialogues (hh_rlhf), prompt/completion/label (kto), messages or chosen/rejected message "
+        "lists (messages) or text (text)"
     )
 
 
@@ -139,22 +146,54 @@ def _prompt_messages(record: dict, name: str = "prompt") -> list[dict[str, str]]
     return messages
 
 
-def _conversation(record: dict) -> tuple[list[dict[str, str]], str]:
-    """(the turns before the last, the last assistant reply) of a ``messages`` record.
+def _conversation(record: dict, name: str = "messages") -> tuple[list[dict[str, str]], str]:
+    """(the turns before the last, the last assistant reply) of the conversation in field ``name``.
 
     Raises:
-        DataError: ``messages`` is not a list of messages, does not end in an assistant turn, or
+        DataError: the field is not a list of messages, does not end in an assistant turn, or
             has no turn before it.
     """
-    if not isinstance(record.get("messages"), list):
-        _field(record, "messages", list)
-    messages = _prompt_messages(record, "messages")
+    if not isinstance(record.get(name), list):
+        _field(record, name, list)
+    messages = _prompt_messages(record, name)
     if messages[-1]["role"] != "assistant":
-        raise DataError(f"{_where(record)}: field 'messages' must end with an assistant turn, "
+        raise DataError(f"{_where(record)}: field '{name}' must end with an assistant turn, "
                         f"got role {messages[-1]['role']!r} last")
     if len(messages) < 2:
-        raise DataError(f"{_where(record)}: field 'messages' has no turn before its assistant reply")
+        raise DataError(f"{_where(record)}: field '{name}' has no turn before its assistant reply")
     return messages[:-1], messages[-1]["content"]
+
+
+def _reply(record: dict, name: str) -> str:
+    """The ``name`` field as one reply: a string, or a list of exactly one assistant message
+    (TRL's conversational completions), whose content it returns.
+
+    Raises:
+        DataError: another type, or a list that is not one assistant message.
+    """
+    value = _field(record, name, (str, list))
+    if isinstance(value, str):
+        return value
+    if len(value) != 1:
+        raise DataError(f"{_where(record)}: field '{name}' must hold one assistant message, got {len(value)} messages")
+    message = _prompt_messages(record, name)[0]
+    if message["role"] != "assistant":
+        raise DataError(f"{_where(record)}: field '{name}' must hold an assistant message, got role {message['role']!r}")
+    return message["content"]
+
+
+def _conversation_pair(record: dict) -> dict:
+    """``{"messages", "chosen", "rejected"}`` of two conversations sharing all but their last reply.
+
+    Raises:
+        DataError: a side is not a conversation ending in an assistant reply (as
+            :func:`_conversation`), or the two differ before it.
+    """
+    prompt, chosen = _conversation(record, "chosen")
+    if _conversation(record, "rejected")[0] != prompt:
+        raise DataError(f"{_where(record)}: fields 'chosen'/'rejected' do not share all turns but the last "
+                        "assistant reply")
+    return {"messages": prompt, "chosen": chosen, "rejected": _conversation(record, "rejected")[1]}
 
 
 def messages_to_text(messages: list[dict[str, str]]) -> str:
@@ -223,11 +262,15 @@ def to_sft_example(record: dict, fmt: str = "auto") -> dict:
         example = {"prompt": question, "completion": answer, "messages": messages, "answer": final_answer(answer)}
     elif fmt == "prompt_completion":
         messages = _prompt_messages(record)
-        completion = _field(record, "completion")
+        completion = _reply(record, "completion")
         example = {"prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
                    "completion": completion, "messages": messages, "answer": final_answer(completion)}
     elif fmt == "hh_rlhf":
         pair = _hh_pair(record)
+        example = {"prompt": messages_to_text(pair["messages"]), "completion": pair["chosen"],
+                   "messages": pair["messages"], "answer": None}
+    elif fmt == "messages" and "messages" not in record and "chosen" in record:
+        pair = _conversation_pair(record)
         example = {"prompt": messages_to_text(pair["messages"]), "completion": pair["chosen"],
                    "messages": pair["messages"], "answer": None}
     elif fmt == "messages":
@@ -244,10 +287,13 @@ def to_preference_example(record: dict, fmt: str = "auto") -> dict:
 
     hh_rlhf: both dialogues are parsed into turns; the shared prefix (ending with a Human turn)
     is the prompt and the two final assistant replies are chosen / rejected.
-    prompt_completion: ``{"prompt", "chosen", "rejected"}``.
+    prompt_completion: ``{"prompt", "chosen", "rejected"}``, the replies strings or one
+    assistant message each. messages: ``{"chosen": [...], "rejected": [...]}`` conversations
+    sharing all turns but the last assistant reply.
 
     Raises:
-        DataError: unknown or SFT-only format, missing field or wrong type;
+        DataError: unknown or SFT-only format, missing field or wrong type, conversations that
+            do not share their turns before the last reply;
             :class:`DialogueParseError` when the dialogues do not share a prompt or do not end
             with an assistant reply.
     """
@@ -255,8 +301,10 @@ def to_preference_example(record: dict, fmt: str = "auto") -> dict:
     if fmt == "hh_rlhf":
         pair = _hh_pair(record)
     elif fmt == "prompt_completion":
-        pair = {"messages": _prompt_messages(record), "chosen": _field(record, "chosen"),
-                "rejected": _field(record, "rejected")}
+        pair = {"messages": _prompt_messages(record), "chosen": _reply(record, "chosen"),
+                "rejected": _reply(record, "rejected")}
+    elif fmt == "messages" and "messages" not in record:
+        pair = _conversation_pair(record)
     else:
         raise DataError(f"{_where(record)}: format {fmt!r} has no preference pairs (fields 'chosen'/'rejected')")
     return _with_source(pair, record)
@@ -266,7 +314,8 @@ def to_kto_examples(record: dict, fmt: str = "auto") -> list[dict]:
     """Canonical unpaired KTO examples ``{"messages", "completion", "label"}`` of one record.
 
     kto: the record's one example (``label`` must be a JSON boolean). Preference pairs
-    (prompt_completion with chosen/rejected, hh_rlhf) give two examples, as TRL's
+    (prompt_completion with chosen/rejected, hh_rlhf, messages as chosen/rejected
+    conversations) give two examples, as TRL's
     ``unpair_preference_dataset``: the chosen completion desirable (``label`` True), the rejected
     one undesirable.
 
@@ -276,10 +325,10 @@ def to_kto_examples(record: dict, fmt: str = "auto") -> list[dict]:
     """
     fmt = _resolve(record, fmt)
     if fmt == "kto":
-        example = {"messages": _prompt_messages(record), "completion": _field(record, "completion"),
+        example = {"messages": _prompt_messages(record), "completion": _reply(record, "completion"),
                    "label": _field(record, "label", bool)}
         return [_with_source(example, record)]
-    if fmt not in ("prompt_completion", "hh_rlhf"):
+    if fmt not in ("prompt_completion", "hh_rlhf", "messages"):
         raise DataError(f"{_where(record)}: format {fmt!r} has no desirable/undesirable labels (kto records or "
                         "chosen/rejected pairs)")
     pair = to_preference_example(record, fmt)
@@ -307,7 +356,7 @@ def to_text_example(record: dict, fmt: str = "auto", field: str = "text") -> dic
     if fmt == "prompt_completion" and "completion" in record:
         messages = _prompt_messages(record)
         prompt = messages[0]["content"] if len(messages) == 1 else messages_to_text(messages)
-        return _with_source({"text": f"{prompt}\n{_field(record, 'completion')}"}, record)
+        return _with_source({"text": f"{prompt}\n{_reply(record, 'completion')}"}, record)
     raise DataError(f"{_where(record)}: format {fmt!r} has no raw-text rendering (use text, gsm8k or "
                     "prompt/completion records)")
 
@@ -331,7 +380,7 @@ def to_eval_problem(record: dict, fmt: str = "auto") -> dict:
         messages, field = _conversation(record)[0], "messages"
     else:
         raise DataError(f"{_where(record)}: format {fmt!r} has no verifiable answers for evaluation")
-    reply = _conversation(record)[1] if fmt == "messages" else _field(record, field)
+    reply = _conversation(record)[1] if fmt == "messages" else _reply(record, field)
     answer = final_answer(reply)
     if answer is None:
         raise DataError(f"{_where(record)}: field '{field}' has no final answer after '####'")
