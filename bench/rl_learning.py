@@ -10,7 +10,8 @@ For each seed, ``posttrain run CONFIG --set seed=S --set storage.root=WORK/seed-
   on the same held-out problems with its standard error (``<policy>_vs_sft/exact_match_gain``,
   ``..._gain_se``): a policy "holds" when its gain is at least minus one standard error;
 - the reward model's held-out pair accuracy and DPO's held-out preference accuracy (before its
-  first step and after its last).
+  first step and after its last); how well the reward model tells right answers from wrong ones
+  among each policy's own (evaluate's ``<policy>/reward_auc``).
 
 A stage "learns" when ``mean(last) - mean(first)`` exceeds twice its standard error,
 ``sqrt(var(first) / w + var(last) / w)`` (sample variances of the ``w`` per-iteration values).
@@ -127,10 +128,11 @@ def policy_gains(metrics: dict[str, float]) -> dict[str, dict[str, float | bool]
 
 
 def _accuracies(summary: dict) -> dict[str, float]:
-    """The reward model's held-out pair accuracy and DPO's held-out preference accuracy (first and
-    last evaluation), where the run has those stages."""
+    """The reward model's held-out pair accuracy, DPO's held-out preference accuracy (first and
+    last evaluation), where the run has those stages, and evaluate's ``<policy>/reward_auc`` (the
+    reward against the verifier on each policy's own answers)."""
     stages = summary.get("stages", {})
-    out = {}
+    out = {k: v for k, v in stages.get("evaluate", {}).get("metrics", {}).items() if k.endswith("/reward_auc")}
     if "reward_model" in stages:
         out["reward_model"] = stages["reward_model"]["metrics"].get("eval/accuracy")
     if "dpo" in stages:
