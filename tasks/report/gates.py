@@ -24,11 +24,14 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer_core.config.stages import QualityGate
 from trainer_core.errors import EXIT_GATE_FAILED, PosttrainError
 from trainer_core.objectives.paired import paired_gain, paired_verdicts
+
+if TYPE_CHECKING:  # the gates judge without MLflow
+    from tasks.report.mlflow_models import Champion
 
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 _NEGATED = {">=": "<", ">": "<=", "<=": ">", "<": ">="}
@@ -109,14 +112,14 @@ class ChampionSamples:
 def _gain_result(
     gate: QualityGate,
     metrics: dict[str, float],
-    champion: tuple[str, dict[str, float]] | None,
+    champion: Champion | None,
     samples: list[dict] | None,
     champion_samples: ChampionSamples | None,
 ) -> GateResult:
     """The ``min_gain_se`` comparison of ``gate`` (see the module docstring)."""
     policy, k = gate.metric.split("/", 1)[0], gate.min_gain_se
     if gate.vs_champion and champion is not None:
-        version = champion[0]
+        version = champion.version
         name, against = f"{policy}_vs_champion/exact_match_gain", f"{k:g} SE (champion v{version})"
         if champion_samples is None:
             return GateResult(name, ">", None, None, against, True,
@@ -139,7 +142,7 @@ def _gain_result(
 def check_gates(
     gates: list[QualityGate],
     metrics: dict[str, float],
-    champion: tuple[str, dict[str, float]] | None,
+    champion: Champion | None,
     stages: list[str] | None = None,
     samples: list[dict] | None = None,
     champion_samples: ChampionSamples | None = None,
@@ -149,7 +152,7 @@ def check_gates(
     Args:
         gates: ``evaluate.gates``.
         metrics: The run's headline metrics, ``{"dpo/exact_match": 0.047, ...}``.
-        champion: The registered model's champion version and its run's metrics, or None.
+        champion: The registered model's champion (its version and its run's metrics), or None.
         stages: The run's stages; a gate on a metric of another stage (:func:`metric_stage`) is
             not judged. None: every gate is judged.
         samples: The rows of this run's evaluate ``samples.jsonl`` (read for ``min_gain_se``
@@ -172,11 +175,10 @@ def check_gates(
         if gate.threshold is not None:
             passed = value is not None and compare(value, gate.threshold)
             results.append(GateResult(gate.metric, gate.op, value, gate.threshold, "threshold", passed))
-        if gate.vs_champion and champion is not None and gate.metric in champion[1]:
-            version, champion_metrics = champion
-            bound = _bound(gate, champion_metrics[gate.metric])
+        if gate.vs_champion and champion is not None and gate.metric in champion.metrics:
+            bound = _bound(gate, champion.metrics[gate.metric])
             passed = value is not None and compare(value, bound)
-            results.append(GateResult(gate.metric, gate.op, value, bound, f"champion v{version}", passed))
+            results.append(GateResult(gate.metric, gate.op, value, bound, f"champion v{champion.version}", passed))
         elif gate.vs_champion:  # no champion (or one without the metric): nothing to fall below
             results.append(GateResult(gate.metric, gate.op, value, None, "no champion yet", value is not None))
         if gate.min_gain_se is not None:

@@ -117,7 +117,7 @@ def register_model_version(
         model_uri: What :func:`log_transformers_model` returned (``models:/<model_id>``), or
             :func:`run_model_uri` of the run that logged it, or any model URI the registry takes
             as a source (a ``runs:/`` URI of plain run artifacts is passed on as it is).
-        run_id: The MLflow run that produced the model (the stage run); :func:`champion_metrics`
+        run_id: The MLflow run that produced the model (the stage run); :func:`read_champion`
             reads the metrics of its parent.
         tags: Tags of the new version.
         tracking_uri: The MLflow tracking URI (the registry is its store, unless
@@ -225,17 +225,3 @@ def read_champion(name: str, *, tracking_uri: str, alias: str = "champion") -> C
     parent_id = run.data.tags.get(TAG_PARENT)
     metrics = client.get_run(parent_id).data.metrics if parent_id else run.data.metrics
     return Champion(str(version.version), dict(metrics), tags)
-
-
-def champion_metrics(
-    name: str, *, tracking_uri: str, alias: str = "champion"
-) -> tuple[str, dict[str, float]] | None:
-    """``(version, metrics)`` of :func:`read_champion` (the form the gates take), or None.
-
-    Raises:
-        MlflowException: as :func:`read_champion`.
-    """
-    champion = read_champion(name, tracking_uri=tracking_uri, alias=alias)
-    return None if champion is None else (champion.version, champion.metrics)
-
-

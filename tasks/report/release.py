@@ -117,9 +117,8 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     """
     config = run.config
     name = config.tracking.registered_model_name
-    found = mlflow_models.read_champion(name, tracking_uri=run.tracking_uri) if name else None
-    champion = (found.version, found.metrics) if found is not None else None
-    champion_samples = _champion_samples(run, found) if found is not None else None
+    champion = mlflow_models.read_champion(name, tracking_uri=run.tracking_uri) if name else None
+    champion_samples = _champion_samples(run, champion) if champion is not None else None
     samples = _read_samples(_samples_uri(results)) if champion_samples is not None else None
     gates: list[GateResult] = check_gates(config.evaluate.gates, headline, champion, list(config.stages),
                                           samples=samples, champion_samples=champion_samples)

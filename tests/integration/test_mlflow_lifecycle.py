@@ -241,7 +241,7 @@ def test_pipeline_metrics_and_champion_of_the_registry(config, store, model_dirs
     client = MlflowClient(uri)
     name = "posttrain-policy"
     assert mlflow_models.model_version_by_alias(name, "champion", tracking_uri=uri) is None
-    assert mlflow_models.champion_metrics(name, tracking_uri=uri) is None
+    assert mlflow_models.read_champion(name, tracking_uri=uri) is None
 
     versions = []
     for i, run_id in enumerate(("reg-run-1", "reg-run-2")):
@@ -264,9 +264,9 @@ def test_pipeline_metrics_and_champion_of_the_registry(config, store, model_dirs
     mlflow_models.set_model_alias(name, "champion", versions[0], tracking_uri=uri)
     mlflow_models.set_model_alias(name, "candidate", versions[1], tracking_uri=uri)
     assert str(mlflow_models.model_version_by_alias(name, "candidate", tracking_uri=uri).version) == "2"
-    assert mlflow_models.champion_metrics(name, tracking_uri=uri) == ("1", {"eval/dpo/win_rate": 0.5, "acc_1": 0.25})
-    assert mlflow_models.read_champion(name, tracking_uri=uri).tags == {"posttrain.run_id": "reg-run-1",
-                                                                        "posttrain.stage": "dpo"}
+    found = mlflow_models.read_champion(name, tracking_uri=uri)
+    assert (found.version, found.metrics) == ("1", {"eval/dpo/win_rate": 0.5, "acc_1": 0.25})
+    assert found.tags == {"posttrain.run_id": "reg-run-1", "posttrain.stage": "dpo"}
     champion = _load(monkeypatch, uri, f"models:/{name}@champion")
     assert type(champion.model).__name__ == "LlamaForCausalLM"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tasks.report.gates import check_gates, gate_failure_message
+from tasks.report.mlflow_models import Champion
 from tasks.report.release import release, release_kind, release_markdown
 from tasks.results import PipelineRun
 from trainer_core.config import load_config
@@ -28,13 +29,13 @@ def test_threshold_gates():
 
 
 def test_champion_gates_with_tolerance():
-    champion = ("3", {"dpo/exact_match": 0.047})
+    champion = Champion("3", {"dpo/exact_match": 0.047}, {})
     [worse] = check_gates([gate(vs_champion=True)], {"dpo/exact_match": 0.041}, champion)
     assert gate_failure_message([worse]) == "gate: dpo/exact_match 0.041 < champion v3 0.047"
     [within] = check_gates([gate(vs_champion=True, tolerance=0.01)], {"dpo/exact_match": 0.041}, champion)
     assert within.passed and within.bound == pytest.approx(0.037)
     lower_better = QualityGate(metric="sft/eval_loss", op="<=", vs_champion=True, tolerance=0.1)
-    [loss] = check_gates([lower_better], {"sft/eval_loss": 0.65}, ("1", {"sft/eval_loss": 0.6}))
+    [loss] = check_gates([lower_better], {"sft/eval_loss": 0.65}, Champion("1", {"sft/eval_loss": 0.6}, {}))
     assert loss.passed and loss.bound == pytest.approx(0.7)
 
 
@@ -73,7 +74,7 @@ def test_gate_config_is_validated():
 def test_gates_on_stages_the_run_does_not_include_are_not_judged():
     gates = [gate(vs_champion=True), QualityGate(metric="grpo_vs_sft/win_rate", threshold=0.5),
              QualityGate(metric="sft/eval_loss", op="<=", threshold=9.0)]
-    results = check_gates(gates, {"sft/eval_loss": 1.0}, ("1", {"dpo/exact_match": 0.5}), ["prepare_data", "sft"])
+    results = check_gates(gates, {"sft/eval_loss": 1.0}, Champion("1", {"dpo/exact_match": 0.5}, {}), ["prepare_data", "sft"])
     assert [r.judged for r in results] == [False, False, True] and all(r.passed for r in results)
     assert gate_failure_message(results) is None
     assert results[0].describe() == "dpo/exact_match not judged (its stage is not in this run)"
@@ -139,7 +140,7 @@ def test_min_gain_se_over_the_champion_pairs_the_two_sample_tables():
     champion_rows = [{"prompt": f"q{i}", "dpo_correct": i < 4} for i in range(10)]
     rows = [{"prompt": f"q{i}", "grpo_correct": i < 7} for i in range(1, 12)]  # q10, q11: not in the champion's
     gate = QualityGate(metric="grpo/exact_match", vs_champion=True, min_gain_se=1.0)
-    champion = ("3", {"grpo/exact_match": 0.4})
+    champion = Champion("3", {"grpo/exact_match": 0.4}, {})
     results = check_gates([gate], {"grpo/exact_match": 0.6}, champion, samples=rows,
                           champion_samples=ChampionSamples("dpo", champion_rows))
     gain, se = paired_gain([i < 4 for i in range(1, 10)], [i < 7 for i in range(1, 10)])

@@ -374,13 +374,14 @@ def to_eval_problem(record: dict, fmt: str = "auto") -> dict:
     fmt = _resolve(record, fmt)
     if fmt == "gsm8k":
         messages, field = [{"role": "user", "content": _field(record, "question")}], "answer"
+        reply = _field(record, field)
     elif fmt == "prompt_completion":
         messages, field = _prompt_messages(record), "completion"
+        reply = _reply(record, field)
     elif fmt == "messages":
-        messages, field = _conversation(record)[0], "messages"
+        (messages, reply), field = _conversation(record), "messages"
     else:
         raise DataError(f"{_where(record)}: format {fmt!r} has no verifiable answers for evaluation")
-    reply = _conversation(record)[1] if fmt == "messages" else _reply(record, field)
     answer = final_answer(reply)
     if answer is None:
         raise DataError(f"{_where(record)}: field '{field}' has no final answer after '####'")
