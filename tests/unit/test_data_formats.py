@@ -99,7 +99,7 @@ def test_messages_sft_example_and_eval_problem():
         (CHAT[-1:], r"c:2: field 'messages' has no turn before its assistant reply"),
         ([], r"c:2: field 'messages' is an empty message list"),
         ("hello", r"c:2: field 'messages' must be list, got str"),
-        ([{"role": "tool", "content": "x"}, CHAT[-1]], r"c:2: field 'messages'\[0\] must be"),
+        ([{"role": "bot", "content": "x"}, CHAT[-1]], r"c:2: field 'messages'\[0\] must be"),
     ],
 )
 def test_messages_errors_name_source_and_field(messages, pattern):
@@ -150,6 +150,49 @@ def test_trl_conversational_formats_give_the_canonical_examples():
 def test_conversational_pair_errors_name_source_and_field(record, pattern):
     with pytest.raises(DataError, match=pattern):
         to_preference_example({**record, "_source": "p:4"})
+
+
+def test_tool_conversations_keep_their_calls_and_outputs():
+    """A conversation with tool use (transformers' chat format): the assistant's ``tool_calls`` (a
+    JSON-string ``arguments`` parsed, no ``content`` read as empty) and the ``tool`` turn's name
+    are kept for the chat template; the last assistant turn is the completion."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "3+2"}'}}
+    record = {"messages": [{"role": "user", "content": "3+2?"}, {"role": "assistant", "tool_calls": [call]},
+                           {"role": "tool", "name": "calculator", "content": "5", "extra": 1},
+                           {"role": "assistant", "content": "#### 5"}]}
+    ex = to_sft_example(record)
+    parsed = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3+2"}}}
+    assert ex["messages"] == [{"role": "user", "content": "3+2?"},
+                              {"role": "assistant", "content": "", "tool_calls": [parsed]},
+                              {"role": "tool", "content": "5", "name": "calculator"}]
+    assert (ex["completion"], ex["answer"]) == ("#### 5", "5")
+    assert ex["prompt"] == 'User: 3+2?\n\nAssistant: [calculator({"expression": "3+2"})]\n\nTool: 5'
+
+
+@pytest.mark.parametrize(
+    ("message", "pattern"),
+    [
+        ({"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]},
+         r"t:1: field 'messages'\[1\]\['tool_calls'\]\[0\] must be \{'function'"),
+        ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+         r"t:1: field 'messages'\[1\]\['tool_calls'\]\[0\] arguments are not JSON"),
+        ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]},
+         r"must be \{'function': \{'name': str, 'arguments': object\}\}"),
+        ({"role": "tool"}, r"t:1: field 'messages'\[1\] must be \{'role'"),
+    ],
+)
+def test_tool_message_errors_name_source_and_field(message, pattern):
+    record = {"messages": [{"role": "user", "content": "q"}, message, {"role": "assistant", "content": "a"}],
+              "_source": "t:1"}
+    with pytest.raises(DataError, match=pattern):
+        to_sft_example(record)
+
+
+def test_a_conversation_ending_in_a_tool_call_has_no_completion():
+    call = {"function": {"name": "f", "arguments": {}}}
+    with pytest.raises(DataError, match=r"t:2: field 'messages' ends with a tool call"):
+        to_sft_example({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call]}],
+                        "_source": "t:2"})
 
 
 def test_hh_sft_example_uses_chosen_reply():

@@ -133,11 +133,17 @@ def test_real_files_with_pretrained_tokenizer_and_eval_source(tmp_path):
     assert manifest.metrics["num_preference_train"] + manifest.metrics["num_preference_eval"] <= 30
 
 
+def _call(i: int) -> dict:
+    return {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{i}+1"}}}
+
+
 def test_conversations_count_every_assistant_turn(tmp_path):
     """``messages`` records with ``data.assistant_turns: all``: each SFT row's loss mask covers both
-    assistant replies (their text and end of turn), nothing else; ``last`` covers the final one."""
+    assistant replies (their text, the first one's tool call and end of turn), never the tool's
+    output or the user's turns; ``last`` covers the final reply alone."""
     rows = [{"messages": [{"role": "user", "content": f"Tom has {i} apples."},
-                          {"role": "assistant", "content": f"{i}+1={i + 1}"},
+                          {"role": "assistant", "content": f"{i}+1=", "tool_calls": [_call(i)]},
+                          {"role": "tool", "name": "calculator", "content": f"{i + 1}"},
                           {"role": "user", "content": "And now?"},
                           {"role": "assistant", "content": f"#### {i + 1}"}]} for i in range(20)]
     sft = _jsonl(tmp_path / "chat.jsonl", rows)
@@ -150,8 +156,10 @@ def test_conversations_count_every_assistant_turn(tmp_path):
         row = load_split(out, "sft/train")[0]
         counted[turns] = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
         i = int(row["completion"].removeprefix("#### ")) - 1
-    assert counted["all"] == f"{i}+1={i + 1}<|end|>\n#### {i + 1}<|end|>\n"
+    call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{i}+1"}}}}\n</tool_call>'
+    assert counted["all"] == f"{i}+1=\n{call}<|end|>\n#### {i + 1}<|end|>\n"
     assert counted["last"] == f"#### {i + 1}<|end|>\n"
+    assert json.loads(row["messages_json"])[1]["tool_calls"] == [_call(i)]
 
 
 def test_train_rows_with_an_eval_problem_prompt_are_dropped(tmp_path):

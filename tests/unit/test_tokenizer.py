@@ -64,8 +64,8 @@ def test_chat_template_rendering(tok):
     assert tok.apply_chat_template(msgs, tokenize=False) == expected == render_chat(msgs)
     gen = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert gen == expected + "<|assistant|>\n" == render_chat(msgs, add_generation_prompt=True)
-    with pytest.raises(DataError, match="unknown chat role: tool"):
-        render_chat([{"role": "tool", "content": "x"}])
+    with pytest.raises(DataError, match="unknown chat role: function"):
+        render_chat([{"role": "function", "content": "x"}])
 
 
 def test_save_and_reload_with_auto_tokenizer(tok, tmp_path, records):
@@ -195,6 +195,32 @@ def test_encode_chat_counts_every_assistant_turn(tok):
     last = encode_chat(tok, CONVERSATION, "7", max_length=128, max_prompt_length=96)
     assert last["input_ids"] == ids
     assert "".join(tok.decode([i]) for i, m in zip(ids, last["loss_mask"]) if m) == "7<|end|>\n"
+
+
+CALL = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3+2"}}}
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Tom has 3 apples and gets 2."},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "name": "calculator", "content": "5"},
+]
+
+
+def test_encode_chat_never_counts_a_tool_output(tok):
+    """A tool conversation with ``assistant_turns="all"``: the assistant's tool call (its text and
+    end of turn) and the final reply are counted, the tool's output (a user turn holding
+    ``<tool_response>``) is not; the ids are those of the whole rendering, which transformers'
+    own rendering of the template equals (``tojson`` included: nothing HTML-escaped)."""
+    enc = encode_chat(tok, TOOL_CONVERSATION, "He has 5.", 256, 192, assistant_turns="all")
+    ids, mask = enc["input_ids"], enc["loss_mask"]
+    whole = render_chat(TOOL_CONVERSATION + [{"role": "assistant", "content": "He has 5."}])
+    assert whole == tok.apply_chat_template(TOOL_CONVERSATION + [{"role": "assistant", "content": "He has 5."}],
+                                            tokenize=False)
+    assert ids == tok(whole, add_special_tokens=False)["input_ids"]
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3+2"}}\n</tool_call><|end|>\n'
+    assert "".join(tok.decode([i]) for i, m in zip(ids, mask) if m) == call + "He has 5.<|end|>\n"
+    response = "<|user|>\n<tool_response>\n5\n</tool_response><|end|>\n"
+    assert response in whole and response not in "".join(tok.decode([i]) for i, m in zip(ids, mask) if m)
+    assert render_chat([{"role": "assistant", "content": "a", "tool_calls": [CALL, CALL]}]).count("\n<tool_call>") == 2
 
 
 def test_encode_chat_all_turns_truncates_the_prompt_from_the_left(tok):

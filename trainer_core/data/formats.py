@@ -18,7 +18,8 @@ Formats (``DataSource.format``):
 - ``messages``: ``{"messages": [{"role", "content"}, ...]}``, a conversation ending in an
   assistant turn (the chat format of Hugging Face datasets and TRL): for SFT the last assistant
   turn is the completion and the turns before it the prompt (earlier assistant replies counted
-  in the loss with ``data.assistant_turns: all``); for evaluation its final answer is the answer.
+  in the loss with ``data.assistant_turns: all``; ``tool`` turns never), ending in a text reply;
+  for evaluation its final answer is the answer. Messages may call tools (:data:`ROLES`).
   A preference pair as two such conversations, ``{"chosen": [...], "rejected": [...]}``, that
   share every turn but the last assistant reply (TRL's implicit-prompt conversational preference
   format); for KTO each side is one example.
@@ -40,6 +41,7 @@ Each carries the input's ``"_source"`` (``file:line``) when it had one. Every er
 
 from __future__ import annotations
 
+import json
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -49,8 +51,11 @@ from trainer_core.errors import DataError
 FORMATS = ("prompt_completion", "gsm8k", "hh_rlhf", "kto", "messages", "text")
 """Concrete record formats (``"auto"`` resolves to one of these)."""
 
-ROLES = ("system", "user", "assistant")
-"""Chat roles a message may have."""
+ROLES = ("system", "user", "assistant", "tool")
+"""Chat roles a message may have. A ``tool`` message (a tool's output; optional ``name`` and
+``tool_call_id`` strings) is never counted in a loss; an assistant message may carry
+``tool_calls``, ``[{"type": "function", "function": {"name": str, "arguments": dict or JSON
+string}}]`` (the chat format of transformers' templates), with empty or no ``content``."""
 
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 _HH_ROLE = {"Human": "user", "Assistant": "assistant"}
@@ -136,14 +141,48 @@ def _prompt_messages(record: dict, name: str = "prompt") -> list[dict[str, str]]
         return [{"role": "user", "content": prompt}]
     if not prompt:
         raise DataError(f"{_where(record)}: field '{name}' is an empty message list")
-    messages = []
-    for i, m in enumerate(prompt):
-        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-            raise DataError(
-                f"{_where(record)}: field '{name}'[{i}] must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}"
-            )
-        messages.append({"role": m["role"], "content": m["content"]})
-    return messages
+    return [_message(record, f"{name}'[{i}]", m) for i, m in enumerate(prompt)]
+
+
+def _message(record: dict, where: str, m: Any) -> dict[str, Any]:
+    """One chat message, checked: role and content, and (see :data:`ROLES`) an assistant's
+    ``tool_calls`` (JSON-string arguments parsed) or a tool's ``name`` / ``tool_call_id``.
+
+    Raises:
+        DataError: naming the source and ``field'[i]`` (``where``).
+    """
+    calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+    content = m.get("content") if isinstance(m, dict) else None
+    if calls and content is None:
+        content = ""
+    if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(content, str)):
+        raise DataError(f"{_where(record)}: field '{where} must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}")
+    message: dict[str, Any] = {"role": m["role"], "content": content}
+    if calls:
+        message["tool_calls"] = [_tool_call(record, f"{where}['tool_calls'][{j}]", c) for j, c in enumerate(calls)]
+    if m["role"] == "tool":
+        message |= {k: m[k] for k in ("name", "tool_call_id") if isinstance(m.get(k), str)}
+    return message
+
+
+def _tool_call(record: dict, where: str, call: Any) -> dict[str, Any]:
+    """``{"type": "function", "function": {"name", "arguments": dict}}`` of one tool call.
+
+    Raises:
+        DataError: no function name, or arguments that are not an object (or a JSON string of one).
+    """
+    function = call.get("function") if isinstance(call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    arguments = function.get("arguments", {}) if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{_where(record)}: field '{where} arguments are not JSON: {e}") from None
+    if not (isinstance(name, str) and name and isinstance(arguments, dict)):
+        raise DataError(f"{_where(record)}: field '{where} must be {{'function': {{'name': str, 'arguments': "
+                        f"object}}}}, got {call!r}")
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _conversation(record: dict, name: str = "messages") -> tuple[list[dict[str, str]], str]:
@@ -161,6 +200,9 @@ def _conversation(record: dict, name: str = "messages") -> tuple[list[dict[str, 
                         f"got role {messages[-1]['role']!r} last")
     if len(messages) < 2:
         raise DataError(f"{_where(record)}: field '{name}' has no turn before its assistant reply")
+    if "tool_calls" in messages[-1]:
+        raise DataError(f"{_where(record)}: field '{name}' ends with a tool call; the last assistant turn (the "
+                        "completion) must be text")
     return messages[:-1], messages[-1]["content"]
 
 
@@ -196,9 +238,14 @@ def _conversation_pair(record: dict) -> dict:
     return {"messages": prompt, "chosen": chosen, "rejected": _conversation(record, "rejected")[1]}
 
 
-def messages_to_text(messages: list[dict[str, str]]) -> str:
-    """Plain-text rendering of chat messages (``Role: content`` paragraphs), for display."""
-    return "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
+def messages_to_text(messages: list[dict[str, Any]]) -> str:
+    """Plain-text rendering of chat messages (``Role: content`` paragraphs; a tool call as
+    ``[name(arguments)]``), for display."""
+    def text(m: dict[str, Any]) -> str:
+        calls = [f"[{c['function']['name']}({json.dumps(c['function']['arguments'])})]" for c in m.get("tool_calls", [])]
+        return " ".join(t for t in (m["content"], *calls) if t)
+
+    return "\n\n".join(f"{m['role'].capitalize()}: {text(m)}" for m in messages)
 
 
 def parse_hh_dialogue(text: str, where: str, field: str) -> list[dict[str, str]]:

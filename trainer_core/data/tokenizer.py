@@ -10,6 +10,7 @@ learns to stop). Lists of token ids here are plain Python ``list[int]``.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
@@ -34,16 +35,30 @@ SPECIAL_TOKENS: dict[str, str] = {
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{- raise_exception('unknown chat role: ' + message['role']) }}"
     "{%- endif %}"
-    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' + eos_token + '\\n' }}"
+    "{%- else %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{%- for call in message['tool_calls'] | default([], true) %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson"
+    " + '\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- eos_token + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
 )
 """Jinja chat template: ``<|role|>\\n{content}<|end|>\\n`` per message, then ``<|assistant|>\\n``
 with ``add_generation_prompt``. ``eos_token`` is the tokenizer's, so this also serves as the
-fallback template of a loaded tokenizer that has none."""
+fallback template of a loaded tokenizer that has none. Tool use as Qwen2.5's and Hermes'
+templates write it: an assistant message's ``tool_calls`` follow its content (after a newline,
+when there is content), one ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
+each, newline-separated; and a ``tool`` message is a
+user turn ``<tool_response>\\n{content}\\n</tool_response>``."""
 
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS.values()))
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
@@ -110,12 +125,18 @@ def _raise_template_error(message: str) -> None:
     raise DataError(f"chat template: {message}")
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    """The ``tojson`` filter of transformers' chat templates (``json.dumps``, nothing escaped)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @functools.lru_cache(maxsize=4)
 def _compiled_template(template: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_template_error
+    env.filters["tojson"] = _tojson  # transformers' own (Jinja's escapes HTML characters)
     return env.from_string(template)
 
 
@@ -126,7 +147,7 @@ def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = Fa
     tokenize=False)`` for a tokenizer from :func:`train_tokenizer`; used to make its training texts.
 
     Raises:
-        DataError: a message has a role other than system / user / assistant.
+        DataError: a message has a role other than system / user / assistant / tool.
     """
     return _compiled_template(CHAT_TEMPLATE).render(
         messages=messages, add_generation_prompt=add_generation_prompt, eos_token=SPECIAL_TOKENS["eos"]
