@@ -50,8 +50,8 @@ Not covered, for want of an equivalent on the other side: TRL's ``scale_rewards=
 ``importance_sampling_level="sequence"`` (GSPO), the two-sided clip ``delta``, the ``cispo`` /
 ``sapo`` / ``vespo`` / ``luspo`` losses, the entropy bonus and entropy mask,
 ``mask_truncated_completions``, ``off_policy_mask_threshold``, ``multi_objective_aggregation``
-and vLLM's importance sampling; the project's ``kl_estimator: k1``, the ``rloo`` and
-``reinforce_pp`` estimators, DAPO's dynamic sampling and overlong shaping,
+and vLLM's importance sampling; the project's ``kl_estimator: k1``, the ``reinforce_pp``
+estimator (``rloo`` is ``test_rloo_parity.py``'s), DAPO's dynamic sampling and overlong shaping,
 ``importance_sampling_cap``, ``ptx_coef`` and the adaptive KL controller.
 
 Tolerance: 1e-5 (the issue's bar). Both sides run the same fp32 arithmetic in another order: the
