@@ -147,7 +147,7 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     mlflow_models.set_model_alias(name, alias, version, tracking_uri=run.tracking_uri)
     outcome["registered_model"] = {
         "name": name, "version": version, "alias": alias, "stage": stage, "model_uri": model_uri,
-        "previous_champion": champion[0] if champion else None,
+        "previous_champion": champion.version if champion else None,
     }
     return outcome
 
