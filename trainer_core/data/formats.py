@@ -231,11 +231,11 @@ def _conversation_pair(record: dict) -> dict:
         DataError: a side is not a conversation ending in an assistant reply (as
             :func:`_conversation`), or the two differ before it.
     """
-    prompt, chosen = _conversation(record, "chosen")
-    if _conversation(record, "rejected")[0] != prompt:
+    (prompt, chosen), (rejected_prompt, rejected) = _conversation(record, "chosen"), _conversation(record, "rejected")
+    if rejected_prompt != prompt:
         raise DataError(f"{_where(record)}: fields 'chosen'/'rejected' do not share all turns but the last "
                         "assistant reply")
-    return {"messages": prompt, "chosen": chosen, "rejected": _conversation(record, "rejected")[1]}
+    return {"messages": prompt, "chosen": chosen, "rejected": rejected}
 
 
 def messages_to_text(messages: list[dict[str, Any]]) -> str:
@@ -312,12 +312,8 @@ def to_sft_example(record: dict, fmt: str = "auto") -> dict:
         completion = _reply(record, "completion")
         example = {"prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
                    "completion": completion, "messages": messages, "answer": final_answer(completion)}
-    elif fmt == "hh_rlhf":
-        pair = _hh_pair(record)
-        example = {"prompt": messages_to_text(pair["messages"]), "completion": pair["chosen"],
-                   "messages": pair["messages"], "answer": None}
-    elif fmt == "messages" and "messages" not in record and "chosen" in record:
-        pair = _conversation_pair(record)
+    elif fmt == "hh_rlhf" or (fmt == "messages" and "messages" not in record and "chosen" in record):
+        pair = _hh_pair(record) if fmt == "hh_rlhf" else _conversation_pair(record)
         example = {"prompt": messages_to_text(pair["messages"]), "completion": pair["chosen"],
                    "messages": pair["messages"], "answer": None}
     elif fmt == "messages":
