@@ -5,7 +5,9 @@ For each seed, ``posttrain run CONFIG --set seed=S --set storage.root=WORK/seed-
 
 - GRPO: the mean verifier reward (``reward_mean``) of the first and of the last ``--window``
   iterations;
-- PPO: the reward model's mean score (``objective/scores``) likewise;
+- PPO: its mean reward (``objective/scores``) likewise;
+- each part of a weighted reward (``reward/<name>``, e.g. the reward model's own score beside the
+  verifier's in the demo's PPO) likewise, as ``<stage> reward/<name>``;
 - evaluate: exact match of every policy (``summary.json``), and each one's paired gain over SFT
   on the same held-out problems with its standard error (``<policy>_vs_sft/exact_match_gain``,
   ``..._gain_se``): a policy "holds" when its gain is at least minus one standard error;
@@ -90,7 +92,8 @@ def _run_demo(config: str, seed: int, root: Path, overrides: list[str]) -> tuple
 
 
 def _histories(root: Path, stages: list[str]) -> dict[str, list[float]]:
-    """Per-iteration values of :data:`CURVES` for ``stages`` from the run's MLflow store."""
+    """Per-iteration values of :data:`CURVES` for ``stages`` from the run's MLflow store, and of
+    each part of a weighted reward (``reward/<name>``, unweighted) as ``<stage> reward/<name>``."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
@@ -101,10 +104,11 @@ def _histories(root: Path, stages: list[str]) -> dict[str, list[float]]:
         matching = [r for r in runs if r.info.run_name == stage]
         if not matching:
             raise RuntimeError(f"no MLflow run named {stage!r} under {root}")
-        by_step: dict[int, float] = {}
-        for m in client.get_metric_history(matching[0].info.run_id, CURVES[stage]):
-            by_step[m.step] = m.value
-        out[stage] = [by_step[s] for s in sorted(by_step)]
+        run = matching[0]
+        parts = sorted(k for k in run.data.metrics if k.startswith("reward/"))
+        for key, metric in [(stage, CURVES[stage]), *((f"{stage} {k}", k) for k in parts)]:
+            by_step = {m.step: m.value for m in client.get_metric_history(run.info.run_id, metric)}
+            out[key] = [by_step[s] for s in sorted(by_step)]
     return out
 
 
@@ -162,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         em = row["exact_match"]
         print(f"seed {seed}: {seconds:.0f} s; " + "; ".join(
-            f"{stage} {CURVES[stage]} first {row[stage]['first']:.4f} last {row[stage]['last']:.4f} "
-            f"gain {row[stage]['gain']:+.4f} (2 SE {2 * row[stage]['se']:.4f}: "
-            f"{'learns' if row[stage]['learns'] else 'NOT shown'})" for stage in args.judge
+            f"{curve if curve not in CURVES else f'{curve} {CURVES[curve]}'} first {row[curve]['first']:.4f} "
+            f"last {row[curve]['last']:.4f} gain {row[curve]['gain']:+.4f} (2 SE {2 * row[curve]['se']:.4f}: "
+            f"{'learns' if row[curve]['learns'] else 'NOT shown'})" for curve in histories
         ) + f"; exact match {json.dumps(em, sort_keys=True)}", flush=True)
         print(f"seed {seed}: vs SFT " + "; ".join(
             f"{policy} {g['gain']:+.4f} (SE {g['se']:.4f}: {'holds' if g['holds'] else 'WORSE'})"

@@ -70,6 +70,9 @@ def test_demo_config_through_the_cli(demo_run):
     """configs/demo.yaml on the single backend, score and evaluate through the static engine (the
     session's shared run, ``demo_run``)."""
     check_demo_summary(demo_run.summary, demo_run.root, {name: ("single", 1) for name in TRAINED})
+    # PPO's reward is the reward model's score plus the verifier's (weights 1.0): each part logged
+    ppo = demo_run.summary["stages"]["ppo"]["metrics"]
+    assert ppo["reward_mean"] == pytest.approx(ppo["reward/reward_model"] + ppo["reward/verifier"], abs=1e-5)
 
 
 STAGE_OUTPUT = re.compile(

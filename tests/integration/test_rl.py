@@ -91,15 +91,25 @@ def rl_spec_path(pipeline: TinyPipeline, stage: str, name: str, config=None, mod
     return write_spec(spec, os.path.join(pipeline.root, "specs", f"rl-{name}.json")), output
 
 
+TOOLS = {"grpo.environment": {"name": "tests.integration.tool_envs:Counter", "kwargs": {"every": 12}}}
+"""GRPO's multi-turn rollouts with a user's deterministic tool, by import path."""
+
+
+def _config(pipeline: TinyPipeline, run: str):
+    """The config of ``run``: ``ppo``, ``grpo`` or ``grpo-tools`` (GRPO with :data:`TOOLS`)."""
+    return rl_config(pipeline, run.split("-")[0], **(TOOLS if run == "grpo-tools" else {}))
+
+
 @pytest.fixture(scope="module")
 def rl_baselines(tiny_pipeline: TinyPipeline) -> dict[str, tuple[str, StageRun]]:
-    """One uninterrupted PPO and one GRPO run: stage -> (output URI, run)."""
+    """One uninterrupted PPO, GRPO and GRPO-with-a-tool run: run name -> (output URI, run)."""
     out = {}
-    for stage in ("ppo", "grpo"):
-        path, output = rl_spec_path(tiny_pipeline, stage, f"{stage}-baseline")
+    for name in ("ppo", "grpo", "grpo-tools"):
+        path, output = rl_spec_path(tiny_pipeline, name.split("-")[0], f"{name}-baseline",
+                                    config=_config(tiny_pipeline, name))
         run = run_stage(path)
         assert run.returncode == 0, run.tail()
-        out[stage] = (output, run)
+        out[name] = (output, run)
     return out
 
 
@@ -130,18 +140,30 @@ def test_grpo_runs_and_logs_group_metrics(rl_baselines):
     assert "value_head.safetensors" not in storage.list_files(StageLayout(output).final)
 
 
-@pytest.mark.parametrize("stage", ["ppo", "grpo"])
-def test_sigkill_mid_run_then_resume_matches_uninterrupted(tiny_pipeline, rl_baselines, stage):
+def test_grpo_with_a_users_tool_calls_it_and_logs_the_episodes(rl_baselines):
+    """The tool (by import path) is called in most episodes of every iteration; its tokens are
+    observations, its reward (0.25 a call) is in the scores."""
+    _, run = rl_baselines["grpo-tools"]
+    for metrics in run.step_metrics().values():
+        calls = float(metrics["env/tool_calls"])
+        assert calls > 0.5 and float(metrics["env/observation_tokens"]) >= 2 * calls
+        assert float(metrics["env/tool_errors"]) == 0 and float(metrics["reward_mean"]) >= 0.25 * calls
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo", "grpo-tools"])
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(tiny_pipeline, rl_baselines, name):
     """Killed once step-4 is committed and later steps ran; the relaunch resumes from step 4 and
-    prints the same metrics for steps 5-8 and writes the same final weights as the baseline."""
-    path, output = rl_spec_path(tiny_pipeline, stage, f"{stage}-killed")
+    prints the same metrics for steps 5-8 and writes the same final weights as the baseline (with
+    a deterministic tool too: multi-turn rollouts resume bit-identically)."""
+    stage = name.split("-")[0]
+    path, output = rl_spec_path(tiny_pipeline, stage, f"{name}-killed", config=_config(tiny_pipeline, name))
     committed = after_checkpoint(output, SAVE_EVERY)
     killed = run_stage(path, kill_when=lambda lines: committed(lines) and any(f"[{stage}] step 6:" in x for x in lines))
     assert killed.killed
     resumed = run_stage(path)
     assert resumed.returncode == 0, resumed.tail()
     assert any("resumed from" in line and "step-00000004" in line for line in resumed.lines), resumed.tail()
-    base_output, base_run = rl_baselines[stage]
+    base_output, base_run = rl_baselines[name]
     want = {s: m for s, m in base_run.step_metrics().items() if s > SAVE_EVERY}
     assert resumed.step_metrics() == want
     assert_same_weights(final_weights(output), final_weights(base_output))
@@ -198,6 +220,8 @@ _TREND_OVERRIDES = {
     # model's own likelihood, is highest on SFT's answers: PPO without the ptx term lowers it;
     # README, "Online RL").
     "reward_model.parameterization": "scalar_head",
+    # Pinned: the reward model's score alone (the demo's PPO adds the verifier's since 2026-11-29).
+    "ppo.reward.kind": "reward_model",
     "reward_model.learning_rate": 5.0e-4,
     "reward_model.max_steps": 30,
     "reward_model.micro_batch_size": 16,

@@ -193,7 +193,7 @@ class ReplayEngine(GenerationEngine):
     def __init__(self) -> None:
         self.rows: list[tuple[int, int]] = []
 
-    def _sample(self, prompt_ids, prompt_mask, gen, eos_id, pad_id, generator) -> Generated:
+    def _sample(self, prompt_ids, prompt_mask, gen, eos_id, pad_id, generator, session=None) -> Generated:
         assert gen.max_new_tokens == MAX_NEW_TOKENS and eos_id == EOS_ID and pad_id == PAD_ID
         seen: dict[int, int] = {}
         for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):

@@ -59,6 +59,10 @@ def test_weighted_reward_sums_parts():
     constant = lambda prompts, completions: torch.ones(len(completions))
     fn = WeightedReward([(0.5, VerifierReward(0.1)), (2.0, constant)])
     assert fn([_prompt()] * 2, ["#### 8", "?"]).tolist() == pytest.approx([2.55, 2.0])
+    total, parts = fn.scored_parts([_prompt()] * 2, ["#### 8", "?"])
+    assert total.tolist() == pytest.approx([2.55, 2.0])
+    (other,) = set(parts) - {"verifier"}
+    assert parts["verifier"].tolist() == pytest.approx([1.1, 0.0]) and parts[other].tolist() == [1.0, 1.0]
     with pytest.raises(ValueError):
         WeightedReward([])
 

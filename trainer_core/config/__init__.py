@@ -30,6 +30,7 @@ from trainer_core.config.sections import (
 )
 from trainer_core.config.stages import (
     DPOConfig,
+    EnvironmentConfig,
     EvaluateConfig,
     GenerationConfig,
     GRPOConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "DPOConfig",
     "DataConfig",
     "DataSource",
+    "EnvironmentConfig",
     "EvaluateConfig",
     "GRPOConfig",
     "GenerationConfig",

@@ -309,6 +309,22 @@ class QualityGate(ConfigBase):
         return self
 
 
+class EnvironmentConfig(ConfigBase):
+    """A tool environment the policy calls while it generates (multi-turn rollouts; see
+    trainer_core.training.rl.environments)."""
+
+    name: str = Field(
+        ..., description="'calculator' (GSM8K's: on '<<expr=' it appends 'result>>') or an import path "
+        "'package.module:Class' of an Environment (reset, find_call, step)."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of its constructor.")
+    max_tool_calls: int = Field(8, ge=1, description="Tool calls per episode at most; later ones are not looked for.")
+    max_observation_tokens: int = Field(32, ge=1, description="An observation is cut to this many tokens.")
+    tool_timeout_s: float = Field(
+        5.0, gt=0, description="A tool call running longer is a tool error (observed, counted in env/tool_errors)."
+    )
+
+
 class EvaluateConfig(ConfigBase):
     """Held-out evaluation of every trained stage."""
 
@@ -317,6 +333,10 @@ class EvaluateConfig(ConfigBase):
     eval_max_batches: int = Field(16, ge=1, description="Max micro-batches per loss/accuracy evaluation.")
     micro_batch_size: int = Field(16, ge=1, description="Examples per forward in loss/accuracy evaluation.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Generation settings.")
+    environment: EnvironmentConfig | None = Field(
+        None, description="A tool environment every policy's exact-match answers are generated with (as the RL "
+        "stage's, e.g. the calculator); None: without tools."
+    )
     gates: list[QualityGate] = Field(
         default_factory=list,
         description="Quality gates the final policy must pass to get the registered model's 'champion' alias; "
@@ -432,6 +452,10 @@ class GRPOConfig(RLStageConfig):
     """GRPO: G samples per prompt, group-normalised advantages, no critic."""
 
     group_size: int = Field(4, ge=2, description="Completions sampled per prompt (G).")
+    environment: EnvironmentConfig | None = Field(
+        None, description="A tool environment for multi-turn rollouts (its tokens masked from every loss term); "
+        "None: single-turn. Not on PPO: its GAE over observation tokens is not built."
+    )
     scale_rewards: bool = Field(
         True, description="'grpo' estimator: divide group advantages by the group std (False: as 'dr_grpo')."
     )

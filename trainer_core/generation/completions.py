@@ -9,6 +9,7 @@ completion and reads the score at the last non-padding token.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +24,7 @@ from trainer_core.modeling.forward import sequence_rewards
 
 if TYPE_CHECKING:
     from trainer_core.backends import Backend
+    from trainer_core.training.rl.environments import ToolSession
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: DataConfig) -> list[int]:
@@ -47,20 +49,15 @@ def check_generation_engine(field: str, gen: GenerationConfig, backend: Backend)
 
 @torch.no_grad()
 def generate_completions(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[list[int]],
-    gen: GenerationConfig,
-    device: torch.device,
-    seed: int,
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], gen: GenerationConfig,
+    device: torch.device, seed: int, session_for: Callable[[int, int], ToolSession] | None = None,
 ) -> list[str]:
     """Generate one completion per prompt, ``gen.batch_size`` prompts at a time.
 
-    With ``gen.engine`` "hf", transformers' ``generate`` (sampling seeded through
-    ``torch.manual_seed``); with "static", :class:`trainer_core.generation.engines.StaticCacheEngine`
-    (its cache kept from batch to batch while it fits, reserved again for a batch of another
-    size, released at the end; sampling from a generator seeded with ``seed``). Greedy decoding
-    picks the same tokens in both, up to the float rounding of their different attention kernels.
+    With ``gen.engine`` "hf", transformers' ``generate`` (sampling seeded through ``torch.manual_seed``);
+    with "static", :class:`trainer_core.generation.engines.StaticCacheEngine` (its cache kept while it
+    fits, released at the end; sampling from a generator seeded with ``seed``). Greedy decoding picks
+    the same tokens in both, up to the float rounding of their different attention kernels.
 
     Args:
         model: a causal LM in eval mode (unsharded for "static").
@@ -69,9 +66,12 @@ def generate_completions(
         gen: max new tokens, temperature (0 = greedy), top-p, batch size, engine.
         device: where ``model`` is.
         seed: seeds sampling, so the same call gives the same completions.
+        session_for: with a tool, ``session_for(start, stop)`` gives the ``ToolSession`` of prompts
+            ``start:stop`` (a batch); "hf" then samples through ``HFEngine`` (``generate`` cannot
+            feed observations).
 
     Returns:
-        The decoded completions (special tokens dropped), in prompt order.
+        The decoded completions (special tokens dropped, observations kept), in prompt order.
 
     Raises:
         ValueError: "static" with a sharded ``model`` (FSDP2, ZeRO-3): see
@@ -82,7 +82,7 @@ def generate_completions(
     was_training = model.training
     model.eval()
     engine = None
-    if gen.engine != "hf":
+    if gen.engine != "hf" or session_for is not None:
         from trainer_core.generation.engines import build_engine
 
         engine = build_engine(gen.engine, model, device=device, compile=gen.compile,
@@ -93,9 +93,10 @@ def generate_completions(
             rows = [{"input_ids": p} for p in prompts[start : start + gen.batch_size]]
             batch = {k: v.to(device) for k, v in collate_prompts_left(rows, tokenizer.pad_token_id).items()}
             if engine is not None:
+                session = None if session_for is None else session_for(start, start + len(rows))
                 new_tokens = engine.generate(batch["input_ids"], batch["attention_mask"], gen,
                                              eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                                             generator=generator).completion_ids
+                                             generator=generator, session=session).completion_ids
             else:
                 new_tokens = _hf_generate(model, batch, gen, tokenizer)
             out.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))

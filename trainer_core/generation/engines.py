@@ -60,7 +60,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -81,6 +81,9 @@ from trainer_core.generation.static_decode import (
     typed_static_cache,
 )
 
+if TYPE_CHECKING:
+    from trainer_core.training.rl.environments import ToolSession
+
 CHECK_EVERY_STEPS = 16
 """Decode steps between "all rows ended?" host reads with a compiled (CUDA-graph) decode step."""
 
@@ -95,14 +98,25 @@ class Generated:
 
     Attributes:
         completion_ids: [N, T] long, sampled tokens (EOS included), ``pad_id`` after a row's end.
-        completion_mask: [N, T] float, 1 = a real completion token.
+        completion_mask: [N, T] float, 1 = a real completion token (the policy's or a tool's).
         logprobs: [N, T] float32, the sampler's log-probs of ``completion_ids`` under the
-            temperature-scaled distribution without the top-p cut, 0 on padding.
+            temperature-scaled distribution without the top-p cut, 0 on padding and on
+            observation tokens.
+        observation_mask: [N, T] float, 1 = a token an environment fed (a tool's output), or
+            None (no environment: every real token is the policy's).
     """
 
     completion_ids: Tensor
     completion_mask: Tensor
     logprobs: Tensor
+    observation_mask: Tensor | None = None
+
+    @property
+    def policy_mask(self) -> Tensor:
+        """[N, T] float, 1 = a token the policy sampled (real and not an observation)."""
+        if self.observation_mask is None:
+            return self.completion_mask
+        return self.completion_mask * (1.0 - self.observation_mask)
 
 
 class GenerationEngine(abc.ABC):
@@ -119,9 +133,10 @@ class GenerationEngine(abc.ABC):
     @torch.no_grad()
     def generate(
         self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, *, eos_id: int, pad_id: int,
-        generator: torch.Generator,
+        generator: torch.Generator, session: ToolSession | None = None,
     ) -> Generated:
-        """Sample up to ``gen.max_new_tokens`` tokens after each prompt.
+        """Sample up to ``gen.max_new_tokens`` tokens after each prompt (observation tokens of
+        ``session`` included).
 
         Args:
             prompt_ids: [N, P] long, left-padded.
@@ -130,12 +145,20 @@ class GenerationEngine(abc.ABC):
             eos_id: a row ends after it samples this token.
             pad_id: written after a row's end.
             generator: the only source of randomness (on the model's device).
+            session: an environment's episodes, one per row (a ``ToolSession`` of
+                :mod:`trainer_core.training.rl.environments`), told of every decode step (its
+                observation tokens replace the sampled ones, the same draws made), or None.
 
         Returns:
-            The :class:`Generated` completions, T <= max_new_tokens the longest row.
+            The :class:`Generated` completions, T <= max_new_tokens the longest row; with a
+            session, its ``observation_mask``.
         """
         with self._serving():
-            return self._sample(prompt_ids, prompt_mask, gen, eos_id, pad_id, generator)
+            generated = self._sample(prompt_ids, prompt_mask, gen, eos_id, pad_id, generator, session)
+        if session is not None:
+            generated.observation_mask = session.observation_mask(generated.completion_ids.shape[1],
+                                                                  generated.completion_mask.device)
+        return generated
 
     def _serving(self) -> contextlib.AbstractContextManager:
         """What is installed on the model while it samples (none by default)."""
@@ -143,8 +166,9 @@ class GenerationEngine(abc.ABC):
 
     @abc.abstractmethod
     def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
-                generator: torch.Generator) -> Generated:
-        """The decode loop of :meth:`generate` (same arguments)."""
+                generator: torch.Generator, session: ToolSession | None = None) -> Generated:
+        """The decode loop of :meth:`generate` (same arguments): with a ``session``, its ``after_step``
+        after each token is recorded, before the token is fed back."""
 
     @abc.abstractmethod
     def load_weights(self, model: nn.Module) -> None:
@@ -193,7 +217,7 @@ class HFEngine(GenerationEngine):
         self.sync = sync
 
     def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
-                generator: torch.Generator) -> Generated:
+                generator: torch.Generator, session: ToolSession | None = None) -> Generated:
         """The decode loop (T the same with or without ``sync``)."""
         attention = prompt_mask.long()
         positions = _prompt_positions(prompt_mask)
@@ -205,6 +229,8 @@ class HFEngine(GenerationEngine):
             logits = out.logits[:, -1, :]
             token = next_tokens(logits, gen, generator)
             done.record(token, token_logprobs(logits, token, gen.temperature), eos_id, pad_id)
+            if session is not None:
+                session.after_step(done.tokens, done.logprobs, done.token, done.finished, step - 1)
             if step == gen.max_new_tokens or _all_finished(done.finished, self.sync):
                 break
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
@@ -369,7 +395,7 @@ class StaticCacheEngine(GenerationEngine):
         return self._fused.installed()
 
     def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
-                generator: torch.Generator) -> Generated:
+                generator: torch.Generator, session: ToolSession | None = None) -> Generated:
         num_rows, prompt_len = prompt_ids.shape
         cache, state = self._reserve(num_rows, prompt_len + gen.max_new_tokens, gen.max_new_tokens)
         positions = _prompt_positions(prompt_mask)
@@ -383,6 +409,8 @@ class StaticCacheEngine(GenerationEngine):
         if noise is not None:
             exponential_noise(noise, generator)
         state.record(*sample_with_noise(logits, noise, gen.temperature, gen.top_p), eos_id, pad_id)
+        if session is not None:  # in place on the buffers the decode step (its CUDA graph) reads
+            session.after_step(state.tokens, state.logprobs, state.token, state.finished, 0)
         del logits
         step = functools.partial(self._decode_step, state, cache, noise, gen, eos_id, pad_id, generator)
         drawn_from = generator if sampling else None
@@ -392,6 +420,8 @@ class StaticCacheEngine(GenerationEngine):
             if count % self.check_every == 0 and bool(state.finished.all()):
                 break
             self._advance(step, key, drawn_from)
+            if session is not None:
+                session.after_step(state.tokens, state.logprobs, state.token, state.finished, count)
             columns += 1
         ids, mask, logprobs = state.result(columns)
         if bool(logprobs.isnan().any()):

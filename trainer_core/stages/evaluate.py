@@ -19,6 +19,8 @@ Metrics (each present when its models were trained in this run):
   (:func:`~trainer_core.objectives.paired.verdict_auc`; 0.5 is chance): whether the reward
   tracks correctness on the policy's own answers, where RL samples; absent when every answer
   is right or every one wrong.
+- ``<policy>/tool_calls`` (with ``evaluate.environment``): tool calls per problem in the
+  policy's exact-match answers, which are then generated with the tool (e.g. the calculator).
 - ``<policy>_vs_sft/win_rate`` (``dpo``, ``ppo``, ``grpo``): fraction of held-out preference
   prompts where the reward model scores the policy's completion above the SFT policy's (ties
   count one half).
@@ -47,6 +49,8 @@ from trainer_core.generation.completions import (
 from trainer_core.objectives.paired import SAMPLES_FILE, paired_gain, verdict_auc
 from trainer_core.registry import INIT_SOURCE, policy_role, policy_stages
 from trainer_core.stages.context import StageContext, commit_final
+from trainer_core.training.rl.environments import ToolSession, load_environment
+from trainer_core.training.rl.rewards import PromptItem
 from trainer_core.training.supervised import (
     DPOObjective,
     RewardObjective,
@@ -66,8 +70,14 @@ def _policy(ctx: StageContext, role: str) -> nn.Module:
     return ctx.backend.prepare_frozen(model)
 
 
-def exact_match(ctx: StageContext, policy: nn.Module, problems: list[dict]) -> tuple[list[bool], list[str]]:
-    """Greedy completions of GSM8K-style problems and the verifier's verdict on each.
+def exact_match(
+    ctx: StageContext, policy: nn.Module, problems: list[dict], tool_calls: list[float] | None = None
+) -> tuple[list[bool], list[str]]:
+    """Greedy completions of GSM8K-style problems and the verifier's verdict on each; with
+    ``evaluate.environment``, generated with that tool (its observations in the completions).
+
+    Args:
+        tool_calls: with a tool, each problem's number of calls is appended to it.
 
     Returns:
         (verdicts, completions), one of each per problem in order; the exact-match accuracy is
@@ -75,7 +85,22 @@ def exact_match(ctx: StageContext, policy: nn.Module, problems: list[dict]) -> t
     """
     cfg = ctx.config.evaluate
     prompts = [prompt_ids(ctx.tokenizer, messages_of(p), ctx.config.data) for p in problems]
-    completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, ctx.backend.device, ctx.config.seed)
+    sessions: list[ToolSession] = []
+    session_for = None
+    if cfg.environment is not None:
+        env = load_environment(cfg.environment.name, cfg.environment.kwargs, where="evaluate.environment.name")
+        items = [PromptItem(messages_of(p), ids, p["answer"]) for p, ids in zip(problems, prompts, strict=True)]
+
+        def session_for(start: int, stop: int) -> ToolSession:
+            sessions.append(ToolSession.configured(env, cfg.environment, ctx.tokenizer, items[start:stop]))
+            return sessions[-1]
+
+    completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, ctx.backend.device,
+                                       ctx.config.seed, session_for=session_for)
+    for session in sessions:
+        session.close()
+        if tool_calls is not None:
+            tool_calls.extend(session.stats()["tool_calls"])
     return [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(completions, problems)], completions
 
 
@@ -163,10 +188,9 @@ def sample_rows(
 def run(ctx: StageContext) -> Manifest:
     """Compute every available held-out metric and the sample-generation table, and commit them.
 
-    The policies compared are the inputs named ``<stage>_model`` for every policy stage of
-    the registry (``trainer_core.registry.policy_stages``) that this run trained. They are loaded
-    one at a time, in pipeline order, next to the reward model: the peak memory is one policy and
-    the reward model.
+    The policies compared are the inputs ``<stage>_model`` of every policy stage this run trained
+    (``trainer_core.registry.policy_stages``), loaded one at a time in pipeline order next to the
+    reward model: the peak memory is one policy and the reward model.
 
     Raises:
         ConfigError: ``evaluate.generation.engine`` other than ``hf`` on a sharding backend.
@@ -189,10 +213,11 @@ def run(ctx: StageContext) -> Manifest:
     sft_metrics: dict[str, float] = {}
     dpo_metrics: dict[str, float] = {}
     dpo_rows: list[dict] = []
+    tool_calls: dict[str, list[float]] = {}
     messages = [messages_of(p) for p in problems]
     for name, role in roles:  # one policy in memory at a time (SFT's before DPO's: pipeline order)
         policy = _policy(ctx, role)
-        verdicts[name], completions[name] = exact_match(ctx, policy, problems)
+        verdicts[name], completions[name] = exact_match(ctx, policy, problems, tool_calls.setdefault(name, []))
         if rm is not None:
             rewards[name] = reward_scores(rm, ctx.tokenizer, messages, completions[name], ctx.config.data,
                                           ctx.config.evaluate.micro_batch_size, ctx.backend.device)
@@ -207,6 +232,7 @@ def run(ctx: StageContext) -> Manifest:
         del policy
     metrics = {f"{name}/exact_match": sum(hits) / max(len(hits), 1) for name, hits in verdicts.items()}
     metrics |= sft_metrics | rm_metrics | dpo_metrics | (_win_rates(win_rate_scores) if with_win_rates else {})
+    metrics |= {f"{name}/tool_calls": sum(calls) / len(calls) for name, calls in tool_calls.items() if calls}
     if "sft" in verdicts and problems:
         for name in (n for n in verdicts if n not in ("sft", "base")):
             gain, se = paired_gain(verdicts["sft"], verdicts[name])

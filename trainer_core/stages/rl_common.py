@@ -17,6 +17,7 @@ from trainer_core.errors import ConfigError
 from trainer_core.generation.completions import messages_of, prompt_ids
 from trainer_core.stages.context import StageContext
 from trainer_core.training.loop import summarize
+from trainer_core.training.rl.environments import Environment, load_environment
 from trainer_core.training.rl.rewards import (
     PromptItem,
     RewardFunction,
@@ -68,6 +69,14 @@ def _reward_fn(ctx: StageContext, cfg: RLStageConfig) -> RewardFunction:
     return build_reward(cfg.reward, load if needs_reward_model(cfg.reward) else None)
 
 
+def _environment(stage: str, cfg: RLStageConfig) -> Environment | None:
+    """The stage's tool environment (``<stage>.environment``), or None."""
+    env_cfg = getattr(cfg, "environment", None)
+    if env_cfg is None:
+        return None
+    return load_environment(env_cfg.name, env_cfg.kwargs, where=f"{stage}.environment.name")
+
+
 def value_head_bytes(state: dict[str, Tensor]) -> bytes:
     """A value head's weights (its full state dict: ``weight`` [1, H], ``bias`` [1]) as safetensors bytes."""
     return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()})
@@ -104,6 +113,7 @@ def run_rl_stage(
         reward_fn=reward_fn, prompts=prompts, seed=seed,
         session=ctx.checkpoint_session(cfg, extra={"rl_checkpoint": RL_CHECKPOINT_LAYOUT}),
         reference_is_disabled_adapter=disabled_adapter, demonstrations=split if cfg.ptx_coef > 0 else None,
+        environment=_environment(ctx.spec.stage, cfg),
     )
     resumed = trainer.resume()
     log.info("%s: %d prompts, %s x %d rank(s) on %s, resumed=%s", ctx.spec.stage, len(prompts), backend.name,

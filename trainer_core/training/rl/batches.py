@@ -12,7 +12,7 @@ import math
 import random
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -24,7 +24,8 @@ from trainer_core.config import RLStageConfig
 from trainer_core.errors import ConfigError
 from trainer_core.generation.engines import Generated
 from trainer_core.objectives.ppo import KL_ESTIMATORS
-from trainer_core.training.rl.rewards import PromptItem, is_correct
+from trainer_core.training.rl.environments import ToolSession
+from trainer_core.training.rl.rewards import PromptItem, RewardFunction, is_correct
 from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
 
 
@@ -82,6 +83,13 @@ class SampledRound:
         generated: the engine's :class:`~trainer_core.generation.engines.Generated` ([N, T] ids, mask, log-probs).
         texts: [N] decoded completions.
         scores: [N] float32 rewards.
+        reward_parts: a weighted reward's parts, name -> [N] float32 unweighted scores
+            (:meth:`~trainer_core.training.rl.rewards.WeightedReward.scored_parts`); empty for
+            one reward, and in the rows that :meth:`rows` and :func:`concat_rounds` build (the
+            metrics read the first round's).
+        tool_stats: with an environment, per-episode counts ``tool_calls``, ``tool_errors`` and
+            ``observation_tokens`` ([N] each; :meth:`~trainer_core.training.rl.environments.ToolSession.stats`);
+            empty without one, and in the rows :meth:`rows` and :func:`concat_rounds` build.
     """
 
     items: list[PromptItem]
@@ -90,6 +98,8 @@ class SampledRound:
     generated: Generated
     texts: list[str]
     scores: Tensor
+    reward_parts: dict[str, Tensor] = field(default_factory=dict)
+    tool_stats: dict[str, list[float]] = field(default_factory=dict)
 
     def rows(self, rows: list[int]) -> SampledRound:
         """The rows ``rows`` of every field."""
@@ -97,9 +107,24 @@ class SampledRound:
         g = self.generated
         return SampledRound(
             [self.items[i] for i in rows], self.prompt_ids[index], self.prompt_mask[index],
-            Generated(g.completion_ids[index], g.completion_mask[index], g.logprobs[index]),
+            Generated(g.completion_ids[index], g.completion_mask[index], g.logprobs[index],
+                      None if g.observation_mask is None else g.observation_mask[index]),
             [self.texts[i] for i in rows], self.scores[index],
         )
+
+
+def score_round(
+    reward_fn: RewardFunction, items: list[PromptItem], texts: list[str], session: ToolSession | None
+) -> tuple[Tensor, dict[str, Tensor], dict[str, list[float]]]:
+    """(the [N] float32 rewards of ``texts``, plus each episode's environment rewards with a
+    ``session``; a weighted reward's parts (else empty); the session's per-episode tool counts
+    (else empty)). Closes the session."""
+    scored_parts = getattr(reward_fn, "scored_parts", None)
+    scores, parts = scored_parts(items, texts) if scored_parts else (reward_fn(items, texts), {})
+    if session is None:
+        return scores, parts, {}
+    session.close()
+    return scores + session.rewards().to(scores.device), parts, session.stats()
 
 
 def masked_out(sample: SampledRound) -> SampledRound:
@@ -107,7 +132,8 @@ def masked_out(sample: SampledRound) -> SampledRound:
     still go through the forwards, so that ranks run the same ones, but count nothing (as
     :func:`~trainer_core.training.rl.rollout.masked_row`): no loss, no gradient, no token or sequence count."""
     g = sample.generated
-    hidden = Generated(g.completion_ids, torch.zeros_like(g.completion_mask), torch.zeros_like(g.logprobs))
+    hidden = Generated(g.completion_ids, torch.zeros_like(g.completion_mask), torch.zeros_like(g.logprobs),
+                       None if g.observation_mask is None else torch.zeros_like(g.observation_mask))
     return SampledRound(sample.items, sample.prompt_ids, sample.prompt_mask, hidden, sample.texts, sample.scores)
 
 
@@ -136,6 +162,8 @@ def concat_rounds(parts: list[SampledRound], pad_id: int) -> SampledRound:
             cat([_pad_to(p.generated.completion_ids, width_t, pad_id, left=False) for p in parts]),
             cat([_pad_to(p.generated.completion_mask, width_t, 0.0, left=False) for p in parts]),
             cat([_pad_to(p.generated.logprobs, width_t, 0.0, left=False) for p in parts]),
+            None if parts[0].generated.observation_mask is None
+            else cat([_pad_to(p.generated.observation_mask, width_t, 0.0, left=False) for p in parts]),
         ),
         [t for p in parts for t in p.texts],
         cat([p.scores for p in parts]),
@@ -229,7 +257,10 @@ def logprob_diff_metrics(batch: RolloutBatch, backend: Backend) -> dict[str, flo
 def rollout_metrics(
     batch: RolloutBatch, first: SampledRound, backend: Backend, eos_id: int, kl_coef: float, kl_estimator: str
 ) -> dict[str, float]:
-    """TRL's ``objective/*`` metrics plus reward, length and verifier accuracy: every rank's
+    """TRL's ``objective/*`` metrics plus reward (and each part of a weighted reward,
+    ``reward/<name>``, unweighted), length (the policy's tokens), verifier accuracy and, with an
+    environment, ``env/tool_calls`` and ``env/observation_tokens`` per episode and
+    ``env/tool_errors`` in the rollout: every rank's
     per-sequence values are gathered (in rank order), so every rank computes the same numbers
     (the KL controller's input among them). Rewards and accuracy are those of the first
     sampling round (every completion sampled, before dynamic sampling's filter); KL, entropy
@@ -242,6 +273,8 @@ def rollout_metrics(
     local = {"entropy": (-batch.logprobs * mask).sum(1), "length": mask.sum(1), "eos": eos.sum(1), "kl": kl_seq}
     mine: dict[str, Any] = {k: v.detach().cpu() for k, v in local.items()}
     mine["scores"] = first.scores.detach().float().cpu()
+    mine["parts"] = {k: v.detach().float().cpu() for k, v in first.reward_parts.items()}
+    mine["tools"] = first.tool_stats
     answered = all(i.answer is not None for i in first.items)
     mine["correct"] = [is_correct(t, i.answer) for t, i in zip(first.texts, first.items)] if answered else None
     ranks = backend.all_gather_object(mine)
@@ -260,6 +293,13 @@ def rollout_metrics(
         "val/num_eos_tokens": float(seq["eos"].sum()),
         "objective/kl": float(seq["kl"].mean()),
     }
+    for name in first.reward_parts:
+        m[f"reward/{name}"] = float(torch.cat([r["parts"][name] for r in ranks]).mean())
+    if first.tool_stats:  # per episode, except the errors: their count in the rollout
+        tools = {k: [v for r in ranks for v in r["tools"][k]] for k in first.tool_stats}
+        m["env/tool_calls"] = statistics.fmean(tools["tool_calls"])
+        m["env/tool_errors"] = float(sum(tools["tool_errors"]))
+        m["env/observation_tokens"] = statistics.fmean(tools["observation_tokens"])
     m["objective/non_score_reward"] = -kl_coef * m["objective/kl"]
     m["objective/rlhf_reward"] = m["objective/scores"] + m["objective/non_score_reward"]
     if all(r["correct"] is not None for r in ranks):

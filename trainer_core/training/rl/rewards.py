@@ -45,8 +45,7 @@ from trainer_core.generation.completions import reward_scores
 FORMAT_LINE = re.compile(r"(?m)^\s*####\s*-?\$?\d[\d,]*(?:\.\d+)?\s*$")
 """A final-answer line: ``#### 42`` on a line of its own."""
 
-ANSWER_KINDS = ("verifier", "math_verify")
-"""Reward kinds that compare with the prompt's known answer."""
+ANSWER_KINDS = ("verifier", "math_verify")  # reward kinds that compare with the prompt's known answer
 
 _SHOWN_CHARS = 200
 """Characters of a prompt or completion quoted in an error message."""
@@ -120,10 +119,8 @@ def _as_floats(values: Any, n: int, who: str) -> Tensor:
         raise RewardFunctionError(f"{who} returned {len(values)} values for {n} completions; expected {n}")
     floats = []
     for i, v in enumerate(values):
-        if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
-            v = v.item()
-        elif isinstance(v, np.generic):  # numpy scalars: np.bool_, np.float32, ...
-            v = v.item()
+        if (isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex()) or isinstance(v, np.generic):
+            v = v.item()  # a one-element tensor, a numpy scalar (np.bool_, np.float32, ...)
         if not isinstance(v, numbers.Real):
             raise RewardFunctionError(f"{who} returned {type(v).__name__} {_shown(str(v))} at index {i}; "
                                       f"expected {n} floats")
@@ -442,10 +439,15 @@ class WeightedReward:
         self.parts = parts
 
     def __call__(self, prompts: list[PromptItem], completions: list[str]) -> Tensor:
-        total = torch.zeros(len(completions), dtype=torch.float32)
-        for weight, fn in self.parts:
-            total += weight * as_rewards(fn(prompts, completions), f"reward {_reward_name(fn)}", prompts, completions)
-        return total
+        return self.scored_parts(prompts, completions)[0]
+
+    def scored_parts(self, prompts: list[PromptItem], completions: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+        """(the weighted sum [N] float32, each part's unweighted [N] score by its name's first word,
+        e.g. ``reward_model``, ``verifier``), so that the RL stages log each (``reward/<name>``)."""
+        scores = [as_rewards(fn(prompts, completions), f"reward {_reward_name(fn)}", prompts, completions)
+                  for _, fn in self.parts]
+        total = sum((weight * score for (weight, _), score in zip(self.parts, scores)), torch.zeros(len(completions)))
+        return total, {_reward_name(fn).split(" ")[0]: score for (_, fn), score in zip(self.parts, scores)}
 
 
 REWARD_BUILDERS: dict[str, Callable[[RewardConfig, Callable[[], RewardFunction]], RewardFunction]] = {

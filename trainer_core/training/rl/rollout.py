@@ -18,7 +18,7 @@ the log-probs, entropies and values of completions from one forward of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from typing import Any
 
@@ -41,13 +41,17 @@ class Completions:
         prompt_ids: [N, P] long, left-padded prompt token ids.
         prompt_mask: [N, P] float or long, 1 = real prompt token.
         completion_ids: [N, T] long, pad after each completion's end.
-        completion_mask: [N, T] float or long, 1 = a completion token the loss counts.
+        completion_mask: [N, T] float or long, 1 = a completion token the loss counts (the
+            policy's own).
+        observation_mask: [N, T] float, 1 = an environment's token (a tool's output): attended
+            to, never counted (no log-prob, loss, KL or advantage); None: there are none.
     """
 
     prompt_ids: Tensor
     prompt_mask: Tensor
     completion_ids: Tensor
     completion_mask: Tensor
+    observation_mask: Tensor | None = field(default=None, kw_only=True)
 
 
 @dataclass
@@ -104,8 +108,8 @@ def masked_row(batch: RolloutBatch) -> RolloutBatch:
     mask). A rank with no row in a mini-batch forwards it, so that it still takes part in the
     step's collectives (gradient all-reduce, sharded forwards) with zero loss and gradient."""
     row = batch.select(torch.zeros(1, dtype=torch.long, device=batch.completion_mask.device))
-    zeroed = ("completion_mask", "logprobs", "ref_logprobs", "values", "advantages", "returns", "engine_logprobs",
-              "is_weights")
+    zeroed = ("completion_mask", "observation_mask", "logprobs", "ref_logprobs", "values", "advantages", "returns",
+              "engine_logprobs", "is_weights")
     for name in zeroed:
         value = getattr(row, name)
         if value is not None:
@@ -114,12 +118,16 @@ def masked_row(batch: RolloutBatch) -> RolloutBatch:
 
 
 def completion_inputs(
-    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor
+    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+    observation_mask: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Model inputs of ``[prompt | completion]``: ``input_ids`` [N, P + T] long, ``attention_mask``
-    [N, P + T] long (1 = real token) and ``position_ids`` [N, P + T] that skip the left padding."""
+    [N, P + T] long (1 = real token: the prompt's, the policy's (``completion_mask``) and an
+    environment's (``observation_mask``, [N, T] or None)) and ``position_ids`` [N, P + T] that
+    skip the left padding."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    real = completion_mask if observation_mask is None else completion_mask + observation_mask
+    attention = torch.cat([prompt_mask, real], dim=1).long()
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions}
 
@@ -241,7 +249,8 @@ def completion_forward(
     """
     inner = unwrap_causal_lm(model)
     parts = None if full_logits else head_parts(inner)
-    inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                               batch.observation_mask)
     start = completion_start(batch.prompt_ids)
     if parts is None:
         logits = model(**inputs).logits
@@ -344,7 +353,8 @@ def policy_forward(
     Returns:
         The :class:`PolicyForward` (values unmasked; None without ``with_values``).
     """
-    inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                               batch.observation_mask)
     return PolicyForward(*model(
         **inputs, completion_mask=batch.completion_mask, start=completion_start(batch.prompt_ids),
         temperature=temperature, with_values=with_values, full_logits=full_logits,

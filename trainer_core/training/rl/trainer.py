@@ -75,8 +75,9 @@ from trainer_core.training.loop import build_optimizer, build_scheduler, peak_me
 from trainer_core.training.rl.batches import (  # noqa: F401 (also the loop's public names)
     Algorithm, MiniBatchCounts, SampledRound, check_rl_config, concat_rounds, engine_config, groups_with_signal,
     logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
-    row_slices, sampler_seed,
+    row_slices, sampler_seed, score_round,
 )
+from trainer_core.training.rl.environments import Environment, ToolSession
 from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward, ptx_batch
 from trainer_core.training.rl.rewards import PromptItem, RewardFunction
 from trainer_core.training.rl.rollout import (
@@ -118,6 +119,7 @@ class RLTrainer:
             (:func:`~trainer_core.modeling.lora.adapter_disabled`; ``reference`` is then None).
         demonstrations: the prepared ``sft/train`` rows of the ptx term; required when ``cfg.ptx_coef`` > 0
             (ConfigError otherwise).
+        environment: a tool environment (multi-turn rollouts, ``cfg.environment``'s limits), or None.
     """
 
     backend: Backend
@@ -133,6 +135,7 @@ class RLTrainer:
     progress: TrainProgress = field(default_factory=TrainProgress)
     reference_is_disabled_adapter: bool = False
     demonstrations: Sequence[dict] | None = None
+    environment: Environment | None = None
 
     def __post_init__(self) -> None:
         cfg, backend = self.cfg, self.backend
@@ -182,15 +185,17 @@ class RLTrainer:
         items = [self.prompts[i] for i in picked[backend.rank :: backend.world_size] for _ in range(group)]
         padded = collate_prompts_left([{"input_ids": p.input_ids} for p in items], tok.pad_token_id)
         p_ids, p_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device).float()
+        session = None if self.environment is None else ToolSession.configured(
+            self.environment, self.cfg.environment, tok, items)
         with timer.phase("generation"), backend.autocast():
             generated = self.engine.generate(p_ids, p_mask, cfg.generation, eos_id=tok.eos_token_id,
-                                             pad_id=tok.pad_token_id, generator=self.generator)
+                                             pad_id=tok.pad_token_id, generator=self.generator, session=session)
         c_ids, c_mask = generated.completion_ids, generated.completion_mask
         decoded = tok.batch_decode(c_ids.masked_fill(c_mask == 0, tok.pad_token_id), skip_special_tokens=True)
-        texts = [t.strip() for t in decoded]
+        texts = [t.strip() for t in decoded]  # observations included: the answer may quote a tool
         with timer.phase("reward"):
-            scores = self.reward_fn(items, texts).to(device)
-        return SampledRound(items, p_ids, p_mask, generated, texts, scores)
+            scores, parts, tool_stats = score_round(self.reward_fn, items, texts, session)
+        return SampledRound(items, p_ids, p_mask, generated, texts, scores.to(device), parts, tool_stats)
 
     def _sample(self, timer: PhaseTimer) -> tuple[SampledRound, SampledRound, dict[str, float]]:
         """This rank's rows for the update, the first round's rows (for the reward metrics: every
@@ -235,9 +240,10 @@ class RLTrainer:
         """``fn(model, completions)`` (:func:`policy_forward`-like) over ``sample``'s rows,
         ``forward_micro_batch_size`` at a time."""
         g = sample.generated
+        observed = lambda rows: None if g.observation_mask is None else g.observation_mask[rows]
         outs = [
             fn(model, Completions(sample.prompt_ids[rows], sample.prompt_mask[rows], g.completion_ids[rows],
-                                  g.completion_mask[rows]))
+                                  g.policy_mask[rows], observation_mask=observed(rows)))
             for rows in row_slices(len(sample.items), self.cfg.forward_micro_batch_size)
         ]
         cat = lambda xs: None if xs[0] is None else torch.cat(xs, dim=0)
@@ -258,7 +264,7 @@ class RLTrainer:
         sample, first, stats = self._sample(timer)
         self.engine.release()
         g, temperature = sample.generated, cfg.generation.temperature
-        p_ids, p_mask, c_ids, c_mask = sample.prompt_ids, sample.prompt_mask, g.completion_ids, g.completion_mask
+        p_ids, p_mask, c_ids, c_mask = sample.prompt_ids, sample.prompt_mask, g.completion_ids, g.policy_mask
         # Old and reference log-probs in the training forward's precision (an on-policy ratio is 1
         # only when both compute alike); the engine's own log-probs are compared with them.
         with backend.autocast():
@@ -274,7 +280,8 @@ class RLTrainer:
                     ref_fn = partial(policy_forward, temperature=temperature, with_values=False)
                     ref = self._forward_rows(ref_fn, self.module, sample).logprobs
         batch = RolloutBatch(
-            prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask, logprobs=out.logprobs,
+            prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask,
+            observation_mask=g.observation_mask, logprobs=out.logprobs,
             scores=sample.scores, prompt_index=torch.arange(len(sample.items), device=backend.device) // self.algo.samples_per_prompt,
             ref_logprobs=ref, values=out.values * c_mask if out.values is not None else None,
             engine_logprobs=g.logprobs,
@@ -285,19 +292,11 @@ class RLTrainer:
             # from pi_engine, the loss assumes pi_old; weight by min(pi_old / pi_engine, cap).
             ratio = torch.exp(batch.logprobs - g.logprobs).clamp(max=cfg.importance_sampling_cap)
             batch.is_weights = ratio * c_mask
-        stats.update(self._logprob_diff(batch))
+        stats.update(logprob_diff_metrics(batch, backend))
         self.algo.prepare(batch, self.kl_ctl.value, backend.all_reduce_sum)
         check_finite_tensors({"rewards": batch.scores, "advantages": batch.advantages}, stage=self.session.stage,
                              global_step=self.progress.global_step + 1, all_reduce_sum=backend.all_reduce_sum)
         return batch, first, stats
-
-    def _logprob_diff(self, batch: RolloutBatch) -> dict[str, float]:
-        return logprob_diff_metrics(batch, self.backend)
-
-    def rollout_metrics(self, batch: RolloutBatch, first: SampledRound) -> dict[str, float]:
-        """:func:`~trainer_core.training.rl.batches.rollout_metrics` of this stage."""
-        return rollout_metrics(batch, first, self.backend, self.tokenizer.eos_token_id, self.kl_ctl.value,
-                               self.cfg.kl_estimator)
 
     # ----- update ------------------------------------------------------------------
 
@@ -396,7 +395,8 @@ class RLTrainer:
         backend = self.backend
         timer = phase_timer(backend.device)
         batch, first, stats = self.rollout(timer)
-        metrics = self.rollout_metrics(batch, first)
+        metrics = rollout_metrics(batch, first, backend, self.tokenizer.eos_token_id, self.kl_ctl.value,
+                                  self.cfg.kl_estimator)
         metrics.update(stats)
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         with timer.phase("update"):
