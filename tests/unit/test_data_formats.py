@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -342,3 +343,18 @@ def test_every_real_hh_row_parses():
     examples = [to_preference_example(r, "hh_rlhf") for r in records]
     assert len(examples) == 2000
     assert all(ex["messages"][-1]["role"] == "user" for ex in examples)
+
+
+def test_the_tools_column_declares_a_conversations_tools():
+    """``tools``: function schemas as a list or a JSON string of one, a bare ``{"name", ...}``
+    wrapped as ``{"type": "function", "function": ...}``; bad ones name the item."""
+    schema = {"name": "add", "parameters": {"type": "object"}}
+    record = {"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}
+    assert "tools" not in to_sft_example(record) and "tools" not in to_sft_example({**record, "tools": []})
+    want = [{"type": "function", "function": schema}]
+    assert to_sft_example({**record, "tools": [schema]})["tools"] == want
+    assert to_sft_example({**record, "tools": json.dumps(want)})["tools"] == want
+    for tools, why in [({"name": "add"}, "must be a list"), ([{"function": {}}], r"'tools'\[0\] must be"),
+                       (["add"], r"'tools'\[0\] must be"), ("[not json", "not JSON")]:
+        with pytest.raises(DataError, match=why):
+            to_sft_example({**record, "tools": tools})

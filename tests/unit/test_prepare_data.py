@@ -63,7 +63,8 @@ def test_parquet_columns_and_types(tmp_path):
     run(spec)
     out = StageLayout(spec.output_uri).final
     schema = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "sft/train/part-00000.parquet"))))
-    assert schema.names == ["prompt", "completion", "answer", "messages_json", "input_ids", "loss_mask", "num_tokens"]
+    assert schema.names == ["prompt", "completion", "answer", "messages_json", "input_ids", "loss_mask", "num_tokens",
+                            "tools_json"]
     assert schema.field("input_ids").type == pa.list_(pa.int32()) and schema.field("loss_mask").type == pa.list_(pa.int8())
     assert schema.field("num_tokens").type == pa.int32()
     pref = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "preference/eval/part-00000.parquet"))))
@@ -137,15 +138,22 @@ def _call(i: int) -> dict:
     return {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{i}+1"}}}
 
 
+CALCULATOR_SCHEMA = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
 def test_conversations_count_every_assistant_turn(tmp_path):
     """``messages`` records with ``data.assistant_turns: all``: each SFT row's loss mask covers both
     assistant replies (their text, the first one's tool call and end of turn), never the tool's
-    output or the user's turns; ``last`` covers the final reply alone."""
+    output, the declared tools (the ``tools`` column, a list or a JSON string of one) or the
+    user's turns; ``last`` covers the final reply alone."""
     rows = [{"messages": [{"role": "user", "content": f"Tom has {i} apples."},
                           {"role": "assistant", "content": f"{i}+1=", "tool_calls": [_call(i)]},
                           {"role": "tool", "name": "calculator", "content": f"{i + 1}"},
                           {"role": "user", "content": "And now?"},
-                          {"role": "assistant", "content": f"#### {i + 1}"}]} for i in range(20)]
+                          {"role": "assistant", "content": f"#### {i + 1}"}],
+             "tools": [CALCULATOR_SCHEMA] if i % 2 else json.dumps([CALCULATOR_SCHEMA])} for i in range(20)]
     sft = _jsonl(tmp_path / "chat.jsonl", rows)
     counted = {}
     for turns in ("all", "last"):
@@ -160,6 +168,9 @@ def test_conversations_count_every_assistant_turn(tmp_path):
     assert counted["all"] == f"{i}+1=\n{call}<|end|>\n#### {i + 1}<|end|>\n"
     assert counted["last"] == f"#### {i + 1}<|end|>\n"
     assert json.loads(row["messages_json"])[1]["tool_calls"] == [_call(i)]
+    assert json.loads(row["tools_json"]) == [CALCULATOR_SCHEMA]
+    text = tok.decode(row["input_ids"])  # the prompt's first tokens may be cut (data.max_prompt_length_tokens)
+    assert '"description": "Evaluate arithmetic.", "parameters"' in text and "\n</tools><|end|>\n<|user|>\nTom has" in text
 
 
 def test_train_rows_with_an_eval_problem_prompt_are_dropped(tmp_path):

@@ -10,6 +10,7 @@ number of processes. Token ids are int32, loss masks int8 (1 = counted in the lo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ _IDS = pa.list_(pa.int32())
 _MASK = pa.list_(pa.int8())
 SFT_SCHEMA = pa.schema(
     [("prompt", pa.string()), ("completion", pa.string()), ("answer", pa.string()), ("messages_json", pa.string()),
-     ("input_ids", _IDS), ("loss_mask", _MASK), ("num_tokens", pa.int32())]
+     ("input_ids", _IDS), ("loss_mask", _MASK), ("num_tokens", pa.int32()), ("tools_json", pa.string())]
 )
 PREFERENCE_SCHEMA = pa.schema(
     [("messages_json", pa.string()), ("chosen", pa.string()), ("rejected", pa.string()),
@@ -125,11 +126,11 @@ class ChunkEncoder:
         return pa.RecordBatch.from_pylist(rows, schema=SCHEMAS[chunk.kind]), counts
 
     def _encode(self, messages: list[dict], completion: str | None, counts: ChunkCounts,
-                assistant_turns: str = "last") -> dict[str, list[int]]:
+                assistant_turns: str = "last", tools: list[dict] | None = None) -> dict[str, list[int]]:
         """:func:`encode_chat` with the limits; a cut prompt or completion is counted in ``counts``."""
         cut: dict[str, int] = {}
         enc = encode_chat(self.tokenizer, messages, completion, self.max_length, self.max_prompt_length, truncated=cut,
-                          assistant_turns=assistant_turns)
+                          assistant_turns=assistant_turns, tools=tools)
         counts.truncated_prompts += cut.get("prompt", 0)
         counts.truncated_completions += cut.get("completion", 0)
         return enc
@@ -137,13 +138,15 @@ class ChunkEncoder:
     def _sft(self, chunk: Chunk) -> tuple[list[dict], ChunkCounts]:
         rows, counts = [], ChunkCounts()
         for ex in chunk.rows():
-            enc = self._encode(ex["messages"], ex["completion"], counts, self.assistant_turns)
+            tools = json.loads(ex["tools_json"]) if ex.get("tools_json") else None
+            enc = self._encode(ex["messages"], ex["completion"], counts, self.assistant_turns, tools)
             if not any(enc["loss_mask"]):
                 counts.dropped_empty += 1
                 continue
             rows.append({"prompt": ex["prompt"], "completion": ex["completion"], "answer": ex["answer"],
                          "messages_json": ex["messages_json"], "input_ids": enc["input_ids"],
-                         "loss_mask": enc["loss_mask"], "num_tokens": len(enc["input_ids"])})
+                         "loss_mask": enc["loss_mask"], "num_tokens": len(enc["input_ids"]),
+                         "tools_json": ex.get("tools_json")})
             counts.tokens += len(enc["input_ids"])
             counts.sequences += 1
         return rows, counts

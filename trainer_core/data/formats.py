@@ -185,6 +185,35 @@ def _tool_call(record: dict, where: str, call: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def _tools(record: dict) -> list[dict] | None:
+    """The record's ``tools`` column, the conversation's declared tools as
+    ``apply_chat_template(tools=...)`` takes them: a list (or a JSON string of one) of function
+    schemas ``{"type": "function", "function": {"name", "description", "parameters"}}`` (a bare
+    ``{"name", ...}`` is wrapped so); None when absent or empty.
+
+    Raises:
+        DataError: not a list of schemas, or a schema without a function name (names the item).
+    """
+    value = record.get("tools")
+    if value in (None, "", []):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{_where(record)}: field 'tools' is not JSON: {e}") from None
+    if not isinstance(value, list):
+        raise DataError(f"{_where(record)}: field 'tools' must be a list of function schemas, got {type(value).__name__}")
+    tools = []
+    for i, tool in enumerate(value):
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
+            raise DataError(f"{_where(record)}: field 'tools'[{i}] must be {{'type': 'function', 'function': "
+                            f"{{'name': str, ...}}}}, got {tool!r}")
+        tools.append({"type": "function", "function": function})
+    return tools or None
+
+
 def _conversation(record: dict, name: str = "messages") -> tuple[list[dict[str, str]], str]:
     """(the turns before the last, the last assistant reply) of the conversation in field ``name``.
 
@@ -290,7 +319,8 @@ def _hh_pair(record: dict) -> dict:
 
 
 def to_sft_example(record: dict, fmt: str = "auto") -> dict:
-    """Canonical SFT example ``{"prompt", "completion", "messages", "answer"}``.
+    """Canonical SFT example ``{"prompt", "completion", "messages", "answer"}`` (messages: plus
+    ``"tools"`` when the record declares tools, :func:`_tools`).
 
     gsm8k: prompt = question, completion = the whole worked answer (``#### n`` included),
     answer = :func:`final_answer` of it. prompt_completion: answer = :func:`final_answer` of the
@@ -320,6 +350,8 @@ def to_sft_example(record: dict, fmt: str = "auto") -> dict:
         messages, completion = _conversation(record)
         example = {"prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
                    "completion": completion, "messages": messages, "answer": final_answer(completion)}
+        if tools := _tools(record):
+            example["tools"] = tools
     else:
         raise DataError(f"{_where(record)}: format {fmt!r} has no SFT examples (prompt and completion)")
     return _with_source(example, record)

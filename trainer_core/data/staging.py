@@ -46,7 +46,7 @@ RELEASE_EVERY_BATCHES = 8
 
 STORE_SCHEMAS: dict[str, pa.Schema] = {
     "sft": pa.schema([("prompt", pa.string()), ("completion", pa.string()), ("answer", pa.string()),
-                      ("messages_json", pa.string())]),
+                      ("messages_json", pa.string()), ("tools_json", pa.string())]),
     "preference": pa.schema([("messages_json", pa.string()), ("chosen", pa.string()), ("rejected", pa.string())]),
     "kto": pa.schema([("messages_json", pa.string()), ("completion", pa.string()), ("label", pa.bool_())]),
     "text": pa.schema([("text", pa.string())]),
@@ -63,8 +63,10 @@ def _store_row(kind: str, example: dict) -> dict[str, Any]:
     """The store columns of one canonical example."""
     if kind == "text":
         return {"text": example["text"]}
-    row = {name: example[name] for name in STORE_SCHEMAS[kind].names if name != "messages_json"}
+    row = {name: example[name] for name in STORE_SCHEMAS[kind].names if not name.endswith("_json")}
     row["messages_json"] = messages_json(example["messages"])
+    if kind == "sft":  # the declared tools (a conversation's), or null
+        row["tools_json"] = json.dumps(example["tools"], ensure_ascii=False) if example.get("tools") else None
     return row
 
 

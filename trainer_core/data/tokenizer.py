@@ -34,6 +34,11 @@ SPECIAL_TOKENS: dict[str, str] = {
 """Special tokens of a trained tokenizer, in id order (pad = 0, eos = 1, then the role headers)."""
 
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|system|>\\n# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>' + eos_token + '\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{- raise_exception('unknown chat role: ' + message['role']) }}"
@@ -55,7 +60,9 @@ CHAT_TEMPLATE = (
 """Jinja chat template: ``<|role|>\\n{content}<|end|>\\n`` per message, then ``<|assistant|>\\n``
 with ``add_generation_prompt``. ``eos_token`` is the tokenizer's, so this also serves as the
 fallback template of a loaded tokenizer that has none. Tool use as Qwen2.5's and Hermes'
-templates write it: an assistant message's ``tool_calls`` follow its content (after a newline,
+templates write it: the declared ``tools`` (``apply_chat_template(tools=...)``: JSON schemas) in a
+first system turn ``# Tools\n<tools>\n{schema}\n...</tools>``, one JSON object a line; an
+assistant message's ``tool_calls`` follow its content (after a newline,
 when there is content), one ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
 each, newline-separated; and a ``tool`` message is a
 user turn ``<tool_response>\\n{content}\\n</tool_response>``."""
@@ -218,6 +225,7 @@ def encode_chat(
     max_prompt_length: int,
     truncated: dict[str, int] | None = None,
     assistant_turns: str = "last",
+    tools: list[dict] | None = None,
 ) -> dict[str, list[int]]:
     """Token ids of a chat prompt (plus an assistant completion) and the loss mask.
 
@@ -231,6 +239,8 @@ def encode_chat(
             (from 0 when absent) when the prompt / the completion was cut.
         assistant_turns: ``"last"``: only ``completion`` is counted; ``"all"``: the replies in
             ``messages`` too, end of turn included (as TRL's ``assistant_only_loss``).
+        tools: the conversation's declared tools (JSON schemas), rendered by the template as
+            ``apply_chat_template(tools=...)`` does, in the prompt (never counted); None: none.
 
     Returns:
         ``{"input_ids": list[int], "loss_mask": list[int]}`` of equal length; loss_mask is
@@ -244,8 +254,8 @@ def encode_chat(
     """
     if not 0 < max_prompt_length < max_length:
         raise ConfigError(f"need 0 < max_prompt_length < max_length, got {max_prompt_length}, {max_length}")
-    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    prompt_ids, prompt_mask = _encode_prompt(tokenizer, messages, prompt_text, assistant_turns)
+    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools)
+    prompt_ids, prompt_mask = _encode_prompt(tokenizer, messages, prompt_text, assistant_turns, tools)
     if len(prompt_ids) > max_prompt_length:
         prompt_ids, prompt_mask = prompt_ids[-max_prompt_length:], prompt_mask[-max_prompt_length:]
         if truncated is not None:
@@ -253,7 +263,7 @@ def encode_chat(
     if completion is None:
         return {"input_ids": prompt_ids, "loss_mask": prompt_mask}
     full_text = tokenizer.apply_chat_template(
-        messages + [{"role": "assistant", "content": completion}], tokenize=False
+        messages + [{"role": "assistant", "content": completion}], tokenize=False, tools=tools
     )
     if not full_text.startswith(prompt_text):
         raise ConfigError(
@@ -272,7 +282,7 @@ def encode_chat(
 
 
 def _encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, messages: list[dict[str, str]], prompt_text: str,
-                   assistant_turns: str) -> tuple[list[int], list[int]]:
+                   assistant_turns: str, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of the rendered prompt: nothing counted (``"last"``) or each earlier
     assistant reply (``"all"``, :func:`_prompt_segments`).
 
@@ -285,7 +295,7 @@ def _encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, messages: li
     if assistant_turns != "all":
         raise ValueError(f"assistant_turns must be 'last' or 'all', got {assistant_turns!r}")
     prompt_ids, prompt_mask = [], []
-    for text, counted in _prompt_segments(tokenizer, messages, prompt_text):
+    for text, counted in _prompt_segments(tokenizer, messages, prompt_text, tools):
         ids = _ids(tokenizer, text)
         prompt_ids += ids
         prompt_mask += [counted] * len(ids)
@@ -293,7 +303,8 @@ def _encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, messages: li
 
 
 def _prompt_segments(
-    tokenizer: transformers.PreTrainedTokenizerBase, messages: list[dict[str, str]], prompt_text: str
+    tokenizer: transformers.PreTrainedTokenizerBase, messages: list[dict[str, str]], prompt_text: str,
+    tools: list[dict] | None = None,
 ) -> list[tuple[str, int]]:
     """``prompt_text`` cut into ``(text, counted)`` pieces: 1 for each assistant reply of
     ``messages`` (the text its turn adds after its generation prompt), 0 between them.
@@ -306,8 +317,8 @@ def _prompt_segments(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False, tools=tools)
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, tools=tools)
         if not (through.startswith(before) and prompt_text.startswith(through) and len(before) >= start):
             raise ConfigError(
                 f"the tokenizer's chat template renders the conversation so that it does not extend its assistant "
