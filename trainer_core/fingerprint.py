@@ -60,8 +60,8 @@ ADDED_FIELDS: dict[str, object] = {
     "kto": None, "pretrain": None, "text_field": "text",
     # conversations: SFT loss on every assistant turn
     "assistant_turns": "last",
-    # tool environments of multi-turn rollouts
-    "environment": None,
+    # tool environments of multi-turn rollouts; the synthetic task's calculator annotations
+    "environment": None, "annotation_fraction": 1.0,
     # the reward model's parameterisation
     "parameterization": "scalar_head", "implicit_beta": 2.0,
     # mixture-of-experts models (model.init and every training stage's moe section)

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from trainer_core.data.formats import detect_format, final_answer, to_preference_example, to_sft_example
-from trainer_core.data.synthetic import make_preference_records, make_sft_records
+from trainer_core.data.synthetic import iter_sft_records, make_preference_records, make_sft_records
 
 _ANNOTATION = re.compile(r"<<([0-9+\-*]+)=(-?\d+)>>(-?\d+)")
 
@@ -92,3 +92,19 @@ def test_bad_arguments(num, max_operand):
         make_sft_records(num, 0, max_operand)
     with pytest.raises(ValueError):
         make_preference_records(num, 0, max_operand)
+
+
+def test_a_share_of_solutions_carries_calculator_annotations():
+    """``annotation_fraction``: the same problems and answers; about that share annotated
+    (``<<3+5=8>>8``), the rest worked without (``3+5=8``); 1.0 is the default stream exactly."""
+    full = list(iter_sft_records(400, 3, 10))
+    assert list(iter_sft_records(400, 3, 10, 1.0)) == full
+    half = list(iter_sft_records(400, 3, 10, 0.5))
+    assert [r["question"] for r in half] == [r["question"] for r in full]
+    annotated = [r for r in half if "<<" in r["answer"]]
+    assert 160 < len(annotated) < 240 and all(r in full for r in annotated)
+    for plain, ref in ((p, f) for p, f in zip(half, full) if "<<" not in p["answer"]):
+        assert plain["answer"] == re.sub(r"<<[^>]*>>", "", ref["answer"])
+    assert not any("<<" in r["answer"] for r in iter_sft_records(50, 3, 10, 0.0))
+    with pytest.raises(ValueError, match="annotation_fraction"):
+        iter_sft_records(5, 3, 10, 1.5)

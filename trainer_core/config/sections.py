@@ -101,6 +101,11 @@ class SyntheticConfig(ConfigBase):
     num_problems: int = Field(3000, ge=10, description="Number of generated problems (SFT and eval).")
     num_pairs: int = Field(1500, ge=10, description="Number of generated preference pairs.")
     max_operand: int = Field(20, ge=2, description="Largest operand in a generated problem.")
+    annotation_fraction: float = Field(
+        1.0, ge=0, le=1, description="Share of SFT solutions written with GSM8K's calculator annotations "
+        "('3+5=<<3+5=8>>8'; the others '3+5=8'): a model then calls the calculator environment on about this share "
+        "of its answers. 1.0: all."
+    )
 
 
 class DataConfig(ConfigBase):

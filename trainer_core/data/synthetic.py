@@ -65,9 +65,11 @@ def _draw_step(rng: random.Random, value: int, max_operand: int, container: str,
     return _Step("mul", f"buys {groups} {container} of {size} {obj}", groups=groups, size=size)
 
 
-def _solution_lines(name: str, obj: str, start: int, steps: list[_Step], error: tuple[int, int] | None) -> list[str]:
+def _solution_lines(name: str, obj: str, start: int, steps: list[_Step], error: tuple[int, int] | None,
+                    annotate: bool = True) -> list[str]:
     """Worked solution lines; ``error = (step, delta)`` makes that step's result off by ``delta``
-    and carries the wrong value through the later steps."""
+    and carries the wrong value through the later steps. ``annotate``: each step carries GSM8K's
+    calculator annotation (``3+5=<<3+5=8>>8``), else the result alone (``3+5=8``)."""
     value, lines = start, []
     for i, step in enumerate(steps):
         delta = error[1] if error is not None and error[0] == i else 0
@@ -78,7 +80,8 @@ def _solution_lines(name: str, obj: str, start: int, steps: list[_Step], error: 
         else:
             expr, result = f"{value}-{step.n}", value - step.n
         result += delta
-        lines.append(f"{name} has {expr}=<<{expr}={result}>>{result} {obj}.")
+        worked = f"<<{expr}={result}>>{result}" if annotate else f"{result}"
+        lines.append(f"{name} has {expr}={worked} {obj}.")
         value = result
     lines.append(f"#### {value}")
     return lines
@@ -114,25 +117,32 @@ def make_sft_records(num: int, seed: int, max_operand: int) -> list[dict]:
     return list(iter_sft_records(num, seed, max_operand))
 
 
-def iter_sft_records(num: int, seed: int, max_operand: int) -> Iterator[dict]:
+def iter_sft_records(num: int, seed: int, max_operand: int, annotation_fraction: float = 1.0) -> Iterator[dict]:
     """``num`` GSM8K-format records ``{"question", "answer"}``, drawn one at a time.
 
     Args:
         num: number of problems.
         seed: ``random.Random`` seed; the same seed gives the same records.
         max_operand: largest starting amount or added / removed amount.
+        annotation_fraction: the share of solutions written with calculator annotations, each
+            drawn from its own stream (``random.Random(f"annotation:{seed}")``: the problems are
+            those of any other fraction); 1.0: all, as GSM8K.
 
     Raises:
         ValueError: ``num < 1`` or ``max_operand < 2`` (at the call, not at the first record).
     """
     _check(num, max_operand)
-    return _sft_stream(num, random.Random(seed), max_operand)
+    if not 0.0 <= annotation_fraction <= 1.0:
+        raise ValueError(f"annotation_fraction must be in [0, 1], got {annotation_fraction}")
+    return _sft_stream(num, random.Random(seed), max_operand, annotation_fraction, random.Random(f"annotation:{seed}"))
 
 
-def _sft_stream(num: int, rng: random.Random, max_operand: int) -> Iterator[dict]:
+def _sft_stream(num: int, rng: random.Random, max_operand: int, annotation_fraction: float = 1.0,
+                annotation_rng: random.Random | None = None) -> Iterator[dict]:
     for _ in range(num):
         question, name, start, steps, obj = _draw_problem(rng, max_operand)
-        yield {"question": question, "answer": "\n".join(_solution_lines(name, obj, start, steps, None))}
+        annotate = annotation_fraction >= 1.0 or annotation_rng.random() < annotation_fraction
+        yield {"question": question, "answer": "\n".join(_solution_lines(name, obj, start, steps, None, annotate))}
 
 
 def _values(start: int, steps: list[_Step]) -> list[int]:
