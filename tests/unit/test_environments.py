@@ -267,3 +267,38 @@ def test_score_and_evaluate_generation_feeds_the_tool_through_either_engine(poli
     assert texts["hf"] == texts["static"] and len(sessions) == 4  # 2 batches an engine
     assert all("[1]" in t for t in texts["hf"])
     assert [len(s.episodes) for s in sessions] == [3, 1, 3, 1]
+
+
+def add(a: float, b: float) -> float:
+    """A user's function, a tool of ``FunctionToolsEnvironment`` in these tests."""
+    return a + b
+
+
+def test_users_functions_are_tools_called_in_the_chat_templates_format(tokenizer):
+    """The policy's ``<tool_call>`` JSON runs the function; the observation is what the chat template
+    writes after that call for a ``tool`` message, up to the next assistant turn, so that the
+    conversation reads as the template renders it; a bad call is observed as its error."""
+    env = load_environment("functions", {"functions": ["tests.unit.test_environments:add"]})
+    with pytest.raises(RuntimeError, match="before bind_tokenizer"):
+        env.step(None, '{"name": "add", "arguments": {"a": 1, "b": 1}}')
+    ToolSession(env, tokenizer, [], max_tool_calls=1, max_observation_tokens=8, tool_timeout_s=1.0,
+                eos_id=tokenizer.eos_token_id)  # a session binds the tokenizer
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    turns = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    rendered = tokenizer.apply_chat_template(turns, tokenize=False)
+    prompt = tokenizer.apply_chat_template(turns[:1], add_generation_prompt=True, tokenize=False)
+    written = rendered[len(prompt) : rendered.rfind("</tool_call>") + len("</tool_call>")]  # what the policy writes
+    request = env.find_call(None, written)
+    assert request == '{"name": "add", "arguments": {"a": 2, "b": 3}}' and env.find_call(None, written[:-1]) is None
+    observed = env.step(None, request).observation
+    whole = tokenizer.apply_chat_template(turns + [{"role": "tool", "name": "add", "content": "5"}],
+                                          add_generation_prompt=True, tokenize=False)
+    assert prompt + written + observed == whole
+    assert "<tool_response>\nerror: ValueError: unknown tool 'mul'" in env.error_observation(ValueError("unknown tool 'mul'"))
+    with pytest.raises(ValueError, match="unknown tool 'mul'"):
+        env.step(None, '{"name": "mul", "arguments": {}}')
+    with pytest.raises(ConfigError, match="is a dict, not a function"):
+        load_environment("functions", {"functions": ["tests.unit.test_environments:ENVIRONMENT_KWARGS"]})
+
+
+ENVIRONMENT_KWARGS = {"not": "a function"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import concurrent.futures
 import importlib
+import json
 import math
 import operator
 from collections.abc import Callable
@@ -73,6 +74,9 @@ class Environment(Protocol):
             session's ``tool_timeout_s``) is a tool error: its message becomes the observation
             (``error_observation`` when the environment defines it) and ``env/tool_errors`` counts
             it; the stage goes on.
+
+    Optional: ``error_observation(error) -> str``; ``bind_tokenizer(tokenizer)``, called by each
+    :class:`ToolSession` before its episodes (an environment that renders with the chat template).
     """
 
     def reset(self, prompt: PromptItem) -> Any: ...
@@ -193,8 +197,110 @@ class CalculatorEnvironment:
         return f"error: {error}>>"
 
 
-ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"calculator": CalculatorEnvironment}
+# --- a user's Python functions as tools, in the chat template's tool-call format ----------------
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_RESULT = "\x00tool-result\x00"
+
+
+class FunctionToolsEnvironment:
+    """A user's Python functions as tools, called as chat templates that declare tools write a
+    call (Qwen2.5's and Hermes' format, the project's template's too): the policy writes
+    ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``; the function runs with
+    those keyword arguments and its result (a str, else its JSON) comes back as the template
+    renders a ``tool`` message, ending the assistant's turn and opening the next one (for the
+    project's template ``<|end|>\n<|user|>\n<tool_response>\n{result}\n</tool_response><|end|>\n
+    <|assistant|>\n``). Llama 3's bare-JSON calls are not read.
+
+    Args:
+        functions: import paths ``package.module:function``; a tool is named by its function's
+            ``__name__``.
+
+    Raises:
+        ConfigError: a path that does not name a callable; (:meth:`bind_tokenizer`) a chat
+            template that does not write tool calls and tool messages this way.
+    """
+
+    name = "functions"
+
+    def __init__(self, functions: list[str]) -> None:
+        if not functions:
+            raise ConfigError("environment 'functions' needs kwargs.functions: ['package.module:function', ...]")
+        self.functions: dict[str, Callable[..., Any]] = {}
+        for path in functions:
+            fn = _import_object(path, "environment.kwargs.functions")
+            if not callable(fn):
+                raise ConfigError(f"environment.kwargs.functions: {path!r} is a {type(fn).__name__}, not a function")
+            self.functions[fn.__name__] = fn
+        self.response: str | None = None
+
+    def bind_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Read from ``tokenizer``'s chat template what follows a tool call: the text between an
+        assistant turn's last ``</tool_call>`` and the next assistant turn's first token, around
+        a tool message."""
+        call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+        turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        before = tokenizer.apply_chat_template(turns, tokenize=False)
+        after = tokenizer.apply_chat_template(turns + [{"role": "tool", "name": "f", "content": _RESULT}],
+                                              add_generation_prompt=True, tokenize=False)
+        end = before.rfind(TOOL_CALL_CLOSE) + len(TOOL_CALL_CLOSE)
+        if end < len(TOOL_CALL_CLOSE) or not after.startswith(before[:end]) or _RESULT not in after[end:]:
+            raise ConfigError("environment 'functions': the tokenizer's chat template does not write a tool call as "
+                              f"{TOOL_CALL_OPEN}...{TOOL_CALL_CLOSE} followed by the tool's message")
+        self.response = after[end:]
+
+    def reset(self, prompt: PromptItem) -> None:
+        return None
+
+    def find_call(self, state: Any, text: str) -> str | None:
+        if not text.endswith(TOOL_CALL_CLOSE):
+            return None
+        start = text.rfind(TOOL_CALL_OPEN)
+        return None if start < 0 else text[start + len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)].strip()
+
+    def step(self, state: Any, call: str) -> EnvStep:
+        request = json.loads(call)
+        if not (isinstance(request, dict) and isinstance(request.get("arguments", {}), dict)):
+            raise ValueError(f"a tool call is {{'name': str, 'arguments': object}}, got {call!r}")
+        fn = self.functions.get(request.get("name"))
+        if fn is None:
+            raise ValueError(f"unknown tool {request.get('name')!r}; tools: {sorted(self.functions)}")
+        result = fn(**request.get("arguments", {}))
+        return EnvStep(self._observed(result if isinstance(result, str) else json.dumps(result)))
+
+    def error_observation(self, error: BaseException) -> str:
+        return self._observed(f"error: {type(error).__name__}: {error}")
+
+    def _observed(self, content: str) -> str:
+        if self.response is None:
+            raise RuntimeError("environment 'functions' used before bind_tokenizer")
+        return self.response.replace(_RESULT, content)
+
+
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
+    "calculator": CalculatorEnvironment, "functions": FunctionToolsEnvironment,
+}
 """Built-in environments by name."""
+
+
+def _import_object(path: str, where: str) -> Any:
+    """The object at import path ``package.module:attr`` (``attr`` may be dotted).
+
+    Raises:
+        ConfigError: a malformed path, a module that cannot be imported, a missing attribute.
+    """
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{where}={path!r} is not an import path 'package.module:name'")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigError(f"{where}={path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{where}={path!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
 
 
 def load_environment(name: str, kwargs: dict[str, Any] | None = None, *, where: str = "environment.name") -> Environment:
@@ -207,19 +313,10 @@ def load_environment(name: str, kwargs: dict[str, Any] | None = None, *, where: 
     """
     factory: Any = ENVIRONMENTS.get(name)
     if factory is None:
-        module_name, sep, attr = name.partition(":")
-        if not sep or not module_name or not attr:
+        if ":" not in name:
             raise ConfigError(f"{where}={name!r}: not a built-in environment ({', '.join(sorted(ENVIRONMENTS))}) "
                               "nor an import path 'package.module:Class'")
-        try:
-            factory = importlib.import_module(module_name)
-        except Exception as exc:
-            raise ConfigError(f"{where}={name!r}: cannot import module {module_name!r} "
-                              f"({type(exc).__name__}: {exc})") from exc
-        for part in attr.split("."):
-            if not hasattr(factory, part):
-                raise ConfigError(f"{where}={name!r}: module {module_name!r} has no attribute {attr!r}")
-            factory = getattr(factory, part)
+        factory = _import_object(name, where)
     try:
         env = factory(**(kwargs or {}))
     except TypeError as exc:
@@ -271,6 +368,9 @@ class ToolSession:
         self.env, self.tokenizer, self.prompts = env, tokenizer, prompts
         self.max_tool_calls, self.max_observation_tokens = max_tool_calls, max_observation_tokens
         self.tool_timeout_s, self.eos_id = tool_timeout_s, eos_id
+        bind = getattr(env, "bind_tokenizer", None)
+        if bind is not None:  # an environment that renders with the chat template
+            bind(tokenizer)
         self.episodes = [_Episode(env.reset(p)) for p in prompts]
         self._observed: list[list[int]] = [[] for _ in prompts]  # columns of observation tokens
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
