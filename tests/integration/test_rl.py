@@ -91,20 +91,21 @@ def rl_spec_path(pipeline: TinyPipeline, stage: str, name: str, config=None, mod
     return write_spec(spec, os.path.join(pipeline.root, "specs", f"rl-{name}.json")), output
 
 
-TOOLS = {"grpo.environment": {"name": "tests.integration.tool_envs:Counter", "kwargs": {"every": 12}}}
-"""GRPO's multi-turn rollouts with a user's deterministic tool, by import path."""
+TOOL = {"name": "tests.integration.tool_envs:Counter", "kwargs": {"every": 12}}
+"""A user's deterministic tool, by import path: the RL stages' multi-turn rollouts."""
 
 
 def _config(pipeline: TinyPipeline, run: str):
-    """The config of ``run``: ``ppo``, ``grpo`` or ``grpo-tools`` (GRPO with :data:`TOOLS`)."""
-    return rl_config(pipeline, run.split("-")[0], **(TOOLS if run == "grpo-tools" else {}))
+    """The config of ``run``: ``ppo``, ``grpo``, or either with ``-tools`` (with :data:`TOOL`)."""
+    stage = run.split("-")[0]
+    return rl_config(pipeline, stage, **({f"{stage}.environment": TOOL} if run.endswith("-tools") else {}))
 
 
 @pytest.fixture(scope="module")
 def rl_baselines(tiny_pipeline: TinyPipeline) -> dict[str, tuple[str, StageRun]]:
-    """One uninterrupted PPO, GRPO and GRPO-with-a-tool run: run name -> (output URI, run)."""
+    """One uninterrupted PPO, GRPO, and each with a tool: run name -> (output URI, run)."""
     out = {}
-    for name in ("ppo", "grpo", "grpo-tools"):
+    for name in ("ppo", "grpo", "grpo-tools", "ppo-tools"):
         path, output = rl_spec_path(tiny_pipeline, name.split("-")[0], f"{name}-baseline",
                                     config=_config(tiny_pipeline, name))
         run = run_stage(path)
@@ -140,14 +141,20 @@ def test_grpo_runs_and_logs_group_metrics(rl_baselines):
     assert "value_head.safetensors" not in storage.list_files(StageLayout(output).final)
 
 
-def test_grpo_with_a_users_tool_calls_it_and_logs_the_episodes(rl_baselines):
+@pytest.mark.parametrize("name", ["grpo-tools", "ppo-tools"])
+def test_rl_with_a_users_tool_calls_it_and_logs_the_episodes(rl_baselines, name):
     """The tool (by import path) is called in most episodes of every iteration; its tokens are
-    observations, its reward (0.25 a call) is in the scores."""
-    _, run = rl_baselines["grpo-tools"]
-    for metrics in run.step_metrics().values():
-        calls = float(metrics["env/tool_calls"])
-        assert calls > 0.5 and float(metrics["env/observation_tokens"]) >= 2 * calls
-        assert float(metrics["env/tool_errors"]) == 0 and float(metrics["reward_mean"]) >= 0.25 * calls
+    observations, its reward (0.25 a call) is in the scores: GRPO's verifier reward (>= 0) plus
+    it, PPO's reward model and verifier (each logged) plus it."""
+    _, run = rl_baselines[name]
+    for m in ({k: float(v) for k, v in metrics.items()} for metrics in run.step_metrics().values()):
+        calls = m["env/tool_calls"]
+        assert calls > 0.5 and m["env/observation_tokens"] >= 2 * calls and m["env/tool_errors"] == 0
+        if name == "grpo-tools":
+            assert m["reward_mean"] >= 0.25 * calls
+        else:
+            assert m["reward_mean"] == pytest.approx(m["reward/reward_model"] + m["reward/verifier"] + 0.25 * calls,
+                                                     abs=1e-4)
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo", "grpo-tools"])

@@ -64,6 +64,16 @@ def test_reinforce_pp_without_kl():
     assert_close(ADVANTAGE_ESTIMATORS["reinforce_pp"](scores, mask, 2), want)
 
 
+def test_reinforce_pp_credits_every_policy_token_of_a_multi_turn_completion():
+    """The first row's second token is an observation (mask 0): its policy tokens, either side
+    of it, get the return of a row of two policy tokens, as without the observation."""
+    scores = torch.tensor([1.0, 0.0])
+    gapped = ADVANTAGE_ESTIMATORS["reinforce_pp"](scores, torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]]), 2)
+    plain = ADVANTAGE_ESTIMATORS["reinforce_pp"](scores, torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]), 2)
+    assert_close(gapped[0, [0, 2]], plain[0, [0, 1]]) and gapped[0, 1] == 0
+    assert_close(gapped[1], plain[1])
+
+
 def test_reinforce_pp_puts_token_kl_in_the_reward():
     # one row of 3 real tokens, kl_coef 0.5, k1 KL = logp - ref_logp = [0.2, 0.0, 0.4]:
     # rewards [-0.1, 0, -0.2 + 1] = [-0.1, 0, 0.8]; returns-to-go [0.7, 0.8, 0.8];

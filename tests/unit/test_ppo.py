@@ -15,6 +15,7 @@ from trainer_core.objectives.ppo import (
     gae,
     kl_k1,
     kl_k3,
+    last_real_index,
     masked_mean,
     penalized_rewards,
     whiten,
@@ -55,6 +56,31 @@ def test_gae_matches_plain_loop_with_padding(gamma, lam):
         assert adv[i, :n].tolist() == pytest.approx(want_adv, abs=1e-6)
         assert ret[i, :n].tolist() == pytest.approx(want_ret, abs=1e-6)
         assert adv[i, n:].abs().sum() == 0 and ret[i, n:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8)])
+def test_gae_over_a_multi_turn_completion_skips_the_observation_tokens(gamma, lam):
+    """A policy turn, an environment's observation (mask 0), a second turn, padding: the policy's
+    tokens are the time steps (the loop over them alone), observation and padding positions 0."""
+    g = torch.Generator().manual_seed(1)
+    rewards, values = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    mask = torch.tensor([[1.0, 1, 0, 0, 1, 1, 1, 0], [1.0, 1, 1, 1, 1, 0, 0, 0]])
+    adv, ret = gae(rewards, values, mask, gamma, lam)
+    for i in range(2):
+        steps = mask[i].nonzero().squeeze(1)
+        want_adv, want_ret = _gae_loop(rewards[i, steps].tolist(), values[i, steps].tolist(), gamma, lam)
+        assert adv[i, steps].tolist() == pytest.approx(want_adv, abs=1e-6)
+        assert ret[i, steps].tolist() == pytest.approx(want_ret, abs=1e-6)
+        assert (adv[i][mask[i] == 0] == 0).all() and (ret[i][mask[i] == 0] == 0).all()
+    prefix = gae(rewards[1:], values[1:], mask[1:], gamma, lam)  # no gap: the plain recursion, to the bit
+    assert torch.equal(adv[1:], prefix[0]) and torch.equal(ret[1:], prefix[1])
+
+
+def test_the_score_goes_to_the_policys_last_token_after_an_observation():
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    assert last_real_index(mask).tolist() == [2, 1, 3]
+    rewards, _ = penalized_rewards(torch.tensor([1.0, 2.0, 3.0]), torch.zeros(3, 4), mask, 0.1)
+    assert rewards[:2].tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]]
 
 
 def test_kl_estimators_worked_values():

@@ -405,6 +405,10 @@ class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
     kl_target: float = Field(6.0, gt=0, description="Target KL for the adaptive controller.")
     kl_horizon: int = Field(10000, ge=1, description="Horizon of the adaptive KL controller.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+    environment: EnvironmentConfig | None = Field(
+        None, description="A tool environment for multi-turn rollouts (its tokens masked from every loss term; "
+        "PPO's GAE steps over the policy's tokens alone); None: single-turn."
+    )
     generation: RolloutGenerationConfig = Field(
         default_factory=RolloutGenerationConfig, description="Rollout sampling settings."
     )
@@ -452,10 +456,7 @@ class GRPOConfig(RLStageConfig):
     """GRPO: G samples per prompt, group-normalised advantages, no critic."""
 
     group_size: int = Field(4, ge=2, description="Completions sampled per prompt (G).")
-    environment: EnvironmentConfig | None = Field(
-        None, description="A tool environment for multi-turn rollouts (its tokens masked from every loss term); "
-        "None: single-turn. Not on PPO: its GAE over observation tokens is not built."
-    )
+
     scale_rewards: bool = Field(
         True, description="'grpo' estimator: divide group advantages by the group std (False: as 'dr_grpo')."
     )

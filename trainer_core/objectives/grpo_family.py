@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from trainer_core.objectives.ppo import KL_ESTIMATORS, clipped_policy_loss
+from trainer_core.objectives.ppo import KL_ESTIMATORS, clipped_policy_loss, last_real_index
 
 STD_EPS = 1e-4
 """Added to the group std before dividing (TRL's value)."""
@@ -149,7 +149,7 @@ def reinforce_pp_advantages(
         if logprobs is None or ref_logprobs is None:
             raise ValueError("reinforce_pp with kl_coef > 0 needs logprobs and ref_logprobs")
         rewards = -kl_coef * KL_ESTIMATORS[kl_estimator](logprobs.float(), ref_logprobs.float()) * mask
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+    last = last_real_index(mask)  # the policy's last token, also after a tool's observation
     rewards[torch.arange(scores.shape[0], device=scores.device), last] += scores.float()
     returns = rewards.flip(1).cumsum(1).flip(1) * mask  # G_t = sum_{s >= t} r_s
     return _whiten(returns, mask, all_reduce_sum)

@@ -64,6 +64,13 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k3
 """Config name (``kl_estimator``) -> estimator."""
 
 
+def last_real_index(mask: Tensor) -> Tensor:
+    """[B] long: the index of each row's last 1 in ``mask`` [B, T] (the completion's last token
+    the policy wrote, also when an environment's observation tokens (0) sit between its turns);
+    T - 1 for a row without one."""
+    return mask.shape[1] - 1 - (mask > 0).long().flip(1).argmax(dim=1)
+
+
 def penalized_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> tuple[Tensor, Tensor]:
     """Per-token rewards: ``-kl_coef * kl`` on every token, plus the score on the last real token.
 
@@ -80,7 +87,7 @@ def penalized_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) 
     rewards [[-0.05, 0.95, 0]].
     """
     non_score = -kl_coef * kl * mask
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+    last = last_real_index(mask)
     rewards = non_score.clone()
     rewards[torch.arange(scores.shape[0], device=scores.device), last] += scores
     return rewards, non_score
@@ -95,16 +102,25 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     Args:
         rewards: [B, T] per-token rewards.
         values: [B, T] value predictions V(s_t) of the state before token t.
-        mask: [B, T] 1 = real token; real tokens form a prefix of each row.
+        mask: [B, T] 1 = a token the policy wrote. A multi-turn completion's observation tokens
+            (an environment's, 0) may sit between its turns: the time steps are the policy's
+            tokens alone, so V_{t+1} is the value at the policy's next token, after the
+            observation (the environment's answer is part of the transition), as in verl's and
+            OpenRLHF's multi-turn PPO.
         gamma: discount in [0, 1].
         lam: GAE lambda in [0, 1].
 
     Returns:
-        (advantages [B, T], returns [B, T]), zero on padding; detached.
+        (advantages [B, T], returns [B, T]), zero on padding and observations; detached.
 
     Worked value (gamma = lam = 1): rewards [[0, 1]], values [[0.5, 0.25]] ->
-    deltas [-0.25, 0.75], advantages [0.5, 0.75], returns [1.0, 1.0].
+    deltas [-0.25, 0.75], advantages [0.5, 0.75], returns [1.0, 1.0]; with an observation
+    between the two tokens (mask [[1, 0, 1]]) the same values at positions 0 and 2.
     """
+    if bool((mask[:, 1:] > mask[:, :-1]).any()):  # a gap: run on the policy's tokens moved to the front
+        order = torch.sort((mask <= 0).to(torch.uint8), dim=1, stable=True).indices
+        advantages, returns = gae(rewards.gather(1, order), values.gather(1, order), mask.gather(1, order), gamma, lam)
+        return torch.zeros_like(advantages).scatter(1, order, advantages), torch.zeros_like(returns).scatter(1, order, returns)
     rewards, values, mask = rewards.detach() * mask, values.detach() * mask, mask.to(rewards.dtype)
     num_tokens = rewards.shape[1]
     advantages = torch.zeros_like(rewards)
