@@ -302,3 +302,18 @@ def test_users_functions_are_tools_called_in_the_chat_templates_format(tokenizer
 
 
 ENVIRONMENT_KWARGS = {"not": "a function"}
+
+
+def test_an_rl_prompt_declares_its_conversations_tools(tokenizer):
+    """``prompt_ids`` with ``tools`` (an SFT row's ``tools_json``, as the RL stages load their
+    prompts): the chat template's tools block, then the conversation, then the generation prompt."""
+    from trainer_core.config import DataConfig
+    from trainer_core.generation.completions import prompt_ids
+
+    schema = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "2+3?"}]
+    data = DataConfig(max_length_tokens=400, max_prompt_length_tokens=300)
+    ids = prompt_ids(tokenizer, messages, data, [schema])
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tools=[schema], add_generation_prompt=True,
+                                                                  tokenize=False)
+    assert "<tools>" in tokenizer.decode(ids) and "<tools>" not in tokenizer.decode(prompt_ids(tokenizer, messages, data))

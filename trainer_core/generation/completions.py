@@ -27,9 +27,12 @@ if TYPE_CHECKING:
     from trainer_core.training.rl.environments import ToolSession
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: DataConfig) -> list[int]:
-    """Token ids of a chat prompt ending with the assistant generation prefix."""
-    return encode_chat(tokenizer, messages, None, data.max_length_tokens, data.max_prompt_length_tokens)["input_ids"]
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: DataConfig,
+               tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a chat prompt (with its declared ``tools``, JSON schemas, when given) ending
+    with the assistant generation prefix."""
+    return encode_chat(tokenizer, messages, None, data.max_length_tokens, data.max_prompt_length_tokens,
+                       tools=tools)["input_ids"]
 
 
 def check_generation_engine(field: str, gen: GenerationConfig, backend: Backend) -> None:

@@ -7,7 +7,8 @@ Output directory (``<output_uri>/final``), committed by ``manifest.json`` writte
     sft/train, sft/eval
         prompt str, completion str, answer str|null, messages_json str,
         input_ids list<int32>, loss_mask list<int8> (1 = counted in the loss), num_tokens int32,
-        tools_json str|null (a conversation's declared tools, rendered in its prompt)
+        tools_json str|null (a conversation's declared tools, rendered in its prompt and in the
+        RL stages' prompts)
     preference/train, preference/eval
         messages_json, chosen, rejected, chosen_input_ids, chosen_loss_mask,
         rejected_input_ids, rejected_loss_mask

@@ -4,6 +4,7 @@ prompt set, the reward function, and building, resuming and running the trainer.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 
 def load_prompts(ctx: StageContext, cfg: RLStageConfig, split: PreparedRows | None = None) -> list[PromptItem]:
-    """RL prompts: the prepared ``sft/train`` rows (only those with an answer when the reward needs one).
+    """RL prompts: the prepared ``sft/train`` rows (only those with an answer when the reward needs
+    one), each with the tools its conversation declared (``tools_json``) rendered in its prompt.
 
     Args:
         split: the ``sft/train`` split when the caller has it open already (``ctx.load_rows``'s
@@ -56,7 +58,9 @@ def load_prompts(ctx: StageContext, cfg: RLStageConfig, split: PreparedRows | No
         usable = [usable[i] for i in keep]
     rows = [split[i] for i in usable]  # only the prompts used become Python objects
     data = ctx.config.data
-    return [PromptItem(messages_of(r), prompt_ids(ctx.tokenizer, messages_of(r), data), r["answer"]) for r in rows]
+    tools = [json.loads(r["tools_json"]) if r.get("tools_json") else None for r in rows]
+    return [PromptItem(messages_of(r), prompt_ids(ctx.tokenizer, messages_of(r), data, t), r["answer"])
+            for r, t in zip(rows, tools, strict=True)]
 
 
 def _reward_fn(ctx: StageContext, cfg: RLStageConfig) -> RewardFunction:
