@@ -73,6 +73,11 @@ def test_demo_config_through_the_cli(demo_run):
     # PPO's reward is the reward model's score plus the verifier's (weights 1.0): each part logged
     ppo = demo_run.summary["stages"]["ppo"]["metrics"]
     assert ppo["reward_mean"] == pytest.approx(ppo["reward/reward_model"] + ppo["reward/verifier"], abs=1e-5)
+    # Sampled answers: pass@1 is the mean accuracy of the 4 samples (avg@4), pass@4 at least that
+    evaluated = demo_run.summary["stages"]["evaluate"]["metrics"]
+    for policy in ("sft", "dpo", "ppo", "grpo"):
+        one, four, avg = (evaluated[f"{policy}/{m}"] for m in ("pass_at_1", "pass_at_4", "avg_at_4"))
+        assert one == pytest.approx(avg, abs=1e-9) and 0 <= one <= four <= 1 and evaluated[f"{policy}/pass_at_4_se"] >= 0
 
 
 STAGE_OUTPUT = re.compile(

@@ -1,6 +1,7 @@
 """``trainer_core.objectives.paired``: ``paired_gain`` (a policy's exact match against SFT's on the
 same problems, with the standard error of the paired difference) and ``verdict_auc`` (how well a
-reward ranks right answers above wrong ones), against hand-worked values."""
+reward ranks right answers above wrong ones) and ``pass_at_k`` (Chen et al. 2021's unbiased
+estimator), against hand-worked values."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 
 import pytest
 
-from trainer_core.objectives.paired import paired_gain, paired_verdicts, verdict_auc
+from trainer_core.objectives.paired import mean_and_se, paired_gain, paired_verdicts, pass_at_k, verdict_auc
 
 
 def test_paired_gain_hand_worked():
@@ -60,3 +61,21 @@ def test_verdict_auc_is_undefined_without_both_verdicts_and_refuses_unpaired_lis
     assert verdict_auc([1.0, 2.0], [True, True]) is None and verdict_auc([], []) is None
     with pytest.raises(ValueError, match="one verdict per score"):
         verdict_auc([1.0], [True, False])
+
+
+def test_pass_at_k_hand_worked():
+    """n = 5, c = 2: 1 - C(3, k) / C(5, k) = 1 - 3/5, 1 - 3/10, 1 - 1/10, then 1 (fewer than k wrong)."""
+    assert [pass_at_k(5, 2, k) for k in range(1, 6)] == pytest.approx([0.4, 0.7, 0.9, 1.0, 1.0])
+    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 5, 1) == 1.0
+    assert pass_at_k(200, 13, 10) == pytest.approx(1 - math.comb(187, 10) / math.comb(200, 10), rel=1e-12)
+    for n, c, k in [(5, 6, 1), (5, 2, 0), (5, 2, 6), (5, -1, 1)]:
+        with pytest.raises(ValueError, match="pass_at_k needs"):
+            pass_at_k(n, c, k)
+
+
+def test_mean_and_se_hand_worked():
+    # [0.4, 0.7, 1.0]: mean 0.7, sample variance (0.09 + 0 + 0.09) / 2 = 0.09, SE 0.3 / sqrt(3)
+    assert mean_and_se([0.4, 0.7, 1.0]) == pytest.approx((0.7, 0.3 / math.sqrt(3)))
+    assert mean_and_se([0.5]) == (0.5, 0.0)
+    with pytest.raises(ValueError):
+        mean_and_se([])

@@ -1,4 +1,4 @@
-"""The per-stage config sections: optimisation, generation, rewards, and each stage's own."""
+"""The per-stage config sections: optimisation, rewards and each stage's own (sampling and tools: generation.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from trainer_core.config.base import ConfigBase
+from trainer_core.config.generation import (
+    EnvironmentConfig,
+    GenerationConfig,
+    PassAtKConfig,
+    RolloutGenerationConfig,
+    SampledGenerationConfig,
+)
 from trainer_core.errors import ConfigError
 
 
@@ -224,44 +231,6 @@ class PretrainConfig(SupervisedStageConfig):
     """Continued pretraining: next-token loss on every token of packed raw text (``data.pretrain``)."""
 
 
-class GenerationConfig(ConfigBase):
-    """Sampling settings for generation."""
-
-    max_new_tokens: int = Field(64, ge=1, description="Max generated tokens per completion.")
-    temperature: float = Field(0.0, ge=0, description="Sampling temperature (0: greedy).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
-    engine: Literal["hf", "static"] = Field(
-        "hf", description="Generation engine: 'hf' the model's own forward with a dynamic KV cache (score and "
-        "evaluate: transformers' generate; PPO/GRPO rollouts: trainer_core.generation.engines.HFEngine, bit-exact resume), the "
-        "CPU reference and the one for sharded policies; 'static' (trainer_core.generation.engines.StaticCacheEngine) a static "
-        "KV cache reserved up front, batched prefill and (on CUDA) a compiled, CUDA-graph decode step; single and "
-        "DDP backends."
-    )
-    compile: bool | None = Field(
-        None, description="'static' engine: compile the decode step (None: on CUDA only)."
-    )
-    fuse_projections: bool = Field(
-        True, description="'static' engine: run the q/k/v and the gate/up projections as one GEMM each while "
-        "generating (Llama, Qwen2, Qwen3 layers); their weights are held once more until the engine's release."
-    )
-
-
-class SampledGenerationConfig(GenerationConfig):
-    """Sampling settings for scoring completions (a YAML override of one field keeps these defaults)."""
-
-    temperature: float = Field(0.7, ge=0, description="Sampling temperature (0: greedy).")
-    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling threshold.")
-
-
-class RolloutGenerationConfig(GenerationConfig):
-    """Rollout sampling from the policy: on-policy, so temperature 1 and no truncation by default."""
-
-    max_new_tokens: int = Field(48, ge=1, description="Max generated tokens per completion.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature (must be > 0 for RL).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-
-
 class ScoreConfig(ConfigBase):
     """Sample completions from the SFT policy for held-out prompts and score them."""
 
@@ -309,22 +278,6 @@ class QualityGate(ConfigBase):
         return self
 
 
-class EnvironmentConfig(ConfigBase):
-    """A tool environment the policy calls while it generates (multi-turn rollouts; see
-    trainer_core.training.rl.environments)."""
-
-    name: str = Field(
-        ..., description="'calculator' (GSM8K's: on '<<expr=' it appends 'result>>') or an import path "
-        "'package.module:Class' of an Environment (reset, find_call, step)."
-    )
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of its constructor.")
-    max_tool_calls: int = Field(8, ge=1, description="Tool calls per episode at most; later ones are not looked for.")
-    max_observation_tokens: int = Field(32, ge=1, description="An observation is cut to this many tokens.")
-    tool_timeout_s: float = Field(
-        5.0, gt=0, description="A tool call running longer is a tool error (observed, counted in env/tool_errors)."
-    )
-
-
 class EvaluateConfig(ConfigBase):
     """Held-out evaluation of every trained stage."""
 
@@ -336,6 +289,10 @@ class EvaluateConfig(ConfigBase):
     environment: EnvironmentConfig | None = Field(
         None, description="A tool environment every policy's exact-match answers are generated with (as the RL "
         "stage's, e.g. the calculator); None: without tools."
+    )
+    pass_at_k: PassAtKConfig | None = Field(
+        None, description="Sample n answers to held-out problems per policy: <policy>/pass_at_<k>, "
+        "<policy>/avg_at_<n> and their standard errors (Chen et al. 2021's unbiased estimator); None: off."
     )
     gates: list[QualityGate] = Field(
         default_factory=list,

@@ -46,6 +46,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from trainer_core.data.tools import declared_tools, tool_call
 from trainer_core.errors import DataError
 
 FORMATS = ("prompt_completion", "gsm8k", "hh_rlhf", "kto", "messages", "text")
@@ -159,59 +160,11 @@ def _message(record: dict, where: str, m: Any) -> dict[str, Any]:
         raise DataError(f"{_where(record)}: field '{where} must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}")
     message: dict[str, Any] = {"role": m["role"], "content": content}
     if calls:
-        message["tool_calls"] = [_tool_call(record, f"{where}['tool_calls'][{j}]", c) for j, c in enumerate(calls)]
+        message["tool_calls"] = [tool_call(c, f"{_where(record)}: field '{where}['tool_calls'][{j}]")
+                                 for j, c in enumerate(calls)]
     if m["role"] == "tool":
         message |= {k: m[k] for k in ("name", "tool_call_id") if isinstance(m.get(k), str)}
     return message
-
-
-def _tool_call(record: dict, where: str, call: Any) -> dict[str, Any]:
-    """``{"type": "function", "function": {"name", "arguments": dict}}`` of one tool call.
-
-    Raises:
-        DataError: no function name, or arguments that are not an object (or a JSON string of one).
-    """
-    function = call.get("function") if isinstance(call, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
-    arguments = function.get("arguments", {}) if isinstance(function, dict) else None
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{_where(record)}: field '{where} arguments are not JSON: {e}") from None
-    if not (isinstance(name, str) and name and isinstance(arguments, dict)):
-        raise DataError(f"{_where(record)}: field '{where} must be {{'function': {{'name': str, 'arguments': "
-                        f"object}}}}, got {call!r}")
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _tools(record: dict) -> list[dict] | None:
-    """The record's ``tools`` column, the conversation's declared tools as
-    ``apply_chat_template(tools=...)`` takes them: a list (or a JSON string of one) of function
-    schemas ``{"type": "function", "function": {"name", "description", "parameters"}}`` (a bare
-    ``{"name", ...}`` is wrapped so); None when absent or empty.
-
-    Raises:
-        DataError: not a list of schemas, or a schema without a function name (names the item).
-    """
-    value = record.get("tools")
-    if value in (None, "", []):
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{_where(record)}: field 'tools' is not JSON: {e}") from None
-    if not isinstance(value, list):
-        raise DataError(f"{_where(record)}: field 'tools' must be a list of function schemas, got {type(value).__name__}")
-    tools = []
-    for i, tool in enumerate(value):
-        function = tool.get("function", tool) if isinstance(tool, dict) else None
-        if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
-            raise DataError(f"{_where(record)}: field 'tools'[{i}] must be {{'type': 'function', 'function': "
-                            f"{{'name': str, ...}}}}, got {tool!r}")
-        tools.append({"type": "function", "function": function})
-    return tools or None
 
 
 def _conversation(record: dict, name: str = "messages") -> tuple[list[dict[str, str]], str]:
@@ -320,7 +273,7 @@ def _hh_pair(record: dict) -> dict:
 
 def to_sft_example(record: dict, fmt: str = "auto") -> dict:
     """Canonical SFT example ``{"prompt", "completion", "messages", "answer"}`` (messages: plus
-    ``"tools"`` when the record declares tools, :func:`_tools`).
+    ``"tools"`` when the record declares tools, :func:`~trainer_core.data.tools.declared_tools`).
 
     gsm8k: prompt = question, completion = the whole worked answer (``#### n`` included),
     answer = :func:`final_answer` of it. prompt_completion: answer = :func:`final_answer` of the
@@ -350,7 +303,7 @@ def to_sft_example(record: dict, fmt: str = "auto") -> dict:
         messages, completion = _conversation(record)
         example = {"prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
                    "completion": completion, "messages": messages, "answer": final_answer(completion)}
-        if tools := _tools(record):
+        if tools := declared_tools(record.get("tools"), f"{_where(record)}: field 'tools'"):
             example["tools"] = tools
     else:
         raise DataError(f"{_where(record)}: format {fmt!r} has no SFT examples (prompt and completion)")

@@ -235,12 +235,10 @@ def encode_chat(
         completion: the assistant reply; None encodes the prompt alone (for generation).
         max_length: max tokens of prompt + completion; the completion is cut to fit.
         max_prompt_length: max prompt tokens; a longer prompt keeps its LAST tokens.
-        truncated: when given, ``truncated["prompt"]`` / ``truncated["completion"]`` are incremented
-            (from 0 when absent) when the prompt / the completion was cut.
+        truncated: when given, ``truncated["prompt"]`` / ``["completion"]`` count (from 0) a cut prompt / completion.
         assistant_turns: ``"last"``: only ``completion`` is counted; ``"all"``: the replies in
             ``messages`` too, end of turn included (as TRL's ``assistant_only_loss``).
-        tools: the conversation's declared tools (JSON schemas), rendered by the template as
-            ``apply_chat_template(tools=...)`` does, in the prompt (never counted); None: none.
+        tools: declared tools (JSON schemas), rendered in the prompt as ``apply_chat_template(tools=...)``.
 
     Returns:
         ``{"input_ids": list[int], "loss_mask": list[int]}`` of equal length; loss_mask is

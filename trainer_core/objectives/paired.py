@@ -101,3 +101,41 @@ def verdict_auc(scores: list[float], verdicts: list[bool]) -> float | None:
     wins = sum(bisect.bisect_left(wrong, c) + 0.5 * (bisect.bisect_right(wrong, c) - bisect.bisect_left(wrong, c))
                for c in correct)
     return wins / (len(correct) * len(wrong))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k for one problem from ``n`` samples of which ``c`` are
+    correct: ``1 - C(n - c, k) / C(n, k)``, the chance that k of the n samples drawn without
+    replacement hold a correct one (Chen et al. 2021, "Evaluating Large Language Models Trained
+    on Code", eq. 1), as the product of their numerically stable form (figure 3).
+
+    Raises:
+        ValueError: not ``0 <= c <= n`` or not ``1 <= k <= n``.
+
+    Worked values: n = 5, c = 2: k = 1 0.4 (= c / n), k = 2 1 - 3/10 = 0.7, k = 3 1 - 1/10 = 0.9,
+    k = 4 and 5 1.0 (fewer than k wrong samples).
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    remaining = 1.0
+    for i in range(n - c + 1, n + 1):
+        remaining *= 1.0 - k / i
+    return 1.0 - remaining
+
+
+def mean_and_se(values: list[float]) -> tuple[float, float]:
+    """Mean of ``values`` over problems and its standard error (sample standard deviation over
+    sqrt(count); 0.0 for fewer than 2 values).
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("mean_and_se needs at least one value")
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    return mean, (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5

@@ -19,6 +19,8 @@ Metrics (each present when its models were trained in this run):
   (:func:`~trainer_core.objectives.paired.verdict_auc`; 0.5 is chance): whether the reward
   tracks correctness on the policy's own answers, where RL samples; absent when every answer
   is right or every one wrong.
+- ``<policy>/pass_at_<k>``, ``<policy>/avg_at_<n>`` and their ``_se`` (with ``evaluate.pass_at_k``):
+  n sampled answers per held-out problem, Chen et al.'s unbiased pass@k and the mean accuracy.
 - ``<policy>/tool_calls`` (with ``evaluate.environment``): tool calls per problem in the
   policy's exact-match answers, which are then generated with the tool (e.g. the calculator).
 - ``<policy>_vs_sft/win_rate`` (``dpo``, ``ppo``, ``grpo``): fraction of held-out preference
@@ -38,6 +40,7 @@ import logging
 from torch import nn
 
 from trainer_core.checkpoint.manifest import Manifest
+from trainer_core.config import GenerationConfig
 from trainer_core.data.formats import answers_match, extract_generated_answer
 from trainer_core.generation.completions import (
     check_generation_engine,
@@ -46,7 +49,7 @@ from trainer_core.generation.completions import (
     prompt_ids,
     reward_scores,
 )
-from trainer_core.objectives.paired import SAMPLES_FILE, paired_gain, verdict_auc
+from trainer_core.objectives.paired import SAMPLES_FILE, mean_and_se, paired_gain, pass_at_k, verdict_auc
 from trainer_core.registry import INIT_SOURCE, policy_role, policy_stages
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.training.rl.environments import ToolSession, load_environment
@@ -71,13 +74,15 @@ def _policy(ctx: StageContext, role: str) -> nn.Module:
 
 
 def exact_match(
-    ctx: StageContext, policy: nn.Module, problems: list[dict], tool_calls: list[float] | None = None
+    ctx: StageContext, policy: nn.Module, problems: list[dict], tool_calls: list[float] | None = None,
+    gen: GenerationConfig | None = None,
 ) -> tuple[list[bool], list[str]]:
     """Greedy completions of GSM8K-style problems and the verifier's verdict on each; with
     ``evaluate.environment``, generated with that tool (its observations in the completions).
 
     Args:
         tool_calls: with a tool, each problem's number of calls is appended to it.
+        gen: generation settings other than ``evaluate.generation`` (pass@k's sampling).
 
     Returns:
         (verdicts, completions), one of each per problem in order; the exact-match accuracy is
@@ -95,13 +100,33 @@ def exact_match(
             sessions.append(ToolSession.configured(env, cfg.environment, ctx.tokenizer, items[start:stop]))
             return sessions[-1]
 
-    completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, ctx.backend.device,
+    completions = generate_completions(policy, ctx.tokenizer, prompts, gen or cfg.generation, ctx.backend.device,
                                        ctx.config.seed, session_for=session_for)
     for session in sessions:
         session.close()
         if tool_calls is not None:
             tool_calls.extend(session.stats()["tool_calls"])
     return [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(completions, problems)], completions
+
+
+def _policy_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: list[dict],
+                    tool_calls: list[float]) -> dict[str, float]:
+    """``<name>/tool_calls`` (with a tool: calls per problem of its greedy answers) and, with
+    ``evaluate.pass_at_k``, ``<name>/pass_at_<k>`` and ``<name>/avg_at_<n>`` with their
+    standard errors over problems (``..._se``): n sampled answers to each of the first
+    ``num_problems`` problems, :func:`~trainer_core.objectives.paired.pass_at_k` of each."""
+    out = {f"{name}/tool_calls": sum(tool_calls) / len(tool_calls)} if tool_calls else {}
+    cfg = ctx.config.evaluate.pass_at_k
+    if cfg is None:
+        return out
+    sampled = [p for p in problems[: cfg.num_problems] for _ in range(cfg.n)]  # each problem's n samples together
+    verdicts, _ = exact_match(ctx, policy, sampled, gen=cfg.generation)
+    correct = [sum(verdicts[i : i + cfg.n]) for i in range(0, len(verdicts), cfg.n)]
+    estimates = {f"pass_at_{k}": [pass_at_k(cfg.n, c, k) for c in correct] for k in cfg.k}
+    estimates[f"avg_at_{cfg.n}"] = [c / cfg.n for c in correct]
+    for metric, values in estimates.items():
+        out[f"{name}/{metric}"], out[f"{name}/{metric}_se"] = mean_and_se(values)
+    return out
 
 
 def _sft_metrics(ctx: StageContext, sft: nn.Module) -> dict[str, float]:
@@ -213,11 +238,12 @@ def run(ctx: StageContext) -> Manifest:
     sft_metrics: dict[str, float] = {}
     dpo_metrics: dict[str, float] = {}
     dpo_rows: list[dict] = []
-    tool_calls: dict[str, list[float]] = {}
+    policy_metrics: dict[str, float] = {}
     messages = [messages_of(p) for p in problems]
     for name, role in roles:  # one policy in memory at a time (SFT's before DPO's: pipeline order)
         policy = _policy(ctx, role)
-        verdicts[name], completions[name] = exact_match(ctx, policy, problems, tool_calls.setdefault(name, []))
+        verdicts[name], completions[name] = exact_match(ctx, policy, problems, calls := [])
+        policy_metrics |= _policy_metrics(ctx, name, policy, problems, calls)
         if rm is not None:
             rewards[name] = reward_scores(rm, ctx.tokenizer, messages, completions[name], ctx.config.data,
                                           ctx.config.evaluate.micro_batch_size, ctx.backend.device)
@@ -231,8 +257,7 @@ def run(ctx: StageContext) -> Manifest:
             win_rate_scores[name] = _win_rate_scores(ctx, rm, policy, *win_rate_prompts)
         del policy
     metrics = {f"{name}/exact_match": sum(hits) / max(len(hits), 1) for name, hits in verdicts.items()}
-    metrics |= sft_metrics | rm_metrics | dpo_metrics | (_win_rates(win_rate_scores) if with_win_rates else {})
-    metrics |= {f"{name}/tool_calls": sum(calls) / len(calls) for name, calls in tool_calls.items() if calls}
+    metrics |= sft_metrics | rm_metrics | dpo_metrics | policy_metrics | (_win_rates(win_rate_scores) if with_win_rates else {})
     if "sft" in verdicts and problems:
         for name in (n for n in verdicts if n not in ("sft", "base")):
             gain, se = paired_gain(verdicts["sft"], verdicts[name])

@@ -1,0 +1,84 @@
+"""Generation settings: sampling (score, evaluate, rollouts), tool environments of multi-turn
+rollouts and evaluation, and evaluate's sampled answers (pass@k)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from trainer_core.config.base import ConfigBase
+
+
+class GenerationConfig(ConfigBase):
+    """Sampling settings for generation."""
+
+    max_new_tokens: int = Field(64, ge=1, description="Max generated tokens per completion.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
+    engine: Literal["hf", "static"] = Field(
+        "hf", description="Generation engine: 'hf' the model's own forward with a dynamic KV cache (score and "
+        "evaluate: transformers' generate; PPO/GRPO rollouts: trainer_core.generation.engines.HFEngine, bit-exact resume), the "
+        "CPU reference and the one for sharded policies; 'static' (trainer_core.generation.engines.StaticCacheEngine) a static "
+        "KV cache reserved up front, batched prefill and (on CUDA) a compiled, CUDA-graph decode step; single and "
+        "DDP backends."
+    )
+    compile: bool | None = Field(
+        None, description="'static' engine: compile the decode step (None: on CUDA only)."
+    )
+    fuse_projections: bool = Field(
+        True, description="'static' engine: run the q/k/v and the gate/up projections as one GEMM each while "
+        "generating (Llama, Qwen2, Qwen3 layers); their weights are held once more until the engine's release."
+    )
+
+
+class SampledGenerationConfig(GenerationConfig):
+    """Sampling settings for scoring completions (a YAML override of one field keeps these defaults)."""
+
+    temperature: float = Field(0.7, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling threshold.")
+
+
+class RolloutGenerationConfig(GenerationConfig):
+    """Rollout sampling from the policy: on-policy, so temperature 1 and no truncation by default."""
+
+    max_new_tokens: int = Field(48, ge=1, description="Max generated tokens per completion.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (must be > 0 for RL).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+
+
+class EnvironmentConfig(ConfigBase):
+    """A tool environment the policy calls while it generates (multi-turn rollouts; see
+    trainer_core.training.rl.environments)."""
+
+    name: str = Field(
+        ..., description="'calculator' (GSM8K's: on '<<expr=' it appends 'result>>') or an import path "
+        "'package.module:Class' of an Environment (reset, find_call, step)."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of its constructor.")
+    max_tool_calls: int = Field(8, ge=1, description="Tool calls per episode at most; later ones are not looked for.")
+    max_observation_tokens: int = Field(32, ge=1, description="An observation is cut to this many tokens.")
+    tool_timeout_s: float = Field(
+        5.0, gt=0, description="A tool call running longer is a tool error (observed, counted in env/tool_errors)."
+    )
+
+
+class PassAtKConfig(ConfigBase):
+    """Sampled answers to the held-out problems: pass@k and avg@n next to greedy exact match."""
+
+    n: int = Field(4, ge=1, description="Samples per problem.")
+    k: list[int] = Field(default_factory=lambda: [1, 4], description="The k of each pass@k logged (1 <= k <= n).")
+    num_problems: int = Field(256, ge=1, description="Held-out problems sampled (the first of evaluate's).")
+    generation: SampledGenerationConfig = Field(
+        default_factory=SampledGenerationConfig, description="Sampling settings (temperature > 0)."
+    )
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> PassAtKConfig:
+        bad = [k for k in self.k if not 1 <= k <= self.n]
+        if bad or not self.k:
+            raise ValueError(f"pass_at_k.k must be a non-empty list of values in [1, n={self.n}], got {self.k}")
+        if self.generation.temperature <= 0:
+            raise ValueError("pass_at_k.generation.temperature must be > 0 (greedy samples are all the same)")
+        return self
