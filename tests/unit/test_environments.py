@@ -98,6 +98,11 @@ class NaNReward(Ticker):
         return EnvStep("x", reward=float("nan"))
 
 
+class BrokenFinder(Ticker):
+    def find_call(self, state, text):
+        raise KeyError("oops")
+
+
 def test_environments_load_by_name_and_import_path_with_clear_errors():
     assert isinstance(load_environment("calculator"), CalculatorEnvironment)
     env = load_environment("tests.unit.test_environments:Ticker", {"every": 3})
@@ -202,6 +207,8 @@ def test_a_protocol_violation_fails_naming_the_environment_and_the_row(policy, t
     with pytest.raises(EnvironmentProtocolError, match=r"environment 'ticker' broke its protocol on row 0 "
                                                          r"\(prompt 'Tom has'\): step.*reward nan"):
         _rollout(HFEngine(policy), tokenizer, NaNReward(), 0)
+    with pytest.raises(EnvironmentProtocolError, match=r"on row 0 .*find_call raised KeyError"):
+        _rollout(HFEngine(policy), tokenizer, BrokenFinder(), 0)
 
 
 def test_observation_tokens_are_attended_to_and_not_scored(policy, tokenizer):

@@ -442,7 +442,10 @@ class ToolSession:
             episode.text += self.tokenizer.decode([fed[row]])
             if episode.calls >= self.max_tool_calls:
                 continue
-            call = self.env.find_call(episode.state, episode.text)
+            try:
+                call = self.env.find_call(episode.state, episode.text)
+            except Exception as exc:  # a bug in the environment, not a tool's failure: the stage fails
+                raise self._violation(row, f"find_call raised {type(exc).__name__}: {exc}") from exc
             if call is None:
                 continue
             if not isinstance(call, str):
