@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
-import importlib
 import json
 import math
 import operator
@@ -36,6 +35,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from trainer_core.errors import ConfigError, PosttrainError
+from trainer_core.imports import import_object
 from trainer_core.training.rl.rewards import PromptItem
 
 
@@ -228,7 +228,7 @@ class FunctionToolsEnvironment:
             raise ConfigError("environment 'functions' needs kwargs.functions: ['package.module:function', ...]")
         self.functions: dict[str, Callable[..., Any]] = {}
         for path in functions:
-            fn = _import_object(path, "environment.kwargs.functions")
+            fn = import_object(path, "environment.kwargs.functions", "function")
             if not callable(fn):
                 raise ConfigError(f"environment.kwargs.functions: {path!r} is a {type(fn).__name__}, not a function")
             self.functions[fn.__name__] = fn
@@ -283,26 +283,6 @@ ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
 """Built-in environments by name."""
 
 
-def _import_object(path: str, where: str) -> Any:
-    """The object at import path ``package.module:attr`` (``attr`` may be dotted).
-
-    Raises:
-        ConfigError: a malformed path, a module that cannot be imported, a missing attribute.
-    """
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{where}={path!r} is not an import path 'package.module:name'")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ConfigError(f"{where}={path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{where}={path!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
 def load_environment(name: str, kwargs: dict[str, Any] | None = None, *, where: str = "environment.name") -> Environment:
     """The environment ``name`` (:data:`ENVIRONMENTS`, or ``package.module:Class``), built with
     ``kwargs``.
@@ -316,7 +296,7 @@ def load_environment(name: str, kwargs: dict[str, Any] | None = None, *, where: 
         if ":" not in name:
             raise ConfigError(f"{where}={name!r}: not a built-in environment ({', '.join(sorted(ENVIRONMENTS))}) "
                               "nor an import path 'package.module:Class'")
-        factory = _import_object(name, where)
+        factory = import_object(name, where, "Class")
     try:
         env = factory(**(kwargs or {}))
     except TypeError as exc:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 import numbers
 import re
@@ -41,6 +40,7 @@ from trainer_core.config import DataConfig, RewardConfig
 from trainer_core.data.formats import answers_match, extract_generated_answer
 from trainer_core.errors import ConfigError, PosttrainError
 from trainer_core.generation.completions import reward_scores
+from trainer_core.imports import import_object
 
 FORMAT_LINE = re.compile(r"(?m)^\s*####\s*-?\$?\d[\d,]*(?:\.\d+)?\s*$")
 """A final-answer line: ``#### 42`` on a line of its own."""
@@ -328,19 +328,8 @@ def _resolve(result: Any) -> Any:
 
 def _import_function(path: str) -> Callable:
     where = f"reward.function={path!r}"
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{where} must be 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{where}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from exc
-    except Exception as exc:
-        raise ConfigError(f"{where}: importing module {module_name!r} failed ({type(exc).__name__}: {exc})") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_object(path, "reward.function", "function")
+    attr = path.partition(":")[2]
     if not callable(obj):
         raise ConfigError(f"{where}: {attr!r} is a {type(obj).__name__}, not a function")
     try:
