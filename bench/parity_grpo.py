@@ -42,11 +42,14 @@ from the first tenth to the last (the reward must clearly rise for the compariso
 anything). Writes ``WORK/parity_grpo.json``.
 
 With 3 seeds the standard error is itself estimated from 3 values per side and the 2-s.e. test
-misses about one tenth in ten by chance; 20 seeds give a sharper answer. A run of 60 steps takes
-~1 s of CPU here (TRL's ~2 s): 3 seeds ~10 s, 20 seeds ~50 s of CPU with the imports.
+misses about one tenth in ten by chance; 40 seeds give a sharper answer. With 6 seeds or more
+the script also prints an A/A control (:func:`group_control`): how often comparisons of 3 seeds
+(and of half the seeds) agree at all 10 tenths when the project meets TRL, and when each side
+meets itself on other seeds. A run of 60 steps takes
+~1 s of CPU here (TRL's ~2 s): 3 seeds ~10 s, 40 seeds ~2 min of CPU with the imports.
 
     .venv/bin/python bench/parity_grpo.py --seeds 0 1 2
-    .venv/bin/python bench/parity_grpo.py --seeds $(seq 0 19) --loss grpo --kl-coef 0.04
+    .venv/bin/python bench/parity_grpo.py --seeds $(seq 0 39) --loss grpo --kl-coef 0.04
 """
 
 from __future__ import annotations
@@ -207,6 +210,45 @@ def compare(ours: list[list[float]], theirs: list[list[float]]) -> list[dict[str
     return rows
 
 
+def agreements(ours: list[list[float]], theirs: list[list[float]]) -> int:
+    """How many of the 10 tenths agree (:func:`compare`) between two sets of curves."""
+    return sum(bool(r["agree"]) for r in compare(ours, theirs))
+
+
+def group_control(curves: dict[str, list[list[float]]], size: int = 3, draws: int = 2000,
+                  seed: int = 0) -> dict[str, float]:
+    """The ``size``-seed criterion's own false-alarm rate, from an A/A control.
+
+    Each draw takes ``2 x size`` distinct seeds, the first ``size`` for one set of curves and the
+    rest for the other, and compares the two sets by :func:`compare`: the project against TRL,
+    and (the control) the project against itself and TRL against itself, each on disjoint seeds.
+    Returns, per pairing, the share of draws in which all 10 tenths agree (``<pair>/all_10``) and
+    the mean number that agree (``<pair>/mean``). When the project against TRL agrees about as
+    often as either side against itself, a tenth that disagrees in one comparison is the
+    criterion's noise (with 3 seeds its standard error is estimated from 3 values a side; and 10
+    tenths are 10 chances), not a departure.
+
+    Raises:
+        ValueError: fewer than ``2 x size`` seeds a side.
+    """
+    ours, theirs = curves["project"], curves["trl"]
+    n = min(len(ours), len(theirs))
+    if n < 2 * size:
+        raise ValueError(f"the control draws {2 * size} distinct seeds; got {len(ours)} and {len(theirs)}")
+    pairs = {"project_vs_trl": (ours, theirs), "project_vs_project": (ours, ours), "trl_vs_trl": (theirs, theirs)}
+    counts: dict[str, list[int]] = {name: [] for name in pairs}
+    rng = random.Random(seed)
+    for _ in range(draws):
+        idx = rng.sample(range(n), 2 * size)
+        for name, (a, b) in pairs.items():
+            counts[name].append(agreements([a[i] for i in idx[:size]], [b[i] for i in idx[size:]]))
+    out: dict[str, float] = {}
+    for name, values in counts.items():
+        out[f"{name}/all_10"] = sum(v == 10 for v in values) / draws
+        out[f"{name}/mean"] = statistics.fmean(values)
+    return out
+
+
 def setup_of(args: argparse.Namespace) -> Setup:
     """The shared model (saved under the work directory), prompts and config of every run."""
     work = Path(args.work_dir)
@@ -221,8 +263,10 @@ def setup_of(args: argparse.Namespace) -> Setup:
     return Setup(initial, work / "initial", prompts, stage_config(args.steps, args.loss, args.kl_coef), args.loss, work)
 
 
-def report(curves: dict[str, list[list[float]]], seconds: dict[str, float]) -> list[dict[str, float | bool]]:
-    """Print the comparison table, the gains and the CPU time; the table's rows."""
+def report(curves: dict[str, list[list[float]]], seconds: dict[str, float]) -> dict[str, object]:
+    """Print the comparison table, the gains, the CPU time and (6 seeds or more) the A/A control;
+    the table's rows (``tenths``) and the control (``control``: :func:`group_control`'s answer by
+    group size, 3 and half the seeds; empty under 6 seeds)."""
     rows = compare(curves["project"], curves["trl"])
     print("\n| tenth | project mean reward | TRL mean reward | difference | 2 x s.e. | agree |")
     print("| ---: | ---: | ---: | ---: | ---: | --- |")
@@ -235,7 +279,17 @@ def report(curves: dict[str, list[list[float]]], seconds: dict[str, float]) -> l
               f"(min {min(gains):+.3f})")
     print(f"agree at {sum(r['agree'] for r in rows)} of 10 tenths; CPU seconds: "
           + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
-    return rows
+    control: dict[str, dict[str, float]] = {}
+    n = min(len(c) for c in curves.values())
+    for size in sorted({3, n // 2}):
+        if size < 3 or n < 2 * size:
+            continue
+        control[str(size)] = judged = group_control(curves, size)
+        print(f"A/A control, {size}-seed comparisons on disjoint seeds (2000 draws): share agreeing at all 10 "
+              "tenths, mean tenths agreeing")
+        for name in ("project_vs_trl", "project_vs_project", "trl_vs_trl"):
+            print(f"  {name}: {judged[name + '/all_10']:.3f}, {judged[name + '/mean']:.2f}")
+    return {"tenths": rows, "control": control}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,10 +306,10 @@ def main(argv: list[str] | None = None) -> int:
             seconds[side] += time.process_time() - start
             print(f"seed {seed} {side}: {time.process_time() - start:.0f} s CPU; reward by tenth "
                   + " ".join(f"{v:.3f}" for v in tenths(curves[side][-1])), flush=True)
-    rows = report(curves, seconds)
+    judged = report(curves, seconds)
     (setup.work / "parity_grpo.json").write_text(json.dumps(
         {"seeds": args.seeds, "steps": args.steps, "loss": args.loss, "kl_coef": args.kl_coef, "curves": curves,
-         "tenths": rows, "cpu_seconds": seconds}, indent=1))
+         **judged, "cpu_seconds": seconds}, indent=1))
     return 0
 
 

@@ -71,7 +71,7 @@ two log-probs). The measured worst (bench/README.md, "Parity with TRL") uses 5.3
 tolerance (a gradient element, 5e-7 of the largest): ~19 x inside the bar.
 
 With sampling the two sides draw different completions, so only their learning curves can be
-compared, statistically, over seeds: ``bench/parity_grpo.py`` (~50 s of CPU for the 20 seeds that
+compared, statistically, over seeds: ``bench/parity_grpo.py`` (~2 min of CPU for the 40 seeds that
 make its 2-standard-error criterion sharp; not in the test suite).
 """
 
