@@ -6,13 +6,14 @@ registered model's current champion's value of the same metric (less a tolerance
 metric the run did not produce fails its gate; a champion comparison passes when there is no
 champion yet or the champion's run lacks the metric (nothing to fall below).
 
-A gate with ``min_gain_se`` k on ``<policy>/exact_match`` also asks for a paired gain over a
-baseline larger than k standard errors, on the same held-out problems
-(:func:`~trainer_core.objectives.paired.paired_gain`, as evaluate computes it): over the
-champion's policy with ``vs_champion`` (the two runs' evaluate sample tables, paired by problem),
-else over this run's SFT (evaluate's ``<policy>_vs_sft/exact_match_gain`` and ``_gain_se``). A
-champion registered without its sample table (``posttrain.eval_samples_uri``) gives nothing to
-compare: that comparison passes, as for a champion without the metric.
+A gate with ``min_gain_se`` k on ``<policy>/exact_match`` (or a sampled ``<policy>/pass_at_<k>``
+or ``<policy>/avg_at_<n>``) also asks for a paired gain over a baseline larger than k standard
+errors, on the same held-out problems (:func:`~trainer_core.objectives.paired.paired_gain`, as
+evaluate computes it): over the champion's policy with ``vs_champion`` (the two runs' evaluate
+sample tables, paired by problem: the greedy verdicts, or each sampled problem's estimate), else
+over this run's SFT (evaluate's ``<policy>_vs_sft/<metric>_gain`` and ``_gain_se``). A champion
+registered without its sample table (``posttrain.eval_samples_uri``) gives nothing to compare:
+that comparison passes, as for a champion without the metric.
 
 A gate on a stage the run does not include (``grpo/exact_match`` in a run of prepare_data and
 sft) is not judged: the run completes, but its version cannot become the champion
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer_core.config.stages import QualityGate
 from trainer_core.errors import EXIT_GATE_FAILED, PosttrainError
-from trainer_core.objectives.paired import paired_gain, paired_verdicts
+from trainer_core.objectives.paired import paired_gain, paired_verdicts, sample_column
 
 if TYPE_CHECKING:  # the gates judge without MLflow
     from tasks.report.mlflow_models import Champion
@@ -101,7 +102,8 @@ class ChampionSamples:
     """The champion's per-problem verdicts: its evaluate sample table and the policy registered.
 
     Attributes:
-        stage: The registered policy stage (its verdicts are the ``<stage>_correct`` column).
+        stage: The registered policy stage (its verdicts are the ``<stage>_correct`` column, its
+            sampled estimates ``<stage>_pass_at_<k>`` and ``<stage>_avg_at_<n>``).
         rows: The rows of its run's evaluate ``samples.jsonl``.
     """
 
@@ -117,21 +119,22 @@ def _gain_result(
     champion_samples: ChampionSamples | None,
 ) -> GateResult:
     """The ``min_gain_se`` comparison of ``gate`` (see the module docstring)."""
-    policy, k = gate.metric.split("/", 1)[0], gate.min_gain_se
+    (policy, metric), k = gate.metric.split("/", 1), gate.min_gain_se
     if gate.vs_champion and champion is not None:
         version = champion.version
-        name, against = f"{policy}_vs_champion/exact_match_gain", f"{k:g} SE (champion v{version})"
+        name, against = f"{policy}_vs_champion/{metric}_gain", f"{k:g} SE (champion v{version})"
         if champion_samples is None:
             return GateResult(name, ">", None, None, against, True,
                               note=f"not compared (champion v{version} was registered without its sample table)")
-        baseline, other = paired_verdicts(champion_samples.rows, f"{champion_samples.stage}_correct", samples or [],
-                                          f"{policy}_correct")
+        column = sample_column(metric)
+        baseline, other = paired_verdicts(champion_samples.rows, f"{champion_samples.stage}_{column}", samples or [],
+                                          f"{policy}_{column}")
         if not baseline:
             return GateResult(name, ">", None, None, against, False,
-                              note=f"missing (no held-out problem with a verdict in both this run and champion v{version})")
+                              note=f"missing (no held-out problem with a value in both this run and champion v{version})")
         gain, se = paired_gain(baseline, other)
     else:
-        name, against = f"{policy}_vs_sft/exact_match_gain", f"{k:g} SE"
+        name, against = f"{policy}_vs_sft/{metric}_gain", f"{k:g} SE"
         gain, se = metrics.get(name), metrics.get(f"{name}_se")
         if gain is None or se is None or not math.isfinite(gain) or not math.isfinite(se):
             return GateResult(name, ">", None, None, against, False)

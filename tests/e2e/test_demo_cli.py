@@ -78,6 +78,17 @@ def test_demo_config_through_the_cli(demo_run):
     for policy in ("sft", "dpo", "ppo", "grpo"):
         one, four, avg = (evaluated[f"{policy}/{m}"] for m in ("pass_at_1", "pass_at_4", "avg_at_4"))
         assert one == pytest.approx(avg, abs=1e-9) and 0 <= one <= four <= 1 and evaluated[f"{policy}/pass_at_4_se"] >= 0
+    # ... each problem's estimates are in the sample table, and the paired gains over SFT read them
+    samples = [json.loads(line) for line in (Path(demo_run.summary["stages"]["evaluate"]["output_uri"])
+                                              / "samples.jsonl").read_text().splitlines()]
+    sampled = [row for row in samples if "sft_pass_at_4" in row]
+    assert sampled
+    for policy in ("sft", "grpo"):
+        assert evaluated[f"{policy}/pass_at_4"] == pytest.approx(
+            sum(row[f"{policy}_pass_at_4"] for row in sampled) / len(sampled), abs=1e-9)
+    gain = evaluated["grpo/pass_at_4"] - evaluated["sft/pass_at_4"]
+    assert evaluated["grpo_vs_sft/pass_at_4_gain"] == pytest.approx(gain, abs=1e-9)
+    assert evaluated["grpo_vs_sft/avg_at_4_gain_se"] >= 0
 
 
 STAGE_OUTPUT = re.compile(

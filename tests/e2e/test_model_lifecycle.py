@@ -193,12 +193,15 @@ def test_resumes_reuse_what_is_unchanged_and_a_failed_gate_keeps_the_champion(pr
     # policy's verdicts, paired by problem from the champion's sample table) is inside the noise.
     # Nothing re-runs (gates are judged after the stages, never hashed), the version is registered
     # as a candidate and the champion stays.
+    # The same for a sampled metric: each sampled problem's pass@4, paired with the champion's table.
     failing = json.dumps([{"metric": "grpo/exact_match", "threshold": 2.0},
-                          {"metric": "grpo/exact_match", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0}])
+                          {"metric": "grpo/exact_match", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0},
+                          {"metric": "grpo/pass_at_4", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0}])
     summary, _, stderr, _ = _resume(run_id, root, f"evaluate.gates={failing}", exit_code=EXIT_GATE_FAILED)
     assert "gate: grpo/exact_match" in stderr and "< threshold 2" in stderr
-    noise = [g for g in summary["release"]["gates"] if g["metric"] == "grpo_vs_champion/exact_match_gain"]
-    assert [(g["value"], g["bound"], g["passed"]) for g in noise] == [(0.0, 0.0, False)], noise
+    for metric in ("exact_match", "pass_at_4"):
+        noise = [g for g in summary["release"]["gates"] if g["metric"] == f"grpo_vs_champion/{metric}_gain"]
+        assert [(g["value"], g["bound"], g["passed"]) for g in noise] == [(0.0, 0.0, False)], noise
     assert f"grpo_vs_champion/exact_match_gain 0 <= 1 SE (champion v{champion}) 0" in stderr
     assert not [s for s, e in summary["stages"].items() if not e.get("reused")]
     assert summary["status"] == "gate_failed" and not summary["release"]["passed"]

@@ -5,6 +5,7 @@ estimator), against hand-worked values."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -79,3 +80,26 @@ def test_mean_and_se_hand_worked():
     assert mean_and_se([0.5]) == (0.5, 0.0)
     with pytest.raises(ValueError):
         mean_and_se([])
+
+
+def test_sample_column_names_the_per_problem_value():
+    from trainer_core.objectives.paired import sample_column
+
+    assert [sample_column(m) for m in ("exact_match", "pass_at_4", "avg_at_16")] == ["correct", "pass_at_4", "avg_at_16"]
+    with pytest.raises(ValueError, match="'win_rate' has no per-problem value"):
+        sample_column("win_rate")
+
+
+def test_sampled_estimates_join_the_sample_table_and_pair_over_sft():
+    from trainer_core.stages.evaluate import _paired_gains, sample_rows
+
+    problems = [{"messages_json": json.dumps([{"role": "user", "content": f"q{i}"}]), "answer": str(i)} for i in range(3)]
+    verdicts = {"sft": [True, False, False], "grpo": [True, True, False]}
+    estimates = {"sft": {"pass_at_2": [1.0, 0.0]}, "grpo": {"pass_at_2": [1.0, 0.5]}}  # 2 of 3 problems sampled
+    rows = sample_rows(problems, {"sft": ["a", "b", "c"], "grpo": ["a", "d", "c"]}, verdicts, {}, estimates)
+    assert [row.get("grpo_pass_at_2") for row in rows] == [1.0, 0.5, None]
+    gains = _paired_gains(verdicts, estimates)
+    assert gains["grpo_vs_sft/exact_match_gain"] == pytest.approx(1 / 3)
+    assert gains["grpo_vs_sft/pass_at_2_gain"] == pytest.approx(0.25)
+    assert gains["grpo_vs_sft/pass_at_2_gain_se"] == pytest.approx(paired_gain([1.0, 0.0], [1.0, 0.5])[1])
+    assert not any(k.startswith("sft_vs") for k in gains)

@@ -166,3 +166,35 @@ def test_min_gain_se_needs_a_rising_exact_match():
     with pytest.raises(ValueError, match="min_gain_se needs"):
         QualityGate(metric="grpo/exact_match", op="<=", min_gain_se=2.0)
     assert QualityGate(metric="grpo/exact_match", min_gain_se=2.0).threshold is None
+    for metric in ("grpo/pass_at_4", "grpo/avg_at_4", "dpo/pass_at_1"):
+        assert QualityGate(metric=metric, min_gain_se=2.0).min_gain_se == 2.0
+    for metric in ("grpo/pass_at_0", "grpo/pass_at_k", "grpo/exact_match_gain", "grpo/pass_at_4_se"):
+        with pytest.raises(ValueError, match="pass_at_<k> or <policy>/avg_at_<n>"):
+            QualityGate(metric=metric, min_gain_se=2.0)
+
+
+def test_min_gain_se_on_a_sampled_metric():
+    """pass@k and avg@n pair as exact match does: over SFT from evaluate's gain and SE, over the
+    champion from both sample tables' per-problem estimates (only the sampled problems hold one)."""
+    from tasks.report.gates import ChampionSamples
+    from trainer_core.objectives.paired import paired_gain
+
+    metrics = {"grpo/pass_at_4": 0.56, "grpo_vs_sft/pass_at_4_gain": 0.05, "grpo_vs_sft/pass_at_4_gain_se": 0.02}
+    gate = QualityGate(metric="grpo/pass_at_4", min_gain_se=2.0)
+    [passed] = check_gates([gate], metrics, None)
+    assert passed.passed and passed.describe() == "grpo_vs_sft/pass_at_4_gain 0.05 > 2 SE 0.04"
+    [refused] = check_gates([gate.model_copy(update={"min_gain_se": 3.0})], metrics, None)
+    assert not refused.passed
+    # The champion's table: its GRPO's pass@4 on the first 6 problems (evaluate sampled those alone).
+    champion_rows = [{"prompt": f"q{i}", "grpo_correct": True, **({"grpo_pass_at_4": 0.25} if i < 6 else {})}
+                     for i in range(10)]
+    rows = [{"prompt": f"q{i}", "grpo_correct": False, **({"grpo_pass_at_4": 1.0 if i % 2 else 0.5} if i < 6 else {})}
+            for i in range(10)]
+    champion = Champion("2", {"grpo/pass_at_4": 0.25}, {})
+    paired = QualityGate(metric="grpo/pass_at_4", vs_champion=True, min_gain_se=1.0)
+    [_, result] = check_gates([paired], {"grpo/pass_at_4": 0.75}, champion, samples=rows,
+                              champion_samples=ChampionSamples("grpo", champion_rows))
+    gain, se = paired_gain([0.25] * 6, [0.5, 1.0] * 3)
+    assert gain == pytest.approx(0.5) and se > 0
+    assert result.metric == "grpo_vs_champion/pass_at_4_gain" and result.value == pytest.approx(gain)
+    assert result.bound == pytest.approx(se) and result.passed  # the greedy verdicts (all worse) are not read

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -244,14 +246,20 @@ class ScoreConfig(ConfigBase):
     )
 
 
+PAIRED_METRIC = re.compile(r"[A-Za-z0-9_]+/(exact_match|pass_at_[1-9][0-9]*|avg_at_[1-9][0-9]*)")
+"""The metrics a gate's ``min_gain_se`` can pair by problem (evaluate's sample table holds their
+per-problem values)."""
+
+
 class QualityGate(ConfigBase):
     """A condition on one evaluate metric that a run's final policy must meet to become the champion.
 
     The metric is compared with ``threshold``, with the registered model's current champion's value
     of the same metric (``vs_champion``: at least the champion's value minus ``tolerance`` for
     ``>=``/``>``, at most the champion's value plus ``tolerance`` for ``<=``/``<``), or with both.
-    ``min_gain_se`` k asks more of an exact match: a paired gain over the baseline larger than k
-    standard errors (a gain inside the noise of these problems does not pass).
+    ``min_gain_se`` k asks more of an exact match, a pass@k or an avg@n: a paired gain over the
+    baseline larger than k standard errors on the same problems (a gain inside the noise of these
+    problems does not pass).
     """
 
     metric: str = Field(description="An evaluate metric, e.g. dpo/exact_match or dpo_vs_sft/win_rate.")
@@ -262,7 +270,8 @@ class QualityGate(ConfigBase):
     )
     tolerance: float = Field(0.0, ge=0, description="Slack allowed against the champion's value.")
     min_gain_se: float | None = Field(
-        None, ge=0, description="On an exact-match metric (<policy>/exact_match): also require the policy's paired "
+        None, ge=0, description="On <policy>/exact_match, <policy>/pass_at_<k> or <policy>/avg_at_<n>: also require "
+        "the policy's paired "
         "gain over a baseline on the same held-out problems to exceed this many standard errors (evaluate's "
         "paired_gain). The baseline is the champion's policy with vs_champion (its run's per-problem verdicts), "
         "else, and while there is no champion, this run's SFT policy. None: no such requirement.",
@@ -272,9 +281,9 @@ class QualityGate(ConfigBase):
     def _one_bound(self) -> QualityGate:
         if self.threshold is None and not self.vs_champion and self.min_gain_se is None:
             raise ValueError(f"gate on {self.metric!r}: set threshold, vs_champion, min_gain_se, or several")
-        if self.min_gain_se is not None and (not self.metric.endswith("/exact_match") or self.op not in (">=", ">")):
-            raise ValueError(f"gate on {self.metric!r} (op {self.op!r}): min_gain_se needs a <policy>/exact_match "
-                             "metric that must rise (op >= or >)")
+        if self.min_gain_se is not None and (not PAIRED_METRIC.fullmatch(self.metric) or self.op not in (">=", ">")):
+            raise ValueError(f"gate on {self.metric!r} (op {self.op!r}): min_gain_se needs a <policy>/exact_match, "
+                             "<policy>/pass_at_<k> or <policy>/avg_at_<n> metric that must rise (op >= or >)")
         return self
 
 

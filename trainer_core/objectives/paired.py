@@ -9,22 +9,25 @@ against the registered champion's, pairing the two runs' sample tables by proble
 from __future__ import annotations
 
 import bisect
+import re
 
 SAMPLES_FILE = "samples.jsonl"
 """Evaluate's sample table in its final directory (JSON lines, one row per held-out problem:
 ``prompt``, ``answer``, and per policy its completion and ``<policy>_correct`` verdict)."""
 
 
-def paired_gain(baseline: list[bool], other: list[bool]) -> tuple[float, float]:
+def paired_gain(baseline: list[bool] | list[float], other: list[bool] | list[float]) -> tuple[float, float]:
     """Mean of ``other - baseline`` over the same problems, and its standard error.
 
-    The per-problem differences ``d_i`` are -1, 0 or 1; the error is ``std(d) / sqrt(n)`` with the
-    sample standard deviation (n - 1), the paired-difference standard error (McNemar's setting:
-    only problems that one policy solves and the other does not move it).
+    With verdicts the per-problem differences ``d_i`` are -1, 0 or 1; the error is ``std(d) /
+    sqrt(n)`` with the sample standard deviation (n - 1), the paired-difference standard error
+    (McNemar's setting: only problems that one policy solves and the other does not move it).
+    Per-problem estimates in [0, 1] (a problem's pass@k or avg@n from its n samples) pair the
+    same way.
 
     Args:
-        baseline: the baseline policy's verdict per problem.
-        other: the other policy's verdict on the same problems, in the same order.
+        baseline: the baseline policy's verdict (or estimate) per problem.
+        other: the other policy's on the same problems, in the same order.
 
     Returns:
         (gain, standard error); the error is 0.0 for fewer than 2 problems.
@@ -47,24 +50,42 @@ def paired_gain(baseline: list[bool], other: list[bool]) -> tuple[float, float]:
     return gain, (variance / n) ** 0.5
 
 
+def sample_column(metric: str) -> str:
+    """The column of evaluate's sample table that holds a per-problem value of ``metric`` (a
+    headline metric without its policy): ``exact_match`` -> ``correct`` (the greedy verdict),
+    ``pass_at_<k>`` and ``avg_at_<n>`` -> themselves (each problem's estimate from its samples;
+    only the problems evaluate sampled have one).
+
+    Raises:
+        ValueError: a metric with no per-problem value.
+    """
+    if metric == "exact_match":
+        return "correct"
+    if re.fullmatch(r"(pass_at|avg_at)_[1-9][0-9]*", metric):
+        return metric
+    raise ValueError(f"{metric!r} has no per-problem value in evaluate's sample table "
+                     "(exact_match, pass_at_<k> and avg_at_<n> do)")
+
+
 def paired_verdicts(
     baseline_rows: list[dict], baseline_column: str, rows: list[dict], column: str
-) -> tuple[list[bool], list[bool]]:
-    """The verdicts of two sample tables (evaluate's ``samples.jsonl`` rows) on the problems both
-    hold, matched by their ``prompt``, in ``rows``' order.
+) -> tuple[list[float], list[float]]:
+    """The per-problem values of two sample tables (evaluate's ``samples.jsonl`` rows) on the
+    problems both hold, matched by their ``prompt``, in ``rows``' order.
 
     Args:
-        baseline_rows: the baseline's rows; ``baseline_column`` its verdict column
-            (``<policy>_correct``).
-        rows: the other policy's rows; ``column`` its verdict column.
+        baseline_rows: the baseline's rows; ``baseline_column`` its column (``<policy>_correct``,
+            a verdict, or ``<policy>_pass_at_<k>``, an estimate: :func:`sample_column`).
+        rows: the other policy's rows; ``column`` its column.
 
     Returns:
-        (baseline verdicts, other verdicts), equally long; empty when no problem is in both or a
-        table lacks its column.
+        (baseline values, other values) as floats (a verdict 1.0 or 0.0), equally long; empty when
+        no problem is in both or a table lacks its column.
     """
-    baseline = {row["prompt"]: bool(row[baseline_column]) for row in baseline_rows if baseline_column in row}
-    matched = [(baseline[row["prompt"]], bool(row[column])) for row in rows
-               if column in row and row.get("prompt") in baseline]
+    baseline = {row["prompt"]: float(row[baseline_column]) for row in baseline_rows
+                if row.get(baseline_column) is not None}
+    matched = [(baseline[row["prompt"]], float(row[column])) for row in rows
+               if row.get(column) is not None and row.get("prompt") in baseline]
     return [b for b, _ in matched], [o for _, o in matched]
 
 

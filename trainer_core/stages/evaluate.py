@@ -20,7 +20,9 @@ Metrics (each present when its models were trained in this run):
   tracks correctness on the policy's own answers, where RL samples; absent when every answer
   is right or every one wrong.
 - ``<policy>/pass_at_<k>``, ``<policy>/avg_at_<n>`` and their ``_se`` (with ``evaluate.pass_at_k``):
-  n sampled answers per held-out problem, Chen et al.'s unbiased pass@k and the mean accuracy.
+  n sampled answers per held-out problem, Chen et al.'s unbiased pass@k and the mean accuracy;
+  and ``<policy>_vs_sft/pass_at_<k>_gain``, ``..._avg_at_<n>_gain`` with their ``_se``: paired
+  over SFT's per-problem estimates on the same sampled problems, as exact match's gain.
 - ``<policy>/tool_calls`` (with ``evaluate.environment``): tool calls per problem in the
   policy's exact-match answers, which are then generated with the tool (e.g. the calculator).
 - ``<policy>_vs_sft/win_rate`` (``dpo``, ``ppo``, ``grpo``): fraction of held-out preference
@@ -29,7 +31,9 @@ Metrics (each present when its models were trained in this run):
 
 Sample generations: ``final/samples.jsonl`` (and the MLflow table ``eval/samples.json``), one
 row per held-out problem: the question, the reference answer, and per policy its greedy
-completion, the verifier's verdict on it, and the reward model's score when one was trained.
+completion, the verifier's verdict on it, the reward model's score when one was trained, and
+on the sampled problems its per-problem ``pass_at_<k>`` / ``avg_at_<n>`` (what a gate with
+``min_gain_se`` against the champion pairs with).
 """
 
 from __future__ import annotations
@@ -110,15 +114,17 @@ def exact_match(
 
 
 def _policy_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: list[dict],
-                    tool_calls: list[float]) -> dict[str, float]:
+                    tool_calls: list[float]) -> tuple[dict[str, float], dict[str, list[float]]]:
     """``<name>/tool_calls`` (with a tool: calls per problem of its greedy answers) and, with
     ``evaluate.pass_at_k``, ``<name>/pass_at_<k>`` and ``<name>/avg_at_<n>`` with their
     standard errors over problems (``..._se``): n sampled answers to each of the first
-    ``num_problems`` problems, :func:`~trainer_core.objectives.paired.pass_at_k` of each."""
+    ``num_problems`` problems, :func:`~trainer_core.objectives.paired.pass_at_k` of each.
+    Also returns each sampled metric's per-problem estimates (``{"pass_at_4": [...]}``, one per
+    sampled problem, in order), which the sample table keeps and the paired gains read."""
     out = {f"{name}/tool_calls": sum(tool_calls) / len(tool_calls)} if tool_calls else {}
     cfg = ctx.config.evaluate.pass_at_k
     if cfg is None:
-        return out
+        return out, {}
     sampled = [p for p in problems[: cfg.num_problems] for _ in range(cfg.n)]  # each problem's n samples together
     verdicts, _ = exact_match(ctx, policy, sampled, gen=cfg.generation)
     correct = [sum(verdicts[i : i + cfg.n]) for i in range(0, len(verdicts), cfg.n)]
@@ -126,6 +132,21 @@ def _policy_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: l
     estimates[f"avg_at_{cfg.n}"] = [c / cfg.n for c in correct]
     for metric, values in estimates.items():
         out[f"{name}/{metric}"], out[f"{name}/{metric}_se"] = mean_and_se(values)
+    return out, estimates
+
+
+def _paired_gains(verdicts: dict[str, list[bool]], estimates: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """``<policy>_vs_sft/<metric>_gain`` and ``..._gain_se`` of every policy but SFT (and the base
+    model): :func:`~trainer_core.objectives.paired.paired_gain` over SFT on the same problems, for
+    greedy exact match (every problem) and each sampled metric (the sampled problems)."""
+    out: dict[str, float] = {}
+    for name in (n for n in verdicts if n not in ("sft", "base")):
+        per_problem: dict[str, tuple[list, list]] = {"exact_match": (verdicts["sft"], verdicts[name])}
+        for metric, values in estimates.get(name, {}).items():
+            per_problem[metric] = (estimates["sft"][metric], values)
+        for metric, (baseline, other) in per_problem.items():
+            gain, se = paired_gain(baseline, other)
+            out[f"{name}_vs_sft/{metric}_gain"], out[f"{name}_vs_sft/{metric}_gain_se"] = gain, se
     return out
 
 
@@ -192,11 +213,12 @@ def _win_rates(scores: dict[str, list[float]]) -> dict[str, float]:
 
 def sample_rows(
     problems: list[dict], completions: dict[str, list[str]], verdicts: dict[str, list[bool]],
-    rewards: dict[str, list[float]],
+    rewards: dict[str, list[float]], estimates: dict[str, dict[str, list[float]]] | None = None,
 ) -> list[dict]:
     """The sample-generation table: per problem its question (the last user message), reference
-    answer, and per policy ``<policy>`` (completion), ``<policy>_correct`` (verifier verdict) and,
-    where scored, ``<policy>_reward`` (reward-model score)."""
+    answer, and per policy ``<policy>`` (completion), ``<policy>_correct`` (verifier verdict),
+    where scored ``<policy>_reward`` (reward-model score) and, on the problems evaluate sampled,
+    ``<policy>_<metric>`` (``estimates[policy][metric][i]``: ``pass_at_<k>``, ``avg_at_<n>``)."""
     rows = []
     for i, problem in enumerate(problems):
         user = [m["content"] for m in messages_of(problem) if m.get("role") == "user"]
@@ -206,6 +228,9 @@ def sample_rows(
             row[f"{name}_correct"] = verdicts[name][i]
             if name in rewards:
                 row[f"{name}_reward"] = rewards[name][i]
+            for metric, values in (estimates or {}).get(name, {}).items():
+                if i < len(values):
+                    row[f"{name}_{metric}"] = values[i]
         rows.append(row)
     return rows
 
@@ -239,11 +264,13 @@ def run(ctx: StageContext) -> Manifest:
     dpo_metrics: dict[str, float] = {}
     dpo_rows: list[dict] = []
     policy_metrics: dict[str, float] = {}
+    estimates: dict[str, dict[str, list[float]]] = {}
     messages = [messages_of(p) for p in problems]
     for name, role in roles:  # one policy in memory at a time (SFT's before DPO's: pipeline order)
         policy = _policy(ctx, role)
         verdicts[name], completions[name] = exact_match(ctx, policy, problems, calls := [])
-        policy_metrics |= _policy_metrics(ctx, name, policy, problems, calls)
+        sampled_metrics, estimates[name] = _policy_metrics(ctx, name, policy, problems, calls)
+        policy_metrics |= sampled_metrics
         if rm is not None:
             rewards[name] = reward_scores(rm, ctx.tokenizer, messages, completions[name], ctx.config.data,
                                           ctx.config.evaluate.micro_batch_size, ctx.backend.device)
@@ -259,12 +286,10 @@ def run(ctx: StageContext) -> Manifest:
     metrics = {f"{name}/exact_match": sum(hits) / max(len(hits), 1) for name, hits in verdicts.items()}
     metrics |= sft_metrics | rm_metrics | dpo_metrics | policy_metrics | (_win_rates(win_rate_scores) if with_win_rates else {})
     if "sft" in verdicts and problems:
-        for name in (n for n in verdicts if n not in ("sft", "base")):
-            gain, se = paired_gain(verdicts["sft"], verdicts[name])
-            metrics[f"{name}_vs_sft/exact_match_gain"], metrics[f"{name}_vs_sft/exact_match_gain_se"] = gain, se
+        metrics |= _paired_gains(verdicts, estimates)
     aucs = {name: verdict_auc(scores, verdicts[name]) for name, scores in rewards.items()}  # on its own answers
     metrics |= {f"{name}/reward_auc": auc for name, auc in aucs.items() if auc is not None}
-    samples = sample_rows(problems, completions, verdicts, rewards)
+    samples = sample_rows(problems, completions, verdicts, rewards, estimates)
     ctx.log_metrics(metrics, 0)
     if ctx.is_main:
         ctx.metrics.log_table(samples, "eval/samples.json")
