@@ -62,8 +62,8 @@ ADDED_FIELDS: dict[str, object] = {
     "assistant_turns": "last",
     # tool environments of multi-turn rollouts; the synthetic task's calculator annotations
     "environment": None, "annotation_fraction": 1.0,
-    # evaluate's sampled answers
-    "pass_at_k": None,
+    # evaluate's sampled answers and lm-evaluation-harness tasks
+    "pass_at_k": None, "lm_eval": None,
     # the reward model's parameterisation
     "parameterization": "scalar_head", "implicit_beta": 2.0,
     # mixture-of-experts models (model.init and every training stage's moe section)

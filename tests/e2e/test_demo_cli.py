@@ -86,6 +86,15 @@ def test_demo_config_through_the_cli(demo_run):
     for policy in ("sft", "grpo"):
         assert evaluated[f"{policy}/pass_at_4"] == pytest.approx(
             sum(row[f"{policy}_pass_at_4"] for row in sampled) / len(sampled), abs=1e-9)
+    # lm-eval's held-out task: the harness's own scoring of each policy, and its results JSON kept
+    final = Path(demo_run.summary["stages"]["evaluate"]["output_uri"])
+    for policy in ("sft", "dpo", "ppo", "grpo"):
+        strict = evaluated[f"{policy}/lm_eval/posttrain_heldout/exact_match_strict_match"]
+        flexible = evaluated[f"{policy}/lm_eval/posttrain_heldout/exact_match_flexible_extract"]
+        assert 0 <= strict <= 1 and 0 <= flexible <= 1
+        results = json.loads((final / f"lm_eval_{policy}.json").read_text())
+        assert results["results"]["posttrain_heldout"]["exact_match,flexible-extract"] == pytest.approx(flexible)
+        assert results["results"]["posttrain_heldout"]["sample_len"] == len(samples)
     gain = evaluated["grpo/pass_at_4"] - evaluated["sft/pass_at_4"]
     assert evaluated["grpo_vs_sft/pass_at_4_gain"] == pytest.approx(gain, abs=1e-9)
     assert evaluated["grpo_vs_sft/avg_at_4_gain_se"] >= 0

@@ -121,6 +121,9 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_
                                                       str(tmp_path))).read_text())
     assert {"prompt", "answer", "sft", "dpo", "dpo_correct", "dpo_reward", "grpo"} <= set(table["columns"])
     assert len(table["data"]) == 2  # tests.tiny.TINY_DEMO: evaluate.num_problems
+    # lm-eval's results JSON of every policy, an artifact of the evaluate run
+    harness = {a.path for a in client.list_artifacts(runs["evaluate"].info.run_id, "lm_eval")}
+    assert harness == {f"lm_eval/{p}.json" for p in ("sft", "dpo", "ppo", "grpo")}
 
 
 def _final_manifests(root: Path, run_id: str) -> dict[str, int]:
@@ -196,9 +199,11 @@ def test_resumes_reuse_what_is_unchanged_and_a_failed_gate_keeps_the_champion(pr
     # The same for a sampled metric: each sampled problem's pass@4, paired with the champion's table.
     failing = json.dumps([{"metric": "grpo/exact_match", "threshold": 2.0},
                           {"metric": "grpo/exact_match", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0},
-                          {"metric": "grpo/pass_at_4", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0}])
+                          {"metric": "grpo/pass_at_4", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0},
+                          {"metric": "grpo/lm_eval/posttrain_heldout/exact_match_flexible_extract", "threshold": 1.5}])
     summary, _, stderr, _ = _resume(run_id, root, f"evaluate.gates={failing}", exit_code=EXIT_GATE_FAILED)
     assert "gate: grpo/exact_match" in stderr and "< threshold 2" in stderr
+    assert "grpo/lm_eval/posttrain_heldout/exact_match_flexible_extract" in stderr and "< threshold 1.5" in stderr
     for metric in ("exact_match", "pass_at_4"):
         noise = [g for g in summary["release"]["gates"] if g["metric"] == f"grpo_vs_champion/{metric}_gain"]
         assert [(g["value"], g["bound"], g["passed"]) for g in noise] == [(0.0, 0.0, False)], noise

@@ -82,3 +82,21 @@ class PassAtKConfig(ConfigBase):
         if self.generation.temperature <= 0:
             raise ValueError("pass_at_k.generation.temperature must be > 0 (greedy samples are all the same)")
         return self
+
+
+class LmEvalConfig(ConfigBase):
+    """EleutherAI's lm-evaluation-harness in evaluate (``trainer_core/generation/harness.py``): each
+    policy's final model on ``tasks``, through the project's generation engines."""
+
+    tasks: list[str] = Field(
+        min_length=1, description="Harness task names: its own, those of include_path's YAML files, and "
+        "posttrain_heldout (evaluate's held-out problems, scored as the harness's gsm8k task scores)."
+    )
+    include_path: str | None = Field(None, description="A local folder of task YAML files; None: none.")
+    limit: int | None = Field(None, ge=1, description="At most this many examples per task; None: all.")
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples; None: each task's default.")
+    apply_chat_template: bool = Field(True, description="Render prompts with the model's chat template.")
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig, description="generate_until's engine, batch size and default length "
+        "(a task's max_gen_toks and sampling settings replace them; greedy otherwise)."
+    )

@@ -12,6 +12,7 @@ from trainer_core.config.base import ConfigBase
 from trainer_core.config.generation import (
     EnvironmentConfig,
     GenerationConfig,
+    LmEvalConfig,
     PassAtKConfig,
     RolloutGenerationConfig,
     SampledGenerationConfig,
@@ -302,6 +303,10 @@ class EvaluateConfig(ConfigBase):
     pass_at_k: PassAtKConfig | None = Field(
         None, description="Sample n answers to held-out problems per policy: <policy>/pass_at_<k>, "
         "<policy>/avg_at_<n> and their standard errors (Chen et al. 2021's unbiased estimator); None: off."
+    )
+    lm_eval: LmEvalConfig | None = Field(
+        None, description="lm-evaluation-harness tasks for every policy: <policy>/lm_eval/<task>/<metric> and its "
+        "results JSON (the 'eval' extra installs the harness); None: off."
     )
     gates: list[QualityGate] = Field(
         default_factory=list,

@@ -46,6 +46,7 @@ from torch import nn
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import GenerationConfig
 from trainer_core.data.formats import answers_match, extract_generated_answer
+from trainer_core.errors import ConfigError
 from trainer_core.generation.completions import (
     check_generation_engine,
     generate_completions,
@@ -113,15 +114,50 @@ def exact_match(
     return [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(completions, problems)], completions
 
 
+def _harness_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: list[dict],
+                     files: dict[str, bytes]) -> dict[str, float]:
+    """With ``evaluate.lm_eval``: the harness's metrics of ``policy`` on its tasks
+    (:mod:`trainer_core.generation.harness`; ``posttrain_heldout`` is built over ``problems``),
+    as ``<name>/lm_eval/<task>/<metric>``; its results JSON goes into ``files`` as
+    ``lm_eval_<name>.json`` (the final directory) and to the MLflow run as ``lm_eval/<name>.json``."""
+    cfg = ctx.config.evaluate.lm_eval
+    if cfg is None:
+        return {}
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError("evaluate.lm_eval needs EleutherAI's lm-evaluation-harness: pip install 'posttrain[eval]' "
+                          "(or remove evaluate.lm_eval)")
+    from trainer_core.generation.harness import HELDOUT_TASK, HarnessLM, harness_metrics, run_harness, write_heldout_task
+
+    with tempfile.TemporaryDirectory() as folder:
+        include = cfg.include_path
+        if HELDOUT_TASK in cfg.tasks:
+            rows = [{"question": ([m["content"] for m in messages_of(p) if m.get("role") == "user"] or [""])[-1],
+                     "answer": p["answer"]} for p in problems]
+            write_heldout_task(folder, rows, cfg.generation.max_new_tokens)
+            include = [folder] + ([cfg.include_path] if cfg.include_path else [])
+        lm = HarnessLM(policy, ctx.tokenizer, cfg.generation, ctx.backend.device, ctx.config.seed)
+        results = run_harness(lm, cfg.tasks, include, cfg.limit, cfg.num_fewshot, cfg.apply_chat_template,
+                              ctx.config.seed)
+    files[f"lm_eval_{name}.json"] = json.dumps(results, indent=1).encode()
+    if ctx.is_main:
+        ctx.metrics.log_dict_artifact(results, f"lm_eval/{name}.json")
+    return harness_metrics(results, name)
+
+
 def _policy_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: list[dict],
-                    tool_calls: list[float]) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """``<name>/tool_calls`` (with a tool: calls per problem of its greedy answers) and, with
-    ``evaluate.pass_at_k``, ``<name>/pass_at_<k>`` and ``<name>/avg_at_<n>`` with their
-    standard errors over problems (``..._se``): n sampled answers to each of the first
-    ``num_problems`` problems, :func:`~trainer_core.objectives.paired.pass_at_k` of each.
-    Also returns each sampled metric's per-problem estimates (``{"pass_at_4": [...]}``, one per
-    sampled problem, in order), which the sample table keeps and the paired gains read."""
+                    tool_calls: list[float], files: dict[str, bytes]) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """``<name>/tool_calls`` (with a tool: calls per problem of its greedy answers), the harness's
+    metrics (:func:`_harness_metrics`) and, with ``evaluate.pass_at_k``, ``<name>/pass_at_<k>``
+    and ``<name>/avg_at_<n>`` with their standard errors over problems (``..._se``): n sampled
+    answers to each of the first ``num_problems`` problems,
+    :func:`~trainer_core.objectives.paired.pass_at_k` of each. Also returns each sampled metric's
+    per-problem estimates (``{"pass_at_4": [...]}``, one per sampled problem, in order), which the
+    sample table keeps and the paired gains read."""
     out = {f"{name}/tool_calls": sum(tool_calls) / len(tool_calls)} if tool_calls else {}
+    out |= _harness_metrics(ctx, name, policy, problems, files)
     cfg = ctx.config.evaluate.pass_at_k
     if cfg is None:
         return out, {}
@@ -260,8 +296,7 @@ def run(ctx: StageContext) -> Manifest:
     verdicts: dict[str, list[bool]] = {}
     rewards: dict[str, list[float]] = {}
     win_rate_scores: dict[str, list[float]] = {}
-    sft_metrics: dict[str, float] = {}
-    dpo_metrics: dict[str, float] = {}
+    sft_metrics, dpo_metrics, files = {}, {}, {}  # files: the harness's results, beside the sample table
     dpo_rows: list[dict] = []
     policy_metrics: dict[str, float] = {}
     estimates: dict[str, dict[str, list[float]]] = {}
@@ -269,7 +304,7 @@ def run(ctx: StageContext) -> Manifest:
     for name, role in roles:  # one policy in memory at a time (SFT's before DPO's: pipeline order)
         policy = _policy(ctx, role)
         verdicts[name], completions[name] = exact_match(ctx, policy, problems, calls := [])
-        sampled_metrics, estimates[name] = _policy_metrics(ctx, name, policy, problems, calls)
+        sampled_metrics, estimates[name] = _policy_metrics(ctx, name, policy, problems, calls, files)
         policy_metrics |= sampled_metrics
         if rm is not None:
             rewards[name] = reward_scores(rm, ctx.tokenizer, messages, completions[name], ctx.config.data,
@@ -294,4 +329,4 @@ def run(ctx: StageContext) -> Manifest:
     if ctx.is_main:
         ctx.metrics.log_table(samples, "eval/samples.json")
     blob = "".join(json.dumps(row) + "\n" for row in samples).encode()
-    return commit_final(ctx, metrics, files={SAMPLES_FILE: blob})
+    return commit_final(ctx, metrics, files={SAMPLES_FILE: blob, **files})
