@@ -3,6 +3,8 @@ rollouts and evaluation, and evaluate's sampled answers (pass@k)."""
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -62,6 +64,11 @@ class EnvironmentConfig(ConfigBase):
     tool_timeout_s: float = Field(
         5.0, gt=0, description="A tool call running longer is a tool error (observed, counted in env/tool_errors)."
     )
+
+
+SAMPLED_METRIC = re.compile(r"(pass_at|avg_at)_[1-9][0-9]*")
+"""The names (without their policy) of the metrics :class:`PassAtKConfig` makes evaluate log,
+``pass_at_<k>`` and ``avg_at_<n>``: each has a per-problem value in evaluate's sample table."""
 
 
 class PassAtKConfig(ConfigBase):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -13,6 +11,7 @@ from trainer_core.config.generation import (
     EnvironmentConfig,
     GenerationConfig,
     LmEvalConfig,
+    SAMPLED_METRIC,
     PassAtKConfig,
     RolloutGenerationConfig,
     SampledGenerationConfig,
@@ -247,11 +246,6 @@ class ScoreConfig(ConfigBase):
     )
 
 
-PAIRED_METRIC = re.compile(r"[A-Za-z0-9_]+/(exact_match|pass_at_[1-9][0-9]*|avg_at_[1-9][0-9]*)")
-"""The metrics a gate's ``min_gain_se`` can pair by problem (evaluate's sample table holds their
-per-problem values)."""
-
-
 class QualityGate(ConfigBase):
     """A condition on one evaluate metric that a run's final policy must meet to become the champion.
 
@@ -282,7 +276,9 @@ class QualityGate(ConfigBase):
     def _one_bound(self) -> QualityGate:
         if self.threshold is None and not self.vs_champion and self.min_gain_se is None:
             raise ValueError(f"gate on {self.metric!r}: set threshold, vs_champion, min_gain_se, or several")
-        if self.min_gain_se is not None and (not PAIRED_METRIC.fullmatch(self.metric) or self.op not in (">=", ">")):
+        policy, _, metric = self.metric.partition("/")  # paired by problem: the sample table holds their values
+        paired = bool(policy) and (metric == "exact_match" or SAMPLED_METRIC.fullmatch(metric) is not None)
+        if self.min_gain_se is not None and (not paired or self.op not in (">=", ">")):
             raise ValueError(f"gate on {self.metric!r} (op {self.op!r}): min_gain_se needs a <policy>/exact_match, "
                              "<policy>/pass_at_<k> or <policy>/avg_at_<n> metric that must rise (op >= or >)")
         return self

@@ -9,7 +9,8 @@ against the registered champion's, pairing the two runs' sample tables by proble
 from __future__ import annotations
 
 import bisect
-import re
+
+from trainer_core.config.generation import SAMPLED_METRIC
 
 SAMPLES_FILE = "samples.jsonl"
 """Evaluate's sample table in its final directory (JSON lines, one row per held-out problem:
@@ -61,7 +62,7 @@ def sample_column(metric: str) -> str:
     """
     if metric == "exact_match":
         return "correct"
-    if re.fullmatch(r"(pass_at|avg_at)_[1-9][0-9]*", metric):
+    if SAMPLED_METRIC.fullmatch(metric):
         return metric
     raise ValueError(f"{metric!r} has no per-problem value in evaluate's sample table "
                      "(exact_match, pass_at_<k> and avg_at_<n> do)")

@@ -114,6 +114,12 @@ def exact_match(
     return [answers_match(extract_generated_answer(c), p["answer"]) for c, p in zip(completions, problems)], completions
 
 
+def _question(problem: dict) -> str:
+    """A held-out problem's question: its last user message ("" without one)."""
+    user = [m["content"] for m in messages_of(problem) if m.get("role") == "user"]
+    return user[-1] if user else ""
+
+
 def _harness_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: list[dict],
                      files: dict[str, bytes]) -> dict[str, float]:
     """With ``evaluate.lm_eval``: the harness's metrics of ``policy`` on its tasks
@@ -134,8 +140,7 @@ def _harness_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: 
     with tempfile.TemporaryDirectory() as folder:
         include = cfg.include_path
         if HELDOUT_TASK in cfg.tasks:
-            rows = [{"question": ([m["content"] for m in messages_of(p) if m.get("role") == "user"] or [""])[-1],
-                     "answer": p["answer"]} for p in problems]
+            rows = [{"question": _question(p), "answer": p["answer"]} for p in problems]
             write_heldout_task(folder, rows, cfg.generation.max_new_tokens)
             include = [folder] + ([cfg.include_path] if cfg.include_path else [])
         lm = HarnessLM(policy, ctx.tokenizer, cfg.generation, ctx.backend.device, ctx.config.seed)
@@ -257,8 +262,7 @@ def sample_rows(
     ``<policy>_<metric>`` (``estimates[policy][metric][i]``: ``pass_at_<k>``, ``avg_at_<n>``)."""
     rows = []
     for i, problem in enumerate(problems):
-        user = [m["content"] for m in messages_of(problem) if m.get("role") == "user"]
-        row: dict = {"prompt": user[-1] if user else "", "answer": problem["answer"]}
+        row: dict = {"prompt": _question(problem), "answer": problem["answer"]}
         for name, texts in completions.items():
             row[name] = texts[i]
             row[f"{name}_correct"] = verdicts[name][i]
