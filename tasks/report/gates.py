@@ -7,10 +7,11 @@ metric the run did not produce fails its gate; a champion comparison passes when
 champion yet or the champion's run lacks the metric (nothing to fall below).
 
 A gate with ``min_gain_se`` k on ``<policy>/exact_match`` (or a sampled ``<policy>/pass_at_<k>``
-or ``<policy>/avg_at_<n>``) also asks for a paired gain over a baseline larger than k standard
-errors, on the same held-out problems (:func:`~trainer_core.objectives.paired.paired_gain`, as
-evaluate computes it): over the champion's policy with ``vs_champion`` (the two runs' evaluate
-sample tables, paired by problem: the greedy verdicts, or each sampled problem's estimate), else
+or ``<policy>/avg_at_<n>``, or a harness metric ``<policy>/lm_eval/<task>/<metric>``) also asks for
+a paired gain over a baseline larger than k standard errors, on the same held-out problems
+(:func:`~trainer_core.objectives.paired.paired_gain`, as evaluate computes it): over the
+champion's policy with ``vs_champion`` (the two runs' evaluate sample tables, paired by problem:
+the greedy verdicts, each sampled problem's estimate, or each task example's score), else
 over this run's SFT (evaluate's ``<policy>_vs_sft/<metric>_gain`` and ``_gain_se``). A champion
 registered without its sample table (``posttrain.eval_samples_uri``) gives nothing to compare:
 that comparison passes, as for a champion without the metric.

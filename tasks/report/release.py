@@ -26,7 +26,7 @@ from tasks.report.gates import ChampionSamples, GateResult, check_gates, gate_fa
 from tasks.results import PipelineRun, StageResult
 from trainer_core import storage
 from trainer_core.config import config_hash
-from trainer_core.objectives.paired import SAMPLES_FILE
+from trainer_core.objectives.paired import HARNESS_SAMPLES_FILE, SAMPLES_FILE
 from trainer_core.registry import get_stage, policy_stages
 from trainer_core.storage import join_uri
 from trainer_core.tracking import stage_model_name
@@ -59,10 +59,16 @@ def _samples_uri(results: dict[str, StageResult]) -> str | None:
 
 
 def _read_samples(uri: str | None) -> list[dict] | None:
-    """The rows of a sample table (JSON lines), or None when there is none at ``uri``."""
+    """The rows of a sample table (JSON lines), followed by those of the harness's sample table
+    beside it when there is one (``HARNESS_SAMPLES_FILE``: its rows' keys are distinct, so both
+    pair by ``prompt`` at once); None when there is no table at ``uri``."""
     if not uri or not storage.exists(uri):
         return None
-    return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]
+    harness = f"{uri.rsplit('/', 1)[0]}/{HARNESS_SAMPLES_FILE}"
+    rows = []
+    for table in [uri] + ([harness] if storage.exists(harness) else []):
+        rows += [json.loads(line) for line in storage.read_bytes(table).decode().splitlines() if line.strip()]
+    return rows
 
 
 def _champion_samples(run: PipelineRun, champion: mlflow_models.Champion) -> ChampionSamples | None:

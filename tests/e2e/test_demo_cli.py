@@ -94,7 +94,16 @@ def test_demo_config_through_the_cli(demo_run):
         assert 0 <= strict <= 1 and 0 <= flexible <= 1
         results = json.loads((final / f"lm_eval_{policy}.json").read_text())
         assert results["results"]["posttrain_heldout"]["exact_match,flexible-extract"] == pytest.approx(flexible)
-        assert results["results"]["posttrain_heldout"]["sample_len"] == len(samples)
+        assert results["results"]["posttrain_heldout"]["sample_len"] == len(samples) and "samples" not in results
+    # ... each example's score in the harness's sample table, and its paired gain over SFT read from it
+    harness = [json.loads(line) for line in (final / "lm_eval_samples.jsonl").read_text().splitlines()]
+    metric = "lm_eval/posttrain_heldout/exact_match_flexible_extract"
+    assert len(harness) == len(samples)
+    for policy in ("sft", "grpo"):
+        assert evaluated[f"{policy}/{metric}"] == pytest.approx(sum(r[f"{policy}_{metric}"] for r in harness) / len(harness))
+    gain = evaluated[f"grpo/{metric}"] - evaluated[f"sft/{metric}"]
+    assert evaluated[f"grpo_vs_sft/{metric}_gain"] == pytest.approx(gain, abs=1e-9)
+    assert evaluated[f"grpo_vs_sft/{metric}_gain_se"] >= 0
     gain = evaluated["grpo/pass_at_4"] - evaluated["sft/pass_at_4"]
     assert evaluated["grpo_vs_sft/pass_at_4_gain"] == pytest.approx(gain, abs=1e-9)
     assert evaluated["grpo_vs_sft/avg_at_4_gain_se"] >= 0

@@ -196,15 +196,17 @@ def test_resumes_reuse_what_is_unchanged_and_a_failed_gate_keeps_the_champion(pr
     # policy's verdicts, paired by problem from the champion's sample table) is inside the noise.
     # Nothing re-runs (gates are judged after the stages, never hashed), the version is registered
     # as a candidate and the champion stays.
-    # The same for a sampled metric: each sampled problem's pass@4, paired with the champion's table.
+    # The same for a sampled metric: each sampled problem's pass@4, paired with the champion's table;
+    # and for a harness metric: each example's score, paired with the champion's harness table.
     failing = json.dumps([{"metric": "grpo/exact_match", "threshold": 2.0},
                           {"metric": "grpo/exact_match", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0},
                           {"metric": "grpo/pass_at_4", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0},
-                          {"metric": "grpo/lm_eval/posttrain_heldout/exact_match_flexible_extract", "threshold": 1.5}])
+                          {"metric": "grpo/lm_eval/posttrain_heldout/exact_match_flexible_extract", "threshold": 1.5,
+                           "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0}])
     summary, _, stderr, _ = _resume(run_id, root, f"evaluate.gates={failing}", exit_code=EXIT_GATE_FAILED)
     assert "gate: grpo/exact_match" in stderr and "< threshold 2" in stderr
     assert "grpo/lm_eval/posttrain_heldout/exact_match_flexible_extract" in stderr and "< threshold 1.5" in stderr
-    for metric in ("exact_match", "pass_at_4"):
+    for metric in ("exact_match", "pass_at_4", "lm_eval/posttrain_heldout/exact_match_flexible_extract"):
         noise = [g for g in summary["release"]["gates"] if g["metric"] == f"grpo_vs_champion/{metric}_gain"]
         assert [(g["value"], g["bound"], g["passed"]) for g in noise] == [(0.0, 0.0, False)], noise
     assert f"grpo_vs_champion/exact_match_gain 0 <= 1 SE (champion v{champion}) 0" in stderr

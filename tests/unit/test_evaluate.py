@@ -86,6 +86,7 @@ def test_sample_column_names_the_per_problem_value():
     from trainer_core.objectives.paired import sample_column
 
     assert [sample_column(m) for m in ("exact_match", "pass_at_4", "avg_at_16")] == ["correct", "pass_at_4", "avg_at_16"]
+    assert sample_column("lm_eval/gsm8k/exact_match_strict_match") == "lm_eval/gsm8k/exact_match_strict_match"
     with pytest.raises(ValueError, match="'win_rate' has no per-problem value"):
         sample_column("win_rate")
 
@@ -103,3 +104,25 @@ def test_sampled_estimates_join_the_sample_table_and_pair_over_sft():
     assert gains["grpo_vs_sft/pass_at_2_gain"] == pytest.approx(0.25)
     assert gains["grpo_vs_sft/pass_at_2_gain_se"] == pytest.approx(paired_gain([1.0, 0.0], [1.0, 0.5])[1])
     assert not any(k.startswith("sft_vs") for k in gains)
+
+
+def test_harness_scores_pair_by_example_and_fill_their_own_table():
+    """The harness's per-example scores pair over SFT on the examples both hold (sorted by key) and
+    make the harness sample table, one row per example; the held-out sample table ignores them."""
+    from trainer_core.stages.evaluate import _paired_gains, harness_rows, sample_rows
+
+    metric = "lm_eval/t/exact_match_flexible_extract"
+    estimates = {"sft": {metric: {"lm_eval/t/0/a": 0.0, "lm_eval/t/1/b": 1.0, "lm_eval/t/2/c": 0.0}},
+                 "grpo": {metric: {"lm_eval/t/2/c": 1.0, "lm_eval/t/0/a": 1.0, "lm_eval/t/1/b": 1.0}}}
+    verdicts = {"sft": [False], "grpo": [True]}
+    gains = _paired_gains(verdicts, estimates)
+    gain, se = paired_gain([0.0, 1.0, 0.0], [1.0, 1.0, 1.0])
+    assert (gains[f"grpo_vs_sft/{metric}_gain"], gains[f"grpo_vs_sft/{metric}_gain_se"]) == (
+        pytest.approx(gain), pytest.approx(se)) and gain == pytest.approx(2 / 3)
+    rows = harness_rows(estimates)
+    assert [r["prompt"] for r in rows] == ["lm_eval/t/0/a", "lm_eval/t/1/b", "lm_eval/t/2/c"]
+    assert [(r[f"sft_{metric}"], r[f"grpo_{metric}"]) for r in rows] == [(0.0, 1.0), (1.0, 1.0), (0.0, 1.0)]
+    problems = [{"messages_json": json.dumps([{"role": "user", "content": "q"}]), "answer": "1"}]
+    [row] = sample_rows(problems, {"sft": ["x"], "grpo": ["1"]}, verdicts, {}, estimates)
+    assert not any(k.endswith(metric) for k in row)
+    assert harness_rows({"sft": {"pass_at_2": [1.0]}}) == []

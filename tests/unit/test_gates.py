@@ -166,10 +166,11 @@ def test_min_gain_se_needs_a_rising_exact_match():
     with pytest.raises(ValueError, match="min_gain_se needs"):
         QualityGate(metric="grpo/exact_match", op="<=", min_gain_se=2.0)
     assert QualityGate(metric="grpo/exact_match", min_gain_se=2.0).threshold is None
-    for metric in ("grpo/pass_at_4", "grpo/avg_at_4", "dpo/pass_at_1"):
+    for metric in ("grpo/pass_at_4", "grpo/avg_at_4", "dpo/pass_at_1", "grpo/lm_eval/gsm8k/exact_match_strict_match"):
         assert QualityGate(metric=metric, min_gain_se=2.0).min_gain_se == 2.0
-    for metric in ("grpo/pass_at_0", "grpo/pass_at_k", "grpo/exact_match_gain", "grpo/pass_at_4_se"):
-        with pytest.raises(ValueError, match="pass_at_<k> or <policy>/avg_at_<n>"):
+    for metric in ("grpo/pass_at_0", "grpo/pass_at_k", "grpo/exact_match_gain", "grpo/pass_at_4_se",
+                   "grpo/lm_eval/gsm8k/exact_match_stderr_strict_match", "grpo/lm_eval/exact_match"):
+        with pytest.raises(ValueError, match="<policy>/avg_at_<n> or <policy>/lm_eval/<task>/<metric>"):
             QualityGate(metric=metric, min_gain_se=2.0)
 
 
@@ -198,3 +199,28 @@ def test_min_gain_se_on_a_sampled_metric():
     assert gain == pytest.approx(0.5) and se > 0
     assert result.metric == "grpo_vs_champion/pass_at_4_gain" and result.value == pytest.approx(gain)
     assert result.bound == pytest.approx(se) and result.passed  # the greedy verdicts (all worse) are not read
+
+
+def test_min_gain_se_on_a_harness_metric_pairs_the_examples_both_runs_scored():
+    """A harness metric pairs by task example: over the champion from both runs' harness sample
+    tables (rows keyed by the example; a key only one run holds is not read)."""
+    from tasks.report.gates import ChampionSamples
+    from trainer_core.objectives.paired import paired_gain
+
+    metric = "lm_eval/gsm8k/exact_match_flexible_extract"
+    champion_rows = [{"prompt": "q0", "grpo_correct": True}] + [
+        {"prompt": f"lm_eval/gsm8k/{i}/h{i}", f"grpo_{metric}": float(i % 3 == 0)} for i in range(9)]
+    rows = [{"prompt": "q0", "grpo_correct": False}] + [
+        {"prompt": f"lm_eval/gsm8k/{i}/h{i}", f"grpo_{metric}": float(i % 3 != 2)} for i in range(1, 12)]
+    champion = Champion("3", {f"grpo/{metric}": 0.33}, {})
+    gate = QualityGate(metric=f"grpo/{metric}", vs_champion=True, min_gain_se=1.0)
+    [_, result] = check_gates([gate], {f"grpo/{metric}": 0.6}, champion, samples=rows,
+                              champion_samples=ChampionSamples("grpo", champion_rows))
+    baseline = [float(i % 3 == 0) for i in range(1, 9)]  # examples 1..8: in both tables
+    gain, se = paired_gain(baseline, [float(i % 3 != 2) for i in range(1, 9)])
+    assert gain == pytest.approx(3 / 8) and se > 0
+    assert result.metric == f"grpo_vs_champion/{metric}_gain"
+    assert (result.value, result.bound) == (pytest.approx(gain), pytest.approx(se)) and result.passed
+    over_sft = {f"grpo_vs_sft/{metric}_gain": 0.01, f"grpo_vs_sft/{metric}_gain_se": 0.02}
+    [noise] = check_gates([QualityGate(metric=f"grpo/{metric}", min_gain_se=1.0)], over_sft, None)
+    assert not noise.passed and noise.describe() == f"grpo_vs_sft/{metric}_gain 0.01 <= 1 SE 0.02"

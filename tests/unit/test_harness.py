@@ -56,6 +56,13 @@ def test_the_heldout_task_agrees_with_evaluates_exact_match(tiny, tmp_path):
     strict = [("####" in c) and o for c, o in zip(completions, ours)]  # strict-match reads "#### n" lines alone
     assert metrics["sft/lm_eval/posttrain_heldout/exact_match_strict_match"] == pytest.approx(sum(strict) / len(strict))
     assert "sft/lm_eval/posttrain_heldout/exact_match_stderr_flexible_extract" in metrics
+    # Each example's score, keyed by the example, under the names of the task's means.
+    scores = harness.example_scores(results)
+    assert set(scores) == {f"lm_eval/{task}/exact_match_{f}" for f in ("strict_match", "flexible_extract")}
+    flexible = scores[f"lm_eval/{task}/exact_match_flexible_extract"]
+    by_doc = {int(key.split("/")[2]): value for key, value in flexible.items()}
+    assert [by_doc[i] for i in range(len(QUESTIONS))] == [float(o) for o in ours]
+    assert all(key.startswith(f"lm_eval/{task}/") and len(key.split("/")[3]) == 64 for key in flexible)
 
 
 def test_loglikelihood_is_the_continuations_log_probability(tiny):
@@ -79,3 +86,22 @@ def test_an_unknown_task_is_named(tiny, tmp_path):
     lm = harness.HarnessLM(model, tokenizer, GenerationConfig(), torch.device("cpu"), 0)
     with pytest.raises(ConfigError, match=r"unknown task\(s\) \['no_such_task'\]"):
         harness.run_harness(lm, ["no_such_task"], str(tmp_path), None, None, True, 0)
+
+
+def test_a_task_folder_and_its_data_on_object_storage(tiny, s3_server, tmp_path):
+    """``include_path`` on S3 (moto): the task YAML is copied to a local folder, and its data file,
+    an ``s3://`` URI too, is read by datasets through fsspec with the process's S3 settings."""
+    from tests.conftest import make_bucket
+    from trainer_core import storage
+
+    model, tokenizer = tiny
+    local = tmp_path / "task"
+    harness.write_heldout_task(str(local), [{"question": q, "answer": "5"} for q in QUESTIONS], 8)
+    root = f"s3://{make_bucket(s3_server)}/tasks"
+    data = f"{root}/{harness.HELDOUT_TASK}.jsonl"
+    storage.write_bytes(data, (local / f"{harness.HELDOUT_TASK}.jsonl").read_bytes())
+    yaml = (local / f"{harness.HELDOUT_TASK}.yaml").read_text().replace(str(local / f"{harness.HELDOUT_TASK}.jsonl"), data)
+    storage.write_bytes(f"{root}/{harness.HELDOUT_TASK}.yaml", yaml.replace(f"task: {harness.HELDOUT_TASK}", "task: remote_task").encode())
+    lm = harness.HarnessLM(model, tokenizer, GenerationConfig(max_new_tokens=8, batch_size=8), torch.device("cpu"), 0)
+    results = harness.run_harness(lm, ["remote_task"], root, 3, None, True, 0)
+    assert results["results"]["remote_task"]["sample_len"] == 3

@@ -70,6 +70,19 @@ SAMPLED_METRIC = re.compile(r"(pass_at|avg_at)_[1-9][0-9]*")
 """The names (without their policy) of the metrics :class:`PassAtKConfig` makes evaluate log,
 ``pass_at_<k>`` and ``avg_at_<n>``: each has a per-problem value in evaluate's sample table."""
 
+HARNESS_METRIC = re.compile(r"lm_eval/[^/]+/(?![A-Za-z0-9_]*_stderr(_|$))[A-Za-z0-9_]+")
+"""The names (without their policy) of the harness's metrics (:class:`LmEvalConfig`),
+``lm_eval/<task>/<metric>_<filter>``, their standard errors (``..._stderr_<filter>``) left out:
+each has a per-example value in evaluate's ``lm_eval_samples.jsonl``."""
+
+
+def per_problem_metric(metric: str) -> bool:
+    """Whether evaluate keeps a per-problem value of ``metric`` (a metric name without its policy)
+    that two policies can be paired on: ``exact_match`` (the greedy verdict), a sampled
+    ``pass_at_<k>`` / ``avg_at_<n>`` (:data:`SAMPLED_METRIC`), or a harness metric
+    (:data:`HARNESS_METRIC`)."""
+    return metric == "exact_match" or any(p.fullmatch(metric) for p in (SAMPLED_METRIC, HARNESS_METRIC))
+
 
 class PassAtKConfig(ConfigBase):
     """Sampled answers to the held-out problems: pass@k and avg@n next to greedy exact match."""
@@ -99,7 +112,10 @@ class LmEvalConfig(ConfigBase):
         min_length=1, description="Harness task names: its own, those of include_path's YAML files, and "
         "posttrain_heldout (evaluate's held-out problems, scored as the harness's gsm8k task scores)."
     )
-    include_path: str | None = Field(None, description="A local folder of task YAML files; None: none.")
+    include_path: str | None = Field(
+        None, description="A folder of task YAML files: a local path or any fsspec URI (s3://..., copied to a local "
+        "folder first); None: none."
+    )
     limit: int | None = Field(None, ge=1, description="At most this many examples per task; None: all.")
     num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples; None: each task's default.")
     apply_chat_template: bool = Field(True, description="Render prompts with the model's chat template.")

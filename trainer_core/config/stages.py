@@ -11,10 +11,10 @@ from trainer_core.config.generation import (
     EnvironmentConfig,
     GenerationConfig,
     LmEvalConfig,
-    SAMPLED_METRIC,
     PassAtKConfig,
     RolloutGenerationConfig,
     SampledGenerationConfig,
+    per_problem_metric,
 )
 from trainer_core.errors import ConfigError
 
@@ -252,7 +252,7 @@ class QualityGate(ConfigBase):
     The metric is compared with ``threshold``, with the registered model's current champion's value
     of the same metric (``vs_champion``: at least the champion's value minus ``tolerance`` for
     ``>=``/``>``, at most the champion's value plus ``tolerance`` for ``<=``/``<``), or with both.
-    ``min_gain_se`` k asks more of an exact match, a pass@k or an avg@n: a paired gain over the
+    ``min_gain_se`` k asks more of an exact match, a pass@k, an avg@n or a harness metric: a paired gain over the
     baseline larger than k standard errors on the same problems (a gain inside the noise of these
     problems does not pass).
     """
@@ -265,8 +265,8 @@ class QualityGate(ConfigBase):
     )
     tolerance: float = Field(0.0, ge=0, description="Slack allowed against the champion's value.")
     min_gain_se: float | None = Field(
-        None, ge=0, description="On <policy>/exact_match, <policy>/pass_at_<k> or <policy>/avg_at_<n>: also require "
-        "the policy's paired "
+        None, ge=0, description="On <policy>/exact_match, <policy>/pass_at_<k>, <policy>/avg_at_<n> or a harness "
+        "metric <policy>/lm_eval/<task>/<metric>: also require the policy's paired "
         "gain over a baseline on the same held-out problems to exceed this many standard errors (evaluate's "
         "paired_gain). The baseline is the champion's policy with vs_champion (its run's per-problem verdicts), "
         "else, and while there is no champion, this run's SFT policy. None: no such requirement.",
@@ -277,10 +277,11 @@ class QualityGate(ConfigBase):
         if self.threshold is None and not self.vs_champion and self.min_gain_se is None:
             raise ValueError(f"gate on {self.metric!r}: set threshold, vs_champion, min_gain_se, or several")
         policy, _, metric = self.metric.partition("/")  # paired by problem: the sample table holds their values
-        paired = bool(policy) and (metric == "exact_match" or SAMPLED_METRIC.fullmatch(metric) is not None)
+        paired = bool(policy) and per_problem_metric(metric)
         if self.min_gain_se is not None and (not paired or self.op not in (">=", ">")):
             raise ValueError(f"gate on {self.metric!r} (op {self.op!r}): min_gain_se needs a <policy>/exact_match, "
-                             "<policy>/pass_at_<k> or <policy>/avg_at_<n> metric that must rise (op >= or >)")
+                             "<policy>/pass_at_<k>, <policy>/avg_at_<n> or <policy>/lm_eval/<task>/<metric> metric "
+                             "that must rise (op >= or >)")
         return self
 
 

@@ -37,6 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer_core.config.generation import GenerationConfig
 from trainer_core.generation.completions import generate_completions
+from trainer_core.storage import materialize
 
 
 class HarnessLM(LM):
@@ -148,8 +149,11 @@ def run_harness(lm: HarnessLM, tasks: list[str], include_path: str | list[str] |
 
     Args:
         tasks: task names (the harness's own, or those of ``include_path``'s YAML files).
-        include_path: folder(s) of task YAMLs, or None. When every task is there, the harness's
-            own thousands of task files are not indexed (seconds saved).
+        include_path: folder(s) of task YAMLs, each a local path or any fsspec URI (``s3://...``,
+            copied to a local folder first: :func:`~trainer_core.storage.materialize`), or None.
+            When every task is there, the harness's own thousands of task files are not indexed
+            (seconds saved). A task's ``dataset_kwargs.data_files`` are read by 🤗 datasets: a
+            local path, or a URI through fsspec with the same S3 settings.
         limit: at most this many examples per task (None: all).
         num_fewshot: few-shot examples (None: each task's default).
         apply_chat_template: render prompts with the model's chat template.
@@ -165,6 +169,8 @@ def run_harness(lm: HarnessLM, tasks: list[str], include_path: str | list[str] |
     from trainer_core.errors import ConfigError
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines would fill the stage's log
+    if include_path:
+        include_path = [materialize(p) for p in ([include_path] if isinstance(include_path, str) else include_path)]
     manager = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
     if manager is None or any(t not in manager.all_tasks for t in tasks):
         manager = TaskManager(include_path=include_path, include_defaults=True)
@@ -192,8 +198,34 @@ def harness_metrics(results: dict[str, Any], prefix: str) -> dict[str, float]:
                 continue
             if not math.isfinite(float(value)):
                 continue
-            name = re.sub(r"[^A-Za-z0-9_]+", "_", key.replace(",", "_")).strip("_")
-            out[f"{prefix}/lm_eval/{task}/{name}"] = float(value)
+            out[f"{prefix}/lm_eval/{task}/{_metric_name(key)}"] = float(value)
+    return out
+
+
+def _metric_name(key: str) -> str:
+    """A harness result key as a metric name: ``exact_match,strict-match`` -> ``exact_match_strict_match``."""
+    return re.sub(r"[^A-Za-z0-9_]+", "_", key.replace(",", "_")).strip("_")
+
+
+def example_scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each example's score from a results dict made with ``log_samples`` (``results["samples"]``):
+    ``{"lm_eval/<task>/<metric>_<filter>": {"lm_eval/<task>/<doc_id>/<doc_hash>": score}}``, the
+    names :func:`harness_metrics` gives the task's means (without the policy). The key holds the
+    example's content hash, so two runs' scores pair only on the same example. Non-numeric
+    per-example values (a metric the harness aggregates from tuples, e.g. BLEU) are left out.
+
+    Returns:
+        ``{}`` when ``results`` has no samples.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for task, examples in results.get("samples", {}).items():
+        for example in examples:
+            key = f"lm_eval/{task}/{example['doc_id']}/{example.get('doc_hash', '')}"
+            for metric in example.get("metrics", []):
+                value = example.get(metric)
+                if isinstance(value, (int, float)) and math.isfinite(float(value)):
+                    name = f"lm_eval/{task}/{_metric_name(metric + ',' + example['filter'])}"
+                    out.setdefault(name, {})[key] = float(value)
     return out
 
 

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import bisect
 
-from trainer_core.config.generation import SAMPLED_METRIC
+from trainer_core.config.generation import per_problem_metric
 
 SAMPLES_FILE = "samples.jsonl"
 """Evaluate's sample table in its final directory (JSON lines, one row per held-out problem:
 ``prompt``, ``answer``, and per policy its completion and ``<policy>_correct`` verdict)."""
+
+HARNESS_SAMPLES_FILE = "lm_eval_samples.jsonl"
+"""Evaluate's per-example harness scores beside :data:`SAMPLES_FILE` (with ``evaluate.lm_eval``;
+JSON lines, one row per task example: ``prompt`` ``lm_eval/<task>/<doc_id>/<doc_hash>``, the
+example's key, and per policy ``<policy>_lm_eval/<task>/<metric>`` its score). Its rows pair as
+the sample table's do (:func:`paired_verdicts`)."""
 
 
 def paired_gain(baseline: list[bool] | list[float], other: list[bool] | list[float]) -> tuple[float, float]:
@@ -52,27 +58,29 @@ def paired_gain(baseline: list[bool] | list[float], other: list[bool] | list[flo
 
 
 def sample_column(metric: str) -> str:
-    """The column of evaluate's sample table that holds a per-problem value of ``metric`` (a
+    """The column of evaluate's sample tables that holds a per-problem value of ``metric`` (a
     headline metric without its policy): ``exact_match`` -> ``correct`` (the greedy verdict),
     ``pass_at_<k>`` and ``avg_at_<n>`` -> themselves (each problem's estimate from its samples;
-    only the problems evaluate sampled have one).
+    only the problems evaluate sampled have one), a harness metric ``lm_eval/<task>/<metric>`` ->
+    itself (each example's score, in :data:`HARNESS_SAMPLES_FILE`).
 
     Raises:
         ValueError: a metric with no per-problem value.
     """
     if metric == "exact_match":
         return "correct"
-    if SAMPLED_METRIC.fullmatch(metric):
+    if per_problem_metric(metric):
         return metric
-    raise ValueError(f"{metric!r} has no per-problem value in evaluate's sample table "
-                     "(exact_match, pass_at_<k> and avg_at_<n> do)")
+    raise ValueError(f"{metric!r} has no per-problem value in evaluate's sample tables "
+                     "(exact_match, pass_at_<k>, avg_at_<n> and lm_eval/<task>/<metric> do)")
 
 
 def paired_verdicts(
     baseline_rows: list[dict], baseline_column: str, rows: list[dict], column: str
 ) -> tuple[list[float], list[float]]:
-    """The per-problem values of two sample tables (evaluate's ``samples.jsonl`` rows) on the
-    problems both hold, matched by their ``prompt``, in ``rows``' order.
+    """The per-problem values of two sample tables (evaluate's :data:`SAMPLES_FILE` and
+    :data:`HARNESS_SAMPLES_FILE` rows) on the problems both hold, matched by their ``prompt``, in
+    ``rows``' order.
 
     Args:
         baseline_rows: the baseline's rows; ``baseline_column`` its column (``<policy>_correct``,

@@ -23,6 +23,9 @@ Metrics (each present when its models were trained in this run):
   n sampled answers per held-out problem, Chen et al.'s unbiased pass@k and the mean accuracy;
   and ``<policy>_vs_sft/pass_at_<k>_gain``, ``..._avg_at_<n>_gain`` with their ``_se``: paired
   over SFT's per-problem estimates on the same sampled problems, as exact match's gain.
+- ``<policy>/lm_eval/<task>/<metric>`` (with ``evaluate.lm_eval``): the lm-evaluation-harness's
+  metrics and standard errors on its tasks, and ``<policy>_vs_sft/lm_eval/<task>/<metric>_gain``
+  with its ``_se``, paired over SFT's scores of the same examples.
 - ``<policy>/tool_calls`` (with ``evaluate.environment``): tool calls per problem in the
   policy's exact-match answers, which are then generated with the tool (e.g. the calculator).
 - ``<policy>_vs_sft/win_rate`` (``dpo``, ``ppo``, ``grpo``): fraction of held-out preference
@@ -33,7 +36,9 @@ Sample generations: ``final/samples.jsonl`` (and the MLflow table ``eval/samples
 row per held-out problem: the question, the reference answer, and per policy its greedy
 completion, the verifier's verdict on it, the reward model's score when one was trained, and
 on the sampled problems its per-problem ``pass_at_<k>`` / ``avg_at_<n>`` (what a gate with
-``min_gain_se`` against the champion pairs with).
+``min_gain_se`` against the champion pairs with). With ``evaluate.lm_eval``,
+``final/lm_eval_samples.jsonl`` holds each task example's score per policy, and
+``final/lm_eval_<policy>.json`` the harness's results.
 """
 
 from __future__ import annotations
@@ -54,7 +59,14 @@ from trainer_core.generation.completions import (
     prompt_ids,
     reward_scores,
 )
-from trainer_core.objectives.paired import SAMPLES_FILE, mean_and_se, paired_gain, pass_at_k, verdict_auc
+from trainer_core.objectives.paired import (
+    HARNESS_SAMPLES_FILE,
+    SAMPLES_FILE,
+    mean_and_se,
+    paired_gain,
+    pass_at_k,
+    verdict_auc,
+)
 from trainer_core.registry import INIT_SOURCE, policy_role, policy_stages
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.training.rl.environments import ToolSession, load_environment
@@ -121,73 +133,98 @@ def _question(problem: dict) -> str:
 
 
 def _harness_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: list[dict],
-                     files: dict[str, bytes]) -> dict[str, float]:
+                     files: dict[str, bytes]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """With ``evaluate.lm_eval``: the harness's metrics of ``policy`` on its tasks
     (:mod:`trainer_core.generation.harness`; ``posttrain_heldout`` is built over ``problems``),
-    as ``<name>/lm_eval/<task>/<metric>``; its results JSON goes into ``files`` as
-    ``lm_eval_<name>.json`` (the final directory) and to the MLflow run as ``lm_eval/<name>.json``."""
+    as ``<name>/lm_eval/<task>/<metric>``, and each example's score
+    (:func:`~trainer_core.generation.harness.example_scores`). Its results JSON (without the
+    examples) goes into ``files`` as ``lm_eval_<name>.json`` (the final directory) and to the
+    MLflow run as ``lm_eval/<name>.json``."""
     cfg = ctx.config.evaluate.lm_eval
     if cfg is None:
-        return {}
+        return {}, {}
     import importlib.util
     import tempfile
 
     if importlib.util.find_spec("lm_eval") is None:
         raise ConfigError("evaluate.lm_eval needs EleutherAI's lm-evaluation-harness: pip install 'posttrain[eval]' "
                           "(or remove evaluate.lm_eval)")
-    from trainer_core.generation.harness import HELDOUT_TASK, HarnessLM, harness_metrics, run_harness, write_heldout_task
+    from trainer_core.generation.harness import (
+        HELDOUT_TASK, HarnessLM, example_scores, harness_metrics, run_harness, write_heldout_task,
+    )
 
     with tempfile.TemporaryDirectory() as folder:
-        include = cfg.include_path
+        include = [cfg.include_path] if cfg.include_path else []
         if HELDOUT_TASK in cfg.tasks:
             rows = [{"question": _question(p), "answer": p["answer"]} for p in problems]
             write_heldout_task(folder, rows, cfg.generation.max_new_tokens)
-            include = [folder] + ([cfg.include_path] if cfg.include_path else [])
+            include.insert(0, folder)
         lm = HarnessLM(policy, ctx.tokenizer, cfg.generation, ctx.backend.device, ctx.config.seed)
-        results = run_harness(lm, cfg.tasks, include, cfg.limit, cfg.num_fewshot, cfg.apply_chat_template,
-                              ctx.config.seed)
+        results = run_harness(lm, cfg.tasks, include or None, cfg.limit, cfg.num_fewshot, cfg.apply_chat_template,
+                              ctx.config.seed, log_samples=True)
+    scores = example_scores(results)
+    results.pop("samples", None)  # kept as scores in the harness's sample table, not in the JSON
     files[f"lm_eval_{name}.json"] = json.dumps(results, indent=1).encode()
     if ctx.is_main:
         ctx.metrics.log_dict_artifact(results, f"lm_eval/{name}.json")
-    return harness_metrics(results, name)
+    return harness_metrics(results, name), scores
+
+
+Estimates = dict[str, "list[float] | dict[str, float]"]
+"""One policy's per-problem values of its paired metrics: a sampled ``pass_at_<k>`` /
+``avg_at_<n>`` -> a list, one per sampled problem in order; a harness metric
+``lm_eval/<task>/<metric>`` -> ``{example key: score}`` (:data:`HARNESS_SAMPLES_FILE`'s ``prompt``)."""
 
 
 def _policy_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: list[dict],
-                    tool_calls: list[float], files: dict[str, bytes]) -> tuple[dict[str, float], dict[str, list[float]]]:
+                    tool_calls: list[float], files: dict[str, bytes]) -> tuple[dict[str, float], Estimates]:
     """``<name>/tool_calls`` (with a tool: calls per problem of its greedy answers), the harness's
     metrics (:func:`_harness_metrics`) and, with ``evaluate.pass_at_k``, ``<name>/pass_at_<k>``
     and ``<name>/avg_at_<n>`` with their standard errors over problems (``..._se``): n sampled
     answers to each of the first ``num_problems`` problems,
-    :func:`~trainer_core.objectives.paired.pass_at_k` of each. Also returns each sampled metric's
-    per-problem estimates (``{"pass_at_4": [...]}``, one per sampled problem, in order), which the
-    sample table keeps and the paired gains read."""
+    :func:`~trainer_core.objectives.paired.pass_at_k` of each. Also returns the per-problem
+    values of the sampled and the harness's metrics (:data:`Estimates`), which the sample tables
+    keep and the paired gains read."""
     out = {f"{name}/tool_calls": sum(tool_calls) / len(tool_calls)} if tool_calls else {}
-    out |= _harness_metrics(ctx, name, policy, problems, files)
+    harness, estimates = _harness_metrics(ctx, name, policy, problems, files)
+    out |= harness
     cfg = ctx.config.evaluate.pass_at_k
     if cfg is None:
-        return out, {}
+        return out, estimates
     sampled = [p for p in problems[: cfg.num_problems] for _ in range(cfg.n)]  # each problem's n samples together
     verdicts, _ = exact_match(ctx, policy, sampled, gen=cfg.generation)
     correct = [sum(verdicts[i : i + cfg.n]) for i in range(0, len(verdicts), cfg.n)]
-    estimates = {f"pass_at_{k}": [pass_at_k(cfg.n, c, k) for c in correct] for k in cfg.k}
-    estimates[f"avg_at_{cfg.n}"] = [c / cfg.n for c in correct]
-    for metric, values in estimates.items():
+    passes = {f"pass_at_{k}": [pass_at_k(cfg.n, c, k) for c in correct] for k in cfg.k}
+    passes[f"avg_at_{cfg.n}"] = [c / cfg.n for c in correct]
+    for metric, values in passes.items():
         out[f"{name}/{metric}"], out[f"{name}/{metric}_se"] = mean_and_se(values)
-    return out, estimates
+    return out, {**passes, **estimates}
 
 
-def _paired_gains(verdicts: dict[str, list[bool]], estimates: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+def _paired(baseline: list[float] | dict[str, float], other: list[float] | dict[str, float]) -> tuple[list, list]:
+    """Two policies' per-problem values on the same problems: lists as they are (the same problems
+    in order), harness scores on the example keys both hold (sorted)."""
+    if isinstance(baseline, dict) and isinstance(other, dict):
+        keys = sorted(baseline.keys() & other.keys())
+        return [baseline[k] for k in keys], [other[k] for k in keys]
+    return list(baseline), list(other)
+
+
+def _paired_gains(verdicts: dict[str, list[bool]], estimates: dict[str, Estimates]) -> dict[str, float]:
     """``<policy>_vs_sft/<metric>_gain`` and ``..._gain_se`` of every policy but SFT (and the base
     model): :func:`~trainer_core.objectives.paired.paired_gain` over SFT on the same problems, for
-    greedy exact match (every problem) and each sampled metric (the sampled problems)."""
+    greedy exact match (every problem), each sampled metric (the sampled problems) and each
+    harness metric (the examples both were scored on)."""
     out: dict[str, float] = {}
     for name in (n for n in verdicts if n not in ("sft", "base")):
         per_problem: dict[str, tuple[list, list]] = {"exact_match": (verdicts["sft"], verdicts[name])}
         for metric, values in estimates.get(name, {}).items():
-            per_problem[metric] = (estimates["sft"][metric], values)
+            if metric in estimates.get("sft", {}):
+                per_problem[metric] = _paired(estimates["sft"][metric], values)
         for metric, (baseline, other) in per_problem.items():
-            gain, se = paired_gain(baseline, other)
-            out[f"{name}_vs_sft/{metric}_gain"], out[f"{name}_vs_sft/{metric}_gain_se"] = gain, se
+            if baseline:
+                gain, se = paired_gain(baseline, other)
+                out[f"{name}_vs_sft/{metric}_gain"], out[f"{name}_vs_sft/{metric}_gain_se"] = gain, se
     return out
 
 
@@ -254,7 +291,7 @@ def _win_rates(scores: dict[str, list[float]]) -> dict[str, float]:
 
 def sample_rows(
     problems: list[dict], completions: dict[str, list[str]], verdicts: dict[str, list[bool]],
-    rewards: dict[str, list[float]], estimates: dict[str, dict[str, list[float]]] | None = None,
+    rewards: dict[str, list[float]], estimates: dict[str, Estimates] | None = None,
 ) -> list[dict]:
     """The sample-generation table: per problem its question (the last user message), reference
     answer, and per policy ``<policy>`` (completion), ``<policy>_correct`` (verifier verdict),
@@ -269,10 +306,27 @@ def sample_rows(
             if name in rewards:
                 row[f"{name}_reward"] = rewards[name][i]
             for metric, values in (estimates or {}).get(name, {}).items():
-                if i < len(values):
+                if isinstance(values, list) and i < len(values):
                     row[f"{name}_{metric}"] = values[i]
         rows.append(row)
     return rows
+
+
+def harness_rows(estimates: dict[str, Estimates]) -> list[dict]:
+    """The harness's sample table (:data:`HARNESS_SAMPLES_FILE`): one row per task example scored,
+    its key as ``prompt`` and per policy ``<policy>_lm_eval/<task>/<metric>`` its score (from
+    :data:`Estimates`' harness entries); empty without ``evaluate.lm_eval``."""
+    rows: dict[str, dict] = {}
+    for name, metrics in estimates.items():
+        for metric, scores in metrics.items():
+            if isinstance(scores, dict):
+                for key, score in scores.items():
+                    rows.setdefault(key, {"prompt": key})[f"{name}_{metric}"] = score
+    return [rows[key] for key in sorted(rows)]
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
 
 
 def run(ctx: StageContext) -> Manifest:
@@ -303,7 +357,7 @@ def run(ctx: StageContext) -> Manifest:
     sft_metrics, dpo_metrics, files = {}, {}, {}  # files: the harness's results, beside the sample table
     dpo_rows: list[dict] = []
     policy_metrics: dict[str, float] = {}
-    estimates: dict[str, dict[str, list[float]]] = {}
+    estimates: dict[str, Estimates] = {}
     messages = [messages_of(p) for p in problems]
     for name, role in roles:  # one policy in memory at a time (SFT's before DPO's: pipeline order)
         policy = _policy(ctx, role)
@@ -332,5 +386,6 @@ def run(ctx: StageContext) -> Manifest:
     ctx.log_metrics(metrics, 0)
     if ctx.is_main:
         ctx.metrics.log_table(samples, "eval/samples.json")
-    blob = "".join(json.dumps(row) + "\n" for row in samples).encode()
-    return commit_final(ctx, metrics, files={SAMPLES_FILE: blob, **files})
+    harness = harness_rows(estimates)
+    return commit_final(ctx, metrics, files={**files, SAMPLES_FILE: _jsonl(samples),
+                                             **({HARNESS_SAMPLES_FILE: _jsonl(harness)} if harness else {})})
