@@ -132,7 +132,7 @@ OVERRIDES_EXAMPLE_KEY = "evaluate.generation.max_new_tokens"
 """The key of the example that ``overrides`` opens with in a deployment's form (the config's own
 value, so the example changes nothing)."""
 
-UI_HIDDEN_PARAMETERS = ("config",)
+UI_HIDDEN_PARAMETERS = ("config", "sweep")
 """Flow parameters for Python callers only: left out of a deployment's form and schema."""
 
 

@@ -45,7 +45,7 @@ from tasks.report.gates import QualityGateFailed
 from tasks.report.release import publish_release, release
 from tasks.report.summary import build_summary, write_summary
 from tasks.report.tracking import finish_pipeline_run, log_pipeline_metrics, resolve_tracking_uri, start_pipeline_run
-from tasks.results import PipelineRun, describe_interrupt
+from tasks.results import PipelineRun, SweepPoint, describe_interrupt
 from tasks.runs import check_run_id, new_run_id, run_lease, save_run_config
 from trainer_core import storage
 from trainer_core.config import PipelineConfig
@@ -81,6 +81,7 @@ def post_training_pipeline(
     overrides: list[str] | dict[str, Any] | None = None,
     run_id: str | None = None,
     config: PipelineConfig | None = None,
+    sweep: SweepPoint | None = None,
 ) -> dict[str, Any]:
     """Run the configured stages as a graph, then write and return the run summary.
 
@@ -99,6 +100,9 @@ def post_training_pipeline(
             renamed to it.
         config: A whole config object instead of config_uri (Python callers; deployments do
             not show it).
+        sweep: Set by a sweep (the post-training-sweep flow) for each of its points: the stages
+            another point trains are adopted from it, the MLflow run is nested under the
+            sweep's, and the release is left to the sweep. Empty for a pipeline run of its own.
 
     Returns:
         The summary (tasks.report.summary.build_summary) plus summary_uri.
@@ -125,7 +129,7 @@ def post_training_pipeline(
     lease = run_lease(cfg, layout)
     lease.acquire(wait_s=0)
     try:
-        return _run(cfg, run_id, layout, plan, log)
+        return _run(cfg, run_id, layout, plan, log, sweep)
     finally:
         lease.release()
 
@@ -140,7 +144,8 @@ def _record_interruption(run: PipelineRun, graph: StageGraphRun, interrupt: Base
         log.warning("run %s: could not record the interruption: %s", run.run_id, e)
 
 
-def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, PlannedStage], log: Any) -> dict[str, Any]:
+def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, PlannedStage], log: Any,
+         sweep: SweepPoint | None = None) -> dict[str, Any]:
     """The flow's body once it holds the run's lease: record the config, run the graph, summarise."""
     changes = save_run_config(cfg, layout)
     if changes:
@@ -148,10 +153,10 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
                  "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()))
     tracking_uri = resolve_tracking_uri(cfg)
     flow_run_url = prefect_flow_run.ui_url
-    run = PipelineRun(
-        run_id=run_id, config=cfg, tracking_uri=tracking_uri, flow_run_url=flow_run_url,
-        parent_mlflow_run_id=start_pipeline_run(cfg, run_id, tracking_uri=tracking_uri, flow_run_url=flow_run_url),
-    )
+    parent = start_pipeline_run(cfg, run_id, tracking_uri=tracking_uri, flow_run_url=flow_run_url,
+                                parent_run_id=sweep.mlflow_run_id if sweep else None)
+    run = PipelineRun(run_id=run_id, config=cfg, tracking_uri=tracking_uri, flow_run_url=flow_run_url,
+                      parent_mlflow_run_id=parent, sweep=sweep)
     bound = max_parallel_stages(cfg)
     log.info("run %s: stages %s (at most %s at once), MLflow %s (run %s)", run_id, cfg.stages,
              bound or "unbounded", tracking_uri, run.parent_mlflow_run_id)
@@ -163,14 +168,15 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
         # GPU slots, retrying) must not start a trainer once the flow has gone.
         _record_interruption(run, graph, interrupt, log)
         raise
-    forget_launch_group(prefect_flow_run.id or "")
+    if sweep is None:  # a sweep's group is the sweep's to forget
+        forget_launch_group(run.launch_group)
     summary = build_summary(run, graph.results)
     if changes:
         summary["config_changes"] = changes
     gate_failure, release_error = None, None
     try:
         log_pipeline_metrics(run.parent_mlflow_run_id, summary["headline"], tracking_uri=tracking_uri)
-        if not graph.failures:
+        if not graph.failures and sweep is None:  # a sweep releases its best point itself
             summary["release"] = release(run, graph.results, summary["headline"])
             gate_failure = summary["release"]["failure"]
             publish_release(run, summary["release"], log)

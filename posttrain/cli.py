@@ -257,6 +257,85 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
     typer.echo(summary["summary_uri"])
 
 
+def parse_grid(items: list[str] | None) -> dict[str, list[Any]]:
+    """``--grid`` items as a grid: ``key=v1,v2,...`` (each value read as YAML) or
+    ``key=[v1, v2]`` (a YAML list).
+
+    Raises:
+        ConfigError: an item without ``=`` or without a value, naming it.
+    """
+    grid: dict[str, list[Any]] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or not raw.strip():
+            raise ConfigError(f"--grid {item!r}: expected key.path=value1,value2,...")
+        try:
+            values = yaml.safe_load(raw) if raw.lstrip().startswith("[") else [yaml.safe_load(v) for v in raw.split(",")]
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--grid {item!r}: not YAML: {e}") from None
+        grid[key.strip()] = values if isinstance(values, list) else [values]
+    return grid
+
+
+@app.command()
+def sweep(
+    config: ConfigArg = DEFAULT_CONFIG,
+    grid: Annotated[list[str] | None, typer.Option(
+        "--grid", "-g", help="A swept key and its values: key.path=v1,v2 (YAML values). Repeatable: one point "
+        "per combination. Added to the config's sweep.grid.")] = None,
+    overrides: SetOpt = None,
+    sweep_id: Annotated[str | None, typer.Option("--sweep-id", help="Sweep id; reuse one to resume it or "
+                                                 "to add points.")] = None,
+) -> None:
+    """Run one pipeline per grid point (the stages they share once), compare the points and
+    release the best; the last stdout line is the sweep's summary.json URI."""
+    from tasks.runs import new_run_id
+
+    cfg = _load_or_exit(config, overrides)
+    try:
+        swept = parse_grid(grid)
+    except ConfigError as e:
+        raise _fail(str(e), EXIT_BAD_INPUT) from None
+    _run_sweep(cfg, _checked_run_id(sweep_id or f"sweep-{new_run_id(cfg)}"), swept)
+
+
+def _run_sweep(cfg: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]]) -> None:
+    """Run the sweep flow; print each point, the best and the release; last line: the summary URI."""
+    from flows.sweep import post_training_sweep
+    from posttrain.api_server import needs_temporary_server, start_temporary_api_server
+    from tasks.console import use_plain_console
+    from trainer_core import storage
+
+    storage.configure(cfg.storage)
+    typer.echo(f"sweep id: {sweep_id}")
+    use_plain_console()
+    _received.clear()
+    previous = {sig: signal.signal(sig, _interrupt) for sig in INTERRUPT_SIGNALS}
+    try:
+        if needs_temporary_server():
+            start_temporary_api_server()
+        summary = post_training_sweep(config=cfg, grid=grid, sweep_id=sweep_id)
+    except BaseException as e:  # noqa: BLE001 - reported with the exit code of the taxonomy
+        if isinstance(e, KeyboardInterrupt) or _received:
+            signum = _received[0] if _received else signal.SIGINT
+            _err.print(f"error: sweep interrupted by {signal.Signals(signum).name}; resume it with: posttrain sweep "
+                       f"CONFIG --sweep-id {sweep_id} (and the same --grid)", style="red")
+            raise typer.Exit(128 + signum) from None
+        raise _fail(f"sweep failed: {_headline(e)}", exit_code_of(e)) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    comparison = summary["comparison"]
+    for row in comparison["rows"]:
+        value = "-" if row["value"] is None else f"{row['value']:.4g}"
+        best = " (best)" if row["run_id"] == comparison["best"] else ""
+        typer.echo(f"{row['run_id']}: {row['status']} {row['values']} {comparison['metric']}={value}{best}")
+    registered = ((summary.get("release") or {}).get(comparison["best"]) or {}).get("registered_model")
+    if registered:
+        typer.echo(f"registered: {registered['name']} version {registered['version']} ({registered['alias']})")
+    typer.echo(summary["summary_uri"])
+
+
 app.command("deploy")(deploy)
 
 

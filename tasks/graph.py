@@ -9,15 +9,15 @@ import os
 from typing import Any
 
 from prefect.futures import PrefectFuture, as_completed, wait
-from prefect.runtime import flow_run as prefect_flow_run
 
 from tasks.launch.process import LaunchAborted, abort_launches
 from tasks.plan import PlannedStage
 from tasks.results import PipelineRun, StageResult
 from tasks.stages import GPU_CONCURRENCY_ENV, stage_task
+from tasks.sweep import sweep_board
 from trainer_core.config import PipelineConfig
 
-_ABORT_WAIT_S = 60.0
+ABORT_WAIT_S = 60.0
 """After an interrupt, how long the flow waits for its running stages to kill their trainers."""
 
 
@@ -75,7 +75,7 @@ class StageGraphRun:
             planned, cause = self.plan[name], _failed_dependency(self.plan[name], self.results)
             if cause is not None:
                 self.log.info("stage %s: skipped, because %s failed", name, cause)
-                self.results[name] = StageResult.skipped(name, cause)
+                self._set(name, StageResult.skipped(name, cause))
                 waiting.remove(name)
             elif _ready(planned, self.results) and (self.max_parallel is None or len(running) < self.max_parallel):
                 task = stage_task(name, self.run_info.config)
@@ -96,25 +96,31 @@ class StageGraphRun:
         except BaseException as interrupt:
             # Ctrl-C, SIGTERM, a cancelled flow run (or an error of the scheduling itself): kill
             # every trainer the task threads launched, give them time to end, record what ended.
-            abort_launches(prefect_flow_run.id or "")
-            wait(list(running), timeout=_ABORT_WAIT_S)
+            abort_launches(self.run_info.launch_group)
+            wait(list(running), timeout=ABORT_WAIT_S)
             for future, name in running.items():
                 if future.state.is_final():
                     self._record(name, future, interrupt)
                 else:
-                    self.results[name] = StageResult.interrupted(name, interrupt)
+                    self._set(name, StageResult.interrupted(name, interrupt))
             for name in waiting:
-                self.results[name] = StageResult.skipped(name, "interrupted")
+                self._set(name, StageResult.skipped(name, "interrupted"))
             raise
+
+    def _set(self, name: str, result: StageResult) -> None:
+        """Record ``result``; in a sweep's point, also for the points that share the stage."""
+        self.results[name] = result
+        if self.run_info.sweep is not None:
+            sweep_board(self.run_info.sweep.sweep_id).record(self.run_info.run_id, name, result)
 
     def _record(self, name: str, future: PrefectFuture, interrupt: BaseException | None = None) -> None:
         """Record a finished stage; one whose launch the interrupt aborted (``LaunchAborted``)
         as interrupted."""
         try:
-            self.results[name] = future.result()
+            self._set(name, future.result())
         except Exception as e:  # noqa: BLE001 - recorded, summarised, re-raised by the flow
             if interrupt is not None and isinstance(e, LaunchAborted):
-                self.results[name] = StageResult.interrupted(name, interrupt)
+                self._set(name, StageResult.interrupted(name, interrupt))
                 return
             self.failures.append(e)
-            self.results[name] = StageResult.failed(name, e)
+            self._set(name, StageResult.failed(name, e))

@@ -18,6 +18,27 @@ from trainer_core.config import PipelineConfig
 from trainer_core.storage import RunLayout
 
 
+class SweepPoint(BaseModel):
+    """What a pipeline run that is one point of a sweep knows of the sweep (``flows/sweep.py``).
+
+    Attributes:
+        sweep_id: the sweep.
+        values: the point's grid values, ``{"dpo.beta": 0.1}``.
+        shared_from: stage -> the run id of the point that trains it for this one (``tasks/sweep.py``).
+        mlflow_run_id: the sweep's MLflow run, the parent of the point's.
+        launch_group: the sweep's flow run id: every point's trainers launch in its group, so
+            that an interrupted sweep stops them all (``tasks/launch/aborts.py``).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    sweep_id: str
+    values: dict[str, Any] = Field(default_factory=dict)
+    shared_from: dict[str, str] = Field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    launch_group: str | None = None
+
+
 class PipelineRun(BaseModel):
     """One pipeline run, as the flow resolved it.
 
@@ -27,6 +48,8 @@ class PipelineRun(BaseModel):
         tracking_uri: the MLflow tracking URI (resolved once).
         parent_mlflow_run_id: the pipeline's MLflow run.
         flow_run_url: the Prefect UI page of the flow run (tagged on every MLflow run), if known.
+        sweep: the sweep the run is a point of (its stages shared with other points, its release
+            left to the sweep), or None.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -36,11 +59,20 @@ class PipelineRun(BaseModel):
     tracking_uri: str
     parent_mlflow_run_id: str
     flow_run_url: str | None = None
+    sweep: SweepPoint | None = None
 
     @property
     def layout(self) -> RunLayout:
         """Where the run's files are."""
         return RunLayout(self.config.storage.root, self.run_id)
+
+    @property
+    def launch_group(self) -> str:
+        """The group its trainers launch in (``tasks/launch/aborts.py``): its sweep's, when it is
+        a point of one, else its own flow run's id."""
+        from prefect.runtime import flow_run
+
+        return (self.sweep.launch_group if self.sweep else None) or flow_run.id or ""
 
 
 def utc_now() -> datetime:

@@ -30,7 +30,6 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 from prefect.logging import get_run_logger
-from prefect.runtime import flow_run as prefect_flow_run
 from prefect.runtime import task_run as prefect_task_run
 
 from tasks.k8s.job import run_trainer_job
@@ -42,6 +41,7 @@ from tasks.report import mlflow_models, tracking
 from tasks.report.views import StageProgress, artifact_key, log_curves, mlflow_ui_url, png_markdown, run_link_markdown
 from tasks.results import PipelineRun, StageResult, utc_now
 from tasks.runs import completed_result
+from tasks.sweep import adopt
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
 from trainer_core.config import PipelineConfig
@@ -159,7 +159,8 @@ def _curves(stage: str, mlflow_run_id: str, tracking_uri: str, log: Any) -> byte
         return None
 
 
-def _model_logger(stage: str, spec_uri: str, env: dict[str, str], config: PipelineConfig, log: Any) -> Callable[[], None]:
+def _model_logger(stage: str, spec_uri: str, env: dict[str, str], config: PipelineConfig, log: Any,
+                  group: str) -> Callable[[], None]:
     """What logs a committed stage's final model into its MLflow run when its trainer did not:
     ``python -m trainer_core.mlflow_model <spec-uri>`` (loading a model needs torch, which the
     flow process never imports), launched like a trainer (own process group, killed on abort).
@@ -171,7 +172,7 @@ def _model_logger(stage: str, spec_uri: str, env: dict[str, str], config: Pipeli
     def log_missing() -> None:
         log.info("stage %s: final model not in MLflow yet; logging it from %s", stage, spec_uri)
         cmd = [sys.executable, "-m", "trainer_core.mlflow_model", spec_uri]
-        result = launch_stage_process(cmd, env=env, log=log, timeout_s=config.launch.timeout_s, group=prefect_flow_run.id)
+        result = launch_stage_process(cmd, env=env, log=log, timeout_s=config.launch.timeout_s, group=group)
         raise_for_result(result, f"{stage} (MLflow model)")
 
     return log_missing
@@ -218,13 +219,14 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
         inputs: Input role -> URI (see ``trainer_core.registry``); upstream outputs are committed.
 
     Returns:
-        A completed :class:`StageResult`: ``reused`` without launching anything when the stage's
-        committed output already carries the fingerprint it would produce now.
+        A completed :class:`StageResult`, ``reused`` without a launch when its committed output
+        carries its fingerprint, or another point of its sweep trains it (``tasks/sweep.py``).
 
     Raises:
         BadStageInput: the trainer exited with code 2 (bad config or data; not retried), or a
             multi-node stage whose storage root or tracking URI the pods cannot reach.
         StageFailed: any other trainer failure or timeout (retried per ``config.launch``).
+        SharedStageFailed: the point of the run's sweep that trains the stage did not.
     """
     log = get_run_logger()
     config, layout = run.config, run.layout
@@ -232,7 +234,7 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
     spec = build_spec(config, stage, run.run_id, inputs, tracking_uri=run.tracking_uri, writer_id=writer_id)
     spec_uri = layout.spec(stage)
     spec_config, env = _spec_config_and_env(config)
-    reused = completed_result(layout, stage, spec.fingerprint)
+    reused = completed_result(layout, stage, spec.fingerprint) or adopt(run, stage, spec.fingerprint, log)
     if reused is not None:
         return _reuse(reused, run, spec_uri, env, log)
     # Several nodes: a Kubernetes Job whose pods meet at its pod 0 (tasks/k8s/job.py); it holds no slots here.
@@ -250,7 +252,7 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
             progress.complete()
         output = layout.final(stage)
         manifest, model_uri = _report(stage, run, output, spec.mlflow_run_id, log,
-                                      _model_logger(stage, spec_uri, env, config, log))
+                                      _model_logger(stage, spec_uri, env, config, log, run.launch_group))
     except BaseException:
         _mark_failed(spec.mlflow_run_id, run.tracking_uri, log)
         raise
@@ -278,7 +280,7 @@ def _reuse(reused: StageResult, run: PipelineRun, spec_uri: str, env: dict[str, 
     if not reused.mlflow_run_id:
         return reused
     model_uri = mlflow_models.stage_model_uri(stage, config, reused.mlflow_run_id, tracking_uri=run.tracking_uri,
-                                              log_missing=_model_logger(stage, spec_uri, env, config, log))
+                                              log_missing=_model_logger(stage, spec_uri, env, config, log, run.launch_group))
     return reused.model_copy(update={"model_uri": model_uri})
 
 
@@ -297,12 +299,12 @@ def _launch_trainer(stage: str, run: PipelineRun, spec_uri: str, env: dict[str, 
         started_at = utc_now()
         on_line = progress.on_line if progress is not None else None
         if job is not None:
-            result = run_trainer_job(job, log=log, timeout_s=config.launch.timeout_s, group=prefect_flow_run.id,
+            result = run_trainer_job(job, log=log, timeout_s=config.launch.timeout_s, group=run.launch_group,
                                      on_line=on_line)
         else:
             cmd = trainer_command(spec_uri, config.backend_for(stage), rdzv_id=f"{run.run_id}-{stage}")
             result = launch_stage_process(cmd, env=env, log=log, timeout_s=config.launch.timeout_s,
-                                          group=prefect_flow_run.id, on_line=on_line)
+                                          group=run.launch_group, on_line=on_line)
         return result, started_at, utc_now()
 
 

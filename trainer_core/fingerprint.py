@@ -20,6 +20,7 @@ Light on purpose (no torch): the flow process imports it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -113,7 +114,9 @@ def _field(config: PipelineConfig, path: str) -> Any:
     return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
 
 
-def stage_fingerprint(config: PipelineConfig, stage: str, inputs: dict[str, str]) -> str:
+def stage_fingerprint(
+    config: PipelineConfig, stage: str, inputs: dict[str, str], identities: Mapping[str, str] | None = None
+) -> str:
     """The hash a stage's committed outputs must carry to be reused.
 
     Reads the manifest of every input that has one (one GET each on object storage).
@@ -122,6 +125,9 @@ def stage_fingerprint(config: PipelineConfig, stage: str, inputs: dict[str, str]
         config: the pipeline config.
         stage: the stage name.
         inputs: input role -> URI, as given to the stage.
+        identities: URI -> identity of inputs not committed yet (the fingerprint the stage
+            writing it will record): a sweep computes every point's fingerprints before any
+            stage ran (``tasks/sweep.py``). Other inputs: :func:`input_identity`.
 
     Returns:
         16 hex characters (see :func:`trainer_core.config.config_hash`).
@@ -137,7 +143,7 @@ def stage_fingerprint(config: PipelineConfig, stage: str, inputs: dict[str, str]
         "seed": config.seed,
         "model": config.model.model_dump(mode="json", exclude=_not_hashed(config.model)),
         "tokenizer": config.tokenizer.model_dump(mode="json"),
-        "inputs": {role: input_identity(uri) for role, uri in sorted(inputs.items())},
+        "inputs": {role: (identities or {}).get(uri) or input_identity(uri) for role, uri in sorted(inputs.items())},
     }
     lora = config.lora_for(stage)
     if lora.enabled:  # the resolved settings (pipeline-wide and the stage's override); absent when off

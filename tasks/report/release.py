@@ -25,7 +25,7 @@ from tasks.report import mlflow_models, tracking
 from tasks.report.gates import ChampionSamples, GateResult, check_gates, gate_failure_message
 from tasks.results import PipelineRun, StageResult
 from trainer_core import storage
-from trainer_core.config import config_hash
+from trainer_core.config import PipelineConfig, config_hash
 from trainer_core.objectives.paired import HARNESS_SAMPLES_FILE, SAMPLES_FILE
 from trainer_core.registry import get_stage, policy_stages
 from trainer_core.storage import join_uri
@@ -36,9 +36,13 @@ CANDIDATE = "candidate"
 
 
 def registered_stage(run: PipelineRun) -> str | None:
-    """The stage whose final model is registered: ``tracking.registered_stage``, else the last
-    policy stage of the run in pipeline order; None when the run trains no policy."""
-    config = run.config
+    """The stage whose final model is registered (:func:`registered_stage_of` the run's config)."""
+    return registered_stage_of(run.config)
+
+
+def registered_stage_of(config: PipelineConfig) -> str | None:
+    """The stage whose final model a run of ``config`` registers: ``tracking.registered_stage``,
+    else its last policy stage in pipeline order; None when it trains no policy."""
     if config.tracking.registered_stage:
         return config.tracking.registered_stage
     trained = [s for s in policy_stages() if s in config.stages and get_stage(s).trains]
@@ -99,13 +103,16 @@ def _version_tags(run: PipelineRun, stage: str, results: dict[str, StageResult])
     return tags
 
 
-def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[str, float]) -> dict[str, Any]:
+def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[str, float],
+            candidate_only: bool = False) -> dict[str, Any]:
     """Judge the gates of a completed run and register its final policy.
 
     Args:
         run: The pipeline run (its headline metrics are already on the parent MLflow run).
         results: Every stage's result, all completed.
         headline: The run's headline metrics (``tasks.report.summary.headline_metrics``).
+        candidate_only: Register it as a candidate whatever the gates say (a sweep's point other
+            than its best, ``flows/sweep.py``).
 
     A run with a gate it could not judge (its stage not in the run, e.g. an SFT-only run of a
     config gated on GRPO's exact match) is not registered: its version could never become the
@@ -149,7 +156,7 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
         name, model_uri, run_id=result.mlflow_run_id, tags=_version_tags(run, stage, results),
         tracking_uri=run.tracking_uri,
     )
-    alias = CHAMPION if failure is None and judged else CANDIDATE
+    alias = CHAMPION if failure is None and judged and not candidate_only else CANDIDATE
     mlflow_models.set_model_alias(name, alias, version, tracking_uri=run.tracking_uri)
     outcome["registered_model"] = {
         "name": name, "version": version, "alias": alias, "stage": stage, "model_uri": model_uri,

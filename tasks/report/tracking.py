@@ -187,7 +187,8 @@ def _log_params(client: MlflowClient, run_id: str, params: dict[str, str]) -> No
 
 
 def start_pipeline_run(
-    config: PipelineConfig, run_id: str, *, tracking_uri: str, flow_run_url: str | None = None
+    config: PipelineConfig, run_id: str, *, tracking_uri: str, flow_run_url: str | None = None,
+    parent_run_id: str | None = None,
 ) -> str:
     """Create the parent MLflow run of one pipeline run, or reopen it when the run id is resumed.
 
@@ -197,6 +198,8 @@ def start_pipeline_run(
         tracking_uri: The MLflow tracking URI (:func:`resolve_tracking_uri`).
         flow_run_url: The Prefect UI page of the flow run, set as tag :data:`TAG_FLOW_RUN_URL`
             (on a reopened run it replaces the earlier flow run's). None: no tag.
+        parent_run_id: The sweep's MLflow run when the run is a point of a sweep (the run is
+            nested under it); None: a top-level run.
 
     Returns:
         The MLflow run id.
@@ -208,7 +211,7 @@ def start_pipeline_run(
     client = open_store(tracking_uri)
     experiment_id = _experiment_id(client, config)
     tagged = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_RUN_ID}` = '{run_id}'", max_results=1000)
-    existing = [r for r in tagged if TAG_PARENT not in r.data.tags]  # stage runs carry the run id too
+    existing = [r for r in tagged if TAG_STAGE not in r.data.tags]  # stage runs carry the run id too
     if existing:
         parent = existing[0].info.run_id
         client.update_run(parent, status="RUNNING")
@@ -218,6 +221,8 @@ def start_pipeline_run(
         return parent
     tags = {TAG_RUN_ID: run_id, "posttrain.config_hash": config_hash(config), "posttrain.name": config.name}
     tags.update(_flow_run_tags(flow_run_url))
+    if parent_run_id:
+        tags[TAG_PARENT] = parent_run_id
     run = client.create_run(experiment_id, tags=tags, run_name=run_id)
     params = {"stages": ",".join(config.stages), "seed": str(config.seed)}
     params.update(flatten_params(config.model, "model"))
@@ -225,6 +230,37 @@ def start_pipeline_run(
     _log_params(client, run.info.run_id, params)
     client.log_dict(run.info.run_id, config.model_dump(mode="json"), "config.json")
     return run.info.run_id
+
+
+TAG_SWEEP_ID = "posttrain.sweep_id"
+"""Tag of a sweep's MLflow run (``flows/sweep.py``); its points' runs are nested under it."""
+
+
+def start_sweep_run(config: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]], *, tracking_uri: str,
+                    flow_run_url: str | None = None) -> str:
+    """Create the MLflow run of a sweep (run name and tag :data:`TAG_SWEEP_ID` the sweep id, each
+    grid key's values as the tag ``posttrain.grid.<key>``), or reopen it when the sweep id is run
+    again (its grid tags replaced: a grid may grow).
+
+    Returns:
+        The MLflow run id.
+
+    Raises:
+        MlflowException: when the store rejects a read or write.
+    """
+    client = open_store(tracking_uri)
+    experiment_id = _experiment_id(client, config)
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_SWEEP_ID}` = '{sweep_id}'", max_results=1)
+    if found:
+        run_id = found[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+    else:
+        tags = {TAG_SWEEP_ID: sweep_id, "posttrain.name": config.name}
+        run_id = client.create_run(experiment_id, tags=tags, run_name=sweep_id).info.run_id
+    tags = {**_flow_run_tags(flow_run_url), **{f"posttrain.grid.{k}": json.dumps(v, default=str) for k, v in grid.items()}}
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    return run_id
 
 
 def start_stage_run(

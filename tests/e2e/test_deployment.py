@@ -74,6 +74,7 @@ def test_deploy_registers_typed_deployments(stack, deployed):
     with client(stack) as api:
         demo = api.read_deployment_by_name(DEPLOYMENT)
         nightly = api.read_deployment_by_name("post-training-pipeline/qwen2.5-0.5b-1gpu")
+        sweep = api.read_deployment_by_name("post-training-sweep/demo-sweep")
         assert api.read_work_pool("posttrain-local").type == "process"
         assert api.read_work_pool("posttrain-gpu").type == "kubernetes"
         assert api.read_global_concurrency_limit_by_name(GPU_LIMIT).limit == 1
@@ -105,6 +106,9 @@ def test_deploy_registers_typed_deployments(stack, deployed):
     assert learning_rate["description"] == sft_fields["learning_rate"].description
     assert learning_rate["exclusiveMinimum"] == 0
     assert not any("PipelineConfig" in name or name.endswith("Config") for name in schema["definitions"])
+    # The sweep's form: the same config, settings and overrides, its grid, and a sweep id.
+    assert sweep.parameters["grid"] == {"dpo.beta": [0.05, 0.1, 0.2]}
+    assert list(sweep.parameter_openapi_schema["properties"]) == ["config_uri", "grid", "settings", "overrides", "sweep_id"]
     [schedule] = nightly.schedules
     assert schedule.schedule.cron == "0 2 * * *" and schedule.active is False
 

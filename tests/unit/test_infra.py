@@ -275,7 +275,7 @@ def test_prefect_file_deployments_resolve():
 
     spec = deploy.load_prefect_file()
     entries = deploy.select_deployments(spec, None)
-    assert [e["name"] for e in entries] == ["demo", "qwen2.5-0.5b-1gpu", "qwen2.5-0.5b-k8s"]
+    assert [e["name"] for e in entries] == ["demo", "demo-sweep", "qwen2.5-0.5b-1gpu", "qwen2.5-0.5b-k8s"]
     demo = entries[0]
     assert demo["work_pool"] == {"name": "posttrain-local", "job_variables": {
         "working_dir": str(PROJECT), "env": {"POSTTRAIN_MLFLOW_UI_URL": deploy.DEFAULT_MLFLOW_UI_URL}}}
@@ -286,16 +286,20 @@ def test_prefect_file_deployments_resolve():
     assert limits == {"posttrain-gpu-local": 1, "posttrain-gpu-k8s": 8}
     for entry in entries:
         flow = load_flow_from_entrypoint(entry["entrypoint"])
-        assert flow.name == "post-training-pipeline"
+        sweep = entry["name"] == "demo-sweep"
+        assert flow.name == ("post-training-sweep" if sweep else "post-training-pipeline")
         params = deploy.deployment_parameters(flow, entry)
         deployment = deploy.build_deployment(flow, entry, enable_schedule=False, parameters=params)
-        assert deployment.entrypoint == "flows.pipeline.post_training_pipeline"
+        assert deployment.entrypoint == entry["entrypoint"]
         assert all(s.active is False for s in deployment.schedules or [])
         schema = deployment._parameter_openapi_schema
-        assert set(schema.properties) == {"config_uri", "settings", "overrides", "run_id"}
+        assert set(schema.properties) == ({"config_uri", "grid", "settings", "overrides", "sweep_id"} if sweep else
+                                          {"config_uri", "settings", "overrides", "run_id"})
         assert "PipelineConfig" not in schema.definitions and "SFTSettings" in schema.definitions
+        assert "SweepPoint" not in schema.definitions  # the pipeline's sweep parameter is the sweep flow's to set
         assert deployment.parameters == params
-    [nightly] = deploy.build_deployment(flow, entries[1], enable_schedule=True).schedules
+    assert entries[1]["parameters"]["grid"] == {"dpo.beta": [0.05, 0.1, 0.2]}
+    [nightly] = deploy.build_deployment(flow, entries[2], enable_schedule=True).schedules
     assert nightly.active is True and nightly.schedule.cron == "0 2 * * *" and nightly.slug == "nightly"
 
 

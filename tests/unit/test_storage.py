@@ -307,3 +307,21 @@ def test_listing_sees_writes_by_another_client(storage_root, s3_server):
     assert storage.list_dirs(join_uri(storage_root, "ckpts/step-2")) == []  # fills s3fs's listing cache
     client.delete_object(Bucket=bucket, Key=f"{prefix}/ckpts/step-2/a.bin")
     assert not storage.exists(join_uri(storage_root, "ckpts/step-2/a.bin"))
+
+
+def test_copy_dir_copies_every_file_and_the_named_one_last(storage_root, monkeypatch):
+    src, dst = join_uri(storage_root, "a", "final"), join_uri(storage_root, "b", "final")
+    for rel, data in {"manifest.json": b"{}", "model.safetensors": b"weights", "sub/tokenizer.json": b"tok"}.items():
+        storage.write_bytes(join_uri(src, rel), data)
+    order = []
+    copy_file = storage.fs._copy_file
+    monkeypatch.setattr(storage.fs, "_copy_file", lambda fs, source, target: (order.append(target.rsplit("/final/", 1)[1]),
+                                                                            copy_file(fs, source, target)))
+    assert storage.copy_dir(src, dst, last="manifest.json") == 3
+    assert order[-1] == "manifest.json"
+    assert storage.list_files(dst) == storage.list_files(src)
+    assert storage.read_bytes(join_uri(dst, "sub/tokenizer.json")) == b"tok"
+    storage.write_bytes(join_uri(src, "model.safetensors"), b"new")  # a rewrite of the source is its own
+    assert storage.read_bytes(join_uri(dst, "model.safetensors")) == b"weights"
+    with pytest.raises(FileNotFoundError, match="no files under"):
+        storage.copy_dir(join_uri(storage_root, "missing"), dst)

@@ -25,6 +25,7 @@ from trainer_core.config.sections import (
     ModelConfig,
     ModelInit,
     StorageConfig,
+    SweepConfig,
     TokenizerConfig,
     TrackingConfig,
 )
@@ -76,6 +77,7 @@ class PipelineConfig(ConfigBase):
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO stage.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO stage.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
+    sweep: SweepConfig = Field(default_factory=SweepConfig, description="A grid of recipes (posttrain sweep).")
 
     @field_validator("stages", mode="before")
     @classmethod

@@ -6,7 +6,7 @@ Each field has a description: they become the CLI help and the Prefect UI form.
 from __future__ import annotations
 
 import posixpath
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
@@ -303,3 +303,37 @@ class LaunchConfig(ConfigBase):
         description="Prefect global concurrency limit whose slots (one per GPU) a GPU stage holds while it "
         "trains, so pipelines sharing a node queue; default: $POSTTRAIN_GPU_CONCURRENCY_LIMIT, else none.",
     )
+
+
+class SweepConfig(ConfigBase):
+    """A grid of recipes over one pipeline: ``posttrain sweep`` (``flows/sweep.py``) runs one
+    pipeline run per point, the stages the points have in common once."""
+
+    grid: dict[str, list[Any]] = Field(
+        default_factory=dict, description="Config key -> the values swept, e.g. {dpo.beta: [0.1, 0.5]}: one point "
+        "per combination of values (the --grid options of posttrain sweep are added to it)."
+    )
+    metric: str | None = Field(
+        None, description="The evaluate metric (higher is better) that picks the best point, e.g. grpo/exact_match; "
+        "None: <registered stage>/exact_match."
+    )
+    max_parallel_points: int | None = Field(
+        None, ge=1, description="Points that run at once. None: every point when a GPU concurrency limit is named "
+        "(its slots bound their GPU stages), else 2."
+    )
+    register_others: bool = Field(
+        False, description="Also register every other point's policy, as a candidate (never the champion); False: "
+        "only the best point goes through the gates and the registry."
+    )
+
+    @field_validator("grid")
+    @classmethod
+    def _values(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for key, values in grid.items():
+            if not values:
+                raise ValueError(f"sweep.grid.{key}: give at least one value")
+            if key == "sweep" or key.startswith(("sweep.", "name", "storage.", "tracking.")):
+                raise ValueError(f"sweep.grid.{key}: the sweep, its name, storage and tracking are one for every point")
+            if len({repr(v) for v in values}) != len(values):
+                raise ValueError(f"sweep.grid.{key}: a value is repeated in {values}")
+        return grid

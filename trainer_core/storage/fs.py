@@ -370,6 +370,49 @@ def download_dir(uri: str, local_dir: str) -> str:
     return local_dir
 
 
+@_retrying
+def _copy_file(fs: fsspec.AbstractFileSystem, source: str, target: str) -> None:
+    """One file within one filesystem: a hard link where the disk allows (no bytes copied), else
+    a copy (local), or the store's server-side copy (object storage)."""
+    if _is_local(fs):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex}")
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+        return
+    with _writing(target):
+        fs.copy(source, target)
+    _invalidate(fs, target)
+
+
+def copy_dir(uri: str, target_uri: str, last: str | None = None) -> int:
+    """Copy every file under the directory ``uri`` to the same relative paths under
+    ``target_uri`` (both on one filesystem); the file named ``last`` (relative) is copied after
+    every other, so a reader that takes it as the sign of a complete directory (a committed
+    ``manifest.json``) never sees a partial one.
+
+    Returns:
+        The number of files copied.
+
+    Raises:
+        FileNotFoundError: ``uri`` holds no files.
+        ValueError: the two URIs are on different filesystems.
+    """
+    files = list_files(uri)
+    if not files:
+        raise FileNotFoundError(f"copy_dir: no files under {uri}")
+    fs, path = url_to_fs(uri)
+    target_fs, target = url_to_fs(target_uri)
+    if type(fs) is not type(target_fs):
+        raise ValueError(f"copy_dir: {uri} and {target_uri} are on different filesystems")
+    for rel in sorted(files, key=lambda r: (r == last, r)):
+        _copy_file(fs, f"{path.rstrip('/')}/{rel}", f"{target.rstrip('/')}/{rel}")
+    return len(files)
+
+
 def _read_local(path: str) -> bytes | None:
     try:
         with open(path, "rb") as f:
