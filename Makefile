@@ -11,7 +11,7 @@ ARGS ?=
 # test waits on a server or a subprocess; TEST_WORKERS=0 runs the suite in one process
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test test-fast test-ui bench clean
+.PHONY: setup demo test test-fast test-ui docs docs-build screenshots bench clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,17 @@ test-fast: $(STAMP)
 # or POSTTRAIN_CHROMIUM=/path/to/chrome), skipped without one; .ci/run installs it on CI.
 test-ui: $(STAMP)
 	$(PY) -m pytest tests/e2e/test_ui_form.py $(ARGS)
+
+# The docs site (mkdocs.yml, docs/): served on http://127.0.0.1:8000; `docs-build` is what CI checks
+# (tests/unit/test_docs.py). `screenshots` re-takes docs/images/ with the browser test of the UI.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve
+
+docs-build: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+screenshots: $(STAMP)
+	POSTTRAIN_DOCS_SCREENSHOTS=1 $(PY) -m pytest tests/e2e/test_ui_form.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

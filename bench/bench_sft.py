@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python bench/bench_sft.py [--steps 30] [--warmup 3] [--synthetic]``.
 Prints train tokens/s of both and their ratio; writes ``.bench/sft.json``. See ``common.py``
-for what the timing holds and ``README.md`` for the latest numbers.
+for what the timing holds and ``docs/benchmarks/index.md`` for the latest numbers.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ _SCHEDULE_KEYS = ("cron", "rrule", "timezone", "day_or", "parameters", "slug")
 MLFLOW_UI_URL_ENV = "POSTTRAIN_MLFLOW_UI_URL"
 """The MLflow UI that Prefect's artifacts link to for a store without one (``tasks.report.views.MLFLOW_UI_URL_ENV``)."""
 DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
-"""Where ``mlflow ui`` serves by default (the README's command for the local store)."""
+"""Where ``mlflow ui`` serves by default (the docs' command for the local store, ``docs/guides/mlflow-server.md``)."""
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """trainer_core: the post-training library under the posttrain pipeline (no Prefect in it).
 
-The public API has three tiers (``docs/api.md`` documents each name with shapes and errors):
+The public API has three tiers (``docs/reference/api.md`` documents each name with shapes and errors):
 
 - **Tier 0, interfaces**: what you implement to plug in. ``Backend`` (a Protocol: how a model
   runs: single device, DDP, FSDP2, DeepSpeed ZeRO), ``Objective`` (the base class of what the

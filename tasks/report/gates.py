@@ -18,7 +18,7 @@ that comparison passes, as for a champion without the metric.
 
 A gate on a stage the run does not include (``grpo/exact_match`` in a run of prepare_data and
 sft) is not judged: the run completes, but its version cannot become the champion
-(``tasks/report/release.py`` registers it as a candidate).
+(``tasks/report/release.py`` registers it, as a candidate, only with ``tracking.registered_stage``).
 """
 
 from __future__ import annotations

@@ -125,6 +125,21 @@ def evidence(page, where: Path, worker_log: Path, server_log: Path) -> Iterator[
                              f"Prefect server log tail ({server_log}):\n{server}") from e
 
 
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "images"
+"""Where :func:`screenshot` keeps the docs site's pictures of the UIs, with
+``POSTTRAIN_DOCS_SCREENSHOTS=1`` (``make screenshots``); otherwise under the test's tmp dir."""
+
+
+def screenshot(page, where: Path, name: str) -> Path:
+    """A picture of ``page`` as ``name``: into ``docs/images`` with ``POSTTRAIN_DOCS_SCREENSHOTS=1``
+    (the docs show the UI as this test drives it, so they stay current), else under ``where``."""
+    folder = SCREENSHOTS if os.environ.get("POSTTRAIN_DOCS_SCREENSHOTS") == "1" else where
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / name))
+    assert (folder / name).stat().st_size > 10_000  # a rendered page, not a blank one
+    return folder / name
+
+
 def form_text(page) -> str:
     return page.locator("main").inner_text() if page.locator("main").count() else page.inner_text("body")
 
@@ -177,6 +192,7 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             overrides_group(page).get_by_role("button", name="Add item", exact=True).click()
             expect(items).to_have_count(2)
             items.nth(1).fill(TYPED_OVERRIDES[1])
+            screenshot(page, tmp_path, "prefect-run-form.png")
 
             response = submit(page, deployment.id)
             assert response.ok, f"create_flow_run answered {response.status}: {response.text()}"
@@ -221,6 +237,8 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             expect(page.get_by_role("cell", name="sft/train/loss", exact=True)).to_be_visible()
             page.goto(f"{ui}/v2/runs/flow-run/{run.id}")
             page.get_by_role("tab", name="Artifacts").click()
+            expect(page.get_by_text("pipeline-summary", exact=True).first).to_be_visible()
+            screenshot(page, tmp_path, "prefect-flow-run-artifacts.png")
             open_artifact(page, stack, run.id, "pipeline-summary")
             sft_run = summary["stages"]["sft"]["mlflow_run_id"]
             link = page.get_by_role("link", name=sft_run, exact=True)
@@ -238,6 +256,12 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             expect(page.get_by_text("Champion", exact=True).first).to_be_visible()
             expect(page.get_by_text(re.compile(r"is now")).first).to_be_visible()
             expect(page.get_by_role("cell", name="passed", exact=True)).to_be_visible()
+            # ... and its version's page in the MLflow UI (the picture of the registry in the docs)
+            passed = json.loads((demo_project / "outputs" / "runs" / passing.name / "summary.json").read_text())
+            registered = passed["release"]["registered_model"]
+            page.goto(f"{stack['mlflow']}/#/models/{registered['name']}/versions/{registered['version']}")
+            expect(page.get_by_text(f"Version {registered['version']}").first).to_be_visible()
+            screenshot(page, tmp_path, "mlflow-model-version.png")
 
             # An override of the field the form changed: refused at the run's start, naming both.
             page.goto(f"{ui}/v2/deployments/deployment/{deployment.id}/run")

@@ -225,7 +225,7 @@ _TREND_OVERRIDES = {
     # demo's PPO recipe on a fixed pool of 16 prompts: 4 epochs, value loss 0.5, a light KL.
     # Pinned: the scalar head this trend was measured with (the demo's implicit reward, the SFT
     # model's own likelihood, is highest on SFT's answers: PPO without the ptx term lowers it;
-    # README, "Online RL").
+    # ``bench/README.md``, "The demo's RL, 2026-11-26 to 2026-11-29").
     "reward_model.parameterization": "scalar_head",
     # Pinned: the reward model's score alone (the demo's PPO adds the verifier's since 2026-11-29).
     "ppo.reward.kind": "reward_model",

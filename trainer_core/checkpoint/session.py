@@ -224,7 +224,9 @@ class CheckpointSession:
         """Collective: load the latest complete checkpoint this session can resume, if any.
 
         Args:
-            model, optimizer, scheduler: the live objects to restore into.
+            model: the live model to restore into.
+            optimizer: the live optimizer to restore into.
+            scheduler: the live learning-rate scheduler to restore into.
             accept: ``manifest -> None`` when the caller can resume it, else why not (a loop's
                 own layout check); called on every rank with the same manifest.
 
@@ -266,7 +268,9 @@ class CheckpointSession:
 
         Args:
             progress: counters, data position and history (copied here).
-            model, optimizer, scheduler: the live objects.
+            model: the live model.
+            optimizer: the live optimizer.
+            scheduler: the live learning-rate scheduler.
             files: the loop's own GLOBAL files (name -> bytes), computed now on every rank.
 
         Raises:

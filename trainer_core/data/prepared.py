@@ -76,7 +76,7 @@ def _parquet_to_arrow(uri: str, local_path: str) -> None:
     A batch that spans row groups is assembled in new buffers, and Parquet's read-ahead and
     decoding threads keep memory of their own; reading without threads, a row group at a time,
     and releasing the Arrow pool's unused memory at the end keeps a large split's conversion from
-    raising the process's peak (measured: README, "Data bigger than memory").
+    raising the process's peak (measured: ``docs/benchmarks/index.md``, "Data at scale").
     """
     fs, path = storage.url_to_fs(uri)
     with contextlib.ExitStack() as stack:

@@ -49,7 +49,7 @@ a given engine, seed and device). Under the trainer's ``autocast`` with fp32 wei
 casts the weights to bf16 at every token; the bench runs bf16 weights.
 
 Engines that could come behind the same interface (a colocated vLLM) are designed in
-``docs/generation.md``; none is built.
+``docs/reference/generation-designs.md``; none is built.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -182,7 +183,7 @@ def _quantized(source: str, quantization_config) -> dict:
 
 
 def load_causal_lm(
-    source: str, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int, quantization_config=None
+    source: str, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int, quantization_config: Any = None
 ) -> nn.Module:
     """A causal LM from ``source`` (see the module docstring).
 
@@ -210,7 +211,7 @@ def load_causal_lm(
 
 
 def load_reward_model(
-    source: str, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int, quantization_config=None
+    source: str, model: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int, quantization_config: Any = None
 ) -> nn.Module:
     """A sequence-classification model with one output (``num_labels=1``): the reward; or, from
     the directory of an implicit reward model (a causal LM whose config carries

@@ -35,7 +35,7 @@ class GRPOAlgorithm:
     optional) + ``kl_coef`` x KL per token, a loss aggregation of the registry, and DAPO's dynamic
     sampling and overlong shaping when configured.
 
-    Recipes (see the README): GRPO = the defaults; Dr. GRPO = ``advantage_estimator: dr_grpo``,
+    Recipes (``docs/guides/online-rl.md``): GRPO = the defaults; Dr. GRPO = ``advantage_estimator: dr_grpo``,
     ``loss_aggregation: constant``; DAPO = ``clip_eps_high: 0.28``, ``dynamic_sampling: true``,
     ``overlong_buffer_tokens``, token_mean; RLOO = ``advantage_estimator: rloo``; REINFORCE++ =
     ``advantage_estimator: reinforce_pp`` with ``kl_coef`` > 0 (the KL enters the reward, not the loss).

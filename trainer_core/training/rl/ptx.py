@@ -7,7 +7,7 @@ as ``--ptx_coef`` with a supervised dataset. Here the data is the prepared ``sft
 ``ptx_coef`` times their token-mean negative log-likelihood at temperature 1.
 
 Why the demo needs it: GRPO on a small pool of prompts teaches the SFT policy what those prompts
-exercise and costs it what only SFT's other data carried (the measurement: README, "Online RL").
+exercise and costs it what only SFT's other data carried (the measurement: ``bench/README.md``, "The demo's RL, 2026-11-26 to 2026-11-29").
 
 The rows of each optimizer step are drawn from ``(seed, global_step, step index, rank)`` alone, so
 a resumed run draws the rows an uninterrupted one draws without any saved state.
