@@ -176,6 +176,20 @@ def _rl_inputs(section: str) -> InputsFn:
     return inputs
 
 
+def _distill_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
+    """Distillation: the student (its start, as an RL stage's) and the teacher as its reference.
+
+    Raises:
+        ConfigError: no ``distill.teacher_from``.
+    """
+    cfg = config.distill
+    if not cfg.teacher_from:
+        raise ConfigError("distill.teacher_from: the distill stage needs a teacher model (an HF model directory or "
+                          "URI sharing the student's tokenizer, e.g. another run's stages/sft/final)")
+    return {"data": outputs.require("prepare_data"), "model": _start(cfg.init_from, config, outputs),
+            "reference": cfg.teacher_from}
+
+
 def _evaluate_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
     """Every trained model available: policies as ``<stage>_model``, the reward model, the base."""
     inputs = {"data": outputs.require("prepare_data")}
@@ -209,6 +223,9 @@ STAGES: tuple[StageDef, ...] = (
              description="online PPO with a value head, GAE and a KL penalty"),
     StageDef("grpo", "trainer_core.stages.grpo", "grpo", True, "policy", _rl_inputs("grpo"),
              description="online GRPO with group-relative advantages"),
+    StageDef("distill", "trainer_core.stages.distill", "distill", True, "policy", _distill_inputs,
+             description="on-policy distillation: the student's samples, the teacher's per-token reverse KL",
+             default=False),
     StageDef("evaluate", "trainer_core.stages.evaluate", "evaluate", False, "metrics", _evaluate_inputs,
              fingerprint_fields=("dpo.beta",),
              description="held-out loss, accuracy, exact match and win rates of every trained model"),

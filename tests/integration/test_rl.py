@@ -297,3 +297,90 @@ def test_ppo_raises_reward_model_score_on_synthetic_task(trend_runs):
     gain = window_gain(scores, 5)
     print(f"PPO reward-model score, updates 1-5 {gain['first']:.4f}, 16-20 {gain['last']:.4f}, 2 SE {2 * gain['se']:.4f}")
     assert gain["learns"], f"PPO reward-model score: {gain} over updates {scores}"
+
+
+# --------------------------------------------------------------------------- distillation
+
+
+@pytest.fixture(scope="module")
+def distill_teacher(tiny_pipeline: TinyPipeline, tmp_path_factory) -> str:
+    """A teacher twice as wide as the student (64 against 32 hidden), with the student's tokenizer:
+    a model directory, as another run's SFT output would be (random weights: the stage only needs
+    a distribution to follow)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from trainer_core.data.prepared import load_tokenizer_from
+
+    tokenizer = load_tokenizer_from(tiny_pipeline.data_uri)
+    torch.manual_seed(7)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    teacher = str(tmp_path_factory.mktemp("teacher"))
+    AutoModelForCausalLM.from_config(config).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+    return teacher
+
+
+def distill_spec_path(pipeline: TinyPipeline, name: str, teacher: str) -> tuple[str, str]:
+    """Write the spec of a distill run ``name`` (the SFT baseline the student, ``teacher`` the
+    teacher); returns (spec path, output URI)."""
+    overrides = {f"distill.{k}": v for k, v in _RL_OVERRIDES.items()}
+    config = load_config(base=pipeline.config.model_dump(mode="json"),
+                         overrides={**overrides, "distill.teacher_from": teacher, "distill.samples_per_prompt": 2})
+    sft = StageLayout(pipeline.baseline_uris["sft"]).final
+    output = os.path.join(pipeline.root, "rl", name)
+    spec = build_spec(config, "distill", RUN_ID, {"data": pipeline.data_uri, "model": sft, "reference": teacher},
+                      output_uri=output, writer_id=f"writer-{name}")
+    return write_spec(spec, os.path.join(pipeline.root, "specs", f"distill-{name}.json")), output
+
+
+@pytest.fixture(scope="module")
+def distill_baseline(tiny_pipeline, distill_teacher) -> tuple[str, StageRun]:
+    path, output = distill_spec_path(tiny_pipeline, "distill-baseline", distill_teacher)
+    run = run_stage(path)
+    assert run.returncode == 0, run.tail()
+    return output, run
+
+
+def test_distillation_lowers_the_reverse_kl_to_a_wider_teacher(distill_baseline):
+    output, run = distill_baseline
+    steps = run.step_metrics()
+    assert sorted(steps) == list(range(1, RL_STEPS + 1))
+    kl = [float(steps[s]["distill/reverse_kl_avg"]) for s in sorted(steps)]
+    assert all(k > 0 for k in kl[:2])  # the SFT student starts far from a random teacher
+    assert sum(kl[-3:]) / 3 < 0.8 * sum(kl[:3]) / 3, kl
+    manifest = read_manifest(StageLayout(output).final)
+    assert manifest.metrics["global_step"] == RL_STEPS and "reward_mean" in manifest.metrics  # the reward is logged
+
+
+def test_a_killed_distillation_resumes_bit_identically(tiny_pipeline, distill_teacher, distill_baseline):
+    path, output = distill_spec_path(tiny_pipeline, "distill-killed", distill_teacher)
+    committed = after_checkpoint(output, SAVE_EVERY)
+    killed = run_stage(path, kill_when=lambda lines: committed(lines) and any("[distill] step 6:" in x for x in lines))
+    assert killed.killed
+    resumed = run_stage(path)
+    assert resumed.returncode == 0, resumed.tail()
+    base_output, base_run = distill_baseline
+    assert resumed.step_metrics() == {s: m for s, m in base_run.step_metrics().items() if s > SAVE_EVERY}
+    assert_same_weights(final_weights(output), final_weights(base_output))
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tiny_pipeline, distill_teacher, tmp_path):
+    import shutil
+
+    from trainer_core.data.tokenizer import train_tokenizer
+
+    teacher = tmp_path / "other-teacher"
+    shutil.copytree(distill_teacher, teacher)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (teacher / name).unlink(missing_ok=True)
+    train_tokenizer(["another corpus altogether, 12 + 30 = 42"] * 50, 120, 1).save_pretrained(str(teacher))
+    path, output = distill_spec_path(tiny_pipeline, "distill-other-tokenizer", str(teacher))
+    run = run_stage(path)
+    assert run.returncode == 2, run.tail()
+    text = "\n".join(run.lines)
+    assert f"the teacher {teacher} and the student" in text and "different tokenizers" in text
+    assert StageLayout(tiny_pipeline.baseline_uris["sft"]).final in text
+    assert not storage.exists(join_uri(StageLayout(output).final, "manifest.json"))

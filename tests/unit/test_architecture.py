@@ -93,7 +93,8 @@ def test_every_registered_stage_has_a_module_and_a_config_section(stage):
 
 def test_stage_order_is_a_topological_order_of_the_inputs():
     """Given every stage's output, each stage reads only outputs of stages before it."""
-    config = load_config(overrides={"ppo.reward.kind": "weighted", "grpo.reward.kind": "weighted"})
+    config = load_config(overrides={"ppo.reward.kind": "weighted", "grpo.reward.kind": "weighted",
+                                    "distill.teacher_from": "/teacher"})
     outputs = {s: f"<{s}>" for s in STAGE_ORDER}
     for i, stage in enumerate(STAGE_ORDER):
         read = {uri for uri in stage_inputs(config, stage, outputs).values() if uri.startswith("<")}
@@ -105,7 +106,7 @@ def test_lists_of_stages_derive_from_the_registry():
     and the names the config accepts all come from the registry."""
     config = load_config()
     assert config.stages == list(DEFAULT_STAGES) == [s.name for s in STAGES if s.default]
-    assert set(STAGE_ORDER) - set(DEFAULT_STAGES) == {"pretrain", "kto"}  # opt-in: they need data of their own
+    assert set(STAGE_ORDER) - set(DEFAULT_STAGES) == {"pretrain", "kto", "distill"}  # opt-in: data or a teacher of their own
     assert [s.name for s in STAGES if s.trains] == [s for s in STAGE_ORDER if config.backend_for(s) is config.backend]
     with pytest.raises(ConfigError, match="unknown stage 'simpo'"):
         get_stage("simpo")

@@ -9,6 +9,7 @@ field path.
 
 from trainer_core.config.backend import BACKENDS, BackendConfig
 from trainer_core.config.base import ConfigBase, config_hash
+from trainer_core.config.distill import DistillConfig
 from trainer_core.config.pipeline import (
     PipelineConfig,
     apply_overrides,
@@ -58,6 +59,7 @@ __all__ = [
     "DPOConfig",
     "DataConfig",
     "DataSource",
+    "DistillConfig",
     "EnvironmentConfig",
     "EvaluateConfig",
     "GRPOConfig",

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from trainer_core.config.backend import BackendConfig
 from trainer_core.config.base import ConfigBase
+from trainer_core.config.distill import DistillConfig
 from trainer_core.config.sections import (
     DataConfig,
     LaunchConfig,
@@ -76,6 +77,7 @@ class PipelineConfig(ConfigBase):
     kto: KTOConfig = Field(default_factory=KTOConfig, description="KTO stage.")
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO stage.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO stage.")
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="On-policy distillation stage.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
     sweep: SweepConfig = Field(default_factory=SweepConfig, description="A grid of recipes (posttrain sweep).")
 

@@ -1,0 +1,37 @@
+"""The distill stage's config, inputs and advantages, without a process (``trainer_core/stages/distill.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer_core.config import load_config
+from trainer_core.errors import ConfigError
+from trainer_core.registry import STAGE_ORDER, policy_stages, stage_inputs
+from trainer_core.stages.distill import DistillAlgorithm
+from trainer_core.training.rl.rollout import RolloutBatch
+
+
+def test_the_advantage_is_the_teachers_log_prob_minus_the_students_on_the_students_tokens():
+    cfg = load_config(overrides={"distill.teacher_from": "/models/teacher"}).distill
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    batch = RolloutBatch(prompt_ids=torch.zeros(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1),
+                         completion_ids=torch.zeros(2, 3, dtype=torch.long), completion_mask=mask,
+                         logprobs=torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]]), scores=torch.zeros(2),
+                         prompt_index=torch.arange(2), ref_logprobs=torch.tensor([[-1.5, -1.0, -9.0], [-0.5, -3.0, 0.0]]))
+    DistillAlgorithm(cfg).prepare(batch, 0.0, lambda t: t)
+    torch.testing.assert_close(batch.advantages, torch.tensor([[-0.5, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_the_stage_needs_a_teacher_and_no_other_reference():
+    assert STAGE_ORDER.index("distill") < STAGE_ORDER.index("evaluate") and "distill" in policy_stages()
+    config = load_config(overrides={"stages": "prepare_data,sft,distill,evaluate"})
+    with pytest.raises(ConfigError, match="distill.teacher_from: the distill stage needs a teacher"):
+        stage_inputs(config, "distill", {"prepare_data": "/d", "sft": "/s"})
+    config = load_config(overrides={"stages": "prepare_data,sft,distill,evaluate", "distill.teacher_from": "/t"})
+    assert stage_inputs(config, "distill", {"prepare_data": "/d", "sft": "/s"}) == {
+        "data": "/d", "model": "/s", "reference": "/t"}
+    for bad, field in (({"distill.reference_from": "/r"}, "reference_from"), ({"distill.kl_coef": 0.1}, "kl_coef"),
+                       ({"distill.adaptive_kl": True}, "adaptive_kl")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(overrides=bad)
