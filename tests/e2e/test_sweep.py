@@ -152,7 +152,7 @@ def test_the_comparison_is_in_both_uis_and_the_best_point_is_registered(sweeps, 
         artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=["sweep-comparison"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))
     shown = artifacts[0].data
-    assert f"best `grpo/exact_match`" in shown and "data:image/png;base64," in shown
+    assert "best `grpo/exact_match`" in shown and "data:image/png;base64," in shown
     assert all(f"`{p['run_id']}`" in shown for p in summary["points"])
 
 
