@@ -46,7 +46,7 @@ from tasks.sweep import (
     SweepFailed, expand_grid, forget_board, owners, point_config, point_run_id, stage_keys, sweep_board,
 )
 from trainer_core import storage
-from trainer_core.config import PipelineConfig
+from trainer_core.config import PipelineConfig, config_value
 from trainer_core.errors import ConfigError
 from trainer_core.storage import RunLayout, join_uri
 
@@ -154,21 +154,13 @@ def _plan(cfg: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]],
           mlflow_run_id: str | None) -> list[tuple[str, PipelineConfig, SweepPoint]]:
     """Each point's run id, config and :class:`SweepPoint` (the stages other points train for it)."""
     configs = [point_config(cfg, values) for values in expand_grid(grid)]
-    points = [{key: _value(c, key) for key in grid} for c in configs]  # as the config reads them: 3e-5 -> 3e-05
+    points = [{key: config_value(c, key) for key in grid} for c in configs]  # as the config reads them: 3e-5 -> 3e-05
     run_ids = [point_run_id(sweep_id, values) for values in points]
     keys = [stage_keys(c, RunLayout(c.storage.root, r)) for c, r in zip(configs, run_ids, strict=True)]
     shared = owners(run_ids, keys)
     return [(r, c, SweepPoint(sweep_id=sweep_id, values=v, shared_from=s, mlflow_run_id=mlflow_run_id,
                               launch_group=prefect_flow_run.id))
             for r, c, v, s in zip(run_ids, configs, points, shared, strict=True)]
-
-
-def _value(config: PipelineConfig, key: str) -> Any:
-    """The value of the dotted ``key`` in ``config`` (JSON types)."""
-    value: Any = config.model_dump(mode="json")
-    for part in key.split("."):
-        value = value[part]
-    return value
 
 
 @flow(name="post-training-sweep", flow_run_name=sweep_run_name)
@@ -223,15 +215,14 @@ def post_training_sweep(
     finally:
         forget_board(sweep_id)
         forget_launch_group(prefect_flow_run.id or "")
-    return _conclude(cfg, sweep_id, grid, plan, outcomes, mlflow_run_id, log)
+    return _conclude(cfg, sweep_id, grid, plan, outcomes, mlflow_run_id, tracking_uri, log)
 
 
 def _conclude(cfg: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]],
               plan: list[tuple[str, PipelineConfig, SweepPoint]], outcomes: list[dict[str, Any]],
-              mlflow_run_id: str, log: Any) -> dict[str, Any]:
+              mlflow_run_id: str, tracking_uri: str, log: Any) -> dict[str, Any]:
     """Compare the points, show it, release the best when every point completed, write and
     return the sweep's summary (see :func:`post_training_sweep`)."""
-    tracking_uri = tracking.resolve_tracking_uri(cfg)
     metric = cfg.sweep.metric or f"{registered_stage_of(cfg) or 'sft'}/exact_match"
     comparison = compare(outcomes, metric)
     _publish(sweep_id, mlflow_run_id, comparison, tracking_uri)

@@ -29,6 +29,7 @@ from typing import Any
 
 from tasks.launch.aborts import abort_event
 from tasks.launch.failures import LaunchAborted
+from tasks.plan import plan_run
 from tasks.results import PipelineRun, StageResult
 from tasks.runs import completed_result
 from trainer_core import storage
@@ -36,8 +37,6 @@ from trainer_core.checkpoint.manifest import MANIFEST_NAME
 from trainer_core.config import PipelineConfig, load_config
 from trainer_core.errors import EXIT_FAILED, PosttrainError
 from trainer_core.fingerprint import stage_fingerprint
-from trainer_core.registry import stage_inputs
-from trainer_core.spec import committed_outputs
 from trainer_core.storage import RunLayout
 
 log = logging.getLogger(__name__)
@@ -73,22 +72,17 @@ def point_config(base: PipelineConfig, values: dict[str, Any]) -> PipelineConfig
 
 def stage_keys(config: PipelineConfig, layout: RunLayout) -> dict[str, str]:
     """Each stage's fingerprint in the run of ``config`` at ``layout``, before any stage runs:
-    an upstream stage of the run is identified by the key computed for it here (the fingerprint
-    its output will carry), a committed or outside input as the pipeline identifies it.
+    the run's plan (:func:`~tasks.plan.plan_run`), an upstream stage of the run identified by the
+    key computed for it here (the fingerprint its output will carry), a committed or outside
+    input as the pipeline identifies it.
 
     Raises:
         ConfigError: a stage input nothing provides.
     """
-    from trainer_core.registry import STAGE_ORDER
-
-    available = committed_outputs(layout, [s for s in STAGE_ORDER if s not in config.stages])
     keys: dict[str, str] = {}
-    identities: dict[str, str] = {}
-    for stage in config.stages:
-        inputs = stage_inputs(config, stage, available)
-        keys[stage] = stage_fingerprint(config, stage, inputs, identities)
-        available[stage] = layout.final(stage)
-        identities[layout.final(stage)] = keys[stage]
+    for stage, planned in plan_run(config, layout).items():
+        identities = {layout.final(upstream): keys[upstream] for upstream in planned.depends_on}
+        keys[stage] = stage_fingerprint(config, stage, planned.inputs, identities)
     return keys
 
 

@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from trainer_core.checkpoint.manifest import read_manifest
-from trainer_core.config import MoEConfig, PipelineConfig, config_hash
+from trainer_core.config import MoEConfig, PipelineConfig, config_hash, config_value
 from trainer_core.registry import get_stage
 
 log = logging.getLogger(__name__)
@@ -106,14 +106,6 @@ def _not_hashed(section) -> dict[str, Any]:
     return out
 
 
-def _field(config: PipelineConfig, path: str) -> Any:
-    """The value at dotted ``path`` (e.g. ``dpo.beta``), JSON-ready."""
-    value: Any = config
-    for key in path.split("."):
-        value = getattr(value, key)
-    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
-
-
 def stage_fingerprint(
     config: PipelineConfig, stage: str, inputs: dict[str, str], identities: Mapping[str, str] | None = None
 ) -> str:
@@ -149,5 +141,5 @@ def stage_fingerprint(
     if lora.enabled:  # the resolved settings (pipeline-wide and the stage's override); absent when off
         payload["lora"] = lora.model_dump(mode="json")
     for path in definition.fingerprint_fields:
-        payload[path.replace(".", "_")] = _field(config, path)
+        payload[path.replace(".", "_")] = config_value(config, path)
     return config_hash(payload)

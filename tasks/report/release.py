@@ -62,7 +62,7 @@ def _samples_uri(results: dict[str, StageResult]) -> str | None:
     return join_uri(evaluate.output_uri, SAMPLES_FILE)  # output_uri: the committed final/ directory
 
 
-def _read_samples(uri: str | None) -> list[dict] | None:
+def read_sample_tables(uri: str | None) -> list[dict] | None:
     """The rows of a sample table (JSON lines), followed by those of the harness's sample table
     beside it when there is one (``HARNESS_SAMPLES_FILE``: its rows' keys are distinct, so both
     pair by ``prompt`` at once); None when there is no table at ``uri``."""
@@ -80,7 +80,7 @@ def _champion_samples(run: PipelineRun, champion: mlflow_models.Champion) -> Cha
     ``vs_champion``) and the champion was registered with one."""
     if not any(g.min_gain_se is not None and g.vs_champion for g in run.config.evaluate.gates):
         return None
-    rows = _read_samples(champion.tags.get(TAG_EVAL_SAMPLES))
+    rows = read_sample_tables(champion.tags.get(TAG_EVAL_SAMPLES))
     return ChampionSamples(champion.tags.get("posttrain.stage", ""), rows) if rows is not None else None
 
 
@@ -132,7 +132,7 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     name = config.tracking.registered_model_name
     champion = mlflow_models.read_champion(name, tracking_uri=run.tracking_uri) if name else None
     champion_samples = _champion_samples(run, champion) if champion is not None else None
-    samples = _read_samples(_samples_uri(results)) if champion_samples is not None else None
+    samples = read_sample_tables(_samples_uri(results)) if champion_samples is not None else None
     gates: list[GateResult] = check_gates(config.evaluate.gates, headline, champion, list(config.stages),
                                           samples=samples, champion_samples=champion_samples)
     failure = gate_failure_message(gates)

@@ -11,26 +11,20 @@ a gain within about twice its standard error is a choice these problems cannot m
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 from matplotlib.figure import Figure
 
-from trainer_core import storage
-from trainer_core.objectives.paired import HARNESS_SAMPLES_FILE, SAMPLES_FILE, paired_gain, paired_verdicts, sample_column
+from tasks.report.release import read_sample_tables
+from trainer_core.objectives.paired import SAMPLES_FILE, paired_gain, paired_verdicts, sample_column
 from trainer_core.storage import join_uri
 
 
 def _sample_rows(summary: dict[str, Any]) -> list[dict]:
-    """A point's evaluate sample tables' rows (the held-out one, then the harness's); [] without."""
+    """A point's evaluate sample tables' rows (:func:`~tasks.report.release.read_sample_tables`); [] without."""
     output = ((summary.get("stages") or {}).get("evaluate") or {}).get("output_uri")
-    rows: list[dict] = []
-    for name in (SAMPLES_FILE, HARNESS_SAMPLES_FILE) if output else ():
-        uri = join_uri(output, name)
-        if storage.exists(uri):
-            rows += [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]
-    return rows
+    return (read_sample_tables(join_uri(output, SAMPLES_FILE)) if output else None) or []
 
 
 def _paired(best: dict[str, Any], runner_up: dict[str, Any], metric: str) -> tuple[float, float] | None:

@@ -13,6 +13,7 @@ from trainer_core.config.distill import DistillConfig
 from trainer_core.config.pipeline import (
     PipelineConfig,
     apply_overrides,
+    config_value,
     load_config,
     parse_override,
     resolve_local_root,
@@ -89,6 +90,7 @@ __all__ = [
     "TrackingConfig",
     "TrainStageConfig",
     "apply_overrides",
+    "config_value",
     "config_hash",
     "load_config",
     "parse_override",

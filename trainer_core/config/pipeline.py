@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic_core import to_jsonable_python
 
 from trainer_core.config.backend import BackendConfig
 from trainer_core.config.base import ConfigBase
@@ -209,6 +210,19 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
         lines.append(f"  {path}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
+
+
+def config_value(config: BaseModel, path: str) -> Any:
+    """The value at the dotted ``path`` of ``config`` (e.g. ``dpo.beta``), JSON-ready (pydantic's
+    JSON mode: a section as a dict, a secret masked).
+
+    Raises:
+        AttributeError: a part of ``path`` is not a field.
+    """
+    value: Any = config
+    for key in path.split("."):
+        value = getattr(value, key)
+    return to_jsonable_python(value)
 
 
 def _set_path(data: dict, path: str, value: Any) -> None:

@@ -32,6 +32,7 @@ from trainer_core.objectives.grpo_family import LOSS_AGGREGATIONS, clipped_polic
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage
 from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
+from trainer_core.training.rl.batches import policy_metric_sums
 from trainer_core.training.rl.trainer import MiniBatchCounts, masked_sum
 
 
@@ -71,10 +72,7 @@ class DistillAlgorithm:
         metric_sums = {
             "loss/policy_avg": masked_sum(losses.detach(), mask),
             "distill/reverse_kl_avg": masked_sum(batch.logprobs - batch.ref_logprobs, mask),
-            "policy/approxkl_avg": masked_sum(m["approxkl"], mask),
-            "policy/clipfrac_avg": masked_sum(m["clipped"], mask),
-            "policy/entropy_avg": masked_sum(out.entropies, mask),
-            "val/ratio": masked_sum(m["ratio"], mask),
+            **policy_metric_sums(m, out.entropies, mask),
         }
         return loss, metric_sums
 

@@ -27,6 +27,7 @@ from trainer_core.objectives.ppo import KL_ESTIMATORS
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage
 from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
+from trainer_core.training.rl.batches import policy_metric_sums
 from trainer_core.training.rl.trainer import MiniBatchCounts, masked_sum
 
 
@@ -97,10 +98,7 @@ class GRPOAlgorithm:
         )
         metric_sums = {
             "loss/policy_avg": masked_sum(losses.detach(), mask),
-            "policy/approxkl_avg": masked_sum(m["approxkl"], mask),
-            "policy/clipfrac_avg": masked_sum(m["clipped"], mask),
-            "policy/entropy_avg": masked_sum(out.entropies, mask),
-            "val/ratio": masked_sum(m["ratio"], mask),
+            **policy_metric_sums(m, out.entropies, mask),
         }
         if "kl" in m:
             metric_sums["policy/kl_avg"] = masked_sum(m["kl"], mask)

@@ -33,6 +33,7 @@ from trainer_core.objectives.ppo import (
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage, value_head_bytes
 from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
+from trainer_core.training.rl.batches import policy_metric_sums
 from trainer_core.training.rl.trainer import MiniBatchCounts, masked_sum
 
 
@@ -101,11 +102,8 @@ class PPOAlgorithm:
         metric_sums = {
             "loss/policy_avg": pg_sum.detach(),
             "loss/value_avg": vf_sum.detach(),
-            "policy/approxkl_avg": masked_sum(pg["approxkl"], mask),
-            "policy/clipfrac_avg": masked_sum(pg["clipped"], mask),
-            "policy/entropy_avg": masked_sum(out.entropies, mask),
+            **policy_metric_sums(pg, out.entropies, mask),
             "val/clipfrac_avg": masked_sum(vf["clipped"], mask),
-            "val/ratio": masked_sum(pg["ratio"], mask),
         }
         num_tokens = counts.num_tokens
         return pg_sum / num_tokens + cfg.vf_coef * (vf_sum / num_tokens), metric_sums

@@ -175,6 +175,19 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum()
 
 
+def policy_metric_sums(clip: dict[str, Tensor], entropies: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """The token sums of the clipped policy loss's metrics (``clip``: the metrics of
+    :func:`~trainer_core.objectives.ppo.clipped_policy_loss`) and the policy's entropy over
+    ``mask``: ``policy/approxkl_avg``, ``policy/clipfrac_avg``, ``policy/entropy_avg``,
+    ``val/ratio`` (TRL's names), as every RL algorithm logs them."""
+    return {
+        "policy/approxkl_avg": masked_sum(clip["approxkl"], mask),
+        "policy/clipfrac_avg": masked_sum(clip["clipped"], mask),
+        "policy/entropy_avg": masked_sum(entropies, mask),
+        "val/ratio": masked_sum(clip["ratio"], mask),
+    }
+
+
 def prompt_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
     """The prompt indices of ``epoch`` in order: a ``random.Random(seed + epoch)`` shuffle."""
     order = list(range(num_prompts))
