@@ -62,11 +62,13 @@ ADDED_FIELDS: dict[str, object] = {
     # conversations: SFT loss on every assistant turn
     "assistant_turns": "last",
     # tool environments of multi-turn rollouts; the synthetic task's calculator annotations
-    "environment": None, "annotation_fraction": 1.0,
+    "environment": None, "annotation_fraction": 1.0, "annotation_unit": "solution",
     # evaluate's sampled answers and lm-evaluation-harness tasks
     "pass_at_k": None, "lm_eval": None,
     # the reward model's parameterisation
     "parameterization": "scalar_head", "implicit_beta": 2.0,
+    # on-policy distillation's generalised JSD (distill.loss, distill.beta: DPO's beta is never None)
+    "loss": "token_reverse_kl", "beta": None,
     # mixture-of-experts models (model.init and every training stage's moe section)
     "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(), "router_temperature": None,
 }

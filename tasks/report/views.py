@@ -113,7 +113,8 @@ CURVES: dict[str, tuple[Panel, ...]] = {
             Panel("KL estimate", ("train/kl",))),
     "ppo": (Panel("reward", ("reward_mean", "objective/rlhf_reward")), Panel("KL to reference", ("objective/kl",))),
     "grpo": (Panel("reward", ("reward_mean", "verifier_accuracy")), Panel("KL to reference", ("objective/kl",))),
-    "distill": (Panel("reverse KL to the teacher", ("distill/reverse_kl_avg",)), Panel("reward (logged)", ("reward_mean",))),
+    "distill": (Panel("divergence from the teacher", ("distill/reverse_kl_avg", "distill/jsd_avg")),
+                Panel("reward (logged)", ("reward_mean",))),
 }
 """Stage -> the panels of its curves image (the metric names the trainer logs: ``training/loop.py``
 for pretrain, SFT, reward model, DPO and KTO, ``training/rl/trainer.py`` for PPO, GRPO and distill). Other stages have none."""

@@ -79,7 +79,7 @@ def test_failed_rank_is_named_with_its_own_last_lines_and_the_tree_is_gone(tag, 
     assert not isinstance(error, BadStageInput)
     assert error.rank == 1 and error.returncode == (-9 if how == "sigkill" else 3)
     message = str(error)
-    assert f"rank 1 (local rank 1 on" in message and exit_words in message
+    assert "rank 1 (local rank 1 on" in message and exit_words in message
     assert f"rank 1 failing: {how}" in message
     shown = message.split("last output:\n", 1)[1]
     assert "rank 1 step 2" in shown and "rank 0 step" not in shown  # that rank's lines only

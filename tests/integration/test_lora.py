@@ -8,7 +8,9 @@
   adapters of the last checkpoint and the SFT model the stage started from;
 - DPO, GRPO and PPO with the reference as the policy's disabled adapter print the same lines
   (losses, KL, rewards) as with a separate reference model loaded from the same weights;
-- the reward model trains its adapters and its score head.
+- the reward model trains its adapters and its score head;
+- distillation's generalised JSD trains the student's adapters against a wider teacher (the
+  teacher a separate model, never the disabled adapter).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -41,6 +42,7 @@ from .helpers import (
     final_weights,
     run_ranks,
     run_stage,
+    wider_teacher,
     write_spec,
 )
 from .test_backends import copy_checkpoint, stage_lines, why_failed
@@ -90,7 +92,12 @@ class Runs:
             "grpo": {"data": data, "model": self.sft, "reference": self.sft},
             "ppo": {"data": data, "model": self.sft, "reference": self.sft,
                     "reward_model": StageLayout(self.pipeline.baseline_uris["reward_model"]).final},
+            "distill": {"data": data, "model": self.sft, "reference": self.teacher},
         }[stage]
+
+    @property
+    def teacher(self) -> str:
+        return wider_teacher(self.pipeline, os.path.join(self.root, "teacher"))
 
     def spec(self, name: str, stage: str, config: PipelineConfig,
              inputs: dict[str, str] | None = None) -> tuple[str, str]:
@@ -164,6 +171,8 @@ def runs(tiny_pipeline: TinyPipeline, tmp_path_factory) -> Runs:
     store.start("ppo", store.stage, "ppo", "ppo", rl["ppo"])
     store.start("ppo-separate", store.stage, "ppo-separate", "ppo", rl_config(tiny_pipeline, "ppo", **LORA, **separate))
     store.start("reward_model", store.stage, "reward_model", "reward_model", single)
+    store.start("distill", store.stage, "distill", "distill", rl_config(
+        tiny_pipeline, "distill", **LORA, **{"distill.loss": "generalized_jsd", "distill.teacher_from": store.teacher}))
     yield store
     store.pool.shutdown(wait=True, cancel_futures=True)
 
@@ -303,6 +312,22 @@ def test_reward_model_trains_adapters_and_score_head(runs, tiny_pipeline):
     assert "score.weight" in ckpt and adapter_count(ckpt) > 0
     assert set(ckpt) - {"score.weight"} == {k for k in ckpt if ".lora_" in k}
     assert sorted(final_weights(output)) == sorted(final_weights(tiny_pipeline.baseline_uris["reward_model"]))
+
+
+def test_distillation_trains_the_adapters_against_a_separate_teacher(runs, tiny_pipeline):
+    """LoRA distill with the generalised JSD: the teacher is loaded as its own model (not the
+    disabled adapter, whose inputs differ), the divergence falls, the checkpoint holds adapters only
+    and the committed merge differs from the SFT student."""
+    run, output = runs.result("distill")
+    assert "reference: the policy with its LoRA adapter disabled" not in run.output
+    steps = run.step_metrics()
+    jsd = [float(steps[s]["distill/jsd_avg"]) for s in sorted(steps)]
+    assert sum(jsd[-2:]) / 2 < sum(jsd[:2]) / 2, jsd
+    last = max(committed_steps(output))
+    ckpt = safetensors.torch.load(storage.read_bytes(join_uri(checkpoint_uri(output, last), "model.safetensors")))
+    assert adapter_count(ckpt) > 0 and all(".lora_" in k for k in ckpt)
+    merged, sft = final_weights(output), final_weights(tiny_pipeline.baseline_uris["sft"])
+    assert sorted(merged) == sorted(sft) and any(not torch.equal(merged[k], sft[k]) for k in sft)
 
 
 def committed_files(output: str) -> dict[str, int]:

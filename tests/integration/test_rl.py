@@ -29,6 +29,7 @@ from .helpers import (
     assert_same_weights,
     final_weights,
     run_stage,
+    wider_teacher,
     write_spec,
 )
 
@@ -63,6 +64,7 @@ _STAGE_OVERRIDES = {
     # A KL term, so the reference model is loaded and used; the ptx term, whose rows a resume
     # must draw as the uninterrupted run did.
     "grpo": {"group_size": 4, "kl_coef": 0.05, "ptx_coef": 0.5, "ptx_rows_per_step": 4},
+    "distill": {"samples_per_prompt": 2},
 }
 
 PPO_METRICS = (
@@ -241,7 +243,6 @@ _TREND_OVERRIDES = {
     "ppo.ppo_epochs": 4,
     "ppo.num_mini_batches": 2,
     "ppo.learning_rate": 3.0e-4,
-    "ppo.kl_coef": 0.01,
     "ppo.vf_coef": 0.5,
     "ppo.adaptive_kl": False,
     # Pinned (the demo's PPO takes 1.0 since 2026-11-27): the cosine decay to a tenth that this
@@ -304,29 +305,15 @@ def test_ppo_raises_reward_model_score_on_synthetic_task(trend_runs):
 
 @pytest.fixture(scope="module")
 def distill_teacher(tiny_pipeline: TinyPipeline, tmp_path_factory) -> str:
-    """A teacher twice as wide as the student (64 against 32 hidden), with the student's tokenizer:
-    a model directory, as another run's SFT output would be (random weights: the stage only needs
-    a distribution to follow)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from trainer_core.data.prepared import load_tokenizer_from
-
-    tokenizer = load_tokenizer_from(tiny_pipeline.data_uri)
-    torch.manual_seed(7)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    teacher = str(tmp_path_factory.mktemp("teacher"))
-    AutoModelForCausalLM.from_config(config).save_pretrained(teacher)
-    tokenizer.save_pretrained(teacher)
-    return teacher
+    """A teacher twice as wide as the student (64 against 32 hidden), with the student's tokenizer
+    (random weights: the stage only needs a distribution to follow)."""
+    return wider_teacher(tiny_pipeline, str(tmp_path_factory.mktemp("teacher")))
 
 
-def distill_spec_path(pipeline: TinyPipeline, name: str, teacher: str) -> tuple[str, str]:
+def distill_spec_path(pipeline: TinyPipeline, name: str, teacher: str, **extra: object) -> tuple[str, str]:
     """Write the spec of a distill run ``name`` (the SFT baseline the student, ``teacher`` the
-    teacher); returns (spec path, output URI)."""
-    overrides = {f"distill.{k}": v for k, v in _RL_OVERRIDES.items()}
+    teacher, ``extra`` more ``distill.*`` settings); returns (spec path, output URI)."""
+    overrides = {f"distill.{k}": v for k, v in {**_RL_OVERRIDES, **extra}.items()}
     config = load_config(base=pipeline.config.model_dump(mode="json"),
                          overrides={**overrides, "distill.teacher_from": teacher, "distill.samples_per_prompt": 2})
     sft = StageLayout(pipeline.baseline_uris["sft"]).final
@@ -353,6 +340,21 @@ def test_distillation_lowers_the_reverse_kl_to_a_wider_teacher(distill_baseline)
     assert sum(kl[-3:]) / 3 < 0.8 * sum(kl[:3]) / 3, kl
     manifest = read_manifest(StageLayout(output).final)
     assert manifest.metrics["global_step"] == RL_STEPS and "reward_mean" in manifest.metrics  # the reward is logged
+
+
+def test_the_generalised_jsd_over_the_vocabulary_falls(tiny_pipeline, distill_teacher):
+    """``distill.loss: generalized_jsd`` (beta 0.5): the divergence the update minimises, over the
+    whole vocabulary at the student's sampled tokens, falls below 0.8 of its start (the teacher
+    twice as wide); the sampling-time reverse KL is logged beside it."""
+    path, output = distill_spec_path(tiny_pipeline, "distill-jsd", distill_teacher, loss="generalized_jsd", beta=0.5)
+    run = run_stage(path)
+    assert run.returncode == 0, run.tail()
+    steps = run.step_metrics()
+    jsd = [float(steps[s]["distill/jsd_avg"]) for s in sorted(steps)]
+    print(f"distill generalized_jsd per step: {[round(x, 4) for x in jsd]}")
+    assert len(jsd) == RL_STEPS and all("distill/reverse_kl_avg" in m for m in steps.values())
+    assert sum(jsd[-3:]) / 3 < 0.8 * sum(jsd[:3]) / 3, jsd
+    assert read_manifest(StageLayout(output).final).metrics["global_step"] == RL_STEPS
 
 
 def test_a_killed_distillation_resumes_bit_identically(tiny_pipeline, distill_teacher, distill_baseline):

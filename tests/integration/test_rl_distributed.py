@@ -50,6 +50,7 @@ from .helpers import (
     assert_same_weights,
     child_env,
     final_weights,
+    wider_teacher,
     write_spec,
 )
 
@@ -76,7 +77,12 @@ _STAGE_OVERRIDES = {
     # advantages, and a frozen reward model sharded under FSDP2 / ZeRO-3 besides the reference;
     # the ptx term: one more forward and backward per step on every rank.
     "grpo": {"group_size": 4, "kl_coef": 0.05, "reward.kind": "reward_model", "ptx_coef": 0.5, "ptx_rows_per_step": 2},
+    # The generalised JSD over the vocabulary: the teacher (wider, sharded too) forwards in every
+    # update step, its head gathered whole once.
+    "distill": {"loss": "generalized_jsd", "beta": 0.5, "samples_per_prompt": 2, "ptx_coef": 0.5,
+                "ptx_rows_per_step": 2},
 }
+SAMPLES_PER_PROMPT = {"grpo": 4, "distill": 2, "ppo": 1}
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,8 @@ class Case:
         return f"{self.stage}-{self.backend}{self.zero_stage or ''}"
 
 
-CASES = [Case("grpo", "fsdp2"), Case("grpo", "deepspeed", 3), Case("ppo", "ddp"), Case("ppo", "fsdp2")]
+CASES = [Case("grpo", "fsdp2"), Case("grpo", "deepspeed", 3), Case("ppo", "ddp"), Case("ppo", "fsdp2"),
+         Case("distill", "fsdp2"), Case("distill", "deepspeed", 3)]
 RESUME_CASE = Case("ppo", "fsdp2")
 RESUMED = re.compile(r"resumed from \S*step-(\d+)")
 
@@ -118,12 +125,17 @@ class Killed(Exception):
 def case_spec(pipeline: TinyPipeline, case: Case, name: str) -> tuple[str, str, StageSpec]:
     """Write the spec of ``case`` running as ``name``; returns (spec path, output URI, spec)."""
     overrides = {f"{case.stage}.{k}": v for k, v in {**_RL_OVERRIDES, **_STAGE_OVERRIDES[case.stage]}.items()}
+    teacher = None
+    if case.stage == "distill":
+        teacher = wider_teacher(pipeline, os.path.join(pipeline.root, "rl-dist", "teacher"))
+    if teacher is not None:
+        overrides["distill.teacher_from"] = teacher
     overrides.update({"backend.name": case.backend, "backend.nproc_per_node": 2, "backend.device": "cpu"})
     if case.zero_stage is not None:
         overrides["backend.zero_stage"] = case.zero_stage
     config = load_config(base=pipeline.config.model_dump(mode="json"), overrides=overrides)
     sft = StageLayout(pipeline.baseline_uris["sft"]).final
-    inputs = {"data": pipeline.data_uri, "model": sft, "reference": sft,
+    inputs = {"data": pipeline.data_uri, "model": sft, "reference": teacher or sft,
               "reward_model": StageLayout(pipeline.baseline_uris["reward_model"]).final}
     output = os.path.join(pipeline.root, "rl-dist", name)
     spec = build_spec(config, case.stage, RUN_ID, inputs, output_uri=output, writer_id=f"writer-{name}")
@@ -163,7 +175,7 @@ def test_two_ranks_commit_an_hf_policy_with_finite_metrics(tiny_pipeline, runs, 
         assert {"reward_mean", "objective/kl", "loss/policy_avg", "train/grad_norm", "train/loss"} <= set(metrics)
         bad = {k: v for k, v in metrics.items() if not math.isfinite(float(v))}
         assert not bad, f"step {step}: {bad}"
-        assert float(metrics["train/consumed_samples"]) == step * 4 * (4 if case.stage == "grpo" else 1)
+        assert float(metrics["train/consumed_samples"]) == step * 4 * SAMPLES_PER_PROMPT[case.stage]
         assert "train/ptx_loss" in metrics  # both stages take the ptx term here
     manifest = read_manifest(StageLayout(output).final)
     assert (manifest.global_step, manifest.world_size, manifest.backend) == (RL_STEPS, 2, case.backend)
@@ -179,9 +191,11 @@ def test_two_ranks_commit_an_hf_policy_with_finite_metrics(tiny_pipeline, runs, 
         assert len({m["objective/kl_coef"] for m in steps.values()}) > 1  # the adaptive controller moved
     else:
         assert "value_head.safetensors" not in files
+    if case.stage == "distill":
+        assert all(float(m["distill/jsd_avg"]) > 0 for m in steps.values())
 
 
-@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+@pytest.mark.parametrize("stage", ["ppo", "grpo", "distill"])
 def test_backends_train_the_same_policy(runs, stage):
     """Each rank samples the same prompts with the same generator whatever the backend, and the
     step's loss is normalised by the tokens of both ranks on each: the final policies differ only

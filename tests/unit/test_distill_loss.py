@@ -65,3 +65,43 @@ def test_the_chunked_divergence_names_a_vocabulary_mismatch():
     with pytest.raises(ValueError, match="must share a tokenizer"):
         chunked_generalized_jsd(torch.randn(2, 4), torch.randn(10, 4), None, torch.randn(2, 4), torch.randn(12, 4),
                                 None, 0.5)
+
+
+def _tiny_llama(hidden: int, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=29, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        max_position_embeddings=32)).float()
+
+
+def test_the_students_forward_gives_the_divergence_of_the_two_models_full_logits():
+    """The update's forward (``policy_forward`` with a ``TeacherTarget``: the teacher's hidden
+    states from ``completion_hidden``, its head from ``frozen_head``) equals ``generalized_jsd`` of
+    the two models' full logits at the student's tokens (left-padded prompts, a padded completion,
+    a tool observation not counted), 0 elsewhere; the gradient reaches the student only."""
+    from trainer_core.training.rl.rollout import (
+        Completions, PolicyAndValue, TeacherTarget, completion_hidden, completion_inputs, completion_start,
+        frozen_head, policy_forward,
+    )
+
+    student, teacher = PolicyAndValue(_tiny_llama(16, 0)), _tiny_llama(24, 1).requires_grad_(False)
+    prompt_ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    prompt_mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    completion_ids = torch.tensor([[3, 4, 11, 12, 0], [13, 14, 15, 16, 17]])
+    completion_mask = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 1.0, 1.0]])
+    observation_mask = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0, 0.0]])
+    batch = Completions(prompt_ids, prompt_mask, completion_ids, completion_mask, observation_mask=observation_mask)
+    for beta in (0.0, 0.5, 1.0):
+        target = TeacherTarget(completion_hidden(teacher, batch), *frozen_head(teacher), beta=beta, temperature=0.7)
+        out = policy_forward(student, batch, temperature=0.7, with_values=False, teacher=target)
+        inputs, start = completion_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                          observation_mask), completion_start(prompt_ids)
+        expected = generalized_jsd(student.policy(**inputs).logits[:, start:-1], teacher(**inputs).logits[:, start:-1],
+                                   beta, 0.7) * completion_mask
+        torch.testing.assert_close(out.divergences, expected, atol=1e-5, rtol=0)
+        assert (out.divergences[completion_mask == 0] == 0).all() and (out.divergences[completion_mask > 0] > 0).all()
+    out.divergences.sum().backward()
+    assert student.policy.lm_head.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in teacher.parameters())

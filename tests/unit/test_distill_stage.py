@@ -32,6 +32,7 @@ def test_the_stage_needs_a_teacher_and_no_other_reference():
     assert stage_inputs(config, "distill", {"prepare_data": "/d", "sft": "/s"}) == {
         "data": "/d", "model": "/s", "reference": "/t"}
     for bad, field in (({"distill.reference_from": "/r"}, "reference_from"), ({"distill.kl_coef": 0.1}, "kl_coef"),
-                       ({"distill.adaptive_kl": True}, "adaptive_kl")):
+                       ({"distill.adaptive_kl": True}, "adaptive_kl"), ({"distill.beta": 0.5}, "distill.beta"),
+                       ({"distill.loss": "generalized_jsd", "distill.beta": 1.5}, "beta")):
         with pytest.raises(ConfigError, match=field):
             load_config(overrides=bad)

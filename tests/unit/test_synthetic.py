@@ -108,3 +108,21 @@ def test_a_share_of_solutions_carries_calculator_annotations():
     assert not any("<<" in r["answer"] for r in iter_sft_records(50, 3, 10, 0.0))
     with pytest.raises(ValueError, match="annotation_fraction"):
         iter_sft_records(5, 3, 10, 1.5)
+
+
+def test_annotation_by_step_mixes_calls_and_plain_sums_in_one_answer():
+    """``annotation_unit="step"``: the same problems and answers; each step annotated on its own
+    draw (about that share of all steps, answers with both kinds), the plain steps worked as
+    ``3+5=8``; an unknown unit refused."""
+    full = list(iter_sft_records(400, 3, 10))
+    mixed = list(iter_sft_records(400, 3, 10, 0.5, "step"))
+    assert [r["question"] for r in mixed] == [r["question"] for r in full]
+    steps = [line for r in mixed for line in r["answer"].split("\n")[:-1]]
+    share = sum("<<" in line for line in steps) / len(steps)
+    assert 0.43 < share < 0.57
+    assert sum(0 < r["answer"].count("<<") < len(r["answer"].split("\n")) - 1 for r in mixed) > 150
+    for r, ref in zip(mixed, full):
+        assert re.sub(r"<<[^>]*>>", "", r["answer"]) == re.sub(r"<<[^>]*>>", "", ref["answer"])
+        assert all(line in ref["answer"].split("\n") for line in r["answer"].split("\n") if "<<" in line)
+    with pytest.raises(ValueError, match="annotation_unit"):
+        iter_sft_records(5, 3, 10, 0.5, "token")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from trainer_core.config.stages import RLStageConfig
@@ -10,9 +12,11 @@ from trainer_core.config.stages import RLStageConfig
 class DistillConfig(RLStageConfig):
     """On-policy distillation: the student (the SFT output by default) samples completions of the
     RL prompts, the teacher scores the same tokens, and the student follows the per-token reverse
-    KL to the teacher (Thinking Machines' on-policy distillation; prime-rl's ``opd``). The rollout,
-    update, checkpoint and resume machinery is the RL stages'; ``reward`` is only logged (the
-    verifier's accuracy of the student's samples by default), never optimised.
+    KL to the teacher (``loss: token_reverse_kl``: Thinking Machines' on-policy distillation;
+    prime-rl's ``opd``) or minimises the generalised JSD over the whole vocabulary at each of
+    those tokens (``loss: generalized_jsd``, GKD). The rollout, update, checkpoint and resume
+    machinery is the RL stages'; ``reward`` is only logged (the verifier's accuracy of the
+    student's samples by default), never optimised.
     """
 
     teacher_from: str | None = Field(
@@ -20,6 +24,19 @@ class DistillConfig(RLStageConfig):
         "stages/sft/final) that shares the student's tokenizer; required when the stage runs."
     )
     samples_per_prompt: int = Field(1, ge=1, description="Completions sampled per prompt.")
+    loss: Literal["token_reverse_kl", "generalized_jsd"] = Field(
+        "token_reverse_kl", description="token_reverse_kl: a policy gradient whose per-token advantage is the "
+        "teacher's log-prob of the sampled token minus the student's (a one-sample reverse KL; no [B, T, V] "
+        "tensor, no teacher forward in the update); generalized_jsd: the generalised Jensen-Shannon divergence "
+        "between the two next-token distributions over the whole vocabulary at every sampled position (Agarwal "
+        "et al. 2024, GKD, eq. 1; TRL's generalized_jsd_loss), from both models' hidden states and heads in "
+        "chunks, the teacher forwarded again in each update step."
+    )
+    beta: float | None = Field(
+        None, ge=0, le=1, description="generalized_jsd's mixing coefficient (TRL's convention: 0 the forward KL "
+        "KL(teacher || student), 1 the reverse KL KL(student || teacher)); None: 0.5, GKD's default. Only "
+        "with loss generalized_jsd."
+    )
     kl_coef: float = Field(0.0, ge=0, le=0, description="Must stay 0: the teacher takes the reference's place, and "
                            "the distillation signal is the KL to it.")
 
@@ -28,6 +45,9 @@ class DistillConfig(RLStageConfig):
         if self.reference_from is not None:
             raise ValueError("distill.reference_from: the teacher (distill.teacher_from) is the reference of the "
                              "distillation; leave reference_from unset")
+        if self.beta is not None and self.loss != "generalized_jsd":
+            raise ValueError("distill.beta: the mixing coefficient of loss generalized_jsd; the loss is "
+                             f"{self.loss}")
         if self.adaptive_kl:
             raise ValueError("distill.adaptive_kl: no KL penalty in distillation (the KL to the teacher is the loss)")
         return self

@@ -106,6 +106,10 @@ class SyntheticConfig(ConfigBase):
         "('3+5=<<3+5=8>>8'; the others '3+5=8'): a model then calls the calculator environment on about this share "
         "of its answers. 1.0: all."
     )
+    annotation_unit: Literal["solution", "step"] = Field(
+        "solution", description="What annotation_fraction draws: 'solution' (a solution is annotated on every step or on "
+        "none) or 'step' (each step on its own draw, so every answer mixes calls and plain sums)."
+    )
 
 
 class DataConfig(ConfigBase):

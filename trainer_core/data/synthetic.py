@@ -66,11 +66,13 @@ def _draw_step(rng: random.Random, value: int, max_operand: int, container: str,
 
 
 def _solution_lines(name: str, obj: str, start: int, steps: list[_Step], error: tuple[int, int] | None,
-                    annotate: bool = True) -> list[str]:
+                    annotate: bool | list[bool] = True) -> list[str]:
     """Worked solution lines; ``error = (step, delta)`` makes that step's result off by ``delta``
     and carries the wrong value through the later steps. ``annotate``: each step carries GSM8K's
-    calculator annotation (``3+5=<<3+5=8>>8``), else the result alone (``3+5=8``)."""
+    calculator annotation (``3+5=<<3+5=8>>8``), else the result alone (``3+5=8``); a list says
+    it step by step."""
     value, lines = start, []
+    annotated = annotate if isinstance(annotate, list) else [annotate] * len(steps)
     for i, step in enumerate(steps):
         delta = error[1] if error is not None and error[0] == i else 0
         if step.kind == "mul":
@@ -80,7 +82,7 @@ def _solution_lines(name: str, obj: str, start: int, steps: list[_Step], error: 
         else:
             expr, result = f"{value}-{step.n}", value - step.n
         result += delta
-        worked = f"<<{expr}={result}>>{result}" if annotate else f"{result}"
+        worked = f"<<{expr}={result}>>{result}" if annotated[i] else f"{result}"
         lines.append(f"{name} has {expr}={worked} {obj}.")
         value = result
     lines.append(f"#### {value}")
@@ -117,31 +119,44 @@ def make_sft_records(num: int, seed: int, max_operand: int) -> list[dict]:
     return list(iter_sft_records(num, seed, max_operand))
 
 
-def iter_sft_records(num: int, seed: int, max_operand: int, annotation_fraction: float = 1.0) -> Iterator[dict]:
+def iter_sft_records(num: int, seed: int, max_operand: int, annotation_fraction: float = 1.0,
+                     annotation_unit: str = "solution") -> Iterator[dict]:
     """``num`` GSM8K-format records ``{"question", "answer"}``, drawn one at a time.
 
     Args:
         num: number of problems.
         seed: ``random.Random`` seed; the same seed gives the same records.
         max_operand: largest starting amount or added / removed amount.
-        annotation_fraction: the share of solutions written with calculator annotations, each
-            drawn from its own stream (``random.Random(f"annotation:{seed}")``: the problems are
-            those of any other fraction); 1.0: all, as GSM8K.
+        annotation_fraction: the share of solutions (or of steps) written with calculator
+            annotations, each draw from its own stream (``random.Random(f"annotation:{seed}")``:
+            the problems are those of any other fraction); 1.0: all, as GSM8K.
+        annotation_unit: ``"solution"``: a solution is annotated on every step or on none;
+            ``"step"``: each step is annotated or not on its own draw, so a policy trained on it
+            calls the calculator on about that share of its steps in every answer.
 
     Raises:
-        ValueError: ``num < 1`` or ``max_operand < 2`` (at the call, not at the first record).
+        ValueError: ``num < 1``, ``max_operand < 2``, ``annotation_fraction`` outside [0, 1] or
+            another ``annotation_unit`` (at the call, not at the first record).
     """
     _check(num, max_operand)
     if not 0.0 <= annotation_fraction <= 1.0:
         raise ValueError(f"annotation_fraction must be in [0, 1], got {annotation_fraction}")
-    return _sft_stream(num, random.Random(seed), max_operand, annotation_fraction, random.Random(f"annotation:{seed}"))
+    if annotation_unit not in ("solution", "step"):
+        raise ValueError(f"annotation_unit must be 'solution' or 'step', got {annotation_unit!r}")
+    return _sft_stream(num, random.Random(seed), max_operand, annotation_fraction, random.Random(f"annotation:{seed}"),
+                       annotation_unit == "step")
 
 
 def _sft_stream(num: int, rng: random.Random, max_operand: int, annotation_fraction: float = 1.0,
-                annotation_rng: random.Random | None = None) -> Iterator[dict]:
+                annotation_rng: random.Random | None = None, per_step: bool = False) -> Iterator[dict]:
     for _ in range(num):
         question, name, start, steps, obj = _draw_problem(rng, max_operand)
-        annotate = annotation_fraction >= 1.0 or annotation_rng.random() < annotation_fraction
+        if annotation_fraction >= 1.0:
+            annotate: bool | list[bool] = True
+        elif per_step:
+            annotate = [annotation_rng.random() < annotation_fraction for _ in steps]
+        else:
+            annotate = annotation_rng.random() < annotation_fraction
         yield {"question": question, "answer": "\n".join(_solution_lines(name, obj, start, steps, None, annotate))}
 
 

@@ -12,9 +12,17 @@ prime-rl's ``opd`` loss). Rollouts, mini-batch updates, the ptx term, tools, che
 resume are the RL loop's (:mod:`trainer_core.training.rl.trainer`); ``distill.reward`` is logged,
 never optimised.
 
+With ``distill.loss: generalized_jsd`` the student instead minimises, at each sampled position,
+the generalised Jensen-Shannon divergence between its next-token distribution and the teacher's
+over the whole vocabulary (GKD, Agarwal et al. 2024, eq. 1, with ``beta``; TRL's
+``GKDTrainer``): in each update step the teacher forwards the mini-batch again (no gradient) for
+its final hidden states, and the divergence is computed from both models' hidden states and
+heads a chunk of tokens at a time inside the student's forward
+(:func:`~trainer_core.objectives.distill.chunked_generalized_jsd`: no [N, T, V] tensor of either
+model), token mean over the student's tokens (tool observations excluded).
+
 The teacher must share the student's tokenizer (checked before anything is trained, naming both
-models); its architecture and width may differ. The full-vocabulary generalised JSD
-(:func:`~trainer_core.objectives.distill.chunked_generalized_jsd`) is not a loss of this stage.
+models); its architecture and width may differ.
 
 Shape legend: N sequences, T completion tokens.
 """
@@ -31,20 +39,43 @@ from trainer_core.errors import ConfigError
 from trainer_core.objectives.grpo_family import LOSS_AGGREGATIONS, clipped_policy_loss_asymmetric
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage
-from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
+from trainer_core.training.rl.rollout import (
+    PolicyForward, RolloutBatch, TeacherTarget, completion_hidden, frozen_head, policy_forward,
+)
 from trainer_core.training.rl.batches import policy_metric_sums
-from trainer_core.training.rl.trainer import MiniBatchCounts, masked_sum
+from trainer_core.training.rl.trainer import MiniBatchCounts, RLTrainer, masked_sum
+
+
+GKD_BETA = 0.5
+"""``distill.beta`` when unset: GKD's default (TRL's ``GKDConfig.beta``)."""
 
 
 class DistillAlgorithm:
     """Per-token reverse-KL advantages from the teacher's log-probs (the RL loop's
-    ``ref_logprobs``), the clipped policy loss, token mean (see the module docstring)."""
+    ``ref_logprobs``) and the clipped policy loss, or the generalised JSD over the vocabulary;
+    token mean (see the module docstring)."""
 
     uses_values = False
 
     def __init__(self, cfg: DistillConfig) -> None:
         self.cfg = cfg
         self.samples_per_prompt = cfg.samples_per_prompt
+        self._teacher_head: tuple[Tensor, Tensor | None] | None = None
+        if cfg.loss == "generalized_jsd":
+            self.train_forward = self._jsd_forward
+
+    def _jsd_forward(self, trainer: RLTrainer, part: RolloutBatch) -> PolicyForward:
+        """The student's forward on ``part`` (with gradients, through the backend's wrapper) with
+        the generalised JSD to the teacher per token (``out.divergences``); the teacher's head is
+        gathered once (collective under FSDP2 and ZeRO-3), its hidden states each call."""
+        teacher, temperature = trainer.reference, self.cfg.generation.temperature
+        if teacher is None:
+            raise RuntimeError("distill: the RL loop has no teacher model")
+        if self._teacher_head is None:
+            self._teacher_head = frozen_head(teacher)
+        target = TeacherTarget(completion_hidden(teacher, part), *self._teacher_head,
+                               beta=GKD_BETA if self.cfg.beta is None else self.cfg.beta, temperature=temperature)
+        return policy_forward(trainer.model, part, temperature=temperature, with_values=False, teacher=target)
 
     def prepare(self, batch: RolloutBatch, kl_coef: float, all_reduce_sum: Callable[[Tensor], Tensor]) -> None:
         """``batch.advantages`` [N, T] float32: ``ref_logprobs - logprobs`` on the student's tokens, 0
@@ -62,6 +93,14 @@ class DistillAlgorithm:
         weighted by ``batch.is_weights`` when set), and the token sums of the metrics
         (``distill/reverse_kl_avg``: ``logprobs - ref_logprobs`` at sampling time)."""
         mask, cfg = batch.completion_mask, self.cfg
+        reverse_kl = {"distill/reverse_kl_avg": masked_sum(batch.logprobs - batch.ref_logprobs, mask)}
+        if cfg.loss == "generalized_jsd":
+            loss = LOSS_AGGREGATIONS["token_mean"](out.divergences, mask, num_tokens=counts.num_tokens,
+                                                   num_sequences=counts.num_sequences,
+                                                   max_new_tokens=cfg.generation.max_new_tokens)
+            return loss, {"loss/policy_avg": masked_sum(out.divergences.detach(), mask),
+                          "distill/jsd_avg": masked_sum(out.divergences.detach(), mask),
+                          "policy/entropy_avg": masked_sum(out.entropies, mask), **reverse_kl}
         losses, m = clipped_policy_loss_asymmetric(out.logprobs, batch.logprobs, batch.advantages, cfg.clip_eps,
                                                    cfg.clip_eps)
         if batch.is_weights is not None:
@@ -71,8 +110,7 @@ class DistillAlgorithm:
                                                max_new_tokens=cfg.generation.max_new_tokens)
         metric_sums = {
             "loss/policy_avg": masked_sum(losses.detach(), mask),
-            "distill/reverse_kl_avg": masked_sum(batch.logprobs - batch.ref_logprobs, mask),
-            **policy_metric_sums(m, out.entropies, mask),
+            **reverse_kl, **policy_metric_sums(m, out.entropies, mask),
         }
         return loss, metric_sums
 

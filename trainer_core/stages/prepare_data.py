@@ -131,7 +131,8 @@ def _stage(name: str, source: DataSource, config: PipelineConfig, tmp: str, metr
     """Stream data set ``name`` (the synthetic task when its uri is None) into a local store."""
     syn, seed = config.data.synthetic, config.seed
     synthetic: dict[str, Callable[[], Iterator[dict]]] = {
-        "sft": lambda: iter_sft_records(syn.num_problems, seed, syn.max_operand, syn.annotation_fraction),
+        "sft": lambda: iter_sft_records(syn.num_problems, seed, syn.max_operand, syn.annotation_fraction,
+                                        syn.annotation_unit),
         "preference": lambda: iter_preference_records(syn.num_pairs, seed, syn.max_operand),
         "kto": lambda: iter_preference_records(syn.num_pairs, seed, syn.max_operand),
         "pretrain": lambda: iter_sft_records(syn.num_problems, seed + 1, syn.max_operand),  # problems as plain text

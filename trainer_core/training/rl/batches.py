@@ -47,7 +47,9 @@ class Algorithm(Protocol):
 
     Optional attributes read with ``getattr``: ``dynamic_sampling`` (bool) and
     ``max_sampling_rounds`` (int): keep only groups whose scores are not all equal
-    (:func:`groups_with_signal`), sampling more prompts, up to that many rounds.
+    (:func:`groups_with_signal`), sampling more prompts, up to that many rounds; ``train_forward``
+    (``(trainer, mini_batch) -> PolicyForward``): the update's forward instead of the trainer's
+    own (distillation's generalised JSD, which forwards the teacher too).
     """
 
     samples_per_prompt: int

@@ -30,6 +30,7 @@ from trainer_core.objectives.chunked import (
     CHUNK_SIZE_TOKENS,
     chunked_linear_logprobs_entropy,
 )
+from trainer_core.objectives.distill import chunked_generalized_jsd
 from trainer_core.objectives.logprobs import compute_logprobs
 
 
@@ -169,11 +170,34 @@ class PolicyForward:
         logprobs: [N, T] float32 sampled-token log-probs (0 on padding).
         entropies: [N, T] float32 detached entropies of the next-token distribution (0 on padding).
         values: [N, T] float32 value predictions, or None without a value head.
+        divergences: [N, T] float32 generalised JSD to a teacher per completion token (0 on
+            padding), with gradients, when the forward was given a :class:`TeacherTarget`; else None.
     """
 
     logprobs: Tensor
     entropies: Tensor
     values: Tensor | None
+    divergences: Tensor | None = None
+
+
+@dataclass
+class TeacherTarget:
+    """What a student's forward compares its next-token distributions with (on-policy
+    distillation's generalised JSD, :func:`~trainer_core.objectives.distill.chunked_generalized_jsd`).
+
+    Attributes:
+        hidden: [M, Ht] the teacher's final hidden states at the positions predicting the
+            batch's M counted completion tokens (row-major over [N, T]; :func:`completion_hidden`).
+        weight: [V, Ht] the teacher's output projection (whole, not sharded); ``bias`` [V] or None.
+        beta: the mixing coefficient (0 forward KL, 1 reverse KL).
+        temperature: divides both models' logits (0 counts as 1).
+    """
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Tensor | None
+    beta: float
+    temperature: float
 
 
 def _scatter_rows(values: Tensor, counted: Tensor) -> Tensor:
@@ -182,9 +206,18 @@ def _scatter_rows(values: Tensor, counted: Tensor) -> Tensor:
     return out.masked_scatter(counted, values)
 
 
+def _completion_states(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                       start: int) -> Tensor:
+    """[N, T, H] the decoder's final hidden states; position t predicts completion token t."""
+    return decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state[:, start:-1, :]
+
+
 def _completion_head_forward(
     decoder: nn.Module, head: nn.Linear, value_head: nn.Module | None, temperature: float, chunk_size: int,
     input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, completion_mask: Tensor, start: int,
+    teacher: TeacherTarget | None = None,
 ) -> PolicyForward:
     """A causal LM's forward for one call, scoring completion tokens only: the decoder on
     ``[prompt | completion]``, then the LM head on the real completion positions a chunk at a
@@ -199,14 +232,15 @@ def _completion_head_forward(
         input_ids, attention_mask, position_ids: [N, L] from :func:`completion_inputs`.
         completion_mask: [N, T] 1 = real completion token; T = L - 1 - start.
         start: :func:`completion_start`.
+        teacher: also the generalised JSD to this teacher per completion token, from the same
+            hidden states and head, chunked (no [N, T, V] logits of either model).
 
     Returns:
-        (logprobs [N, T], entropies [N, T] detached, values [N, T] or None), float32, as a tuple
-        (a pytree: FSDP2 and DDP find the tensors of a wrapped forward's output).
+        (logprobs [N, T], entropies [N, T] detached, values [N, T] or None, divergences [N, T] or
+        None), float32, as a tuple (a pytree: FSDP2 and DDP find the tensors of a wrapped
+        forward's output).
     """
-    hidden = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state[:, start:-1, :]  # [N, T, H]: position t predicts completion token t
+    hidden = _completion_states(decoder, input_ids, attention_mask, position_ids, start)
     counted = completion_mask > 0
     scale = temperature if temperature > 0 else 1.0
     selected = hidden[counted]  # [M, H]
@@ -216,7 +250,12 @@ def _completion_head_forward(
     values = None
     if value_head is not None:
         values = value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # [N, T]
-    return _scatter_rows(logprobs, counted), _scatter_rows(entropies, counted), values
+    divergences = None
+    if teacher is not None:
+        divergences = _scatter_rows(chunked_generalized_jsd(
+            selected, head.weight, head.bias, teacher.hidden, teacher.weight, teacher.bias, teacher.beta,
+            teacher.temperature if teacher.temperature > 0 else 1.0, chunk_size), counted)
+    return _scatter_rows(logprobs, counted), _scatter_rows(entropies, counted), values, divergences
 
 
 def completion_forward(
@@ -261,6 +300,58 @@ def completion_forward(
         return PolicyForward(*model(**inputs, completion_mask=batch.completion_mask, start=start))
 
 
+def _counted_hidden(decoder: nn.Module, head: nn.Linear, input_ids: Tensor, attention_mask: Tensor,
+                    position_ids: Tensor, completion_mask: Tensor, start: int) -> Tensor:
+    """[M, H] the decoder's final hidden states at the positions predicting the counted completion tokens."""
+    return _completion_states(decoder, input_ids, attention_mask, position_ids, start)[completion_mask > 0]
+
+
+@torch.no_grad()
+def completion_hidden(model: nn.Module, batch: Completions) -> Tensor:
+    """A frozen causal LM's (the teacher's) final hidden states at the positions that predict
+    ``batch``'s counted completion tokens, from one call of ``model`` (a backend's wrapper's hooks
+    fire as for a plain forward, as in :func:`completion_forward`); its LM head does not run.
+
+    Returns:
+        [M, H] in the model's dtype, M = ``batch.completion_mask.sum()``, rows in [N, T] row-major
+        order (the order :class:`TeacherTarget` and the student's chunked head use).
+
+    Raises:
+        ValueError: the model's logits are not a plain linear head of its last hidden state.
+    """
+    inner = unwrap_causal_lm(model)
+    parts = head_parts(inner)
+    if parts is None:
+        raise ValueError(f"{type(inner).__name__}: its logits are not a plain linear head of the last hidden state "
+                         "(soft-capping, logit scaling), which the generalised JSD from hidden states needs")
+    inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                               batch.observation_mask)
+    with forward_replaced(inner, partial(_counted_hidden, *parts)):
+        return model(**inputs, completion_mask=batch.completion_mask, start=completion_start(batch.prompt_ids))
+
+
+def frozen_head(model: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """A frozen causal LM's whole output projection, ``(weight [V, H], bias [V] or None)``, detached:
+    gathered from its shards under FSDP2 (``DTensor.full_tensor``) and ZeRO-3
+    (``deepspeed.zero.GatheredParameters``, copied), so collective there (every rank calls it).
+
+    Raises:
+        ValueError: the model's logits are not a plain linear head.
+    """
+    parts = head_parts(unwrap_causal_lm(model))
+    if parts is None:
+        raise ValueError(f"{type(unwrap_causal_lm(model)).__name__}: its logits are not a plain linear head")
+    head = parts[1]
+    params = [p for p in (head.weight, head.bias) if p is not None]
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return head.weight.detach().clone(), None if head.bias is None else head.bias.detach().clone()
+    whole = lambda p: None if p is None else (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+    return whole(head.weight), whole(head.bias)
+
+
 class PolicyAndValue(nn.Module):
     """The trainable parts of an RL stage as one module: the policy and (PPO) its value head.
 
@@ -284,7 +375,8 @@ class PolicyAndValue(nn.Module):
 
     def forward(
         self, *, completion_mask: Tensor | None = None, start: int = 0, temperature: float = 1.0,
-        with_values: bool = False, chunk_size: int = CHUNK_SIZE_TOKENS, full_logits: bool = False, **kwargs: Any,
+        with_values: bool = False, chunk_size: int = CHUNK_SIZE_TOKENS, full_logits: bool = False,
+        teacher: TeacherTarget | None = None, **kwargs: Any,
     ) -> Any:
         """The policy's output on ``kwargs``; with ``completion_mask``, the tuple (logprobs,
         entropies, values) of :class:`PolicyForward` (:func:`policy_forward` builds it).
@@ -299,10 +391,12 @@ class PolicyAndValue(nn.Module):
             chunk_size: tokens per chunk of the LM head.
             full_logits: score from the policy's full [N, L, V] logits instead (the reference
                 path, and the one of a policy whose logits are not a plain linear head).
+            teacher: also the generalised JSD to this teacher per completion token (a plain
+                linear head and ``full_logits`` False only).
             **kwargs: the policy's forward arguments (``input_ids`` [N, L] ...).
 
         Raises:
-            ValueError: ``with_values`` without a value head.
+            ValueError: ``with_values`` without a value head; ``teacher`` with full logits.
         """
         if completion_mask is None:
             return self.policy(**kwargs)
@@ -313,14 +407,16 @@ class PolicyAndValue(nn.Module):
         if parts is not None:
             return _completion_head_forward(
                 *parts, value_head, temperature, chunk_size, kwargs["input_ids"], kwargs["attention_mask"],
-                kwargs["position_ids"], completion_mask, start,
+                kwargs["position_ids"], completion_mask, start, teacher,
             )
+        if teacher is not None:
+            raise ValueError("the generalised JSD to a teacher needs a plain linear LM head and full_logits False")
         out = self.policy(**kwargs, output_hidden_states=value_head is not None)
         logprobs, entropies = completion_logprobs(out.logits, kwargs["input_ids"], completion_mask, start, temperature)
         values = None
         if value_head is not None:
             values = value_head(out.hidden_states[-1][:, start:-1, :]).squeeze(-1).to(torch.float32, copy=True)
-        return logprobs, entropies, values
+        return logprobs, entropies, values, None
 
 
 def value_head_for(policy: nn.Module) -> nn.Linear:
@@ -337,7 +433,8 @@ def value_head_for(policy: nn.Module) -> nn.Linear:
 
 
 def policy_forward(
-    model: nn.Module, batch: Completions, *, temperature: float, with_values: bool, full_logits: bool = False
+    model: nn.Module, batch: Completions, *, temperature: float, with_values: bool, full_logits: bool = False,
+    teacher: TeacherTarget | None = None,
 ) -> PolicyForward:
     """Log-probs, entropies and (``with_values``) values of ``batch``'s completions from one
     forward of the trainable model.
@@ -349,6 +446,7 @@ def policy_forward(
         temperature: the sampling temperature (logits are divided by it; 0 counts as 1).
         with_values: also run the value head (``model`` must have one).
         full_logits: score from the full logits (:meth:`PolicyAndValue.forward`).
+        teacher: also the generalised JSD to this teacher (``divergences``).
 
     Returns:
         The :class:`PolicyForward` (values unmasked; None without ``with_values``).
@@ -357,5 +455,5 @@ def policy_forward(
                                batch.observation_mask)
     return PolicyForward(*model(
         **inputs, completion_mask=batch.completion_mask, start=completion_start(batch.prompt_ids),
-        temperature=temperature, with_values=with_values, full_logits=full_logits,
+        temperature=temperature, with_values=with_values, full_logits=full_logits, teacher=teacher,
     ))

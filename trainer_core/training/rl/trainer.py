@@ -37,10 +37,9 @@ its checksums compared across ranks first) and ``sampler_rng.pt`` (every rank's 
 generator, in rank order), so a resumed run samples and steps as one never stopped. Metrics go
 to MLflow once the checkpoint covering them is committed.
 
-Unused fields of the shared stage config: ``micro_batch_size``, ``grad_accum_steps``,
-``global_batch_size`` (a DeepSpeed engine takes one step per mini-batch, accumulated over its
-micro-batches), ``eval_every``, ``eval_max_batches``, ``keep_best_metric``,
-``early_stopping_patience``; held-out evaluation is the ``evaluate`` stage's job.
+Unused fields of the shared stage config: ``micro_batch_size``, ``grad_accum_steps``, ``global_batch_size`` (a
+DeepSpeed engine takes one step per mini-batch, accumulated over its micro-batches), ``eval_every``,
+``eval_max_batches``, ``keep_best_metric``, ``early_stopping_patience``; held-out evaluation is ``evaluate``'s job.
 
 Shape legend: N sequences (this rank's), T completion tokens.
 """
@@ -363,7 +362,8 @@ class RLTrainer:
         for index, part in enumerate(parts):
             with backend.grad_sync(self.model, is_last_micro_batch=index == len(parts) - 1 and not ptx):
                 with backend.autocast():
-                    out = self.forward(self.model, part)
+                    train_forward = getattr(self.algo, "train_forward", None)  # distill's JSD: the teacher too
+                    out = train_forward(self, part) if train_forward else self.forward(self.model, part)
                     loss, sums = self.algo.loss(part, out, counts)
                 backend.backward(self.model, loss)
             loss_sum = loss_sum + loss.detach().float()
