@@ -15,7 +15,7 @@ Input roles (what a stage module asks its context for):
 
 - ``data``: the prepare_data final directory (tokenised splits and the tokenizer);
 - ``model``: the model a stage starts from (or, for score, the policy it samples);
-- ``reference``: the frozen reference of DPO, KTO, PPO and GRPO;
+- ``reference``: the frozen reference of DPO, KTO, PPO and GRPO; distill's teacher;
 - ``reward_model``: a trained reward model;
 - ``<stage>_model``: evaluate's view of each trained policy (``sft_model``, ``dpo_model``, ...);
 - ``base_model``: evaluate's base model source.
@@ -176,18 +176,27 @@ def _rl_inputs(section: str) -> InputsFn:
     return inputs
 
 
+def _teacher_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
+    """The teacher's SFT starts from its ``init_from``, else the base model (built from
+    ``teacher.model_init`` when the base is built from config)."""
+    return {"data": outputs.require("prepare_data"), "model": config.teacher.init_from or _source(config)}
+
+
 def _distill_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
-    """Distillation: the student (its start, as an RL stage's) and the teacher as its reference.
+    """Distillation: the student (its start, as an RL stage's) and the teacher as its reference:
+    ``distill.teacher_from``, else the ``teacher`` stage's output.
 
     Raises:
-        ConfigError: no ``distill.teacher_from``.
+        ConfigError: neither.
     """
     cfg = config.distill
-    if not cfg.teacher_from:
+    teacher = cfg.teacher_from or outputs.get("teacher")
+    if not teacher:
         raise ConfigError("distill.teacher_from: the distill stage needs a teacher model (an HF model directory or "
-                          "URI sharing the student's tokenizer, e.g. another run's stages/sft/final)")
+                          "URI sharing the student's tokenizer, e.g. another run's stages/sft/final), or the teacher "
+                          "stage in stages")
     return {"data": outputs.require("prepare_data"), "model": _start(cfg.init_from, config, outputs),
-            "reference": cfg.teacher_from}
+            "reference": teacher}
 
 
 def _evaluate_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
@@ -211,6 +220,8 @@ STAGES: tuple[StageDef, ...] = (
              description="continued pretraining: next-token loss on every token of packed raw text", default=False),
     StageDef("sft", "trainer_core.stages.sft", "sft", True, "policy", _sft_inputs,
              description="supervised fine-tuning on completion tokens"),
+    StageDef("teacher", "trainer_core.stages.teacher", "teacher", True, "policy", _teacher_inputs,
+             description="SFT of a distillation teacher: its own (wider) model on the SFT data", default=False),
     StageDef("reward_model", "trainer_core.stages.reward_model", "reward_model", True, "reward_model",
              _reward_model_inputs, description="Bradley-Terry reward model on preference pairs"),
     StageDef("score", "trainer_core.stages.score", "score", False, "table", _score_inputs,

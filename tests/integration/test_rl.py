@@ -357,6 +357,41 @@ def test_the_generalised_jsd_over_the_vocabulary_falls(tiny_pipeline, distill_te
     assert read_manifest(StageLayout(output).final).metrics["global_step"] == RL_STEPS
 
 
+def test_the_teacher_stage_trains_a_wider_model_that_distill_reads(tiny_pipeline):
+    """``teacher`` with ``model_init`` twice the student's width: an HF model of that width with
+    the run's tokenizer, its loss falling; distill, wired by the registry (no ``teacher_from``),
+    takes it as its teacher and runs two iterations from it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from trainer_core.data.prepared import load_tokenizer_from
+    from trainer_core.registry import stage_inputs as registry_inputs
+
+    init = tiny_pipeline.config.model.init.model_dump()
+    config = load_config(base=tiny_pipeline.config.model_dump(mode="json"), overrides={
+        "stages": "prepare_data,sft,teacher,distill,evaluate", "teacher.max_steps": 8,
+        "teacher.model_init": {**init, "hidden_size": 2 * init["hidden_size"]},
+        **{f"distill.{k}": v for k, v in {**_RL_OVERRIDES, "max_steps": 2}.items()}})
+    outputs = {"prepare_data": tiny_pipeline.data_uri, "sft": StageLayout(tiny_pipeline.baseline_uris["sft"]).final}
+    teacher_out = os.path.join(tiny_pipeline.root, "rl", "teacher")
+    spec = build_spec(config, "teacher", RUN_ID, registry_inputs(config, "teacher", outputs), output_uri=teacher_out)
+    run = run_stage(write_spec(spec, os.path.join(tiny_pipeline.root, "specs", "teacher.json")))
+    assert run.returncode == 0, run.tail()
+    final = StageLayout(teacher_out).final
+    assert json.loads(storage.read_bytes(join_uri(final, "config.json")))["hidden_size"] == 2 * init["hidden_size"]
+    assert AutoTokenizer.from_pretrained(final).get_vocab() == load_tokenizer_from(tiny_pipeline.data_uri).get_vocab()
+    losses = [float(m["train/loss"]) for _, m in sorted(run.step_metrics().items()) if "train/loss" in m]
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
+    inputs = registry_inputs(config, "distill", {**outputs, "teacher": final})
+    assert inputs["reference"] == final
+    output = os.path.join(tiny_pipeline.root, "rl", "distill-from-teacher")
+    spec = build_spec(config, "distill", RUN_ID, inputs, output_uri=output)
+    run = run_stage(write_spec(spec, os.path.join(tiny_pipeline.root, "specs", "distill-from-teacher.json")))
+    assert run.returncode == 0, run.tail()
+    assert sorted(run.step_metrics()) == [1, 2]
+
+
 def test_a_killed_distillation_resumes_bit_identically(tiny_pipeline, distill_teacher, distill_baseline):
     path, output = distill_spec_path(tiny_pipeline, "distill-killed", distill_teacher)
     committed = after_checkpoint(output, SAVE_EVERY)

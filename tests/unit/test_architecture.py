@@ -106,7 +106,8 @@ def test_lists_of_stages_derive_from_the_registry():
     and the names the config accepts all come from the registry."""
     config = load_config()
     assert config.stages == list(DEFAULT_STAGES) == [s.name for s in STAGES if s.default]
-    assert set(STAGE_ORDER) - set(DEFAULT_STAGES) == {"pretrain", "kto", "distill"}  # opt-in: data or a teacher of their own
+    # opt-in: data or a teacher of their own
+    assert set(STAGE_ORDER) - set(DEFAULT_STAGES) == {"pretrain", "kto", "teacher", "distill"}
     assert [s.name for s in STAGES if s.trains] == [s for s in STAGE_ORDER if config.backend_for(s) is config.backend]
     with pytest.raises(ConfigError, match="unknown stage 'simpo'"):
         get_stage("simpo")

@@ -36,3 +36,35 @@ def test_the_stage_needs_a_teacher_and_no_other_reference():
                        ({"distill.loss": "generalized_jsd", "distill.beta": 1.5}, "beta")):
         with pytest.raises(ConfigError, match=field):
             load_config(overrides=bad)
+
+
+def test_the_teacher_stage_trains_its_own_model_and_distill_reads_it():
+    """``teacher`` (opt-in, after SFT) starts from the base model; built from config it takes
+    ``teacher.model_init``; distill reads its output when ``distill.teacher_from`` is unset (the
+    explicit one wins); a model_init for a loaded teacher is refused naming the field."""
+    from trainer_core.registry import INIT_SOURCE
+    from trainer_core.spec import build_spec
+    from trainer_core.stages.context import StageContext
+    from trainer_core.stages.teacher import teacher_context
+
+    assert STAGE_ORDER.index("sft") < STAGE_ORDER.index("teacher") < STAGE_ORDER.index("distill")
+    wide = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}
+    config = load_config(overrides={"stages": "prepare_data,sft,teacher,distill,evaluate", "teacher.model_init": wide})
+    outputs = {"prepare_data": "/d", "sft": "/s", "teacher": "/t"}
+    assert stage_inputs(config, "teacher", outputs) == {"data": "/d", "model": INIT_SOURCE}
+    assert stage_inputs(config, "distill", outputs)["reference"] == "/t"
+    explicit = load_config(base=config.model_dump(mode="json"), overrides={"distill.teacher_from": "/x"})
+    assert stage_inputs(explicit, "distill", outputs)["reference"] == "/x"
+    assert stage_inputs(config, "evaluate", outputs)["teacher_model"] == "/t"
+
+    def context(cfg, model):
+        spec = build_spec(cfg, "teacher", "run", {"data": "/d", "model": model}, output_uri="/out/teacher")
+        return StageContext(spec=spec, backend=None, tokenizer=None, metrics=None)
+
+    wide_ctx = teacher_context(context(config, INIT_SOURCE))
+    assert wide_ctx.config.model.init.hidden_size == 128 and wide_ctx.config.teacher == config.teacher
+    assert wide_ctx.config.sft == config.sft and wide_ctx.input("model") == INIT_SOURCE
+    with pytest.raises(ConfigError, match="teacher.model_init"):
+        teacher_context(context(config, "Qwen/Qwen2.5-7B"))
+    plain = load_config(overrides={"stages": "prepare_data,sft,teacher,evaluate"})
+    assert teacher_context(context(plain, INIT_SOURCE)).config.model.init == plain.model.init

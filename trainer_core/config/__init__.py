@@ -9,7 +9,7 @@ field path.
 
 from trainer_core.config.backend import BACKENDS, BackendConfig
 from trainer_core.config.base import ConfigBase, config_hash
-from trainer_core.config.distill import DistillConfig
+from trainer_core.config.distill import DistillConfig, TeacherConfig
 from trainer_core.config.pipeline import (
     PipelineConfig,
     apply_overrides,
@@ -61,6 +61,7 @@ __all__ = [
     "DataConfig",
     "DataSource",
     "DistillConfig",
+    "TeacherConfig",
     "EnvironmentConfig",
     "EvaluateConfig",
     "GRPOConfig",

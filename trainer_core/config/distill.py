@@ -1,4 +1,5 @@
-"""The ``distill`` section: on-policy distillation from a teacher model (``trainer_core/stages/distill.py``)."""
+"""The ``distill`` section: on-policy distillation from a teacher model (``trainer_core/stages/distill.py``);
+the ``teacher`` section: SFT of that teacher in the same run (``trainer_core/stages/teacher.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,23 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from trainer_core.config.stages import RLStageConfig
+from trainer_core.config.sections import ModelInit
+from trainer_core.config.stages import RLStageConfig, SupervisedStageConfig
+
+
+class TeacherConfig(SupervisedStageConfig):
+    """SFT of a distillation teacher on the run's SFT data, the SFT stage's loop and settings, with
+    a model of its own: built from ``model_init`` (a wider or deeper model than the student's
+    ``model.init``, with the run's tokenizer), or loaded from ``init_from`` (a pretrained model
+    that shares the student's tokenizer). ``distill`` reads it as its teacher when
+    ``distill.teacher_from`` is unset.
+    """
+
+    model_init: ModelInit | None = Field(
+        None, description="The teacher's architecture and sizes when it is built from config (the fields of "
+        "model.init); None: model.init, the student's. Only for a teacher built from config (not with init_from or "
+        "model.name_or_path)."
+    )
 
 
 class DistillConfig(RLStageConfig):

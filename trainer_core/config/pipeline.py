@@ -19,7 +19,7 @@ from pydantic_core import to_jsonable_python
 
 from trainer_core.config.backend import BackendConfig
 from trainer_core.config.base import ConfigBase
-from trainer_core.config.distill import DistillConfig
+from trainer_core.config.distill import DistillConfig, TeacherConfig
 from trainer_core.config.sections import (
     DataConfig,
     LaunchConfig,
@@ -78,6 +78,7 @@ class PipelineConfig(ConfigBase):
     kto: KTOConfig = Field(default_factory=KTOConfig, description="KTO stage.")
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO stage.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO stage.")
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="SFT of a distillation teacher.")
     distill: DistillConfig = Field(default_factory=DistillConfig, description="On-policy distillation stage.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
     sweep: SweepConfig = Field(default_factory=SweepConfig, description="A grid of recipes (posttrain sweep).")
