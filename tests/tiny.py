@@ -35,26 +35,12 @@ TINY_MODEL: dict[str, object] = {
 }
 """The model built from config and its tokenizer, at the smallest size the stages accept."""
 
-TINY_NO_TOOLS: dict[str, object] = {
-    "data.synthetic.annotation_fraction": 1.0,
-    "data.synthetic.annotation_unit": "solution",
-    "ppo.environment": None,
-    "grpo.environment": None,
-    "evaluate.environment": None,
-}
-"""The demo's calculator off, every solution annotated (the synthetic task's default stream): at
-tiny sizes a policy writes 8 tokens of noise and never completes a call, so the tool would only
-change which stream the data come from. The tools have their own tests
-(``tests/integration/test_rl.py``, ``tests/unit/test_environments.py``, evaluate's)."""
-
 TINY_DATA: dict[str, object] = {
     "data.synthetic.num_problems": 120,
     "data.synthetic.num_pairs": 60,
     "data.max_eval_rows": 8,
-    **TINY_NO_TOOLS,
 }
-"""The synthetic task: 120 problems and 60 preference pairs, at most 8 held-out rows a set
-(with :data:`TINY_NO_TOOLS`)."""
+"""The synthetic task: 120 problems and 60 preference pairs, at most 8 held-out rows a set."""
 
 TINY_PREPARE: dict[str, object] = {
     "seed": 5,

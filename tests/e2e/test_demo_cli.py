@@ -22,8 +22,16 @@ STAGES = ("prepare_data", "sft", "reward_model", "score", "dpo", "ppo", "grpo", 
 TRAINED = ("sft", "reward_model", "dpo", "ppo", "grpo")
 
 TWO_RANKS = {"nproc_per_node": 2}
-EXTENDED_STAGES = ["prepare_data", "pretrain", "sft", "reward_model", "dpo", "kto", "evaluate"]
+EXTENDED_STAGES = ["prepare_data", "pretrain", "sft", "teacher", "reward_model", "dpo", "kto", "distill", "evaluate"]
 """demo-extended.yaml's stages with the reward model added (trained from SFT, committed for evaluate)."""
+TINY_TEACHER: dict[str, object] = {
+    "teacher.max_steps": 4, "teacher.eval_every": 2, "teacher.save_every": 2,
+    "teacher.model_init": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256},
+    "distill.max_steps": 2, "distill.prompts_per_rollout": 2, "distill.save_every": 2,
+    "distill.generation.max_new_tokens": 8,
+}
+"""The teacher (twice the tiny student's width) and the distillation at tiny sizes."""
 MIXED: dict[str, object] = {
     # A backend a stage of demo-extended.yaml (plus the reward model): full weights at 2 ranks on
     # FSDP2 (pretrain) and ZeRO-3 (SFT, loading FSDP2's commit; the reward model, committing its
@@ -135,7 +143,7 @@ def test_demo_extended_config_with_a_backend_a_stage_through_the_cli(prefect_api
     torchrun), DPO (LoRA, merged on commit) and KTO from SFT, and evaluate comparing the four
     policies, in one run; each stage loads the model the previous backend committed."""
     sets = {"stages": EXTENDED_STAGES, "pretrain.max_steps": 4, "pretrain.eval_every": 2, "pretrain.save_every": 2,
-            "kto.max_steps": 2, "kto.grad_accum_steps": 1, **MIXED}
+            "kto.max_steps": 2, "kto.grad_accum_steps": 1, **TINY_TEACHER, **MIXED}
     _, summary, _ = run_cli(prefect_api, tmp_path, "demo-extended.yaml", sets)
     stages = summary["stages"]
     assert set(stages) == set(EXTENDED_STAGES)
@@ -148,5 +156,8 @@ def test_demo_extended_config_with_a_backend_a_stage_through_the_cli(prefect_api
         assert (manifest["backend"], manifest["world_size"]) == backend, name
         with safe_open(final / "model.safetensors", "pt") as f:  # LoRA commits the merged model: plain keys only
             assert f.keys() and not [k for k in f.keys() if "lora_" in k], name
-    for policy in ("pretrain", "sft", "dpo", "kto"):
+    distill_spec = json.loads((Path(stages["distill"]["output_uri"]).parents[2] / "specs" / "distill.json").read_text())
+    assert distill_spec["inputs"]["reference"] == stages["teacher"]["output_uri"]  # the teacher stage's model
+    assert json.loads((Path(stages["teacher"]["output_uri"]) / "config.json").read_text())["hidden_size"] == 64
+    for policy in ("pretrain", "sft", "teacher", "dpo", "kto", "distill"):
         assert f"{policy}/exact_match" in stages["evaluate"]["metrics"]
