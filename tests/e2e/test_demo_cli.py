@@ -23,7 +23,8 @@ TRAINED = ("sft", "reward_model", "dpo", "ppo", "grpo")
 
 TWO_RANKS = {"nproc_per_node": 2}
 EXTENDED_STAGES = ["prepare_data", "pretrain", "sft", "teacher", "reward_model", "dpo", "kto", "distill", "evaluate"]
-"""demo-extended.yaml's stages with the reward model added (trained from SFT, committed for evaluate)."""
+"""demo-extended.yaml's stages with the reward model (trained from SFT, committed for evaluate) and
+demo-distill.yaml's teacher and distillation added."""
 TINY_TEACHER: dict[str, object] = {
     "teacher.max_steps": 4, "teacher.eval_every": 2, "teacher.save_every": 2,
     "teacher.model_init": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
