@@ -98,8 +98,8 @@ class DistillAlgorithm:
             loss = LOSS_AGGREGATIONS["token_mean"](out.divergences, mask, num_tokens=counts.num_tokens,
                                                    num_sequences=counts.num_sequences,
                                                    max_new_tokens=cfg.generation.max_new_tokens)
-            return loss, {"loss/policy_avg": masked_sum(out.divergences.detach(), mask),
-                          "distill/jsd_avg": masked_sum(out.divergences.detach(), mask),
+            jsd = masked_sum(out.divergences.detach(), mask)
+            return loss, {"loss/policy_avg": jsd, "distill/jsd_avg": jsd,
                           "policy/entropy_avg": masked_sum(out.entropies, mask), **reverse_kl}
         losses, m = clipped_policy_loss_asymmetric(out.logprobs, batch.logprobs, batch.advantages, cfg.clip_eps,
                                                    cfg.clip_eps)
