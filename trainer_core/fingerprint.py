@@ -68,7 +68,7 @@ ADDED_FIELDS: dict[str, object] = {
     # the reward model's parameterisation
     "parameterization": "scalar_head", "implicit_beta": 2.0,
     # on-policy distillation's generalised JSD (distill.loss, distill.beta: DPO's beta is never None)
-    "loss": "token_reverse_kl", "beta": None,
+    "loss": "token_reverse_kl", "beta": None, "lmbda": 1.0,
     # mixture-of-experts models (model.init and every training stage's moe section)
     "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(), "router_temperature": None,
 }

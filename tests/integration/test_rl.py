@@ -342,18 +342,38 @@ def test_distillation_lowers_the_reverse_kl_to_a_wider_teacher(distill_baseline)
     assert manifest.metrics["global_step"] == RL_STEPS and "reward_mean" in manifest.metrics  # the reward is logged
 
 
-def test_the_generalised_jsd_over_the_vocabulary_falls(tiny_pipeline, distill_teacher):
-    """``distill.loss: generalized_jsd`` (beta 0.5): the divergence the update minimises, over the
-    whole vocabulary at the student's sampled tokens, falls below 0.8 of its start (the teacher
-    twice as wide); the sampling-time reverse KL is logged beside it."""
-    path, output = distill_spec_path(tiny_pipeline, "distill-jsd", distill_teacher, loss="generalized_jsd", beta=0.5)
+JSD_SETTINGS = {"loss": "generalized_jsd", "beta": 0.5, "lmbda": 0.5}
+"""The generalised JSD with GKD's mixture (at the pipeline's seed the draw gives iterations 4-6 to
+the dataset's completions, the others to the student's samples)."""
+
+
+@pytest.fixture(scope="module")
+def distill_jsd(tiny_pipeline, distill_teacher) -> tuple[str, StageRun]:
+    path, output = distill_spec_path(tiny_pipeline, "distill-jsd", distill_teacher, **JSD_SETTINGS)
     run = run_stage(path)
     assert run.returncode == 0, run.tail()
+    return output, run
+
+
+def test_the_generalised_jsd_over_the_vocabulary_falls(tiny_pipeline, distill_jsd):
+    """``distill.loss: generalized_jsd`` (beta 0.5): the divergence the update minimises, over the
+    whole vocabulary at the student's sampled tokens, falls below 0.8 of its start (the teacher
+    twice as wide); the sampling-time reverse KL is logged beside it. With ``lmbda`` 0.5 the
+    iterations the draw gives to the dataset train on its completions: the divergence and KL
+    logged, no reward (nothing sampled)."""
+    from trainer_core.training.rl.dataset_completions import on_policy_iteration
+
+    output, run = distill_jsd
     steps = run.step_metrics()
-    jsd = [float(steps[s]["distill/jsd_avg"]) for s in sorted(steps)]
-    print(f"distill generalized_jsd per step: {[round(x, 4) for x in jsd]}")
-    assert len(jsd) == RL_STEPS and all("distill/reverse_kl_avg" in m for m in steps.values())
-    assert sum(jsd[-3:]) / 3 < 0.8 * sum(jsd[:3]) / 3, jsd
+    on_policy = {s: float(m["rollout/on_policy"]) == 1.0 for s, m in steps.items()}
+    seed = tiny_pipeline.config.seed
+    assert on_policy == {s: on_policy_iteration(0.5, seed, s - 1) for s in range(1, RL_STEPS + 1)}
+    assert 2 <= sum(on_policy.values()) <= RL_STEPS - 2, on_policy  # both kinds of iteration ran
+    jsd = [float(steps[s]["distill/jsd_avg"]) for s in sorted(steps) if on_policy[s]]
+    print(f"distill generalized_jsd per on-policy step: {[round(x, 4) for x in jsd]}; on-policy {on_policy}")
+    assert all("distill/reverse_kl_avg" in m and "distill/jsd_avg" in m for m in steps.values())
+    assert all(("reward_mean" in m) == on_policy[s] for s, m in steps.items())
+    assert sum(jsd[-2:]) / 2 < 0.8 * sum(jsd[:2]) / 2, jsd
     assert read_manifest(StageLayout(output).final).metrics["global_step"] == RL_STEPS
 
 
@@ -392,14 +412,17 @@ def test_the_teacher_stage_trains_a_wider_model_that_distill_reads(tiny_pipeline
     assert sorted(run.step_metrics()) == [1, 2]
 
 
-def test_a_killed_distillation_resumes_bit_identically(tiny_pipeline, distill_teacher, distill_baseline):
-    path, output = distill_spec_path(tiny_pipeline, "distill-killed", distill_teacher)
+def test_a_killed_distillation_resumes_bit_identically(tiny_pipeline, distill_teacher, distill_jsd):
+    """The generalised JSD with dataset completions (``lmbda`` 0.5) killed after its step-4
+    checkpoint: the resumed run logs the uninterrupted one's lines, its on-policy and dataset
+    iterations alike, and ends with its weights."""
+    path, output = distill_spec_path(tiny_pipeline, "distill-killed", distill_teacher, **JSD_SETTINGS)
     committed = after_checkpoint(output, SAVE_EVERY)
     killed = run_stage(path, kill_when=lambda lines: committed(lines) and any("[distill] step 6:" in x for x in lines))
     assert killed.killed
     resumed = run_stage(path)
     assert resumed.returncode == 0, resumed.tail()
-    base_output, base_run = distill_baseline
+    base_output, base_run = distill_jsd
     assert resumed.step_metrics() == {s: m for s, m in base_run.step_metrics().items() if s > SAVE_EVERY}
     assert_same_weights(final_weights(output), final_weights(base_output))
 

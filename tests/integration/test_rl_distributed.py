@@ -78,8 +78,9 @@ _STAGE_OVERRIDES = {
     # the ptx term: one more forward and backward per step on every rank.
     "grpo": {"group_size": 4, "kl_coef": 0.05, "reward.kind": "reward_model", "ptx_coef": 0.5, "ptx_rows_per_step": 2},
     # The generalised JSD over the vocabulary: the teacher (wider, sharded too) forwards in every
-    # update step, its head gathered whole once.
-    "distill": {"loss": "generalized_jsd", "beta": 0.5, "samples_per_prompt": 2, "ptx_coef": 0.5,
+    # update step, its head gathered whole once; lmbda 0.5: iterations on the dataset's
+    # completions too (the same draw on both ranks: their forwards run in lockstep).
+    "distill": {"loss": "generalized_jsd", "beta": 0.5, "lmbda": 0.5, "samples_per_prompt": 2, "ptx_coef": 0.5,
                 "ptx_rows_per_step": 2},
 }
 SAMPLES_PER_PROMPT = {"grpo": 4, "distill": 2, "ppo": 1}
@@ -172,7 +173,9 @@ def test_two_ranks_commit_an_hf_policy_with_finite_metrics(tiny_pipeline, runs, 
     assert sorted(steps) == list(range(1, RL_STEPS + 1)), run.tail()
     assert sum(f"[{case.stage}] step 1:" in line for line in run.lines) == 1
     for step, metrics in steps.items():
-        assert {"reward_mean", "objective/kl", "loss/policy_avg", "train/grad_norm", "train/loss"} <= set(metrics)
+        sampled = float(metrics.get("rollout/on_policy", 1.0)) == 1.0  # distill's dataset iterations: no reward
+        assert {"objective/kl", "loss/policy_avg", "train/grad_norm", "train/loss"} <= set(metrics)
+        assert ("reward_mean" in metrics) == sampled
         bad = {k: v for k, v in metrics.items() if not math.isfinite(float(v))}
         assert not bad, f"step {step}: {bad}"
         assert float(metrics["train/consumed_samples"]) == step * 4 * SAMPLES_PER_PROMPT[case.stage]
@@ -193,6 +196,7 @@ def test_two_ranks_commit_an_hf_policy_with_finite_metrics(tiny_pipeline, runs, 
         assert "value_head.safetensors" not in files
     if case.stage == "distill":
         assert all(float(m["distill/jsd_avg"]) > 0 for m in steps.values())
+        assert {float(m["rollout/on_policy"]) for m in steps.values()} == {0.0, 1.0}
 
 
 @pytest.mark.parametrize("stage", ["ppo", "grpo", "distill"])

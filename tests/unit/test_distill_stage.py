@@ -33,7 +33,10 @@ def test_the_stage_needs_a_teacher_and_no_other_reference():
         "data": "/d", "model": "/s", "reference": "/t"}
     for bad, field in (({"distill.reference_from": "/r"}, "reference_from"), ({"distill.kl_coef": 0.1}, "kl_coef"),
                        ({"distill.adaptive_kl": True}, "adaptive_kl"), ({"distill.beta": 0.5}, "distill.beta"),
-                       ({"distill.loss": "generalized_jsd", "distill.beta": 1.5}, "beta")):
+                       ({"distill.loss": "generalized_jsd", "distill.beta": 1.5}, "beta"),
+                       ({"distill.lmbda": 0.5}, "dataset completions need loss generalized_jsd"),
+                       ({"distill.loss": "generalized_jsd", "distill.lmbda": 0.5,
+                         "distill.importance_sampling_cap": 2.0}, "importance_sampling_cap")):
         with pytest.raises(ConfigError, match=field):
             load_config(overrides=bad)
 

@@ -45,8 +45,20 @@ def test_collate_demonstrations_pads_prompts_left_and_completions_right():
     assert batch.prompt_mask.tolist() == [[0, 0, 1], [1, 1, 1]]
     assert batch.completion_ids.tolist() == [[6, 7, 8], [8, 9, PAD]]
     assert batch.completion_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch.observation_mask is None  # every completion token is counted
     with pytest.raises(ValueError):
         collate_demonstrations([], PAD, "cpu")
+
+
+def test_a_conversations_uncounted_turns_are_observations_attended_to():
+    """A user or tool turn between assistant turns (loss 0 inside the completion) is attended to
+    and not counted: the forward sees the row's whole text, as SFT did."""
+    rows = [{"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 1, 0, 0, 1, 1]},
+            {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}]
+    batch = collate_demonstrations(rows, PAD, "cpu")
+    assert batch.completion_ids.tolist() == [[6, 7, 8, 9, 10], [6, 7, PAD, PAD, PAD]]
+    assert batch.completion_mask.tolist() == [[1, 0, 0, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch.observation_mask.tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]
 
 
 def test_ptx_rows_come_from_the_step_alone():

@@ -54,6 +54,14 @@ class DistillConfig(RLStageConfig):
         "KL(teacher || student), 1 the reverse KL KL(student || teacher)); None: 0.5, GKD's default. Only "
         "with loss generalized_jsd."
     )
+    lmbda: float = Field(
+        1.0, ge=0, le=1, description="GKD's lambda (TRL's GKDConfig.lmbda): the probability that an iteration "
+        "trains on the student's own samples; otherwise it trains on the dataset's completions (the prepared "
+        "sft/train rows of the same prompts: supervised KD with the teacher's distribution as the target). 1: "
+        "on-policy only. Drawn per iteration from (seed, global_step) alone, the same on every rank and after "
+        "a resume. Below 1 only with loss generalized_jsd (token_reverse_kl is a policy gradient on the "
+        "student's own samples)."
+    )
     kl_coef: float = Field(0.0, ge=0, le=0, description="Must stay 0: the teacher takes the reference's place, and "
                            "the distillation signal is the KL to it.")
 
@@ -65,6 +73,12 @@ class DistillConfig(RLStageConfig):
         if self.beta is not None and self.loss != "generalized_jsd":
             raise ValueError("distill.beta: the mixing coefficient of loss generalized_jsd; the loss is "
                              f"{self.loss}")
+        if self.lmbda < 1 and self.loss != "generalized_jsd":
+            raise ValueError(f"distill.lmbda={self.lmbda}: dataset completions need loss generalized_jsd; the loss "
+                             f"{self.loss} is a policy gradient on the student's own samples (lmbda 1)")
+        if self.lmbda < 1 and self.importance_sampling_cap is not None:
+            raise ValueError(f"distill.lmbda={self.lmbda}: importance_sampling_cap corrects sampled tokens; the "
+                             "dataset's completions were not sampled by the engine")
         if self.adaptive_kl:
             raise ValueError("distill.adaptive_kl: no KL penalty in distillation (the KL to the teacher is the loss)")
         return self

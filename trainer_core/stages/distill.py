@@ -21,6 +21,11 @@ heads a chunk of tokens at a time inside the student's forward
 (:func:`~trainer_core.objectives.distill.chunked_generalized_jsd`: no [N, T, V] tensor of either
 model), token mean over the student's tokens (tool observations excluded).
 
+With ``distill.lmbda`` below 1 (GKD's lambda, generalized_jsd only) an iteration trains, with
+probability ``1 - lmbda`` drawn from the seed and ``global_step``, on the dataset's completions of
+its prompts instead of the student's samples
+(:mod:`trainer_core.training.rl.dataset_completions`).
+
 The teacher must share the student's tokenizer (checked before anything is trained, naming both
 models); its architecture and width may differ.
 

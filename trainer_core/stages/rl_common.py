@@ -59,8 +59,8 @@ def load_prompts(ctx: StageContext, cfg: RLStageConfig, split: PreparedRows | No
     rows = [split[i] for i in usable]  # only the prompts used become Python objects
     data = ctx.config.data
     tools = [json.loads(r["tools_json"]) if r.get("tools_json") else None for r in rows]
-    return [PromptItem(messages_of(r), prompt_ids(ctx.tokenizer, messages_of(r), data, t), r["answer"])
-            for r, t in zip(rows, tools, strict=True)]
+    return [PromptItem(messages_of(r), prompt_ids(ctx.tokenizer, messages_of(r), data, t), r["answer"], row=int(i))
+            for i, r, t in zip(usable, rows, tools, strict=True)]
 
 
 def _reward_fn(ctx: StageContext, cfg: RLStageConfig) -> RewardFunction:
@@ -116,7 +116,8 @@ def run_rl_stage(
         backend=backend, tokenizer=ctx.tokenizer, cfg=cfg, algo=algo, model=model, reference=reference,
         reward_fn=reward_fn, prompts=prompts, seed=seed,
         session=ctx.checkpoint_session(cfg, extra={"rl_checkpoint": RL_CHECKPOINT_LAYOUT}),
-        reference_is_disabled_adapter=disabled_adapter, demonstrations=split if cfg.ptx_coef > 0 else None,
+        reference_is_disabled_adapter=disabled_adapter,
+        demonstrations=split if cfg.ptx_coef > 0 or getattr(cfg, "lmbda", 1.0) < 1 else None,
         environment=_environment(ctx.spec.stage, cfg),
     )
     resumed = trainer.resume()

@@ -36,6 +36,9 @@ class PtxBatch(Completions):
         prompt_ids: [N, P] long, left-padded; prompt_mask: [N, P] long, 1 = real token.
         completion_ids: [N, T] long, right-padded; completion_mask: [N, T] long, 1 = a token the
             loss covers (the row's ``loss_mask`` after its prompt).
+        observation_mask: [N, T] long, 1 = a real completion token the loss does not cover (a
+            conversation's user or tool turn between assistant turns: attended to, never
+            counted), or None when there is none.
     """
 
 
@@ -68,8 +71,11 @@ def collate_demonstrations(rows: Sequence[dict], pad_id: int, device: torch.devi
     prompt_ids, completion_ids, completion_mask = zip(*(split_demonstration(r) for r in rows))
     prompts = collate_prompts_left([{"input_ids": p} for p in prompt_ids], pad_id)
     length = max(len(c) for c in completion_ids)
+    counted = pad_sequences(completion_mask, length, 0)
+    observed = pad_sequences([[1] * len(c) for c in completion_ids], length, 0) - counted
     return PtxBatch(prompts["input_ids"].to(device), prompts["attention_mask"].to(device),
-                    pad_sequences(completion_ids, length, pad_id).to(device), pad_sequences(completion_mask, length, 0).to(device))
+                    pad_sequences(completion_ids, length, pad_id).to(device), counted.to(device),
+                    observation_mask=observed.to(device) if bool(observed.any()) else None)
 
 
 def ptx_row_indices(num_rows: int, rows_per_step: int, seed: int, global_step: int, step_index: int,

@@ -59,11 +59,14 @@ class PromptItem:
         messages: the chat turns (``[{"role", "content"}]``).
         input_ids: the prompt's token ids with the assistant generation prefix.
         answer: the known final answer (normalised), or None when not verifiable.
+        row: the index of the prepared ``sft/train`` row it came from (its dataset completion:
+            distill's ``lmbda``), or None (a prompt built elsewhere).
     """
 
     messages: list[dict]
     input_ids: list[int]
     answer: str | None
+    row: int | None = None
 
 
 class RewardFunction(Protocol):

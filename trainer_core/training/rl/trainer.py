@@ -46,8 +46,6 @@ Shape legend: N sequences (this rank's), T completion tokens.
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,8 +56,6 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from trainer_core.backends.base import Backend
-from trainer_core.checkpoint.components import ReplicaMismatchError, state_checksum, torch_bytes
-from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import RLStageConfig
@@ -68,7 +64,6 @@ from trainer_core.generation.completions import check_generation_engine
 from trainer_core.generation.engines import GenerationEngine, build_engine
 from trainer_core.modeling.lora import adapter_disabled
 from trainer_core.objectives.ppo import AdaptiveKLController, FixedKLController
-from trainer_core.storage import join_uri, read_bytes
 from trainer_core.training.guard import check_finite_metrics, check_finite_tensors, finite_only, step_is_finite
 from trainer_core.training.loop import build_optimizer, build_scheduler, peak_memory_bytes
 from trainer_core.training.rl.batches import (  # noqa: F401 (also the loop's public names)
@@ -76,9 +71,13 @@ from trainer_core.training.rl.batches import (  # noqa: F401 (also the loop's pu
     logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
     row_slices, sampler_seed, score_round,
 )
+from trainer_core.training.rl.dataset_completions import check_dataset_rows, dataset_round, on_policy_iteration
 from trainer_core.training.rl.environments import Environment, ToolSession
 from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward, ptx_batch
 from trainer_core.training.rl.rewards import PromptItem, RewardFunction
+from trainer_core.training.rl.state_files import (  # noqa: F401 (RL_CHECKPOINT_LAYOUT: also the loop's)
+    RL_CHECKPOINT_LAYOUT, layout_problem, load_rl_state_files, rl_state_files,
+)
 from trainer_core.training.rl.rollout import (
     Completions, PolicyAndValue, PolicyForward, RolloutBatch, completion_forward, masked_row, policy_forward,
 )
@@ -89,12 +88,6 @@ log = logging.getLogger(__name__)
 
 FIRST_KEYS = ("reward_mean", "verifier_accuracy", "objective/scores", "objective/rlhf_reward")
 """Metrics whose first value is also kept (``first/<name>``) for the stage summary."""
-
-RL_CHECKPOINT_LAYOUT = 2
-"""``extra.rl_checkpoint`` of the manifests this module writes: 2 = one policy-and-value model in
-the backend's format, ``sampler_rng.pt`` a list per rank. Checkpoints without it (layout 1: the
-policy and ``value_head.safetensors`` apart) are not resumed from."""
-
 
 @dataclass
 class RLTrainer:
@@ -139,6 +132,9 @@ class RLTrainer:
     def __post_init__(self) -> None:
         cfg, backend = self.cfg, self.backend
         check_demonstrations(self.session.stage, cfg.ptx_coef, self.demonstrations)
+        self.lmbda = getattr(cfg, "lmbda", 1.0)  # distill's share of iterations on its own samples (GKD)
+        self.on_policy = True  # this iteration's draw (rollout)
+        check_dataset_rows(self.session.stage, self.lmbda, self.demonstrations)
         engine_cfg = engine_config(cfg, self.algo.samples_per_prompt, backend.world_size)
         self.model, self.optimizer = backend.setup_optimizer(self.model, build_optimizer(self.model, cfg), engine_cfg)
         self.module: PolicyAndValue = backend.unwrap(self.model)  # gradient-free forwards
@@ -182,6 +178,8 @@ class RLTrainer:
         device, group = backend.device, self.algo.samples_per_prompt
         picked = next_prompts(self.progress, len(self.prompts), cfg.prompts_per_rollout, self.seed)
         items = [self.prompts[i] for i in picked[backend.rank :: backend.world_size] for _ in range(group)]
+        if not self.on_policy:  # distill's lmbda: the dataset's completions of these prompts
+            return dataset_round(items, self.demonstrations, tok.pad_token_id, device)
         padded = collate_prompts_left([{"input_ids": p.input_ids} for p in items], tok.pad_token_id)
         p_ids, p_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device).float()
         session = None if self.environment is None else ToolSession.configured(
@@ -259,7 +257,9 @@ class RLTrainer:
         """
         cfg, backend = self.cfg, self.backend
         timer = timer or phase_timer(backend.device)
-        self.engine.load_weights(self.module)
+        self.on_policy = on_policy = on_policy_iteration(self.lmbda, self.seed, self.progress.global_step)
+        if on_policy:
+            self.engine.load_weights(self.module)
         sample, first, stats = self._sample(timer)
         self.engine.release()
         g, temperature = sample.generated, cfg.generation.temperature
@@ -283,7 +283,7 @@ class RLTrainer:
             observation_mask=g.observation_mask, logprobs=out.logprobs,
             scores=sample.scores, prompt_index=torch.arange(len(sample.items), device=backend.device) // self.algo.samples_per_prompt,
             ref_logprobs=ref, values=out.values * c_mask if out.values is not None else None,
-            engine_logprobs=g.logprobs,
+            engine_logprobs=g.logprobs if on_policy else None,
         )
         if cfg.importance_sampling_cap is not None:
             # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
@@ -291,7 +291,9 @@ class RLTrainer:
             # from pi_engine, the loss assumes pi_old; weight by min(pi_old / pi_engine, cap).
             ratio = torch.exp(batch.logprobs - g.logprobs).clamp(max=cfg.importance_sampling_cap)
             batch.is_weights = ratio * c_mask
-        stats.update(logprob_diff_metrics(batch, backend))
+        stats.update(logprob_diff_metrics(batch, backend) if on_policy else {})
+        if self.lmbda < 1:
+            stats["rollout/on_policy"] = float(on_policy)
         self.algo.prepare(batch, self.kl_ctl.value, backend.all_reduce_sum)
         check_finite_tensors({"rewards": batch.scores, "advantages": batch.advantages}, stage=self.session.stage,
                              global_step=self.progress.global_step + 1, all_reduce_sum=backend.all_reduce_sum)
@@ -396,7 +398,7 @@ class RLTrainer:
         timer = phase_timer(backend.device)
         batch, first, stats = self.rollout(timer)
         metrics = rollout_metrics(batch, first, backend, self.tokenizer.eos_token_id, self.kl_ctl.value,
-                                  self.cfg.kl_estimator)
+                                  self.cfg.kl_estimator, scored=self.on_policy)
         metrics.update(stats)
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         with timer.phase("update"):
@@ -447,28 +449,10 @@ class RLTrainer:
 
     # ----- checkpoints -------------------------------------------------------------
 
-    def _validate_replicas(self) -> bool:
-        return self.session.validate_replicas
-
     def rl_files(self) -> dict[str, bytes]:
-        """Collective: the RL state beyond the supervised checkpoint, as GLOBAL files.
-
-        ``rl_state.json`` (the KL controller, replicated: its checksums are compared across
-        ranks first) and ``sampler_rng.pt`` (every rank's sampling generator state, in rank order).
-
-        Raises:
-            ReplicaMismatchError: the KL controller differs between ranks.
-        """
-        backend, state = self.backend, self.kl_ctl.state_dict()
-        if backend.world_size > 1 and self._validate_replicas():
-            checksums = backend.all_gather_object(state_checksum(state))
-            if len(set(checksums)) != 1:
-                raise ReplicaMismatchError("rl_state.json", checksums)
-        sampler_states = backend.all_gather_object(self.generator.get_state())
-        return {
-            "rl_state.json": json.dumps({"kl_controller": state}).encode(),
-            "sampler_rng.pt": torch_bytes(sampler_states),
-        }
+        """Collective: this loop's :func:`~trainer_core.training.rl.state_files.rl_state_files` (the KL
+        controller, every rank's sampling generator)."""
+        return rl_state_files(self.backend, self.kl_ctl, self.generator, self.session.validate_replicas)
 
     def save(self) -> None:
         """Collective: checkpoint the state and this loop's files (see :meth:`CheckpointSession.save`)."""
@@ -479,22 +463,9 @@ class RLTrainer:
     def resume(self) -> bool:
         """Collective: load the latest checkpoint this run can resume (same fingerprint, a format
         the backend reads, this module's layout); True when one was loaded."""
-        resumed = self.session.resume(self.model, self.optimizer, self.scheduler, accept=_layout_problem)
+        resumed = self.session.resume(self.model, self.optimizer, self.scheduler, accept=layout_problem)
         if resumed is None:
             return False
         self.progress = resumed.progress
-        state = json.loads(read_bytes(join_uri(resumed.uri, "rl_state.json")))
-        self.kl_ctl.load_state_dict(state["kl_controller"])
-        sampler_states = torch.load(io.BytesIO(read_bytes(join_uri(resumed.uri, "sampler_rng.pt"))), weights_only=True)
-        backend = self.backend
-        if backend.rank < len(sampler_states):
-            self.generator.set_state(sampler_states[backend.rank])
-        else:
-            log.warning("checkpoint %s has no sampler state for rank %d (written by %d ranks)", resumed.uri,
-                        backend.rank, len(sampler_states))
+        load_rl_state_files(resumed.uri, self.backend, self.kl_ctl, self.generator)
         return True
-
-
-def _layout_problem(manifest: Manifest) -> str | None:
-    layout = (manifest.extra or {}).get("rl_checkpoint")
-    return None if layout == RL_CHECKPOINT_LAYOUT else f"RL layout {layout}, not {RL_CHECKPOINT_LAYOUT}"
