@@ -98,7 +98,7 @@ def run_rl_stage(
     ctx.print_timing = True
     check_rl_config(ctx.spec.stage, cfg, algo.samples_per_prompt, backend.world_size)
     seed = ctx.config.seed
-    split = ctx.load_rows("sft/train")  # the prompts, and the ptx term's demonstrations
+    split = ctx.load_rows("sft/train")  # the prompts, the ptx term's demonstrations, distill's dataset completions
     prompts = load_prompts(ctx, cfg, split)
     reward_fn = _reward_fn(ctx, cfg)
     reference = None
@@ -116,8 +116,7 @@ def run_rl_stage(
         backend=backend, tokenizer=ctx.tokenizer, cfg=cfg, algo=algo, model=model, reference=reference,
         reward_fn=reward_fn, prompts=prompts, seed=seed,
         session=ctx.checkpoint_session(cfg, extra={"rl_checkpoint": RL_CHECKPOINT_LAYOUT}),
-        reference_is_disabled_adapter=disabled_adapter,
-        demonstrations=split if cfg.ptx_coef > 0 or getattr(cfg, "lmbda", 1.0) < 1 else None,
+        reference_is_disabled_adapter=disabled_adapter, demonstrations=split,
         environment=_environment(ctx.spec.stage, cfg),
     )
     resumed = trainer.resume()

@@ -75,11 +75,11 @@ from trainer_core.training.rl.dataset_completions import check_dataset_rows, dat
 from trainer_core.training.rl.environments import Environment, ToolSession
 from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward, ptx_batch
 from trainer_core.training.rl.rewards import PromptItem, RewardFunction
-from trainer_core.training.rl.state_files import (  # noqa: F401 (RL_CHECKPOINT_LAYOUT: also the loop's)
-    RL_CHECKPOINT_LAYOUT, layout_problem, load_rl_state_files, rl_state_files,
-)
 from trainer_core.training.rl.rollout import (
     Completions, PolicyAndValue, PolicyForward, RolloutBatch, completion_forward, masked_row, policy_forward,
+)
+from trainer_core.training.rl.state_files import (  # noqa: F401 (RL_CHECKPOINT_LAYOUT: also the loop's)
+    RL_CHECKPOINT_LAYOUT, layout_problem, load_rl_state_files, rl_state_files,
 )
 from trainer_core.training.timing import PhaseTimer, phase_timer
 
@@ -109,8 +109,9 @@ class RLTrainer:
             RL_CHECKPOINT_LAYOUT}`` so that its manifests carry this loop's layout.
         reference_is_disabled_adapter: the reference is the LoRA policy with its adapter disabled
             (:func:`~trainer_core.modeling.lora.adapter_disabled`; ``reference`` is then None).
-        demonstrations: the prepared ``sft/train`` rows of the ptx term; required when ``cfg.ptx_coef`` > 0
-            (ConfigError otherwise).
+        demonstrations: the prepared ``sft/train`` rows: the ptx term's, and the dataset completions
+            of distill's ``lmbda`` (each prompt's ``row``); required when ``cfg.ptx_coef`` > 0 or
+            ``lmbda`` < 1 (ConfigError otherwise).
         environment: a tool environment (multi-turn rollouts, ``cfg.environment``'s limits), or None.
     """
 
