@@ -88,11 +88,12 @@ def test_rollout_batch_select_takes_rows():
     batch = RolloutBatch(
         prompt_ids=torch.arange(n)[:, None], prompt_mask=torch.ones(n, 1), completion_ids=torch.zeros(n, t, dtype=torch.long),
         completion_mask=torch.ones(n, t), logprobs=torch.zeros(n, t), scores=torch.arange(n).float(),
-        prompt_index=torch.arange(n) // 2,
+        prompt_index=torch.arange(n) // 2, sampled=False,
     )
     mb = batch.select(torch.tensor([3, 0]))
     assert mb.scores.tolist() == [3.0, 0.0] and mb.prompt_ids[:, 0].tolist() == [3, 0]
     assert mb.ref_logprobs is None and mb.num_sequences == 2
+    assert mb.sampled is False  # a mini-batch of the dataset's completions says so (its metrics read it)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -96,9 +96,12 @@ class DistillAlgorithm:
     def loss(self, batch: RolloutBatch, out: PolicyForward, counts: MiniBatchCounts) -> tuple[Tensor, dict[str, Tensor]]:
         """This rank's share of the mini-batch's token-mean clipped policy loss (each token's loss
         weighted by ``batch.is_weights`` when set), and the token sums of the metrics
-        (``distill/reverse_kl_avg``: ``logprobs - ref_logprobs`` at sampling time)."""
+        (``distill/reverse_kl_avg``: ``logprobs - ref_logprobs`` at sampling time, on the student's
+        own samples only: over the dataset's completions it estimates no KL)."""
         mask, cfg = batch.completion_mask, self.cfg
-        reverse_kl = {"distill/reverse_kl_avg": masked_sum(batch.logprobs - batch.ref_logprobs, mask)}
+        reverse_kl = {}
+        if batch.sampled:
+            reverse_kl["distill/reverse_kl_avg"] = masked_sum(batch.logprobs - batch.ref_logprobs, mask)
         if cfg.loss == "generalized_jsd":
             loss = LOSS_AGGREGATIONS["token_mean"](out.divergences, mask, num_tokens=counts.num_tokens,
                                                    num_sequences=counts.num_sequences,

@@ -269,13 +269,15 @@ def logprob_diff_metrics(batch: RolloutBatch, backend: Backend) -> dict[str, flo
     return {"rollout/logprob_diff_mean": float(sums[0] / sums[1].clamp(min=1.0)), "rollout/logprob_diff_max": largest}
 
 
-UNSCORED_KEYS = ("objective/scores", "reward_mean", "reward_std", "objective/rlhf_reward")
-"""The reward metrics that :func:`rollout_metrics` leaves out of an iteration nothing was sampled in."""
+SAMPLED_ONLY_KEYS = ("objective/scores", "reward_mean", "reward_std", "objective/rlhf_reward", "objective/kl",
+                     "objective/entropy", "objective/non_score_reward")
+"""The metrics :func:`rollout_metrics` leaves out of an iteration nothing was sampled in: the
+rewards (nothing was scored) and the per-sample KL and entropy estimates, which estimate the
+policy's KL and entropy only over its own samples."""
 
 
 def rollout_metrics(
     batch: RolloutBatch, first: SampledRound, backend: Backend, eos_id: int, kl_coef: float, kl_estimator: str,
-    scored: bool = True,
 ) -> dict[str, float]:
     """TRL's ``objective/*`` metrics plus reward (and each part of a weighted reward,
     ``reward/<name>``, unweighted), length (the policy's tokens), verifier accuracy and, with an
@@ -284,8 +286,9 @@ def rollout_metrics(
     per-sequence values are gathered (in rank order), so every rank computes the same numbers
     (the KL controller's input among them). Rewards and accuracy are those of the first
     sampling round (every completion sampled, before dynamic sampling's filter); KL, entropy
-    and length those of the batch the update trains on. ``scored`` False (the dataset's
-    completions, distill's ``lmbda``): no reward, score or accuracy metric."""
+    and length those of the batch the update trains on. A batch of the dataset's completions
+    (``batch.sampled`` False, distill's ``lmbda``): none of :data:`SAMPLED_ONLY_KEYS` and no
+    accuracy."""
     mask = batch.completion_mask
     kl_seq = torch.zeros_like(batch.scores, dtype=torch.float32)
     if batch.ref_logprobs is not None:
@@ -296,7 +299,7 @@ def rollout_metrics(
     mine["scores"] = first.scores.detach().float().cpu()
     mine["parts"] = {k: v.detach().float().cpu() for k, v in first.reward_parts.items()}
     mine["tools"] = first.tool_stats
-    answered = scored and all(i.answer is not None for i in first.items)
+    answered = batch.sampled and all(i.answer is not None for i in first.items)
     mine["correct"] = [is_correct(t, i.answer) for t, i in zip(first.texts, first.items)] if answered else None
     ranks = backend.all_gather_object(mine)
     seq = {k: torch.cat([r[k] for r in ranks]) for k in [*local, "scores"]}
@@ -325,7 +328,7 @@ def rollout_metrics(
     m["objective/rlhf_reward"] = m["objective/scores"] + m["objective/non_score_reward"]
     if all(r["correct"] is not None for r in ranks):
         m["verifier_accuracy"] = statistics.fmean(c for r in ranks for c in r["correct"])
-    if not scored:
-        m = {k: v for k, v in m.items() if k not in UNSCORED_KEYS}
+    if not batch.sampled:
+        m = {k: v for k, v in m.items() if k not in SAMPLED_ONLY_KEYS}
     return m
 

@@ -75,6 +75,9 @@ class RolloutBatch(Completions):
         is_weights: [N, T] float32 truncated importance weights ``min(exp(logprobs -
             engine_logprobs), cap)`` (0 on padding) that multiply each token's policy loss, or
             None (no correction).
+        sampled: True when the policy sampled the completions; False when they are the
+            dataset's (distill's ``lmbda``), where a mean of ``logprobs - ref_logprobs`` or of
+            ``-logprobs`` over them estimates no KL or entropy of the policy.
     """
 
     logprobs: Tensor
@@ -86,6 +89,7 @@ class RolloutBatch(Completions):
     returns: Tensor | None = None
     engine_logprobs: Tensor | None = None
     is_weights: Tensor | None = None
+    sampled: bool = True
 
     @property
     def num_sequences(self) -> int:

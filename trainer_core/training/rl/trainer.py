@@ -284,7 +284,7 @@ class RLTrainer:
             observation_mask=g.observation_mask, logprobs=out.logprobs,
             scores=sample.scores, prompt_index=torch.arange(len(sample.items), device=backend.device) // self.algo.samples_per_prompt,
             ref_logprobs=ref, values=out.values * c_mask if out.values is not None else None,
-            engine_logprobs=g.logprobs if on_policy else None,
+            engine_logprobs=g.logprobs if on_policy else None, sampled=on_policy,
         )
         if cfg.importance_sampling_cap is not None:
             # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
@@ -399,16 +399,18 @@ class RLTrainer:
         timer = phase_timer(backend.device)
         batch, first, stats = self.rollout(timer)
         metrics = rollout_metrics(batch, first, backend, self.tokenizer.eos_token_id, self.kl_ctl.value,
-                                  self.cfg.kl_estimator, scored=self.on_policy)
+                                  self.cfg.kl_estimator)
         metrics.update(stats)
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         with timer.phase("update"):
             metrics.update(self.update(batch))
             self.scheduler.step()
         num_sequences = self.cfg.prompts_per_rollout * self.algo.samples_per_prompt
-        check_finite_metrics({k: metrics[k] for k in ("objective/kl", "objective/entropy")}, stage=self.session.stage,
-                             global_step=self.progress.global_step + 1, what="the rollout's log-probs")
-        self.kl_ctl.update(metrics["objective/kl"], num_sequences)
+        if batch.sampled:  # the KL controller follows the policy's KL on its own samples
+            check_finite_metrics({k: metrics[k] for k in ("objective/kl", "objective/entropy")},
+                                 stage=self.session.stage, global_step=self.progress.global_step + 1,
+                                 what="the rollout's log-probs")
+            self.kl_ctl.update(metrics["objective/kl"], num_sequences)
         progress = self.progress
         progress.global_step += 1
         progress.consumed_samples += num_sequences
