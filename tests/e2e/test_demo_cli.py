@@ -23,13 +23,13 @@ TRAINED = ("sft", "reward_model", "dpo", "ppo", "grpo")
 
 TWO_RANKS = {"nproc_per_node": 2}
 EXTENDED_STAGES = ["prepare_data", "pretrain", "sft", "teacher", "reward_model", "dpo", "kto", "distill", "evaluate"]
-"""demo-extended.yaml's stages with the reward model (trained from SFT, committed for evaluate) and
-demo-distill.yaml's teacher and distillation added."""
+"""demo-extended.yaml's stages with the reward model (trained from SFT, committed for evaluate)
+added."""
 TINY_TEACHER: dict[str, object] = {
     "teacher.max_steps": 4, "teacher.eval_every": 2, "teacher.save_every": 2,
     "teacher.model_init": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
                            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256},
-    "distill.max_steps": 2, "distill.prompts_per_rollout": 2, "distill.save_every": 2,
+    "distill.max_steps": 2, "distill.prompts_per_rollout": 2, "distill.num_mini_batches": 1, "distill.save_every": 2,
     "distill.generation.max_new_tokens": 8,
 }
 """The teacher (twice the tiny student's width) and the distillation at tiny sizes."""
@@ -141,8 +141,9 @@ def test_the_task_log_is_stage_output(demo_run):
 def test_demo_extended_config_with_a_backend_a_stage_through_the_cli(prefect_api, tmp_path):
     """configs/demo-extended.yaml with a backend a stage (:data:`MIXED`): pretrain on raw text
     (FSDP2 at 2 ranks), SFT from it and the reward model from SFT (ZeRO-3 at 2 ranks; all under
-    torchrun), DPO (LoRA, merged on commit) and KTO from SFT, and evaluate comparing the four
-    policies, in one run; each stage loads the model the previous backend committed."""
+    torchrun), DPO (LoRA, merged on commit) and KTO from SFT, a wider teacher distilled into SFT
+    (:data:`TINY_TEACHER`), and evaluate comparing the six policies, in one run; each stage loads
+    the model the previous backend committed."""
     sets = {"stages": EXTENDED_STAGES, "pretrain.max_steps": 4, "pretrain.eval_every": 2, "pretrain.save_every": 2,
             "kto.max_steps": 2, "kto.grad_accum_steps": 1, **TINY_TEACHER, **MIXED}
     _, summary, _ = run_cli(prefect_api, tmp_path, "demo-extended.yaml", sets)
