@@ -28,6 +28,7 @@ SHARED_GROUPS = {
     # the session's finished demo run (tests/e2e/conftest.py: demo_run): its readers and the test
     # that resumes it after them
     "tests/e2e/test_demo_cli.py::test_demo_config_through_the_cli": "demo_run",
+    "tests/e2e/test_demo_cli.py::test_the_task_log_is_stage_output": "demo_run",
     "tests/e2e/test_model_lifecycle.py": "demo_run",
     # the session's Prefect and MLflow servers (tests/e2e/conftest.py: stack)
     "tests/e2e/test_deployment.py": "stack",

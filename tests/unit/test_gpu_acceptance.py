@@ -1,7 +1,7 @@
 """CPU smoke run of ``bench/gpu_acceptance.py``: both parts at ``--tiny`` size, run once, read by every test.
 
 The acceptance run itself needs a GPU (``bench/GPU.md``). Here each part runs its CPU pieces
-(part A: every ``bench_gpu.py`` case; part B: GRPO against TRL's ``GRPOTrainer``, or the project
+(part A: every ``bench_gpu.py`` case, the project's side and TRL's; part B: GRPO against TRL's ``GRPOTrainer``, or the project
 alone where TRL is not installed) as the GPU machine runs them, as a subprocess, and the JSON each
 part writes is read back. Not a speed check: that every piece ran, reported its numbers and
 landed in the part's table.
@@ -46,8 +46,28 @@ def test_part_a_runs_every_supervised_case(acceptance):
         assert project["peak_memory_bytes"] is None  # no CUDA
         assert (case["trl"] is not None) == HAVE_TRL
     assert payload["model"]["num_layers"] == 2 and payload["model"]["matmul_params"] > 0
-    assert payload["cases"]["sft_budget"]["project"]["padding_share"] == 0.0  # packed
+    budget = payload["cases"]["sft_budget"]
+    assert budget["settings"]["max_tokens_per_micro_batch"] == 1024
+    assert budget["project"]["padding_share"] == 0.0  # packed: no padding computed
+    assert budget["project"]["tokens"] <= 2 * 1024
+    assert payload["cases"]["dpo_mb8"]["project"]["reference_pairs"] > 0
     assert any(line.startswith("sft_budget") and "MFU" in line for line in acceptance["A"]["table"])
+
+
+@pytest.mark.skipif(not HAVE_TRL, reason="TRL (the bench extra) is not installed")
+def test_part_a_runs_trl_on_every_supervised_case(acceptance):
+    """``bench_gpu.py``'s TRL side: each case's tokens/s (pairs/s) and MFU on the same token ids,
+    and a ratio row per target."""
+    payload = acceptance["A"]["pieces"][0]["result"]
+    for name, case in payload["cases"].items():
+        trl = case["trl"]
+        assert trl["examples_per_s" if name.startswith("dpo") else "tokens_per_s"] > 0 and trl["tokens"] > 0
+        assert trl["timed_steps"] == 2 and 0 < trl["mfu"] < 1 and trl["model_flops_per_s"] > 0
+        assert trl["peak_memory_bytes"] is None  # no CUDA
+    assert payload["cases"]["sft_mb16"]["trl"]["same_token_ids_as_project"] is True
+    metrics = [r["metric"] for r in payload["rows"]]
+    assert any("MFU" in m for m in metrics) and any("pairs/s" in m for m in metrics)
+    assert all(r["ratio"] > 0 for r in payload["rows"])
 
 
 def test_part_b_times_grpo_iterations(acceptance):
