@@ -1,5 +1,8 @@
 """``python -m posttrain``: the command line."""
 
-from posttrain.cli import main
+from trainer_core.processes import gc_paused
+
+with gc_paused():  # typer's, Prefect's (deployments) and pydantic's imports
+    from posttrain.cli import main
 
 main()

@@ -38,6 +38,7 @@ from rich.console import Console
 from deployments.deploy import deploy
 from trainer_core.config import PipelineConfig, load_config, resolve_local_root
 from trainer_core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, PosttrainError
+from trainer_core.processes import gc_paused, skip_exit_collection
 
 app = typer.Typer(help="LLM post-training pipeline (Prefect + MLflow).", no_args_is_help=True, add_completion=False)
 _err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False, markup=False)
@@ -199,12 +200,13 @@ def _refuse_if_held(cfg: PipelineConfig, layout: Any) -> None:
 
 def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
     """Run the flow for ``cfg`` under ``run_id``; print locations; last line: the summary URI."""
-    from flows.pipeline import post_training_pipeline
-    from posttrain.api_server import needs_temporary_server, start_temporary_api_server
-    from tasks.console import use_plain_console
-    from tasks.preflight import check_storage_root
-    from trainer_core import storage
-    from trainer_core.storage import RunLayout
+    with gc_paused():  # Prefect's and MLflow's imports
+        from flows.pipeline import post_training_pipeline
+        from posttrain.api_server import needs_temporary_server, start_temporary_api_server
+        from tasks.console import use_plain_console
+        from tasks.preflight import check_storage_root
+        from trainer_core import storage
+        from trainer_core.storage import RunLayout
 
     storage.configure(cfg.storage)
     try:  # first: an unreachable root is refused in seconds, before any read of the run or Prefect
@@ -301,10 +303,11 @@ def sweep(
 
 def _run_sweep(cfg: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]]) -> None:
     """Run the sweep flow; print each point, the best and the release; last line: the summary URI."""
-    from flows.sweep import post_training_sweep
-    from posttrain.api_server import needs_temporary_server, start_temporary_api_server
-    from tasks.console import use_plain_console
-    from trainer_core import storage
+    with gc_paused():  # Prefect's and MLflow's imports
+        from flows.sweep import post_training_sweep
+        from posttrain.api_server import needs_temporary_server, start_temporary_api_server
+        from tasks.console import use_plain_console
+        from trainer_core import storage
 
     storage.configure(cfg.storage)
     typer.echo(f"sweep id: {sweep_id}")
@@ -341,6 +344,7 @@ app.command("deploy")(deploy)
 
 def main() -> None:
     """Entry point for ``python -m posttrain``."""
+    skip_exit_collection()
     app()
 
 

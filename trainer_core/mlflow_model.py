@@ -30,6 +30,7 @@ from mlflow import MlflowClient
 from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
 
 from trainer_core import storage
+from trainer_core.processes import skip_exit_collection
 from trainer_core.registry import get_stage
 from trainer_core.spec import StageSpec, read_spec
 from trainer_core.tracking import MODEL_NAME, stage_logged_model_uri, stage_model_name
@@ -305,4 +306,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    skip_exit_collection()
     raise SystemExit(main())

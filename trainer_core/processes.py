@@ -6,13 +6,21 @@ of a process-group kill. The launcher (``tasks/launch/process.py``) sweeps a lau
 launch ends; a stage's writer lease (``trainer_core/checkpoint/lease.py``) stops a previous
 attempt's processes before a retry takes the stage over. The variable holds the ids of nested
 launches joined by ``:``, innermost last.
+
+Every entry point (a stage's trainer, the CLI) also tunes its own interpreter's cyclic garbage
+collector: paused while it imports its libraries (:func:`gc_paused`), and skipped over what is
+still alive when it exits (:func:`skip_exit_collection`).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 LAUNCH_ID_ENV = "POSTTRAIN_LAUNCH_ID"
 """Environment variable marking every process of one launch (see the module docstring)."""
@@ -95,3 +103,36 @@ def kill_marked(launch_id: str, timeout_s: float = 3.0, also: set[int] | None = 
         if not killed or time.monotonic() > deadline:
             return sorted(killed)
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block (on again after it, if it was on).
+
+    For an entry point's imports: torch and transformers allocate hundreds of thousands of
+    long-lived objects while they import, and every allocation threshold crossed starts a
+    collection that traverses them and frees next to nothing. The collector runs as before once
+    the block ends.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def skip_exit_collection() -> None:
+    """Make the interpreter's shutdown skip the cyclic collection of everything alive at exit.
+
+    Registers :func:`gc.freeze` with :mod:`atexit`: the handlers run before the interpreter
+    finalises its modules, and frozen objects are left out of the collection it runs then (with
+    torch and transformers imported, that collection traverses millions of objects). What exit
+    does otherwise is unchanged: every other exit handler runs (registered before this one or
+    after), standard streams are flushed, reference counts free what is not in a cycle. What is
+    given up: finalizers of objects in reference cycles at exit, which Python does not promise
+    to run either; nothing of a stage's is committed by one (a manifest is written and closed
+    before the stage returns).
+    """
+    atexit.register(gc.freeze)

@@ -16,6 +16,7 @@ committing anything it had not committed yet, instead of training on as an orpha
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -23,6 +24,7 @@ import threading
 import traceback
 
 from trainer_core.errors import EXIT_BAD_INPUT, EXIT_FAILED, classify
+from trainer_core.processes import gc_paused, skip_exit_collection
 
 PARENT_POLL_S = 0.5
 """How often the trainer checks that its parent is alive."""
@@ -92,12 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m trainer_core.run <stage-spec-uri>", file=sys.stderr)
         return EXIT_BAD_INPUT
     watch_parent()
+    skip_exit_collection()
     spec = None
     try:
-        from trainer_core.spec import read_spec
-        from trainer_core.stages.runner import run_spec
+        with gc_paused():  # the imports of torch, transformers and the stage's module
+            from trainer_core.registry import get_stage
+            from trainer_core.spec import read_spec
+            from trainer_core.stages.runner import run_spec
 
-        spec = read_spec(argv[0])
+            spec = read_spec(argv[0])
+            importlib.import_module(get_stage(spec.stage).module)
         manifest = run_spec(spec)
         print(f"stage {spec.stage} committed: global_step={manifest.global_step}", flush=True)
         return 0
