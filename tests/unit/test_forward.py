@@ -164,6 +164,24 @@ def test_models_with_logit_softcapping_take_the_full_path():
     assert outputs and outputs[0].logits.shape == (3, 12, VOCAB), "the model's own forward (full logits) must run"
 
 
+def test_the_full_path_keeps_packed_rows_apart():
+    """A packed micro-batch through the full-logits path (here: a soft-capped head) scores each row
+    as that row alone: the model runs without a KV cache, without which transformers would not
+    read the rows' boundaries from ``position_ids`` and every row would attend to the ones before it."""
+    from trainer_core.data.batching import collate_causal_packed
+
+    model = _model()
+    model.config.final_logit_softcapping = 30.0
+    rows = [{"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 1, 1, 1, 1]}, {"input_ids": [10, 11, 12], "loss_mask": [0, 1, 1]}]
+    batch = collate_causal_packed(rows, pad_id=0)
+    with torch.no_grad():
+        packed = masked_token_logprobs(model, batch["input_ids"], None, batch["loss_mask"],
+                                       position_ids=batch["position_ids"], counted_index=batch["counted_index"])
+        alone = [masked_token_logprobs(model, torch.tensor([r["input_ids"]]), torch.ones(1, len(r["input_ids"])),
+                                       torch.tensor([r["loss_mask"]]))[0] for r in rows]
+    torch.testing.assert_close(packed[0][packed[0] != 0], torch.cat(alone), atol=1e-6, rtol=0)
+
+
 class _Wrapper(nn.Module):
     """What DDP and a DeepSpeed engine look like to the forward: ``.module``, called with the kwargs."""
 

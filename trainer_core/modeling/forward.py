@@ -200,7 +200,9 @@ def _full_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, position_ids: Tensor | None,
     counted_index: Tensor | None = None,
 ) -> Tensor:
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits  # [B, T, V]
+    # No KV cache: transformers keeps a packed batch's rows apart (by ``position_ids``) only without one.
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits  # [B, T, V]
     return compute_logprobs(logits, input_ids) * shift_mask(loss_mask)
 
 
