@@ -19,7 +19,9 @@ CPU smoke run of both parts (CI: ``tests/unit/test_gpu_acceptance.py``)::
   LoRA / QLoRA SFT peak memory against full fine-tuning (``tests/gpu/test_lora_memory.py``) and
   the generation engines' GPU tests, the static engine's top-p path inside its CUDA graph among
   them (``tests/unit/test_engines.py -m gpu``). ``--with-8b`` adds ``tests/gpu/test_8b_fits.py``,
-  which needs a call of its own (it builds and saves a 16 GB model).
+  which needs a call of its own (it builds and saves a 16 GB model). Last, with what is left of
+  the budget: the RL forwards padded against ``padding_free`` per attention implementation, and
+  micro-batches longest first against row order (``bench_rl_forward.py``).
 
 Each piece runs as a subprocess under its own time limit, cut to what is left of ``--budget-s``
 (470 s: a part fits one 10-minute call with the machine's start-up), so one that fails or hangs
@@ -84,6 +86,9 @@ def pieces(part: str, args: argparse.Namespace) -> list[Piece]:
         out.append(Piece("engines", [*pytest, str(REPO / "tests" / "unit" / "test_engines.py")], 100))
         if args.with_8b:
             out.append(Piece("llama3-8b", [*pytest, str(REPO / "tests" / "gpu" / "test_8b_fits.py")], 590))
+    quick = ["--repeats", "3", "--warmup", "1", "--rounds", "1"] if cuda else []
+    out.append(Piece("rl-forward", [py, str(BENCH / "bench_rl_forward.py"), "--device", args.device, "--results-dir",
+                                    args.results_dir, *(["--tiny"] if args.tiny else []), *quick], 120, "rl_forward.json"))
     return out
 
 

@@ -49,6 +49,7 @@ ADDED_FIELDS: dict[str, object] = {
     "max_nonfinite_steps": 0, "max_tokens_per_micro_batch": None, "attn_implementation": None,
     # online RL: batch sizes, importance sampling, the GRPO family's estimators, losses and sampling
     "forward_micro_batch_size": None, "num_prompts": None, "importance_sampling_cap": None, "advantage_estimator": "grpo",
+    "padding_free": False,
     "loss_aggregation": "token_mean", "clip_eps_high": None, "dynamic_sampling": False,
     "dynamic_sampling_max_rounds": 4, "overlong_buffer_tokens": None, "overlong_penalty": 1.0,
     "ptx_coef": 0.0, "ptx_rows_per_step": 16,

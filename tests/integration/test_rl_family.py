@@ -5,7 +5,8 @@ as a real GRPO trainer process on the tiny pipeline:
   and log the sampling rounds and the kept-group fraction;
 - a user reward function named by import path scores the rollouts; one that raises fails the
   stage at once (exit 2) with an error naming the function and the sample;
-- ``forward_micro_batch_size`` gives the same losses and weights as whole-batch forwards;
+- ``forward_micro_batch_size`` and ``padding_free`` give the same losses and weights as
+  whole-batch padded forwards;
 - the ``static`` engine (static KV cache, not compiled on CPU) samples the ``hf`` engine's tokens,
   and the step's time split is printed.
 """
@@ -70,15 +71,22 @@ def test_reward_function_that_raises_fails_the_stage_naming_it(tiny_pipeline):
     assert path in text and "cannot parse the answer line" in text and "####" in text, text
 
 
-def test_forward_micro_batches_equal_whole_batch(tiny_pipeline):
-    whole, out_whole = _run(tiny_pipeline, "fmbs-none")
-    micro, out_micro = _run(tiny_pipeline, "fmbs-3", **{"grpo.forward_micro_batch_size": 3})
-    assert whole.returncode == 0 and micro.returncode == 0, whole.tail() + micro.tail()
-    assert _losses(micro) == pytest.approx(_losses(whole), abs=1e-5)
-    got, want = final_weights(out_micro), final_weights(out_whole)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+def test_micro_batched_and_padding_free_forwards_equal_whole_batch(tiny_pipeline):
+    """``forward_micro_batch_size`` and ``padding_free`` (with the ptx rows: the update's extra
+    forward) give the whole padded batch's losses and final weights."""
+    ptx = {"grpo.ptx_coef": 0.5, "grpo.ptx_rows_per_step": 3}
+    whole, out_whole = _run(tiny_pipeline, "fmbs-none", **ptx)
+    micro, out_micro = _run(tiny_pipeline, "fmbs-3", **ptx, **{"grpo.forward_micro_batch_size": 3})
+    packed, out_packed = _run(tiny_pipeline, "fmbs-3-padding-free", **ptx,
+                              **{"grpo.forward_micro_batch_size": 3, "grpo.padding_free": True})
+    assert whole.returncode == micro.returncode == packed.returncode == 0, whole.tail() + micro.tail() + packed.tail()
+    want = final_weights(out_whole)
+    for run, output in ((micro, out_micro), (packed, out_packed)):
+        assert _losses(run) == pytest.approx(_losses(whole), abs=1e-5)
+        got = final_weights(output)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_static_engine_samples_what_hf_samples_and_prints_the_time_split(tiny_pipeline):

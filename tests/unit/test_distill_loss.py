@@ -83,8 +83,9 @@ def test_the_students_forward_gives_the_divergence_of_the_two_models_full_logits
     a tool observation not counted), 0 elsewhere; the gradient reaches the student only."""
     from trainer_core.training.rl.rollout import (
         Completions, PolicyAndValue, TeacherTarget, completion_hidden, completion_inputs, completion_start,
-        frozen_head, policy_forward,
+        policy_forward,
     )
+    from trainer_core.modeling.forward import frozen_head
 
     student, teacher = PolicyAndValue(_tiny_llama(16, 0)), _tiny_llama(24, 1).requires_grad_(False)
     prompt_ids = torch.tensor([[0, 5, 6], [7, 8, 9]])

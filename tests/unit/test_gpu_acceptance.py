@@ -1,8 +1,9 @@
 """CPU smoke run of ``bench/gpu_acceptance.py``: both parts at ``--tiny`` size, run once, read by every test.
 
 The acceptance run itself needs a GPU (``bench/GPU.md``). Here each part runs its CPU pieces
-(part A: every ``bench_gpu.py`` case, the project's side and TRL's; part B: GRPO against TRL's ``GRPOTrainer``, or the project
-alone where TRL is not installed) as the GPU machine runs them, as a subprocess, and the JSON each
+(part A: every ``bench_gpu.py`` case, the project's side and TRL's; part B: GRPO against TRL's
+``GRPOTrainer``, or the project alone where TRL is not installed, then ``bench_rl_forward.py``)
+as the GPU machine runs them, as a subprocess, and the JSON each
 part writes is read back. Not a speed check: that every piece ran, reported its numbers and
 landed in the part's table.
 """
@@ -71,7 +72,7 @@ def test_part_a_runs_trl_on_every_supervised_case(acceptance):
 
 
 def test_part_b_times_grpo_iterations(acceptance):
-    (piece,) = acceptance["B"]["pieces"]  # the LoRA memory and engine tests are CUDA-only pieces
+    piece, _ = acceptance["B"]["pieces"]  # the LoRA memory and engine tests are CUDA-only pieces
     assert piece["name"] == "grpo" and piece["rc"] == 0
     result = piece["result"]["result"]
     for side in ("project", "trl") if HAVE_TRL else ("project",):
@@ -82,3 +83,21 @@ def test_part_b_times_grpo_iterations(acceptance):
     assert (result["trl"] is not None) == HAVE_TRL
     assert any(line.startswith("GRPO iteration completion tokens/s") for line in acceptance["B"]["table"])
     assert acceptance["B"]["settings"]["device"] == "cpu"
+
+
+def test_part_b_compares_padded_and_padding_free_rl_forwards(acceptance):
+    """The last piece of part B: both phases of the RL forwards, padding-free against padded on
+    each CPU attention implementation (equal log-probs), and longest-first micro-batches against
+    row order, which leave less padding."""
+    piece = acceptance["B"]["pieces"][-1]
+    assert piece["name"] == "rl-forward" and piece["rc"] == 0
+    result = piece["result"]["result"]
+    for attn in ("sdpa", "eager"):
+        assert result[attn]["max_abs_logprob_diff"] < 1e-4
+        for layout in ("padded", "padding_free"):
+            assert result[attn][layout]["logprobs_s"] > 0 and result[attn][layout]["update_s"] > 0
+    assert result["padding_share"]["longest_first"] < result["padding_share"]["row_order"]
+    metrics = [r["metric"] for r in piece["result"]["rows"]]
+    assert "sdpa: padding-free | padded update tokens/s" in metrics
+    assert "sdpa: padded, longest first | row order log-probs tokens/s" in metrics
+    assert any(line.startswith("sdpa: padding-free | padded log-probs") for line in acceptance["B"]["table"])

@@ -141,3 +141,84 @@ def test_masked_row_scores_nothing(policy):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() and (g == 0).all() for g in grads)
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("full_logits", [False, True])
+def test_padding_free_forwards_equal_padded(policy, full_logits):
+    """``padding_free`` runs the RL forwards on the real tokens only (rows end to end, position
+    ids restarting per row): log-probs, entropies, values on real tokens, the teacher's hidden
+    states and the gradients equal the padded forward's within 1e-5, an environment's tokens and
+    a row that counts nothing included."""
+    from trainer_core.training.rl.rollout import completion_hidden
+
+    ids, p_mask = _prompts()
+    tokens, c_mask = _sample(policy, 2, max_new_tokens=6)
+    observed = torch.zeros(c_mask.shape)
+    observed[1, 1:3] = c_mask[1, 1:3]  # two of row 1's tokens are an environment's: attended, not counted
+    batches = [Completions(ids, p_mask, tokens, c_mask - observed, observation_mask=observed),
+               Completions(ids, p_mask, tokens, c_mask * torch.tensor([[1.0], [0.0]]))]
+    torch.manual_seed(1)
+    head = value_head_for(policy)
+    torch.nn.init.normal_(head.weight)
+    model = PolicyAndValue(policy, head)
+    params = list(model.parameters())
+    for batch in batches:
+        mask = batch.completion_mask
+        weights = torch.randn(mask.shape) * mask
+        outs, grads = [], []
+        for padding_free in (False, True):
+            out = policy_forward(model, batch, temperature=0.7, with_values=True, full_logits=full_logits,
+                                 padding_free=padding_free)
+            outs.append(out)
+            grads.append(torch.autograd.grad((out.logprobs * weights).sum() + (out.values * mask).sum(), params))
+        padded, packed = outs
+        torch.testing.assert_close(packed.logprobs, padded.logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed.entropies, padded.entropies, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed.values * mask, padded.values * mask, atol=1e-5, rtol=1e-5)
+        for (name, _), got, want in zip(model.named_parameters(), grads[1], grads[0]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=name)
+        with torch.no_grad():
+            ref = [completion_forward(policy, batch, temperature=0.7, full_logits=full_logits, padding_free=flag)
+                   for flag in (False, True)]
+        torch.testing.assert_close(ref[1].logprobs, ref[0].logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(completion_hidden(policy, batch, padding_free=True), completion_hidden(policy, batch),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_a_micro_batch_forwards_its_own_longest_row(policy):
+    """Columns that are padding in every row (prompt columns on the left, completion columns on the
+    right: a micro-batch cut from a wider rollout) are cut before the forward and come back as
+    zero columns: the decoder sees the rows' own width, the outputs equal the tight batch's."""
+    ids, p_mask = _prompts()
+    tokens, c_mask = _sample(policy, 2, max_new_tokens=6)
+    tight = Completions(ids, p_mask, tokens, c_mask)
+    wide = Completions(torch.nn.functional.pad(ids, (3, 0)), torch.nn.functional.pad(p_mask, (3, 0)),
+                       torch.nn.functional.pad(tokens, (0, 4)), torch.nn.functional.pad(c_mask, (0, 4)))
+    trimmed = wide.trimmed()
+    assert trimmed.prompt_ids.shape == ids.shape and trimmed.completion_ids.shape == tokens.shape
+    seen = []
+    hook = policy.model.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        model = PolicyAndValue(policy)
+        with torch.no_grad():
+            got = policy_forward(model, wide, temperature=1.0, with_values=False)
+            want = policy_forward(model, tight, temperature=1.0, with_values=False)
+            ref = completion_forward(policy, wide, temperature=1.0)
+    finally:
+        hook.remove()
+    assert seen == [(2, ids.shape[1] + tokens.shape[1])] * 3
+    width = tokens.shape[1]
+    assert got.logprobs.shape == (2, width + 4) and (got.logprobs[:, width:] == 0).all()
+    torch.testing.assert_close(got.logprobs[:, :width], want.logprobs, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ref.logprobs, got.logprobs, atol=1e-6, rtol=0)
+
+
+def test_micro_batches_take_rows_of_like_length_together():
+    """Rows go longest first (ties in row order) into micro-batches of the given size; None or a
+    size past the row count keeps one micro-batch of every row in order."""
+    from trainer_core.training.rl.batches import micro_batch_rows
+
+    lengths = torch.tensor([3, 9, 9, 1, 5])
+    assert [g.tolist() for g in micro_batch_rows(lengths, 2)] == [[1, 2], [4, 0], [3]]
+    assert [g.tolist() for g in micro_batch_rows(lengths, None)] == [[0, 1, 2, 3, 4]]
+    assert [g.tolist() for g in micro_batch_rows(lengths, 8)] == [[0, 1, 2, 3, 4]]

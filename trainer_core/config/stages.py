@@ -384,6 +384,14 @@ class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
         None, ge=1, description="Sequences per forward over a rollout batch (policy, reference, value head, "
         "reward model) and per backward in a mini-batch (gradients accumulated); None: all at once."
     )
+    padding_free: bool = Field(
+        False, description="Run the policy's, the reference's and the teacher's forwards over a rollout (log-probs, "
+        "values and the update, the ptx rows too) on the real tokens only: each forward's rows end to end in one "
+        "row, position ids restarting per row, instead of [rows, longest prompt + longest completion] with padding "
+        "(TRL's padding_free, verl's use_remove_padding). No token attends across rows (block-diagonal on "
+        "sdpa/eager, document masks with model.attn_implementation=flex_attention, varlen with flash_attention_2); "
+        "on sdpa/eager the mask is as long as all the rows together, so it pays where padding is a large share."
+    )
     ptx_coef: float = Field(
         0.0, ge=0, description="Weight of a supervised loss on the prepared sft/train demonstrations added to "
         "every optimizer step (InstructGPT's PPO-ptx, eq. 2; OpenRLHF's ptx_coef): keeps what the policy "

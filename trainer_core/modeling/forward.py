@@ -124,6 +124,28 @@ def head_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     return decoder, head
 
 
+def frozen_head(model: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """A frozen causal LM's whole output projection, ``(weight [V, H], bias [V] or None)``, detached:
+    gathered from its shards under FSDP2 (``DTensor.full_tensor``) and ZeRO-3
+    (``deepspeed.zero.GatheredParameters``, copied), so collective there (every rank calls it).
+
+    Raises:
+        ValueError: the model's logits are not a plain linear head.
+    """
+    parts = head_parts(unwrap_causal_lm(model))
+    if parts is None:
+        raise ValueError(f"{type(unwrap_causal_lm(model)).__name__}: its logits are not a plain linear head")
+    head = parts[1]
+    params = [p for p in (head.weight, head.bias) if p is not None]
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return head.weight.detach().clone(), None if head.bias is None else head.bias.detach().clone()
+    whole = lambda p: None if p is None else (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+    return whole(head.weight), whole(head.bias)
+
+
 @contextlib.contextmanager
 def forward_replaced(module: nn.Module, forward: Callable[..., Tensor]) -> Iterator[None]:
     """``module.forward`` is ``forward`` inside the block (an instance attribute shadowing the class's)."""
@@ -318,3 +340,57 @@ def packed_sequence_scores(model: nn.Module, input_ids: Tensor, position_ids: Te
     with forward_replaced(inner, partial(_packed_scores_forward, base, score)):
         scores = model(input_ids=input_ids, position_ids=position_ids, last_token_index=last_token_index)
     return scores.squeeze(-1).float()
+
+
+def padding_free_index(attention_mask: Tensor) -> Tensor:
+    """The flat positions of a padded batch's real tokens, row-major: the order
+    :func:`padding_free_outputs` packs them in.
+
+    Args:
+        attention_mask: [N, L] int or float, nonzero = a real token.
+
+    Returns:
+        [S] long indices into the flattened [N * L] batch, S = the number of real tokens.
+    """
+    return attention_mask.reshape(-1).nonzero().squeeze(1)
+
+
+def padding_free_outputs(
+    run: Callable[..., tuple[Tensor, ...]], input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+    pack_index: Tensor | None = None,
+) -> tuple[Tensor, ...]:
+    """``run``'s per-token outputs over a padded batch, computed on its real tokens only when
+    ``pack_index`` is given (verl's ``use_remove_padding``, OpenRLHF's ``packing_samples``).
+
+    Without ``pack_index``, ``run`` sees the padded batch as it is. With it, the real tokens run end
+    to end as one [1, S] row with ``position_ids`` restarting at 0 at each original row, no
+    attention mask and no KV cache: transformers then lets no token attend across rows (a block-diagonal causal
+    mask on sdpa and eager, document masks with flex_attention, varlen with flash_attention_2;
+    ``transformers.masking_utils.find_packed_sequence_indices``), and each output is scattered
+    back to the padded layout, zeros at padding. The forward then costs the real tokens' compute
+    instead of N x L (for sdpa and eager the attention's mask is S x S, so the gain needs the
+    padding to outweigh it; flex and flash attention skip the masked blocks).
+
+    Args:
+        run: ``run(input_ids=, attention_mask=, position_ids=, use_cache=False)`` -> tensors of shape
+            [B, L', ...] (``use_cache`` False: transformers looks for packed rows only without a cache).
+        input_ids: [N, L] long.
+        attention_mask: [N, L], 1 = a real token.
+        position_ids: [N, L] long, 0 at each row's first real token and counting up over its real
+            tokens (``(attention_mask.cumsum(-1) - 1).clamp(min=0)``).
+        pack_index: [S] long from :func:`padding_free_index` of ``attention_mask``, or None.
+
+    Returns:
+        ``run``'s outputs, each [N, L, ...] (padding positions 0 with ``pack_index``); gradients
+        flow to the real positions.
+    """
+    if pack_index is None:
+        return run(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    rows, length = input_ids.shape
+    packed = run(input_ids=input_ids.reshape(-1)[pack_index][None], attention_mask=None,
+                 position_ids=position_ids.reshape(-1)[pack_index][None], use_cache=False)
+    padded = []
+    for out in packed:  # [1, S, ...]
+        whole = out.new_zeros((rows * length, *out.shape[2:]))
+        padded.append(whole.index_copy(0, pack_index, out[0]).view(rows, length, *out.shape[2:]))
+    return tuple(padded)

@@ -41,11 +41,12 @@ from torch import Tensor
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import DistillConfig
 from trainer_core.errors import ConfigError
+from trainer_core.modeling.forward import frozen_head
 from trainer_core.objectives.grpo_family import LOSS_AGGREGATIONS, clipped_policy_loss_asymmetric
 from trainer_core.stages.context import StageContext, commit_final
 from trainer_core.stages.rl_common import run_rl_stage
 from trainer_core.training.rl.rollout import (
-    PolicyForward, RolloutBatch, TeacherTarget, completion_hidden, frozen_head, policy_forward,
+    PolicyForward, RolloutBatch, TeacherTarget, completion_hidden, policy_forward,
 )
 from trainer_core.training.rl.batches import policy_metric_sums
 from trainer_core.training.rl.trainer import MiniBatchCounts, RLTrainer, masked_sum
@@ -78,9 +79,11 @@ class DistillAlgorithm:
             raise RuntimeError("distill: the RL loop has no teacher model")
         if self._teacher_head is None:
             self._teacher_head = frozen_head(teacher)
-        target = TeacherTarget(completion_hidden(teacher, part), *self._teacher_head,
+        padding_free = self.cfg.padding_free
+        target = TeacherTarget(completion_hidden(teacher, part, padding_free), *self._teacher_head,
                                beta=GKD_BETA if self.cfg.beta is None else self.cfg.beta, temperature=temperature)
-        return policy_forward(trainer.model, part, temperature=temperature, with_values=False, teacher=target)
+        return policy_forward(trainer.model, part, temperature=temperature, with_values=False, teacher=target,
+                              padding_free=padding_free)
 
     def prepare(self, batch: RolloutBatch, kl_coef: float, all_reduce_sum: Callable[[Tensor], Tensor]) -> None:
         """``batch.advantages`` [N, T] float32: ``ref_logprobs - logprobs`` on the student's tokens, 0

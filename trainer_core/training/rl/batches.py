@@ -253,10 +253,26 @@ def engine_config(cfg: RLStageConfig, samples_per_prompt: int, world_size: int) 
     return cfg.model_copy(update=update)
 
 
-def row_slices(num_rows: int, size: int | None) -> list[slice]:
-    """``num_rows`` rows cut into consecutive slices of ``size`` rows (one slice when None)."""
-    size = size or max(num_rows, 1)
-    return [slice(start, start + size) for start in range(0, num_rows, size)]
+def micro_batch_rows(lengths: Tensor, size: int | None) -> list[Tensor]:
+    """The rows of each forward micro-batch: longest first, cut into micro-batches of ``size`` rows.
+
+    Each micro-batch forwards its own longest row (:meth:`~trainer_core.training.rl.rollout.Completions.trimmed`),
+    so rows of like length go together (verl's sequence balancing, without reordering across
+    ranks): the padding left is what their lengths differ by. Ties keep their order; the sort is
+    deterministic, so a resumed run cuts as an uninterrupted one.
+
+    Args:
+        lengths: [N] real tokens of each row (prompt and completion).
+        size: rows per micro-batch; None: one micro-batch of every row, in order.
+
+    Returns:
+        [k] long row indices (on ``lengths``' device) of each micro-batch, together every row once.
+    """
+    num_rows = lengths.shape[0]
+    if size is None or size >= num_rows:
+        return [torch.arange(num_rows, device=lengths.device)]
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    return list(order.split(size))
 
 
 def logprob_diff_metrics(batch: RolloutBatch, backend: Backend) -> dict[str, float]:

@@ -132,7 +132,8 @@ def ptx_batch(rows: Sequence[dict], rows_per_step: int, seed: int, global_step: 
     return collate_demonstrations([rows[i] for i in picked], pad_token_id, device)
 
 
-def ptx_backward(model: nn.Module, backend: Backend, batch: PtxBatch, ptx_coef: float) -> Tensor:
+def ptx_backward(model: nn.Module, backend: Backend, batch: PtxBatch, ptx_coef: float,
+                 padding_free: bool = False) -> Tensor:
     """Forward and backward of ``ptx_coef`` x the ptx loss of ``batch`` (:func:`ptx_batch`) as the
     optimizer step's last micro-batch (its backward synchronises gradients). Collective under every
     backend: each rank runs one forward of the same number of rows.
@@ -140,6 +141,7 @@ def ptx_backward(model: nn.Module, backend: Backend, batch: PtxBatch, ptx_coef: 
     A policy with a value head (PPO) runs it too, its values entering the loss times 0: DDP
     reduces the gradients of every parameter at this synchronising backward and fails on one
     that took no part (the value head's gradient stays what the PPO micro-batches made it).
+    ``padding_free``: the forward runs on the real tokens only (the RL stage's ``padding_free``).
 
     Returns:
         Scalar float32: this rank's :func:`ptx_nll` (over the world size, as it went backward),
@@ -148,7 +150,7 @@ def ptx_backward(model: nn.Module, backend: Backend, batch: PtxBatch, ptx_coef: 
     with_values = backend.unwrap(model).value_head is not None
     with backend.grad_sync(model, is_last_micro_batch=True):
         with backend.autocast():
-            out = policy_forward(model, batch, temperature=1.0, with_values=with_values)
+            out = policy_forward(model, batch, temperature=1.0, with_values=with_values, padding_free=padding_free)
             loss = ptx_nll(out.logprobs, batch.completion_mask, backend.world_size)
             objective = ptx_coef * loss + (0.0 * out.values.sum() if with_values else 0.0)
         backend.backward(model, objective)

@@ -9,7 +9,10 @@ the losses are recomputed here by one forward over ``[prompt | completion]``, of
 temperature-scaled logits without the top-p cut, as in TRL's PPO and GRPO trainers:
 :func:`completion_forward` (a causal LM: the frozen reference) and :func:`policy_forward` (the
 trainable :class:`PolicyAndValue`), both of a :class:`Completions`, with a chunked LM head (no
-[N, T, V] logits) or, with ``full_logits``, from the full logits (the reference path).
+[N, T, V] logits) or, with ``full_logits``, from the full logits (the reference path). Each
+forward first cuts its rows to their own longest prompt and completion
+(:meth:`Completions.trimmed`); with ``padding_free`` it runs on their real tokens only, end to end
+(:func:`~trainer_core.modeling.forward.padding_free_outputs`).
 
 The trainable model of the RL stages is :class:`PolicyAndValue`: the policy and (PPO) a value
 head on its last hidden state, one module for a backend to wrap; :func:`policy_forward` gives
@@ -25,7 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainer_core.modeling.forward import forward_replaced, head_parts, unwrap_causal_lm
+from trainer_core.modeling.forward import (
+    forward_replaced, head_parts, padding_free_index, padding_free_outputs, unwrap_causal_lm,
+)
 from trainer_core.objectives.chunked import (
     CHUNK_SIZE_TOKENS,
     chunked_linear_logprobs_entropy,
@@ -53,6 +58,19 @@ class Completions:
     completion_ids: Tensor
     completion_mask: Tensor
     observation_mask: Tensor | None = field(default=None, kw_only=True)
+
+    def trimmed(self) -> Completions:
+        """These rows without the prompt columns that are padding in every row (on the left) and
+        the completion columns that are padding in every row (on the right), keeping one of each:
+        a micro-batch cut from a wider batch forwards its own longest row, not the batch's. Every
+        completion token keeps its column, so outputs [N, T'] widen back by zero columns on the right."""
+        real = self.completion_mask if self.observation_mask is None else self.completion_mask + self.observation_mask
+        prompt_cols, completion_cols = (self.prompt_mask.sum(0) > 0).nonzero(), (real.sum(0) > 0).nonzero()
+        first = int(prompt_cols[0]) if len(prompt_cols) else self.prompt_ids.shape[1] - 1
+        width = int(completion_cols[-1]) + 1 if len(completion_cols) else 1
+        cut = lambda x: None if x is None else x[:, :width]  # noqa: E731
+        return Completions(self.prompt_ids[:, first:], self.prompt_mask[:, first:], self.completion_ids[:, :width],
+                           self.completion_mask[:, :width], observation_mask=cut(self.observation_mask))
 
 
 @dataclass
@@ -124,17 +142,21 @@ def masked_row(batch: RolloutBatch) -> RolloutBatch:
 
 def completion_inputs(
     prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-    observation_mask: Tensor | None = None,
+    observation_mask: Tensor | None = None, padding_free: bool = False,
 ) -> dict[str, Tensor]:
     """Model inputs of ``[prompt | completion]``: ``input_ids`` [N, P + T] long, ``attention_mask``
     [N, P + T] long (1 = real token: the prompt's, the policy's (``completion_mask``) and an
-    environment's (``observation_mask``, [N, T] or None)) and ``position_ids`` [N, P + T] that
-    skip the left padding."""
+    environment's (``observation_mask``, [N, T] or None)), ``position_ids`` [N, P + T] that
+    skip the left padding and, with ``padding_free``, ``pack_index`` [S] long: the forward runs on
+    the S real tokens only (:func:`~trainer_core.modeling.forward.padding_free_outputs`)."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     real = completion_mask if observation_mask is None else completion_mask + observation_mask
     attention = torch.cat([prompt_mask, real], dim=1).long()
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions}
+    inputs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions}
+    if padding_free:
+        inputs["pack_index"] = padding_free_index(attention)
+    return inputs
 
 
 def completion_start(prompt_ids: Tensor) -> int:
@@ -184,6 +206,12 @@ class PolicyForward:
     divergences: Tensor | None = None
 
 
+def _widened(out: PolicyForward, width: int) -> PolicyForward:
+    """``out``'s [N, T'] tensors (of :meth:`Completions.trimmed` rows) with zero columns up to ``width``."""
+    pad = lambda x: None if x is None else torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
+    return PolicyForward(pad(out.logprobs), pad(out.entropies), pad(out.values), pad(out.divergences))
+
+
 @dataclass
 class TeacherTarget:
     """What a student's forward compares its next-token distributions with (on-policy
@@ -211,17 +239,17 @@ def _scatter_rows(values: Tensor, counted: Tensor) -> Tensor:
 
 
 def _completion_states(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                       start: int) -> Tensor:
-    """[N, T, H] the decoder's final hidden states; position t predicts completion token t."""
-    return decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state[:, start:-1, :]
+                       start: int, pack_index: Tensor | None = None) -> Tensor:
+    """[N, T, H] the decoder's final hidden states (0 at padding with ``pack_index``); position t
+    predicts completion token t."""
+    run = lambda **kw: (decoder(**kw).last_hidden_state,)  # noqa: E731
+    return padding_free_outputs(run, input_ids, attention_mask, position_ids, pack_index)[0][:, start:-1, :]
 
 
 def _completion_head_forward(
     decoder: nn.Module, head: nn.Linear, value_head: nn.Module | None, temperature: float, chunk_size: int,
     input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, completion_mask: Tensor, start: int,
-    teacher: TeacherTarget | None = None,
+    teacher: TeacherTarget | None = None, pack_index: Tensor | None = None,
 ) -> PolicyForward:
     """A causal LM's forward for one call, scoring completion tokens only: the decoder on
     ``[prompt | completion]``, then the LM head on the real completion positions a chunk at a
@@ -238,13 +266,14 @@ def _completion_head_forward(
         start: :func:`completion_start`.
         teacher: also the generalised JSD to this teacher per completion token, from the same
             hidden states and head, chunked (no [N, T, V] logits of either model).
+        pack_index: the decoder runs on the real tokens only (:func:`completion_inputs`).
 
     Returns:
         (logprobs [N, T], entropies [N, T] detached, values [N, T] or None, divergences [N, T] or
         None), float32, as a tuple (a pytree: FSDP2 and DDP find the tensors of a wrapped
         forward's output).
     """
-    hidden = _completion_states(decoder, input_ids, attention_mask, position_ids, start)
+    hidden = _completion_states(decoder, input_ids, attention_mask, position_ids, start, pack_index)
     counted = completion_mask > 0
     scale = temperature if temperature > 0 else 1.0
     selected = hidden[counted]  # [M, H]
@@ -269,6 +298,7 @@ def completion_forward(
     temperature: float,
     chunk_size: int = CHUNK_SIZE_TOKENS,
     full_logits: bool = False,
+    padding_free: bool = False,
 ) -> PolicyForward:
     """Log-probs and entropies of ``batch``'s completion tokens under a causal LM (the frozen
     reference), without [N, T, V] logits.
@@ -286,35 +316,38 @@ def completion_forward(
         temperature: the sampling temperature (logits are divided by it; 0 counts as 1).
         chunk_size: tokens per chunk of the LM head (extra memory O(chunk_size x V)).
         full_logits: score from the full logits (the reference path).
+        padding_free: run the model on the real tokens only (:func:`completion_inputs`).
 
     Returns:
         The :class:`PolicyForward` (values None).
     """
     inner = unwrap_causal_lm(model)
     parts = None if full_logits else head_parts(inner)
+    width, batch = batch.completion_ids.shape[1], batch.trimmed()
     inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-                               batch.observation_mask)
+                               batch.observation_mask, padding_free)
     start = completion_start(batch.prompt_ids)
     if parts is None:
-        logits = model(**inputs).logits
+        logits = padding_free_outputs(lambda **kw: (model(**kw).logits,), **inputs)[0]
         logprobs, entropies = completion_logprobs(logits, inputs["input_ids"], batch.completion_mask, start, temperature)
-        return PolicyForward(logprobs, entropies, None)
+        return _widened(PolicyForward(logprobs, entropies, None), width)
     forward = partial(_completion_head_forward, *parts, None, temperature, chunk_size)
     with forward_replaced(inner, forward):
-        return PolicyForward(*model(**inputs, completion_mask=batch.completion_mask, start=start))
+        return _widened(PolicyForward(*model(**inputs, completion_mask=batch.completion_mask, start=start)), width)
 
 
 def _counted_hidden(decoder: nn.Module, head: nn.Linear, input_ids: Tensor, attention_mask: Tensor,
-                    position_ids: Tensor, completion_mask: Tensor, start: int) -> Tensor:
+                    position_ids: Tensor, completion_mask: Tensor, start: int, pack_index: Tensor | None = None) -> Tensor:
     """[M, H] the decoder's final hidden states at the positions predicting the counted completion tokens."""
-    return _completion_states(decoder, input_ids, attention_mask, position_ids, start)[completion_mask > 0]
+    return _completion_states(decoder, input_ids, attention_mask, position_ids, start, pack_index)[completion_mask > 0]
 
 
 @torch.no_grad()
-def completion_hidden(model: nn.Module, batch: Completions) -> Tensor:
+def completion_hidden(model: nn.Module, batch: Completions, padding_free: bool = False) -> Tensor:
     """A frozen causal LM's (the teacher's) final hidden states at the positions that predict
     ``batch``'s counted completion tokens, from one call of ``model`` (a backend's wrapper's hooks
     fire as for a plain forward, as in :func:`completion_forward`); its LM head does not run.
+    ``padding_free``: the model runs on the real tokens only (:func:`completion_inputs`).
 
     Returns:
         [M, H] in the model's dtype, M = ``batch.completion_mask.sum()``, rows in [N, T] row-major
@@ -328,32 +361,11 @@ def completion_hidden(model: nn.Module, batch: Completions) -> Tensor:
     if parts is None:
         raise ValueError(f"{type(inner).__name__}: its logits are not a plain linear head of the last hidden state "
                          "(soft-capping, logit scaling), which the generalised JSD from hidden states needs")
+    batch = batch.trimmed()
     inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-                               batch.observation_mask)
+                               batch.observation_mask, padding_free)
     with forward_replaced(inner, partial(_counted_hidden, *parts)):
         return model(**inputs, completion_mask=batch.completion_mask, start=completion_start(batch.prompt_ids))
-
-
-def frozen_head(model: nn.Module) -> tuple[Tensor, Tensor | None]:
-    """A frozen causal LM's whole output projection, ``(weight [V, H], bias [V] or None)``, detached:
-    gathered from its shards under FSDP2 (``DTensor.full_tensor``) and ZeRO-3
-    (``deepspeed.zero.GatheredParameters``, copied), so collective there (every rank calls it).
-
-    Raises:
-        ValueError: the model's logits are not a plain linear head.
-    """
-    parts = head_parts(unwrap_causal_lm(model))
-    if parts is None:
-        raise ValueError(f"{type(unwrap_causal_lm(model)).__name__}: its logits are not a plain linear head")
-    head = parts[1]
-    params = [p for p in (head.weight, head.bias) if p is not None]
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params):
-            return head.weight.detach().clone(), None if head.bias is None else head.bias.detach().clone()
-    whole = lambda p: None if p is None else (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-    return whole(head.weight), whole(head.bias)
 
 
 class PolicyAndValue(nn.Module):
@@ -397,7 +409,8 @@ class PolicyAndValue(nn.Module):
                 path, and the one of a policy whose logits are not a plain linear head).
             teacher: also the generalised JSD to this teacher per completion token (a plain
                 linear head and ``full_logits`` False only).
-            **kwargs: the policy's forward arguments (``input_ids`` [N, L] ...).
+            **kwargs: the policy's forward arguments (``input_ids`` [N, L] ...; with
+                ``completion_mask``, :func:`completion_inputs`, ``pack_index`` included).
 
         Raises:
             ValueError: ``with_values`` without a value head; ``teacher`` with full logits.
@@ -409,17 +422,20 @@ class PolicyAndValue(nn.Module):
         value_head = self.value_head if with_values else None
         parts = None if full_logits else head_parts(self.policy)
         if parts is not None:
-            return _completion_head_forward(
-                *parts, value_head, temperature, chunk_size, kwargs["input_ids"], kwargs["attention_mask"],
-                kwargs["position_ids"], completion_mask, start, teacher,
-            )
+            return _completion_head_forward(*parts, value_head, temperature, chunk_size, **kwargs,
+                                            completion_mask=completion_mask, start=start, teacher=teacher)
         if teacher is not None:
             raise ValueError("the generalised JSD to a teacher needs a plain linear LM head and full_logits False")
-        out = self.policy(**kwargs, output_hidden_states=value_head is not None)
-        logprobs, entropies = completion_logprobs(out.logits, kwargs["input_ids"], completion_mask, start, temperature)
+
+        def run(**inputs: Any) -> tuple[Tensor, ...]:
+            out = self.policy(**inputs, output_hidden_states=value_head is not None)
+            return (out.logits,) if value_head is None else (out.logits, out.hidden_states[-1])
+
+        outs = padding_free_outputs(run, **kwargs)
+        logprobs, entropies = completion_logprobs(outs[0], kwargs["input_ids"], completion_mask, start, temperature)
         values = None
         if value_head is not None:
-            values = value_head(out.hidden_states[-1][:, start:-1, :]).squeeze(-1).to(torch.float32, copy=True)
+            values = value_head(outs[1][:, start:-1, :]).squeeze(-1).to(torch.float32, copy=True)
         return logprobs, entropies, values, None
 
 
@@ -438,7 +454,7 @@ def value_head_for(policy: nn.Module) -> nn.Linear:
 
 def policy_forward(
     model: nn.Module, batch: Completions, *, temperature: float, with_values: bool, full_logits: bool = False,
-    teacher: TeacherTarget | None = None,
+    teacher: TeacherTarget | None = None, padding_free: bool = False,
 ) -> PolicyForward:
     """Log-probs, entropies and (``with_values``) values of ``batch``'s completions from one
     forward of the trainable model.
@@ -451,13 +467,16 @@ def policy_forward(
         with_values: also run the value head (``model`` must have one).
         full_logits: score from the full logits (:meth:`PolicyAndValue.forward`).
         teacher: also the generalised JSD to this teacher (``divergences``).
+        padding_free: run the model on the real tokens only (:func:`completion_inputs`).
 
     Returns:
-        The :class:`PolicyForward` (values unmasked; None without ``with_values``).
+        The :class:`PolicyForward` (values unmasked, 0 at padding with ``padding_free``; None
+        without ``with_values``).
     """
+    width, batch = batch.completion_ids.shape[1], batch.trimmed()
     inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-                               batch.observation_mask)
-    return PolicyForward(*model(
+                               batch.observation_mask, padding_free)
+    return _widened(PolicyForward(*model(
         **inputs, completion_mask=batch.completion_mask, start=completion_start(batch.prompt_ids),
         temperature=temperature, with_values=with_values, full_logits=full_logits, teacher=teacher,
-    ))
+    )), width)

@@ -69,7 +69,7 @@ from trainer_core.training.loop import build_optimizer, build_scheduler, peak_me
 from trainer_core.training.rl.batches import (  # noqa: F401 (also the loop's public names)
     Algorithm, MiniBatchCounts, SampledRound, check_rl_config, concat_rounds, engine_config, groups_with_signal,
     logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
-    row_slices, sampler_seed, score_round,
+    micro_batch_rows, sampler_seed, score_round,
 )
 from trainer_core.training.rl.dataset_completions import check_dataset_rows, dataset_round, on_policy_iteration
 from trainer_core.training.rl.environments import Environment, ToolSession
@@ -236,16 +236,24 @@ class RLTrainer:
 
     def _forward_rows(self, fn: Callable[..., PolicyForward], model: nn.Module, sample: SampledRound) -> PolicyForward:
         """``fn(model, completions)`` (:func:`policy_forward`-like) over ``sample``'s rows,
-        ``forward_micro_batch_size`` at a time."""
+        ``forward_micro_batch_size`` at a time, rows of like length together (:func:`micro_batch_rows`)."""
         g = sample.generated
         observed = lambda rows: None if g.observation_mask is None else g.observation_mask[rows]
+        groups = micro_batch_rows(sample.prompt_mask.sum(1) + g.completion_mask.sum(1), self.cfg.forward_micro_batch_size)
         outs = [
             fn(model, Completions(sample.prompt_ids[rows], sample.prompt_mask[rows], g.completion_ids[rows],
                                   g.policy_mask[rows], observation_mask=observed(rows)))
-            for rows in row_slices(len(sample.items), self.cfg.forward_micro_batch_size)
+            for rows in groups
         ]
-        cat = lambda xs: None if xs[0] is None else torch.cat(xs, dim=0)
-        return PolicyForward(*(cat([getattr(o, k) for o in outs]) for k in ("logprobs", "entropies", "values")))
+        order = torch.cat(groups)
+
+        def in_row_order(parts: list[Tensor | None]) -> Tensor | None:
+            if parts[0] is None:
+                return None
+            rows = torch.cat(parts, dim=0)
+            return torch.empty_like(rows).index_copy_(0, order, rows)
+
+        return PolicyForward(*(in_row_order([getattr(o, k) for o in outs]) for k in ("logprobs", "entropies", "values")))
 
     @torch.no_grad()
     def rollout(self, timer: PhaseTimer | None = None) -> tuple[RolloutBatch, SampledRound, dict[str, float]]:
@@ -273,11 +281,12 @@ class RLTrainer:
             ref = None
             if self.reference is not None:
                 with timer.phase("reference"):
-                    ref_fn = partial(completion_forward, temperature=temperature)
+                    ref_fn = partial(completion_forward, temperature=temperature, padding_free=cfg.padding_free)
                     ref = self._forward_rows(ref_fn, self.reference, sample).logprobs
             elif self.reference_is_disabled_adapter:
                 with timer.phase("reference"), adapter_disabled(self.module):
-                    ref_fn = partial(policy_forward, temperature=temperature, with_values=False)
+                    ref_fn = partial(policy_forward, temperature=temperature, with_values=False,
+                                     padding_free=cfg.padding_free)
                     ref = self._forward_rows(ref_fn, self.module, sample).logprobs
         batch = RolloutBatch(
             prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask,
@@ -306,7 +315,8 @@ class RLTrainer:
         """:func:`~trainer_core.training.rl.rollout.policy_forward` of ``batch`` under ``self.model``
         (training, through the backend's wrapper) or ``self.module`` (no gradients)."""
         temperature = self.cfg.generation.temperature
-        return policy_forward(model, batch, temperature=temperature, with_values=self.value_head is not None)
+        return policy_forward(model, batch, temperature=temperature, with_values=self.value_head is not None,
+                              padding_free=self.cfg.padding_free)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """``ppo_epochs`` x ``num_mini_batches`` optimizer steps on the rollout batch; mean metrics.
@@ -330,13 +340,12 @@ class RLTrainer:
         return {k: v / count for k, v in sums.items()}
 
     def _micro_batches(self, mb: RolloutBatch) -> list[RolloutBatch]:
-        """``mb``'s rows cut into ``forward_micro_batch_size`` rows each; every rank gets as many
-        micro-batches as the rank with the most (padded with :func:`masked_row`), so that ranks run
-        the same forwards and collectives."""
-        slices = row_slices(mb.num_sequences, self.cfg.forward_micro_batch_size)
-        parts = [mb.select(torch.arange(mb.num_sequences, device=mb.completion_mask.device)[s]) for s in slices]
-        if len(parts) == 1:
-            parts = [mb]
+        """``mb``'s rows cut into ``forward_micro_batch_size`` rows each, rows of like length together
+        (:func:`micro_batch_rows`); every rank gets as many micro-batches as the rank with the most
+        (padded with :func:`masked_row`), so that ranks run the same forwards and collectives."""
+        real = mb.completion_mask if mb.observation_mask is None else mb.completion_mask + mb.observation_mask
+        groups = micro_batch_rows(mb.prompt_mask.sum(1) + real.sum(1), self.cfg.forward_micro_batch_size)
+        parts = [mb] if len(groups) == 1 else [mb.select(rows) for rows in groups]
         if self.backend.world_size > 1 and self.cfg.forward_micro_batch_size is not None:
             most = max(self.backend.all_gather_object(len(parts)))
             parts += [masked_row(mb)] * (most - len(parts))
@@ -375,7 +384,8 @@ class RLTrainer:
         if ptx:  # x num_tokens: the metrics below are sums over ranks / num_tokens
             demos = ptx_batch(self.demonstrations, cfg.ptx_rows_per_step, self.seed, self.progress.global_step,
                               step_index, backend.rank, self.tokenizer.pad_token_id, backend.device)
-            metric_sums["train/ptx_loss"] = counts.num_tokens * ptx_backward(self.model, backend, demos, cfg.ptx_coef)
+            ptx_loss = ptx_backward(self.model, backend, demos, cfg.ptx_coef, cfg.padding_free)
+            metric_sums["train/ptx_loss"] = counts.num_tokens * ptx_loss
         grad_norm = backend.optimizer_step(
             self.model, self.optimizer, cfg.max_grad_norm, skip_nonfinite=cfg.max_nonfinite_steps > 0
         )
