@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = device_parser(__doc__, "a 2-layer, hidden-64 Qwen2, 4 rows (CPU smoke test)")
+    p = device_parser(__doc__, "a 2-layer, hidden-64 Qwen2, 16 rows in micro-batches of 4 (CPU smoke test)")
     p.add_argument("--rows", type=int, default=None, help="sequences in the rollout (128; --tiny 16)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="rows a forward (16; --tiny 4)")
     p.add_argument("--prompt-tokens", type=int, nargs=2, default=[60, 200], metavar=("MIN", "MAX"))

@@ -182,6 +182,25 @@ def test_the_full_path_keeps_packed_rows_apart():
     torch.testing.assert_close(packed[0][packed[0] != 0], torch.cat(alone), atol=1e-6, rtol=0)
 
 
+def test_packing_is_refused_for_a_model_whose_rows_would_see_each_other():
+    """OPT builds its causal mask without ``position_ids``: packed rows would attend across rows,
+    so packing is refused with an error naming the setting and the class; Llama keeps them apart.
+    The probe leaves the model in the mode it found it in."""
+    from transformers import OPTConfig
+
+    from trainer_core.errors import ConfigError
+    from trainer_core.modeling.forward import check_packed_rows_apart
+
+    llama = _model().train()
+    check_packed_rows_apart(_Wrapper(llama), "sft.max_tokens_per_micro_batch")
+    assert llama.training
+    torch.manual_seed(0)
+    opt = AutoModelForCausalLM.from_config(OPTConfig(vocab_size=VOCAB, hidden_size=16, ffn_dim=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, word_embed_proj_dim=16))
+    with pytest.raises(ConfigError, match=r"grpo.padding_free: OPTForCausalLM lets packed rows attend to each other"):
+        check_packed_rows_apart(opt, "grpo.padding_free")
+
+
 class _Wrapper(nn.Module):
     """What DDP and a DeepSpeed engine look like to the forward: ``.module``, called with the kwargs."""
 

@@ -128,8 +128,8 @@ class SupervisedStageConfig(TrainStageConfig):
         "preference pair's chosen and rejected together); each micro-batch then holds a varying number of rows and "
         "micro_batch_size only sizes evaluation and the reference pass. No token attends across rows: transformers "
         "masks by the restarting position ids (block-diagonal on sdpa/eager, document masks with "
-        "model.attn_implementation=flex_attention, varlen with flash_attention_2). None: padded micro-batches of "
-        "micro_batch_size rows.",
+        "model.attn_implementation=flex_attention, varlen with flash_attention_2); refused at start for a model "
+        "whose attention mask ignores position ids (OPT, BLOOM). None: padded micro-batches of micro_batch_size rows.",
     )
 
     @model_validator(mode="after")
@@ -390,7 +390,8 @@ class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
         "row, position ids restarting per row, instead of [rows, longest prompt + longest completion] with padding "
         "(TRL's padding_free, verl's use_remove_padding). No token attends across rows (block-diagonal on "
         "sdpa/eager, document masks with model.attn_implementation=flex_attention, varlen with flash_attention_2); "
-        "on sdpa/eager the mask is as long as all the rows together, so it pays where padding is a large share."
+        "on sdpa/eager the mask is as long as all the rows together, so it pays where padding is a large share. "
+        "Refused at start for a model whose attention mask ignores position ids (OPT, BLOOM)."
     )
     ptx_coef: float = Field(
         0.0, ge=0, description="Weight of a supervised loss on the prepared sft/train demonstrations added to "

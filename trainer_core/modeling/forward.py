@@ -342,6 +342,63 @@ def packed_sequence_scores(model: nn.Module, input_ids: Tensor, position_ids: Te
     return scores.squeeze(-1).float()
 
 
+def _reshard(model: nn.Module) -> None:
+    """Put FSDP2's sharded parameters back on ``model`` after a forward without backward (the root
+    module keeps its parameters unsharded after its forward, for the backward that here never
+    comes; an optimizer or a state dict taken then would see the unsharded ones)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def check_packed_rows_apart(model: nn.Module, setting: str) -> None:
+    """Refuse packed forwards for a model whose attention lets packed rows see each other.
+
+    Packing (``max_tokens_per_micro_batch``, the RL stages' ``padding_free``) relies on
+    transformers reading the rows' boundaries from ``position_ids`` when it builds the causal
+    mask. Architectures whose mask is built without them (OPT and BLOOM in transformers 5.24)
+    would silently let every row attend to the rows packed before it. The probe: the last hidden
+    states of a row packed behind two different first rows, in eval mode (no dropout). Rows kept
+    apart give the same states; rows that see each other differ by the first row's influence.
+    Collective under FSDP2 and ZeRO-3 (the forward gathers parameters): every rank calls it.
+
+    Args:
+        model: the model as the stage calls it (a backend's wrapper, a ``PolicyAndValue``, a plain
+            HF causal LM or sequence classifier): called with ``input_ids`` and ``position_ids``
+            [1, 11] and ``output_hidden_states``.
+        setting: the config field that asked for packing (named in the error).
+
+    Raises:
+        ConfigError: the second row's states depend on the first row.
+    """
+    from trainer_core.errors import ConfigError
+
+    params, inner = next(model.parameters()), unwrap_causal_lm(model)
+    inner = getattr(inner, "policy", inner)  # the RL stages' PolicyAndValue: its policy
+    vocab = getattr(getattr(inner, "config", None), "vocab_size", None) or 2
+    gen = torch.Generator().manual_seed(0)
+    second, firsts = torch.randint(0, vocab, (6,), generator=gen), torch.randint(0, vocab, (2, 5), generator=gen)
+    positions = torch.cat([torch.arange(5), torch.arange(6)])[None].to(params.device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            states = [model(input_ids=torch.cat([first, second])[None].to(params.device), position_ids=positions,
+                            use_cache=False, output_hidden_states=True).hidden_states[-1][0, 5:].float()
+                      for first in firsts]
+    finally:
+        model.train(training)
+        _reshard(model)
+    drift, scale = float((states[0] - states[1]).abs().max()), float(states[0].abs().max())
+    if drift > 1e-3 * max(scale, 1.0):
+        name = type(inner).__name__
+        raise ConfigError(f"{setting}: {name} lets packed rows attend to each other (a row's hidden states moved by "
+                          f"{drift:.3g} when the row packed before it changed): its attention mask is not built from "
+                          "position_ids in this transformers version; turn packing off for this model")
+
+
 def padding_free_index(attention_mask: Tensor) -> Tensor:
     """The flat positions of a padded batch's real tokens, row-major: the order
     :func:`padding_free_outputs` packs them in.

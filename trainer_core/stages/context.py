@@ -35,6 +35,7 @@ from trainer_core.modeling.lora import (
     merged_state_dict,
     peft_config,
 )
+from trainer_core.modeling.forward import check_packed_rows_apart
 from trainer_core.modeling.models import (
     adapter_source,
     load_causal_lm,
@@ -282,8 +283,13 @@ def train_stage(
 ) -> dict[str, float]:
     """Resume from the latest checkpoint if any, train, and return the stage's final metrics.
 
+    Packed micro-batches (``max_tokens_per_micro_batch``) need a model that keeps packed rows
+    apart (:func:`~trainer_core.modeling.forward.check_packed_rows_apart`, ConfigError otherwise).
+
     A mixture-of-experts model trains with its routers' load-balancing loss (``cfg.moe``) and
     logs its expert usage (:mod:`trainer_core.training.moe`)."""
+    if getattr(cfg, "max_tokens_per_micro_batch", None) is not None:
+        check_packed_rows_apart(model, f"{ctx.spec.stage}.max_tokens_per_micro_batch")
     objective = with_moe(model, objective, cfg.moe.aux_loss_coef, ctx.spec.stage, cfg.moe.router_temperature)
     loop = TrainLoop(
         model=model, backend=ctx.backend, objective=objective, batches=train, cfg=cfg, session=ctx.checkpoint_session(cfg)

@@ -16,6 +16,7 @@ from trainer_core.config import RLStageConfig
 from trainer_core.data.prepared import PreparedRows
 from trainer_core.errors import ConfigError
 from trainer_core.generation.completions import messages_of, prompt_ids
+from trainer_core.modeling.forward import check_packed_rows_apart
 from trainer_core.stages.context import StageContext
 from trainer_core.training.loop import summarize
 from trainer_core.training.rl.environments import Environment, load_environment
@@ -112,6 +113,10 @@ def run_rl_stage(
     torch.manual_seed(seed)
     value_head = value_head_for(policy) if algo.uses_values else None
     model = backend.wrap(PolicyAndValue(policy, value_head))
+    if cfg.padding_free:
+        for name, packed in (("model", model), ("reference", reference)):
+            if packed is not None:
+                check_packed_rows_apart(packed, f"{ctx.spec.stage}.padding_free (the {name})")
     trainer = RLTrainer(
         backend=backend, tokenizer=ctx.tokenizer, cfg=cfg, algo=algo, model=model, reference=reference,
         reward_fn=reward_fn, prompts=prompts, seed=seed,

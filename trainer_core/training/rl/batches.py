@@ -256,10 +256,10 @@ def engine_config(cfg: RLStageConfig, samples_per_prompt: int, world_size: int) 
 def micro_batch_rows(lengths: Tensor, size: int | None) -> list[Tensor]:
     """The rows of each forward micro-batch: longest first, cut into micro-batches of ``size`` rows.
 
-    Each micro-batch forwards its own longest row (:meth:`~trainer_core.training.rl.rollout.Completions.trimmed`),
-    so rows of like length go together (verl's sequence balancing, without reordering across
-    ranks): the padding left is what their lengths differ by. Ties keep their order; the sort is
-    deterministic, so a resumed run cuts as an uninterrupted one.
+    Each micro-batch is cut to its own longest prompt and longest completion
+    (:meth:`~trainer_core.training.rl.rollout.Completions.trimmed`), so rows of like length go
+    together (like verl's sequence balancing, but within a rank). Ties keep their order; the sort
+    is deterministic, so a resumed run cuts as an uninterrupted one.
 
     Args:
         lengths: [N] real tokens of each row (prompt and completion).

@@ -470,8 +470,8 @@ def policy_forward(
         padding_free: run the model on the real tokens only (:func:`completion_inputs`).
 
     Returns:
-        The :class:`PolicyForward` (values unmasked, 0 at padding with ``padding_free``; None
-        without ``with_values``).
+        The :class:`PolicyForward` (values unmasked: whatever the value head gives at padding;
+        None without ``with_values``).
     """
     width, batch = batch.completion_ids.shape[1], batch.trimmed()
     inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
