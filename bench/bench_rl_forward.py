@@ -186,6 +186,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     padding = {"longest_first": padding_share(batch, grouped), "row_order": padding_share(batch, in_order),
                "whole_batch": padding_share(batch, [torch.arange(args.rows, device=device)])}
     rows, results = [], {"padding_share": padding}
+    payload = {"benchmark": "rl_forward", "rows": rows, "result": results, "settings": dict(vars(args)),
+               "real_tokens": real, "environment": environment_facts(device), "complete": False}
     for attn in attention_implementations(device):
         policy.set_attn_implementation(attn)
         layouts = {"padded": (grouped, False), "padding_free": (grouped, True)}
@@ -203,6 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows += compare(f"{attn}: padding-free | padded", best["padding_free"], best["padded"], real)
         if "padded_row_order" in best:
             rows += compare(f"{attn}: padded, longest first | row order", best["padded"], best["padded_row_order"], real)
+        write_result("rl_forward", payload)  # what is measured so far survives a time limit that cuts the rest
     print_rows(f"RL forwards, {args.rows} rows in micro-batches of {args.micro_batch_size}, prompts "
                f"{args.prompt_tokens}, completions {args.completion_tokens} tokens, {real} real; padding: "
                f"{padding['longest_first']:.0%} longest first, {padding['row_order']:.0%} in row order, "
@@ -210,8 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for attn, r in results.items():
         if "max_abs_logprob_diff" in r:
             print(f"{attn}: largest |log-prob difference| padding-free vs padded {r['max_abs_logprob_diff']:.3g}")
-    payload = {"benchmark": "rl_forward", "rows": rows, "result": results, "settings": dict(vars(args)),
-               "real_tokens": real, "environment": environment_facts(device)}
+    payload["complete"] = True
     print(f"wrote {write_result('rl_forward', payload)}")
     return payload
 

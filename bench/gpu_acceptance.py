@@ -94,7 +94,8 @@ def pieces(part: str, args: argparse.Namespace) -> list[Piece]:
 
 def run_piece(piece: Piece, left_s: float, results_dir: Path) -> None:
     """Run ``piece`` under ``min(cap, left_s)`` seconds; record exit status, seconds, its JSON
-    (moved aside so the next piece writing the same name does not overwrite it) and output tail."""
+    (moved aside so the next piece writing the same name does not overwrite it; kept whatever the
+    exit status, for a piece that writes as it goes) and output tail."""
     limit = max(1, int(min(piece.cap_s, left_s)))
     start = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
@@ -111,7 +112,7 @@ def run_piece(piece: Piece, left_s: float, results_dir: Path) -> None:
     if piece.result_json and (results_dir / piece.result_json).exists():
         kept = results_dir / f"{piece.name}.{piece.result_json}"
         (results_dir / piece.result_json).replace(kept)
-        payload = json.loads(kept.read_text()) if rc == 0 else None
+        payload = json.loads(kept.read_text())  # a piece cut by its limit keeps what it wrote before
     piece.outcome = {"name": piece.name, "argv": piece.argv, "rc": rc, "limit_s": limit,
                      "wall_s": round(time.perf_counter() - start, 1), "result": payload,
                      "tests": pytest_outcomes(output) if "pytest" in piece.argv else None,
