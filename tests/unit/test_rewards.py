@@ -91,13 +91,14 @@ def tiny_rm():
 
 
 def test_reward_model_scores_last_real_token_independent_of_batching(tiny_rm):
-    """A short and a long completion scored together (the short one right-padded) equal each scored
+    """Short, long and middling completions scored two at a time (longest first: the long and the
+    middling one together, the short one alone) come back in the given order, equal each scored
     alone, and equal the score head read at the last token of an unpadded forward."""
     model, tok = tiny_rm
     data = DataConfig(max_length_tokens=96, max_prompt_length_tokens=64)
     fn = RewardModelReward(model, tok, data, batch_size=2, device=torch.device("cpu"))
-    completions = ["#### 1", "Tom has 3+5=<<3+5=8>>8 apples. Then more words.\n#### 8"]
-    together = fn([_prompt()] * 2, completions)
+    completions = ["#### 1", "Tom has 3+5=<<3+5=8>>8 apples. Then more words.\n#### 8", "Tom has 8.\n#### 8"]
+    together = fn([_prompt()] * 3, completions)
     alone = torch.cat([fn([_prompt()], [c]) for c in completions])
     assert torch.allclose(together, alone, atol=1e-5)
     ids = tok(render_chat(MESSAGES + [{"role": "assistant", "content": completions[0]}]), add_special_tokens=False)

@@ -135,7 +135,11 @@ def reward_scores(
     device: torch.device,
 ) -> list[float]:
     """The reward model's score of each (prompt messages, completion), in either parameterisation
-    (:func:`~trainer_core.modeling.forward.sequence_rewards`).
+    (:func:`~trainer_core.modeling.forward.sequence_rewards`), in the order given.
+
+    The rows go to the model ``batch_size`` at a time, longest first, so that each padded batch
+    holds rows of like length (as many forwards as in the given order: ranks that score their own
+    rows under a sharded model stay in step).
 
     Raises:
         ValueError: ``messages`` and ``completions`` differ in length.
@@ -146,11 +150,14 @@ def reward_scores(
         encode_chat(tokenizer, m, c, data.max_length_tokens, data.max_prompt_length_tokens)
         for m, c in zip(messages, completions)
     ]
-    scores: list[float] = []
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["input_ids"]))
+    scores = [0.0] * len(rows)
+    keys = ("input_ids", "attention_mask", "loss_mask", "counted_index")
     for start in range(0, len(rows), batch_size):
-        batch = collate_causal(rows[start : start + batch_size], tokenizer.pad_token_id)
-        keys = ("input_ids", "attention_mask", "loss_mask", "counted_index")
-        scores.extend(sequence_rewards(reward_model, *(batch[k].to(device) for k in keys)).tolist())
+        picked = order[start : start + batch_size]
+        batch = collate_causal([rows[i] for i in picked], tokenizer.pad_token_id)
+        for i, score in zip(picked, sequence_rewards(reward_model, *(batch[k].to(device) for k in keys)).tolist()):
+            scores[i] = score
     return scores
 
 
