@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from trainer_core.errors import ConfigError
 from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS, NLL_SUM_KERNELS, chunked_linear_logprobs, nll_sum_kernel
 from trainer_core.objectives.logprobs import compute_logprobs, sequence_logprobs, shift_mask
 
@@ -373,8 +374,6 @@ def check_packed_rows_apart(model: nn.Module, setting: str) -> None:
     Raises:
         ConfigError: the second row's states depend on the first row.
     """
-    from trainer_core.errors import ConfigError
-
     params, inner = next(model.parameters()), unwrap_causal_lm(model)
     inner = getattr(inner, "policy", inner)  # the RL stages' PolicyAndValue: its policy
     vocab = getattr(getattr(inner, "config", None), "vocab_size", None) or 2

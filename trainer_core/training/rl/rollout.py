@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import Tensor, nn
@@ -59,12 +59,26 @@ class Completions:
     completion_mask: Tensor
     observation_mask: Tensor | None = field(default=None, kw_only=True)
 
+    def real_completion_mask(self) -> Tensor:
+        """[N, T] 1 = a real completion token: the policy's (``completion_mask``) or an environment's."""
+        return self.completion_mask if self.observation_mask is None else self.completion_mask + self.observation_mask
+
+    def row_lengths(self) -> Tensor:
+        """[N] real tokens of each row, prompt and completion (an environment's tokens included)."""
+        return self.prompt_mask.sum(1) + self.real_completion_mask().sum(1)
+
+    def select(self, rows: Tensor) -> Self:
+        """The rows ``rows`` ([M] long indices) of every tensor field (a :class:`RolloutBatch`'s
+        too): a micro- or mini-batch."""
+        picked = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v[rows] if isinstance(v, Tensor) else v for k, v in picked.items()})
+
     def trimmed(self) -> Completions:
         """These rows without the prompt columns that are padding in every row (on the left) and
         the completion columns that are padding in every row (on the right), keeping one of each:
         a micro-batch cut from a wider batch forwards its own longest row, not the batch's. Every
         completion token keeps its column, so outputs [N, T'] widen back by zero columns on the right."""
-        real = self.completion_mask if self.observation_mask is None else self.completion_mask + self.observation_mask
+        real = self.real_completion_mask()
         prompt_cols, completion_cols = (self.prompt_mask.sum(0) > 0).nonzero(), (real.sum(0) > 0).nonzero()
         first = int(prompt_cols[0]) if len(prompt_cols) else self.prompt_ids.shape[1] - 1
         width = int(completion_cols[-1]) + 1 if len(completion_cols) else 1
@@ -118,11 +132,6 @@ class RolloutBatch(Completions):
         """[N, T] float32 weight of each token's policy loss: ``is_weights`` when set, else the
         completion mask."""
         return self.completion_mask if self.is_weights is None else self.is_weights
-
-    def select(self, rows: Tensor) -> RolloutBatch:
-        """The rows ``rows`` ([M] long indices) of every tensor field: a mini-batch."""
-        picked = {f.name: getattr(self, f.name) for f in fields(self)}
-        return replace(self, **{k: v[rows] if isinstance(v, Tensor) else v for k, v in picked.items()})
 
 
 def masked_row(batch: RolloutBatch) -> RolloutBatch:

@@ -238,13 +238,10 @@ class RLTrainer:
         """``fn(model, completions)`` (:func:`policy_forward`-like) over ``sample``'s rows,
         ``forward_micro_batch_size`` at a time, rows of like length together (:func:`micro_batch_rows`)."""
         g = sample.generated
-        observed = lambda rows: None if g.observation_mask is None else g.observation_mask[rows]
-        groups = micro_batch_rows(sample.prompt_mask.sum(1) + g.completion_mask.sum(1), self.cfg.forward_micro_batch_size)
-        outs = [
-            fn(model, Completions(sample.prompt_ids[rows], sample.prompt_mask[rows], g.completion_ids[rows],
-                                  g.policy_mask[rows], observation_mask=observed(rows)))
-            for rows in groups
-        ]
+        whole = Completions(sample.prompt_ids, sample.prompt_mask, g.completion_ids, g.policy_mask,
+                            observation_mask=g.observation_mask)
+        groups = micro_batch_rows(whole.row_lengths(), self.cfg.forward_micro_batch_size)
+        outs = [fn(model, whole.select(rows)) for rows in groups]
         order = torch.cat(groups)
 
         def in_row_order(parts: list[Tensor | None]) -> Tensor | None:
@@ -343,8 +340,7 @@ class RLTrainer:
         """``mb``'s rows cut into ``forward_micro_batch_size`` rows each, rows of like length together
         (:func:`micro_batch_rows`); every rank gets as many micro-batches as the rank with the most
         (padded with :func:`masked_row`), so that ranks run the same forwards and collectives."""
-        real = mb.completion_mask if mb.observation_mask is None else mb.completion_mask + mb.observation_mask
-        groups = micro_batch_rows(mb.prompt_mask.sum(1) + real.sum(1), self.cfg.forward_micro_batch_size)
+        groups = micro_batch_rows(mb.row_lengths(), self.cfg.forward_micro_batch_size)
         parts = [mb] if len(groups) == 1 else [mb.select(rows) for rows in groups]
         if self.backend.world_size > 1 and self.cfg.forward_micro_batch_size is not None:
             most = max(self.backend.all_gather_object(len(parts)))
