@@ -1,6 +1,6 @@
 """Online RL stages at 2 gloo ranks on CPU, launched the way the stage tasks launch them
 (``torchrun`` through ``tasks.launch.process``): PPO and GRPO (with the ptx term) on DDP, FSDP2 and
-DeepSpeed ZeRO-3 commit an HF policy with finite metrics (distill with ``padding_free``); the backends train the same policy
+DeepSpeed ZeRO-3 commit an HF policy with finite metrics; the backends train the same policy
 (same prompts and samples per rank, the loss normalised by the tokens of every rank); a 2-rank FSDP2 PPO run SIGKILLed after a
 checkpoint resumes to the same metrics and weights as an uninterrupted one.
 
@@ -79,10 +79,9 @@ _STAGE_OVERRIDES = {
     "grpo": {"group_size": 4, "kl_coef": 0.05, "reward.kind": "reward_model", "ptx_coef": 0.5, "ptx_rows_per_step": 2},
     # The generalised JSD over the vocabulary: the teacher (wider, sharded too) forwards in every
     # update step, its head gathered whole once; lmbda 0.5: iterations on the dataset's
-    # completions too (the same draw on both ranks: their forwards run in lockstep); padding_free:
-    # the student's, the teacher's and the ptx forwards packed, under FSDP2 and ZeRO-3.
+    # completions too (the same draw on both ranks: their forwards run in lockstep).
     "distill": {"loss": "generalized_jsd", "beta": 0.5, "lmbda": 0.5, "samples_per_prompt": 2, "ptx_coef": 0.5,
-                "ptx_rows_per_step": 2, "padding_free": True},
+                "ptx_rows_per_step": 2},
 }
 SAMPLES_PER_PROMPT = {"grpo": 4, "distill": 2, "ppo": 1}
 
