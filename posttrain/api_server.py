@@ -16,6 +16,7 @@ about a second. The CLI points Prefect at it through ``PREFECT_API_URL``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
 import os
 import socket
@@ -23,6 +24,8 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 from trainer_core.errors import PosttrainError
 from trainer_core.run import process_alive
@@ -32,6 +35,17 @@ WATCH_POLL_S = 0.5
 
 STOP_WAIT_S = 5.0
 """How long a stop waits for the server to shut down gracefully before killing it."""
+
+DEFAULT_STARTUP_TIMEOUT_S = 180.0
+"""How long the CLI waits for the temporary server's health check when
+``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` is not set (Prefect's own default, 20 s, is
+what an idle machine needs; a user's setting, in the environment or the profile, still wins). The
+first start of a Prefect home (its database created and migrated) on a 2-core machine whose cores
+two other processes keep busy took 52 s, a later start 15 s (``bench/README.md``, "The temporary
+Prefect API server"); this leaves room for a busier worker."""
+
+PROGRESS_EVERY_S = 10.0
+"""While the CLI waits for the server, it says so on stderr this often."""
 
 EXIT_PORT_IN_USE = 3
 """The server process's exit code when it could not start (uvicorn's ``STARTUP_FAILURE``; mostly
@@ -81,13 +95,32 @@ class TemporaryApiServer:
             self.process.wait()
 
 
+def startup_timeout_s(settings: Any) -> float:
+    """The health check's wait in seconds: the user's ``server.ephemeral.startup_timeout_seconds``
+    when set (environment or profile), else :data:`DEFAULT_STARTUP_TIMEOUT_S`.
+
+    Args:
+        settings: Prefect's current settings (``prefect.settings.get_current_settings()``).
+    """
+    ephemeral = settings.server.ephemeral
+    if "startup_timeout_seconds" in ephemeral.model_fields_set:
+        return float(ephemeral.startup_timeout_seconds)
+    return DEFAULT_STARTUP_TIMEOUT_S
+
+
 def _wait_healthy(process: subprocess.Popen, api_url: str, timeout_s: float) -> int | None:
-    """Poll ``<api_url>/health`` until it answers 200: None; or the process's exit code if it exited."""
+    """Poll ``<api_url>/health`` until it answers 200: None; or the process's exit code if it
+    exited. Says every :data:`PROGRESS_EVERY_S` that it is still waiting.
+
+    Raises:
+        TemporaryServerError: no answer within ``timeout_s`` (the process is killed).
+    """
     import httpx
 
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline, said = start + timeout_s, 0
     with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
+        while (now := time.monotonic()) < deadline:
             code = process.poll()
             if code is not None:
                 return code
@@ -96,6 +129,9 @@ def _wait_healthy(process: subprocess.Popen, api_url: str, timeout_s: float) -> 
                     return None
             except httpx.HTTPError:
                 pass
+            if (waited := int((now - start) // PROGRESS_EVERY_S)) > said:
+                said = waited
+                _say(f"waiting for the temporary Prefect API, {waited * PROGRESS_EVERY_S:g} s (up to {timeout_s:g} s) ...")
             time.sleep(0.1)
     process.kill()
     process.wait()
@@ -123,7 +159,7 @@ def start_temporary_api_server(attempts: int = 3) -> TemporaryApiServer:
 
     settings = get_current_settings()
     env = {**os.environ, **_SERVER_ENV, **settings.to_environment_variables(exclude_unset=True)}
-    timeout_s = float(settings.server.ephemeral.startup_timeout_seconds)
+    timeout_s = startup_timeout_s(settings)
     for _ in range(attempts):
         port = _free_port()
         process = subprocess.Popen([sys.executable, "-m", "posttrain.api_server", "--port", str(port),
@@ -151,10 +187,54 @@ def needs_temporary_server() -> bool:
     return not get_current_settings().api.url
 
 
+def _sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite database URL (``sqlite+aiosqlite:////home/x/prefect.db``); None for
+    any other database or an in-memory one."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if not parsed.drivername.startswith("sqlite") or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
+
+
+def prepare_database() -> None:
+    """Create or migrate Prefect's database before the API starts, saying so when it is new.
+
+    Prefect's app does the same in its lifespan, inside the CLI's silent wait for the health
+    check. On a new SQLite file (the first start of a Prefect home) that is most of the start:
+    Alembic runs every migration (8 s of a 16 s first start on an idle 2-core machine); a database
+    already at head costs ~0.1 s, so later runs and the lifespan's own check are cheap. Nothing is
+    done when ``PREFECT_API_DATABASE_MIGRATE_ON_START`` is off.
+    """
+    from prefect.server.database import provide_database_interface
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if not settings.server.database.migrate_on_start:
+        return
+    path = _sqlite_path(settings.server.database.connection_url.get_secret_value())
+    new = path is not None and (not path.exists() or path.stat().st_size == 0)
+    if new:
+        _say(f"Creating Prefect's database {path} (the first start of PREFECT_HOME {settings.home}; "
+             "later runs reuse it) ...")
+    start = time.monotonic()
+
+    async def migrate() -> None:  # in a loop of its own: its engine is disposed with it
+        db = provide_database_interface()
+        await db.create_db()
+        await (await db.engine()).dispose()
+
+    asyncio.run(migrate())
+    if new:
+        _say(f"Prefect's database created in {time.monotonic() - start:.0f} s")
+
+
 def serve(port: int, watch_pid: int, poll_s: float = WATCH_POLL_S) -> int:
     """Run Prefect's API (``prefect.server.api.server:create_app``) on 127.0.0.1:``port`` until
     SIGTERM/SIGINT, or until ``watch_pid`` (the CLI) is gone; returns the exit code
-    (:data:`EXIT_PORT_IN_USE` when it could not bind)."""
+    (:data:`EXIT_PORT_IN_USE` when it could not bind). The database is prepared first
+    (:func:`prepare_database`), while the watchdog already runs."""
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config("prefect.server.api.server:create_app", factory=True, host="127.0.0.1",
@@ -170,6 +250,7 @@ def serve(port: int, watch_pid: int, poll_s: float = WATCH_POLL_S) -> int:
                 os._exit(1)
 
     threading.Thread(target=watch, name="cli-watchdog", daemon=True).start()
+    prepare_database()
     server.run()  # uvicorn exits 3 (STARTUP_FAILURE) itself when it cannot bind or start
     return 0 if server.started else EXIT_PORT_IN_USE
 
