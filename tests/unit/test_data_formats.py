@@ -15,6 +15,7 @@ from trainer_core.data.formats import (
     detect_format,
     extract_generated_answer,
     final_answer,
+    is_verifiable_answer,
     parse_hh_dialogue,
     to_eval_problem,
     to_kto_examples,
@@ -273,6 +274,25 @@ def test_eval_problem():
         to_eval_problem({"question": "q", "answer": "no marker", "_source": "g:1"})
     with pytest.raises(DataError, match="no verifiable answers"):
         to_eval_problem(HH_ROW)
+
+
+@pytest.mark.parametrize(("record", "field"), [
+    ({"question": "q", "answer": "36+36=72\n#### seventy-two"}, "answer"),
+    ({"prompt": "q", "completion": "so #### 72 apples"}, "completion"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "#### n/a"}]}, "messages"),
+])
+def test_eval_answer_that_is_not_a_number_is_refused(record, field):
+    """Evaluation extracts a number from what the model writes and compares it numerically, so a
+    gold ``#### seventy-two`` could never match: refused as the eval file is read, naming the
+    record's source and the field (GSM8K's answers are all numbers)."""
+    with pytest.raises(DataError, match=rf"^e.jsonl:3: field '{field}': the final answer after '####' is '[^']+', "
+                                        "not a number"):
+        to_eval_problem({**record, "_source": "e.jsonl:3"})
+
+
+def test_is_verifiable_answer():
+    assert all(is_verifiable_answer(a) for a in ("72", "1,072", "-4", "0.5", "$ 5.", "1e3"))
+    assert not any(is_verifiable_answer(a) for a in ("seventy-two", "72apples", "18%", "NaN", "Infinity", "", None))
 
 
 @pytest.mark.parametrize(

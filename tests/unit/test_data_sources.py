@@ -187,3 +187,57 @@ def test_an_unreachable_hub_is_bad_input_naming_the_uri(monkeypatch):
     with pytest.raises(DataError, match=r"hf://openai/gsm8k: the Hugging Face Hub cannot be reached \(Couldn't reach") as e:
         read_records(DataSource(uri="hf://openai/gsm8k", split="train"))
     assert e.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_lone_surrogate_is_bad_input_naming_line_and_field(tmp_path):
+    """A JSON escape of half a surrogate pair decodes to no Unicode character: pyarrow could not
+    store it as UTF-8 (a UnicodeEncodeError, retried as a crash, that named nothing). It is refused
+    as it is read, naming the file, the line and the field; a whole pair is the character."""
+    pair = json.dumps({"prompt": "smile \U0001f600", "completion": "c"})  # ensure_ascii: "\ud83d\ude00"
+    lone = '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    uri = _write(tmp_path / "d.jsonl", f"{pair}\n{lone}\n")
+    with pytest.raises(DataError, match=rf"^{uri}:2: field 'messages'\[0\]\['content'\] holds a lone UTF-16 "
+                                        r"surrogate \(\\ud800 at character 1\)") as e:
+        read_records(DataSource(uri=uri))
+    assert e.value.exit_code == EXIT_BAD_INPUT
+    assert read_records(DataSource(uri=uri, max_rows=1))[0]["prompt"] == "smile \U0001f600"
+    key = _write(tmp_path / "k.json", '[{"q\\udc00": 1}]')
+    with pytest.raises(DataError, match=rf"^{key}:1 \(array item 1\): a field name holds a lone UTF-16 surrogate"):
+        read_records(DataSource(uri=key))
+
+
+@pytest.mark.parametrize("indent", [2, None], ids=["pretty", "one-line"])
+def test_json_array_file_is_read_item_by_item(tmp_path, monkeypatch, indent):
+    """A ``.json`` file holding one JSON array of objects (what ``json.dump(rows, f)`` writes, and
+    ``datasets``' json loader reads) gives its items, read a few bytes at a time here so that items,
+    strings, numbers and multi-byte characters straddle the reads; ``_source`` names the line where
+    each item starts and its position."""
+    import trainer_core.data.sources as sources
+
+    monkeypatch.setattr(sources, "_JSON_READ_BYTES", 5)
+    rows = [{"prompt": f"p{i} é \U0001f600 \"q\"\n", "completion": f"#### {10 ** i}", "n": [i, -1.5e-3]}
+            for i in range(4)]
+    path = tmp_path / "rows.json"
+    path.write_text("\n" + json.dumps(rows, indent=indent) + "\n", encoding="utf-8")
+    records = read_records(DataSource(uri=str(path)))
+    assert [{k: v for k, v in r.items() if k != "_source"} for r in records] == rows
+    lines = [3, 11, 19, 27] if indent else [2] * 4
+    assert [r["_source"] for r in records] == [f"{path}:{line} (array item {i + 1})" for i, line in enumerate(lines)]
+    gz = tmp_path / "rows.json.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert [r["prompt"] for r in read_records(DataSource(uri=str(gz), max_rows=2))] == [r["prompt"] for r in rows[:2]]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[{"a": 1},\n2]', r":2 \(array item 2\): expected a JSON object per array item, got int"),
+    ('[{"a": 1},\n{"a": tru}]', r":2: invalid JSON: Expecting value \(array item 2\)"),
+    ('[{"a": 1},\n{"a": "x}]', r":2: invalid JSON: Unterminated string \(array item 2\)"),
+    ('[{"a": 1}\n{"a": 2}]', r":2: invalid JSON: expected ',' or ']' after array item 1, got '\{'"),
+    ('[{"a": 1},\n', r":2: invalid JSON: the array is not closed"),
+    ('[{"a": 1}]\n[{"a": 2}]', r":2: invalid JSON: text after the array's closing '\]'"),
+    ("[]", r": no records"),
+])
+def test_json_array_errors_name_the_line(tmp_path, text, message):
+    uri = _write(tmp_path / "bad.json", text)
+    with pytest.raises(DataError, match=f"^{uri}{message}"):
+        read_records(DataSource(uri=uri))

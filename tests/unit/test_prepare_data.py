@@ -17,7 +17,7 @@ from trainer_core.checkpoint.manifest import read_manifest, verify
 from trainer_core.config import load_config
 from trainer_core.data.formats import final_answer
 from trainer_core.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
-from trainer_core.errors import DataError
+from trainer_core.errors import EXIT_BAD_INPUT, DataError
 from trainer_core.spec import StageSpec, build_spec
 from trainer_core.storage import StageLayout, join_uri
 from trainer_core.data.prepared import SPLIT_NAMES, load_split, load_tokenizer_from
@@ -215,6 +215,62 @@ def test_bad_data_raises_and_commits_nothing(tmp_path):
     assert not storage.exists(join_uri(StageLayout(spec.output_uri).final, "manifest.json"))
     with pytest.raises(DataError, match="not a committed prepare_data output"):
         load_split(StageLayout(spec.output_uri).final, "sft/train")
+
+
+def test_lone_surrogate_is_bad_input_naming_file_and_line(tmp_path):
+    """A JSON ``"\\ud800"`` escape (half a surrogate pair) crashed the staging in pyarrow (a
+    UnicodeEncodeError naming nothing, retried): it is a DataError (exit 2, never retried) naming
+    the file, the line and the field, and nothing is written."""
+    sft = tmp_path / "sft.jsonl"
+    rows = [json.dumps({"question": f"q{i}?", "answer": f"#### {i}"}) for i in range(5)]
+    sft.write_text("\n".join(rows[:3] + ['{"question": "bad \\ud800 q", "answer": "#### 1"}'] + rows[3:]) + "\n")
+    spec = _spec(str(tmp_path / "out"), **{"data.sft.uri": str(sft)})
+    with pytest.raises(DataError, match=rf"data.sft.uri: {sft}:4: field 'question' holds a lone UTF-16 surrogate") as e:
+        run(spec)
+    assert e.value.exit_code == EXIT_BAD_INPUT
+    assert not os.path.exists(StageLayout(spec.output_uri).final)
+
+
+def _every_train_row_dropped(tmp_path: Path) -> tuple[dict, str]:
+    rows = [{"question": f"How many is {i}?", "answer": f"It is {i}.\n#### {i}"} for i in range(20)]
+    return ({"data.sft.uri": _jsonl(tmp_path / "sft.jsonl", rows), "data.eval.uri": _jsonl(tmp_path / "eval.jsonl", rows),
+             "data.max_eval_rows": 100},
+            rf"sft/train: no rows left: 20 records read from {tmp_path}/sft.jsonl gave 20 examples, 5 held out for "
+            r"sft/eval and 15 for sft/train; dropped from sft/train: 15 that overlap an eval problem")
+
+
+def _every_pair_identical(tmp_path: Path) -> tuple[dict, str]:
+    pairs = [{"prompt": f"p{i}", "chosen": "same", "rejected": "same"} for i in range(10)]
+    return ({"data.preference.uri": _jsonl(tmp_path / "p.jsonl", pairs)},
+            rf"preference/train: no rows left: 10 records read from {tmp_path}/p.jsonl gave 10 examples, 2 held out "
+            r"for preference/eval and 8 for preference/train; dropped from preference/train: 0 that overlap an eval "
+            r"problem \(decontamination\), 8 whose chosen and rejected token ids are identical")
+
+
+@pytest.mark.parametrize("case", [_every_train_row_dropped, _every_pair_identical], ids=lambda f: f.__name__)
+def test_split_left_empty_states_the_counts_and_leaves_no_final_dir(tmp_path, case):
+    """Issue: "no rows left ... (see the dropped counts)" showed no count, and left ``final/``
+    without a manifest. The message gives the records read, the split and the rows dropped by
+    reason; a split emptied by decontamination fails before ``final/`` is opened, one emptied
+    while tokenising removes the uncommitted directory."""
+    overrides, message = case(tmp_path)
+    spec = _spec(str(tmp_path / "out"), **overrides)
+    with pytest.raises(DataError, match=message):
+        run(spec)
+    assert not os.path.exists(StageLayout(spec.output_uri).final)
+
+
+def test_held_out_rows_with_a_non_number_answer_are_not_eval_problems(tmp_path):
+    """Evaluation compares numbers: a held-out SFT row ending ``#### seventy-two`` could never
+    match, so it is not an eval problem (an eval file's such row is refused, test_data_formats)."""
+    rows = [{"question": f"How many is {i}?", "answer": f"It is {i}.\n#### {'seventy-two' if i % 2 else i}"}
+            for i in range(20)]
+    spec = _spec(str(tmp_path / "out"), **{"data.sft.uri": _jsonl(tmp_path / "sft.jsonl", rows)})
+    run(spec)
+    out = StageLayout(spec.output_uri).final
+    held_out = [r["answer"] for r in load_split(out, "sft/eval")]
+    assert "seventy-two" in held_out and [p["answer"] for p in load_split(out, "eval_problems")] == [
+        a for a in held_out if a != "seventy-two"]
 
 
 def test_load_split_unknown_name(tmp_path):

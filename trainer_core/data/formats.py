@@ -394,10 +394,14 @@ def to_eval_problem(record: dict, fmt: str = "auto") -> dict:
 
     gsm8k: the question and the number after ``####``. prompt_completion: the prompt and the
     final answer of the completion (which must contain ``#### n``). messages: the turns before
-    the last assistant reply, and that reply's final answer.
+    the last assistant reply, and that reply's final answer. The final answer must be a number
+    (:func:`is_verifiable_answer`): evaluation extracts a number from what the model writes, so
+    no other answer could ever match.
 
     Raises:
-        DataError: missing field, wrong type, or no ``#### <answer>`` in the answer/completion.
+        DataError: missing field, wrong type, no ``#### <answer>`` in the answer/completion, or
+            a final answer that is not a number (``#### seventy-two``); each names the source and
+            the field.
     """
     fmt = _resolve(record, fmt)
     if fmt == "gsm8k":
@@ -413,6 +417,10 @@ def to_eval_problem(record: dict, fmt: str = "auto") -> dict:
     answer = final_answer(reply)
     if answer is None:
         raise DataError(f"{_where(record)}: field '{field}' has no final answer after '####'")
+    if not is_verifiable_answer(answer):
+        raise DataError(f"{_where(record)}: field '{field}': the final answer after '####' is {answer!r}, not a "
+                        "number; exact-match evaluation compares the number a model writes with it, so it could "
+                        "never match (write the number alone, e.g. '#### 72')")
     return _with_source({"messages": messages, "answer": answer}, record)
 
 
@@ -455,6 +463,17 @@ def _as_number(text: str) -> Decimal | None:
     except InvalidOperation:
         return None
     return value if value.is_finite() else None
+
+
+def is_verifiable_answer(answer: str | None) -> bool:
+    """Whether a gold answer can ever match a generated one: a finite number after
+    :func:`normalize_answer` (``"1,072"``, ``"-4"``, ``"0.5"``), as :func:`extract_generated_answer`
+    only ever gives numbers and :func:`answers_match` compares them numerically.
+
+    >>> is_verifiable_answer("1,072"), is_verifiable_answer("seventy-two")
+    (True, False)
+    """
+    return answer is not None and _as_number(normalize_answer(answer)) is not None
 
 
 def answers_match(pred: str | None, gold: str | None) -> bool:

@@ -25,16 +25,18 @@ Output directory (``<output_uri>/final``), committed by ``manifest.json`` writte
 
 A source whose ``uri`` is None is replaced by the synthetic task (:mod:`trainer_core.data.synthetic`,
 seeded by ``config.seed``); an eval source with ``uri`` None means the eval problems are the
-held-out SFT rows that have a final answer. Each data set is split by a
-``random.Random(config.seed)`` shuffle: ``eval_fraction`` of it (at least 1, at most
-``max_eval_rows`` rows) is held out. Train rows whose prompt equals an eval problem's prompt
+held-out SFT rows whose final answer is a number (``#### 72``: evaluation compares numbers). Each
+data set is split by a ``random.Random(config.seed)`` shuffle: ``eval_fraction`` of it (at least
+1, at most ``max_eval_rows`` rows) is held out. Train rows whose prompt equals an eval problem's prompt
 are dropped (counted). Pairs whose chosen and rejected token ids are identical after truncation,
 and rows with no completion token left, are dropped (counted). HH-RLHF pairs whose dialogues do
 not parse (a handful in the public data) are skipped and counted, unless more than
 :data:`MAX_INVALID_FRACTION` of a data set is unparsable, which means a wrong format and is an error.
 KTO examples made from preference pairs are split pair by pair (a pair's two completions stay in
 one split), then shuffled with the seed. Pretrain documents are split before they are packed, and
-documents that contain an eval problem's question are dropped (counted).
+documents that contain an eval problem's question are dropped (counted). A split left with no
+rows is a ``DataError`` that gives these counts (records read, rows held out, rows dropped by
+reason); it commits nothing and leaves no ``final/`` directory behind.
 
 Memory stays bounded whatever the data's size: each data set is read once as a stream and its
 canonical examples staged in a local Arrow file (:mod:`trainer_core.data.staging`); the split
@@ -47,6 +49,7 @@ tokenizer's training texts and the tokenised rows are made chunk by chunk
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -56,6 +59,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
+from trainer_core import storage
+from trainer_core.checkpoint.lease import LeaseLostError
 from trainer_core.checkpoint.manifest import ArtifactWriter, Manifest
 from trainer_core.config import DataSource, PipelineConfig
 from trainer_core.data.encode import (  # noqa: F401 - the schemas are part of this stage's documented output
@@ -73,6 +78,7 @@ from trainer_core.data.encode import (  # noqa: F401 - the schemas are part of t
 )
 from trainer_core.data.formats import (
     detect_format,
+    is_verifiable_answer,
     to_eval_problem,
     to_kto_examples,
     to_preference_example,
@@ -166,11 +172,18 @@ def split_train_eval(examples: list[dict], seed: int, eval_fraction: float, max_
 
 
 def _eval_problems(config: PipelineConfig, sft: Split, metrics: dict[str, float]) -> list[dict]:
-    """Eval problems from ``data.eval`` (its first ``max_eval_rows``), else the held-out SFT rows with answers."""
+    """Eval problems from ``data.eval`` (its first ``max_eval_rows``), else the held-out SFT rows
+    whose final answer is a number (:func:`~trainer_core.data.formats.is_verifiable_answer`)."""
     data = config.data
     if data.eval.uri is None:
-        return [{"messages": ex["messages"], "answer": ex["answer"]} for ex in sft.store.take(sft.eval)
-                if ex["answer"] is not None]
+        held_out = [ex for ex in sft.store.take(sft.eval) if ex["answer"] is not None]
+        problems = [{"messages": ex["messages"], "answer": ex["answer"]} for ex in held_out
+                    if is_verifiable_answer(ex["answer"])]
+        if len(problems) < len(held_out):
+            logger.warning("%d held-out sft rows have a final answer after '####' that is not a number (e.g. %r): "
+                           "they are not eval problems", len(held_out) - len(problems),
+                           next(ex["answer"] for ex in held_out if not is_verifiable_answer(ex["answer"])))
+        return problems
     fmt, problems, num_read = data.eval.format, [], 0
     for record in _read(data.eval, "eval"):
         fmt = detect_format(record) if fmt == "auto" else fmt
@@ -226,7 +239,35 @@ def _splits(config: PipelineConfig, tmp: str, metrics: dict[str, float]) -> tupl
         sets["pretrain"] = Split(store, *split_order(len(store), config.seed, data.eval_fraction, data.max_eval_rows,
                                                       "pretrain"))
         _decontaminate_documents(sets["pretrain"], problems, metrics)
+    for name, split in sets.items():
+        if not len(split.train):
+            raise _empty_split_error(f"{name}/train", split, _source_names(config)[name], metrics)
     return sets, problems
+
+
+_DROP_REASONS = {
+    "dropped_overlap": "that overlap an eval problem (decontamination)",
+    "dropped_identical": "whose chosen and rejected token ids are identical (after truncation)",
+    "dropped_empty": "with no completion token left after truncation to data.max_length_tokens",
+}
+"""Why prepare_data drops rows, by the suffix of the metric that counts them
+(``num_<set>_<split>_<suffix>``)."""
+
+
+def _empty_split_error(name: str, split: Split, source: str, metrics: dict[str, float]) -> DataError:
+    """The error for split ``name`` (``sft/train``) left with no rows: the records read from
+    ``source``, the examples held out and kept for training, and the rows dropped for each reason
+    counted so far (:data:`_DROP_REASONS`)."""
+    set_name, key, store = name.split("/")[0], name.replace("/", "_"), split.store
+    num_records = len(store) if store.group_starts is None else len(store.group_starts) - 1
+    invalid = int(metrics.get(f"num_{set_name}_invalid", 0))
+    num_train = len(split.train) + int(metrics.get(f"num_{set_name}_train_dropped_overlap", 0))
+    read = f"{num_records + invalid} records read from {source}" + (f" ({invalid} unparsable, skipped)" if invalid else "")
+    drops = [f"{int(metrics[f'num_{key}_{suffix}'])} {why}" for suffix, why in _DROP_REASONS.items()
+             if f"num_{key}_{suffix}" in metrics]
+    return DataError(f"{name}: no rows left: {read} gave {len(store)} examples, {len(split.eval)} held out for "
+                     f"{set_name}/eval and {num_train} for {set_name}/train; dropped from {name}: "
+                     f"{', '.join(drops) or 'none'}")
 
 
 def _chunks(kind: str, store: ExampleStore, indices: np.ndarray, kl_indices: np.ndarray | None = None) -> Iterator[Chunk]:
@@ -285,9 +326,6 @@ def _write_documents(pool: ChunkMap, out: ShardWriter, split: Split, which: str,
     """Pretrain documents tokenised, each followed by EOS, joined and cut into blocks of ``block``
     tokens (the last block keeps the remainder when it has 2 tokens or more); returns the blocks."""
     indices, name = getattr(split, which), out.name.replace("/", "_")
-    if len(indices) == 0:
-        raise DataError(f"{name}: no documents left (after the held-out split and the decontamination; see the "
-                        "dropped counts)")
     if tokenizer.eos_token_id is None:
         raise ConfigError("the tokenizer has no eos_token: pretrain documents cannot be separated")
     carry: list[int] = []
@@ -351,8 +389,7 @@ def _write_splits(writer: ArtifactWriter, tokenizer: Any, sets: dict[str, Split]
                 else:
                     rows = _write_examples(pool, out, sets[set_name], which, set_name, metrics)
                 if not rows:
-                    raise DataError(f"{name.replace('/', '_')}: no rows left after tokenising and dropping (see the "
-                                    "dropped counts)")
+                    raise _empty_split_error(name, sets[set_name], _source_names(config)[set_name], metrics)
                 num_rows[name] = rows
     for name, rows in num_rows.items():
         metrics[f"num_{name.replace('/', '_')}"] = rows
@@ -369,29 +406,25 @@ def _source_names(config: PipelineConfig) -> dict[str, str]:
     }
 
 
-def run(ctx: StageContext) -> Manifest:
-    """Prepare every data set of the config and commit them under ``<output_uri>/final``.
+@contextlib.contextmanager
+def _discarded_on_failure(writer: ArtifactWriter) -> Iterator[None]:
+    """Remove ``writer``'s uncommitted directory when the body fails (best-effort: a failed removal
+    is logged), so that no ``final/`` without a manifest is left behind; except when this attempt
+    lost the stage's lease, as the directory is then the new owner's."""
+    try:
+        yield
+    except LeaseLostError:
+        raise
+    except Exception:
+        logger.info("removing the uncommitted %s", writer.uri)
+        storage.remove(writer.uri)
+        raise
 
-    Returns:
-        The committed manifest; ``metrics`` hold row counts per split, dropped counts, mean
-        tokens and the vocabulary size.
 
-    Raises:
-        DataError: a missing / malformed data file or record, too many unparsable records, or a
-            split left empty.
-        ConfigError: the tokenizer cannot be loaded or its chat template is unusable.
-    """
+def _commit(ctx: StageContext, writer: ArtifactWriter, tokenizer: Any, splits: list[str],
+            metrics: dict[str, float]) -> Manifest:
+    """Write the manifest of ``writer``'s directory (after the fence check) and return it."""
     config = ctx.config
-    metrics: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="posttrain-prepare-") as tmp:
-        sets, problems = _splits(config, tmp, metrics)
-        tokenizer = _build_tokenizer(config, sets)
-        metrics["vocab_size"] = len(tokenizer)
-        ctx.check_fence(f"the prepared data {ctx.layout.final}")
-        writer = ArtifactWriter(ctx.layout.final, overwrite=True)
-        splits = _write_splits(writer, tokenizer, sets, problems, config, tmp, metrics)
-        tokenizer.save_pretrained(f"{tmp}/tokenizer")
-        writer.write_dir(f"{tmp}/tokenizer", prefix="tokenizer")
     extra = {
         "splits": splits,
         "sources": _source_names(config),
@@ -402,7 +435,37 @@ def run(ctx: StageContext) -> Manifest:
         "max_prompt_length_tokens": config.data.max_prompt_length_tokens,
     }
     ctx.check_fence(f"the manifest of {writer.uri}")
-    manifest = writer.commit(kind="final", stage=STAGE, run_id=ctx.spec.run_id, config_hash=ctx.fingerprint,
-                             metrics={k: float(v) for k, v in metrics.items()}, extra=extra)
+    return writer.commit(kind="final", stage=STAGE, run_id=ctx.spec.run_id, config_hash=ctx.fingerprint,
+                         metrics={k: float(v) for k, v in metrics.items()}, extra=extra)
+
+
+def run(ctx: StageContext) -> Manifest:
+    """Prepare every data set of the config and commit them under ``<output_uri>/final``.
+
+    A train split that the decontamination empties fails before ``final/`` is opened; a failure
+    after it is opened removes the uncommitted directory (:func:`_discarded_on_failure`).
+
+    Returns:
+        The committed manifest; ``metrics`` hold row counts per split, dropped counts, mean
+        tokens and the vocabulary size.
+
+    Raises:
+        DataError: a missing / malformed data file or record, too many unparsable records, or a
+            split left empty (the message gives the records read and the rows dropped, by reason).
+        ConfigError: the tokenizer cannot be loaded or its chat template is unusable.
+    """
+    config = ctx.config
+    metrics: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="posttrain-prepare-") as tmp:
+        sets, problems = _splits(config, tmp, metrics)
+        tokenizer = _build_tokenizer(config, sets)
+        metrics["vocab_size"] = len(tokenizer)
+        ctx.check_fence(f"the prepared data {ctx.layout.final}")
+        writer = ArtifactWriter(ctx.layout.final, overwrite=True)
+        with _discarded_on_failure(writer):
+            splits = _write_splits(writer, tokenizer, sets, problems, config, tmp, metrics)
+            tokenizer.save_pretrained(f"{tmp}/tokenizer")
+            writer.write_dir(f"{tmp}/tokenizer", prefix="tokenizer")
+            manifest = _commit(ctx, writer, tokenizer, splits, metrics)
     logger.info("prepare_data committed %s: %s", writer.uri, {k: v for k, v in metrics.items() if k.startswith("num_")})
     return manifest
