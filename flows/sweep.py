@@ -43,11 +43,10 @@ from tasks.report.views import figure_png, png_markdown
 from tasks.results import PipelineRun, StageResult, SweepPoint
 from tasks.runs import check_run_id, new_run_id
 from tasks.sweep import (
-    SweepFailed, expand_grid, forget_board, owners, point_config, point_run_id, stage_keys, sweep_board,
+    SweepFailed, expand_grid, forget_board, owners, point_config, point_run_id, stage_keys, sweep_board, sweep_grid,
 )
 from trainer_core import storage
 from trainer_core.config import PipelineConfig, config_value
-from trainer_core.errors import ConfigError
 from trainer_core.storage import RunLayout, join_uri
 
 
@@ -191,15 +190,14 @@ def post_training_sweep(
         "release", "mlflow_run_id", "summary_uri"}``.
 
     Raises:
-        ConfigError: no grid, a grid key that is not a config field or a value it refuses.
+        ConfigError: no grid, an empty or repeated axis, a grid key that is not a config field or a value
+            it refuses (before anything is written).
         SweepFailed: a point did not complete (after the summary and the comparison are
             written; nothing is released).
     """
     log = get_run_logger()
     cfg = resolve_config(config, config_uri, overrides, settings)
-    grid = {**cfg.sweep.grid, **(grid or {})}
-    if not grid:
-        raise ConfigError("sweep: no grid: set sweep.grid in the config or pass --grid key=v1,v2")
+    grid = sweep_grid(cfg, grid, where="grid ")
     sweep_id = check_run_id(sweep_id or new_run_id(cfg))
     storage.configure(cfg.storage)
     tracking_uri = tracking.resolve_tracking_uri(cfg)

@@ -99,15 +99,18 @@ def run(
 @app.command()
 def resume(run_id: str, overrides: SetOpt = None, root: RootOpt = "./outputs") -> None:
     """Re-run RUN_ID with its saved config (plus overrides): finished stages whose config and
-    inputs are unchanged are skipped; the first unfinished one resumes from its checkpoint."""
-    from tasks.runs import load_run_config
+    inputs are unchanged are skipped; the first unfinished one resumes from its checkpoint. The
+    run is resumed under --root, where it was found, also when it was copied there from another
+    root (the saved config's paths under that root are moved with it)."""
+    from tasks.runs import resume_config
 
     run_id = _checked_run_id(run_id)
     try:
-        saved = load_run_config(_absolute(root), run_id)
-        cfg = resolve_local_root(load_config(base=saved, overrides=list(overrides or [])))
+        cfg, moved = resume_config(_absolute(root), run_id, overrides)
     except ConfigError as e:
         raise _fail(str(e), EXIT_BAD_INPUT) from None
+    for field, (saved, now) in moved.items():  # a run copied or moved from another root: resumed where it is
+        _err.print(f"note: {field}: {saved} -> {now} (the run was started under another root)")
     _run_pipeline(cfg, run_id)
 
 
@@ -198,15 +201,25 @@ def _refuse_if_held(cfg: PipelineConfig, layout: Any) -> None:
         return
 
 
-def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
-    """Run the flow for ``cfg`` under ``run_id``; print locations; last line: the summary URI."""
-    with gc_paused():  # Prefect's and MLflow's imports
-        from flows.pipeline import post_training_pipeline
-        from posttrain.api_server import needs_temporary_server, start_temporary_api_server
-        from tasks.console import use_plain_console
-        from tasks.preflight import check_storage_root
-        from trainer_core import storage
-        from trainer_core.storage import RunLayout
+def _refuse_unplannable(cfg: PipelineConfig, layout: Any) -> None:
+    """Exit 2 at once when the run's stage graph cannot be planned (a stage input nothing provides:
+    no prepare_data, a reward model no stage trains), before Prefect starts; the flow plans again."""
+    from tasks.plan import plan_run
+
+    try:
+        plan_run(cfg, layout)
+    except ConfigError as e:
+        raise _fail(str(e), EXIT_BAD_INPUT) from None
+    except Exception:  # noqa: BLE001 - unreadable storage: the flow's pre-flight reports it
+        return
+
+
+def _checked_layout(cfg: PipelineConfig, run_id: str) -> Any:
+    """The run's layout once the checks that take seconds pass: the storage root is writable
+    (first, before any read of the run), no live run holds it, its stages can be planned."""
+    from tasks.preflight import check_storage_root
+    from trainer_core import storage
+    from trainer_core.storage import RunLayout
 
     storage.configure(cfg.storage)
     try:  # first: an unreachable root is refused in seconds, before any read of the run or Prefect
@@ -215,6 +228,18 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
         raise _fail(str(e), EXIT_BAD_INPUT) from None
     layout = RunLayout(cfg.storage.root, run_id)
     _refuse_if_held(cfg, layout)
+    _refuse_unplannable(cfg, layout)
+    return layout
+
+
+def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
+    """Run the flow for ``cfg`` under ``run_id``; print locations; last line: the summary URI."""
+    layout = _checked_layout(cfg, run_id)  # refused in seconds, before Prefect is imported or started
+    with gc_paused():  # Prefect's and MLflow's imports
+        from flows.pipeline import post_training_pipeline
+        from posttrain.api_server import needs_temporary_server, start_temporary_api_server
+        from tasks.console import use_plain_console
+
     typer.echo(f"run id: {run_id}")
     typer.echo(f"outputs: {layout.uri}")
     use_plain_console()
@@ -292,10 +317,12 @@ def sweep(
     """Run one pipeline per grid point (the stages they share once), compare the points and
     release the best; the last stdout line is the sweep's summary.json URI."""
     from tasks.runs import new_run_id
+    from tasks.sweep import sweep_grid
 
     cfg = _load_or_exit(config, overrides)
     try:
         swept = parse_grid(grid)
+        sweep_grid(cfg, swept)  # the rule of sweep.grid, before Prefect or anything else starts
     except ConfigError as e:
         raise _fail(str(e), EXIT_BAD_INPUT) from None
     _run_sweep(cfg, _checked_run_id(sweep_id or f"sweep-{new_run_id(cfg)}"), swept)

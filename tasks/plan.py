@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer_core.config import PipelineConfig
+from trainer_core.errors import ConfigError
 from trainer_core.registry import STAGE_ORDER, stage_inputs
 from trainer_core.spec import committed_outputs
 from trainer_core.storage import RunLayout
@@ -37,13 +38,35 @@ def plan_run(config: PipelineConfig, layout: RunLayout) -> dict[str, PlannedStag
 
     Raises:
         ConfigError: a stage needs an output that is neither produced in this run nor committed
-            in it (e.g. no ``prepare_data``); nothing has been written.
+            in it (e.g. no ``prepare_data``, or the reward model of a ``<stage>.reward`` that reads
+            one); nothing has been written.
     """
     prior = committed_outputs(layout, [s for s in STAGE_ORDER if s not in config.stages])
     planned: dict[str, PlannedStage] = {}
     for stage in config.stages:
         available = {**prior, **{s: layout.final(s) for s in planned}}
         inputs = stage_inputs(config, stage, available)
+        _check_reward_model(config, stage, inputs, available)
         depends_on = tuple(s for s in planned if layout.final(s) in inputs.values())
         planned[stage] = PlannedStage(stage, inputs, depends_on)
     return planned
+
+
+def _check_reward_model(config: PipelineConfig, stage: str, inputs: dict[str, str], available: dict[str, str]) -> None:
+    """``<stage>.reward`` reads a reward model only if the stage's inputs (the registry's) hold one.
+
+    Raises:
+        ConfigError: the reward reads a reward model (kind 'reward_model', or 'weighted' with it)
+            and none is among the stage's inputs: the message says which field and how to give one.
+    """
+    reward = getattr(config.section(stage), "reward", None)
+    if reward is None or not reward.reads_reward_model or "reward_model" in inputs:
+        return
+    parts = f"kind {reward.kind!r}" + (f", weights {reward.kind_weights()}" if reward.kind == "weighted" else "")
+    what = f"{stage}.reward ({parts}) reads a trained reward model"
+    if reward.reward_model_from or "reward_model" in available:  # one exists, and the stage reads none
+        raise ConfigError(f"{what}, and the {stage} stage takes none: choose a {stage}.reward.kind without "
+                          "reward_model (verifier, math_verify, function, or 'weighted' with weights that omit it)")
+    raise ConfigError(f"{what}, and none is available: add the reward_model stage to stages, set "
+                      f"{stage}.reward.reward_model_from to a trained reward model, or choose a {stage}.reward.kind "
+                      "without reward_model (e.g. verifier)")

@@ -1,24 +1,21 @@
 """A pipeline run's state on storage: its saved config, which stages are done, where each stands.
 
 Used by the stage task (reuse a stage whose committed output already carries the fingerprint
-it would produce now) and by ``posttrain status`` / ``posttrain resume``. Reads storage only;
-no MLflow. Also a run's id (:func:`new_run_id`, :func:`check_run_id`) and its writer lease
+it would produce now) and by ``posttrain status`` / ``posttrain resume`` (:func:`resume_config`).
+Reads storage only; no MLflow. Also a run's id (:func:`new_run_id`, :func:`check_run_id`) and its writer lease
 (:func:`run_lease`).
 """
 
 from __future__ import annotations
 
 import logging
-import re
-import secrets
-import time
 from typing import Any
 
 from tasks.results import StageResult
 from trainer_core import storage
 from trainer_core.checkpoint.lease import StageLease, read_lease
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, find_latest, read_manifest
-from trainer_core.config import PipelineConfig
+from trainer_core.config import PipelineConfig, load_config, resolve_local_root, run_ids
 from trainer_core.errors import ConfigError
 from trainer_core.registry import STAGE_ORDER
 from trainer_core.storage import RunLayout, join_uri
@@ -91,6 +88,63 @@ def load_run_config(root: str, run_id: str) -> dict[str, Any]:
         ConfigError: the run has no saved config under ``root``, or it is damaged (named).
     """
     return _read_config(RunLayout(root, run_id))
+
+
+_LOCAL_PREFIXES = ("", "file://", "sqlite:///")
+"""How a config value names a local path: plainly, as a ``file://`` URI, or as a SQLite MLflow store."""
+
+
+def _rebased(value: Any, old: str, new: str) -> Any:
+    """``value`` with a leading ``old`` root (a path or URI, whole or as the first part of a
+    longer one, and, when both roots are local paths, inside a ``file://`` or ``sqlite:///`` URI)
+    put under ``new``; else ``value``. Dicts and lists are walked."""
+    if isinstance(value, dict):
+        return {k: _rebased(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rebased(v, old, new) for v in value]
+    if not isinstance(value, str) or not old.rstrip("/"):
+        return value
+    local = "://" not in old and "://" not in new  # a path in a URI moves only to another path
+    for prefix in _LOCAL_PREFIXES if local else ("",):
+        head = prefix + old.rstrip("/")
+        if value == head or value.startswith(head + "/"):
+            return prefix + new.rstrip("/") + value[len(head):]
+    return value
+
+
+def resume_config(root: str, run_id: str, overrides: list[str] | None = None) -> tuple[PipelineConfig, dict]:
+    """The config to resume ``run_id`` with: the one saved under ``root``, moved to ``root``.
+
+    A run directory copied (or moved) elsewhere still holds the config of its first start, whose
+    ``storage.root`` and every other value under that root (``tracking.tracking_uri`` of a
+    SQLite store under it, a ``*_from`` model or a data file under it) name the old place. The
+    resumed run reads and writes where it was found: each such value is put under ``root``, so
+    the copy is resumed on its own and the original is left as it was. An input moved this way
+    that the copy lacks is refused by the pre-flight checks, naming its field.
+
+    Args:
+        root: the storage root the run was found under (absolute, or a URI).
+        run_id: the run.
+        overrides: ``key.path=value`` items applied after the move.
+
+    Returns:
+        The resolved config, and ``{"dotted.field": [saved, resumed]}`` for each value moved.
+
+    Raises:
+        ConfigError: no (or a damaged) saved config under ``root``; an invalid override or
+            config; an override of ``storage.root`` to another root (the run is where ``root`` is).
+    """
+    saved = load_run_config(root, run_id)
+    old = str((saved.get("storage") or {}).get("root") or root)
+    moved = saved
+    if old.rstrip("/") != root.rstrip("/"):
+        moved = _rebased(saved, old, root)
+        moved["storage"] = {**(moved.get("storage") or {}), "root": root}
+    config = resolve_local_root(load_config(base=moved, overrides=list(overrides or [])))
+    if config.storage.root.rstrip("/") != root.rstrip("/"):
+        raise ConfigError(f"storage.root={config.storage.root!r}: resume writes the run where it was found "
+                          f"(--root {root}); to resume it elsewhere copy the run there and pass that --root")
+    return config, config_changes(saved, moved)
 
 
 def completed_result(layout: RunLayout, stage: str, fingerprint: str) -> StageResult | None:
@@ -173,24 +227,20 @@ def run_holder(root: str, run_id: str) -> str | None:
     return lease["owner"] if lease is not None and lease["live"] else None
 
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-"""A run id: what URIs and MLflow run names take."""
-
-
 def new_run_id(config: PipelineConfig) -> str:
-    """``<name>-<YYYYmmdd-HHMMSS>-<6 hex>``, e.g. ``demo-20250101-120000-a1b2c3``."""
-    return f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    """``<name>-<YYYYmmdd-HHMMSS>-<6 hex>``, e.g. ``demo-20250101-120000-a1b2c3``
+    (:func:`trainer_core.config.run_ids.new_run_id`; the config's ``name`` was checked to fit)."""
+    return run_ids.new_run_id(config.name)
 
 
 def check_run_id(run_id: str) -> str:
-    """Return ``run_id`` if it is usable in URIs and MLflow run names.
+    """Return ``run_id`` if it is usable in URIs and MLflow run names (the rule the config's
+    ``name`` is checked by: :func:`trainer_core.config.run_ids.check_run_id`).
 
     Raises:
         ConfigError: it is empty, too long, or has characters other than letters, digits, ``._-``.
     """
-    if not _RUN_ID.match(run_id):
-        raise ConfigError(f"run_id {run_id!r} must match {_RUN_ID.pattern}")
-    return run_id
+    return run_ids.check_run_id(run_id)
 
 
 def run_lease(config: PipelineConfig, layout: RunLayout) -> StageLease:

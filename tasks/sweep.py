@@ -34,8 +34,8 @@ from tasks.results import PipelineRun, StageResult
 from tasks.runs import completed_result
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME
-from trainer_core.config import PipelineConfig, load_config
-from trainer_core.errors import EXIT_FAILED, PosttrainError
+from trainer_core.config import PipelineConfig, check_grid, load_config
+from trainer_core.errors import EXIT_FAILED, ConfigError, PosttrainError
 from trainer_core.fingerprint import stage_fingerprint
 from trainer_core.storage import RunLayout
 
@@ -50,6 +50,25 @@ def expand_grid(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """
     keys = list(grid)
     return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def sweep_grid(config: PipelineConfig, extra: dict[str, Any] | None, where: str = "--grid ") -> dict[str, list[Any]]:
+    """The grid a sweep runs: ``config.sweep.grid`` with the ``extra`` axes (``posttrain sweep
+    --grid``, the flow's ``grid``) added, a key in both taking ``extra``'s values. ``extra`` is held
+    to the rule ``sweep.grid`` is validated by (:func:`~trainer_core.config.check_grid`).
+
+    Raises:
+        ConfigError: an ``extra`` axis that ``sweep.grid`` would refuse (no values, a repeated
+            value, a key one for every point), named as ``<where><key>``; or no grid at all.
+    """
+    try:
+        check_grid(extra or {}, where)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    grid = {**config.sweep.grid, **(extra or {})}
+    if not grid:
+        raise ConfigError("sweep: no grid: set sweep.grid in the config or pass --grid key=v1,v2")
+    return grid
 
 
 def point_run_id(sweep_id: str, values: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ from trainer_core.config.sections import (
     SyntheticConfig,
     TokenizerConfig,
     TrackingConfig,
+    check_grid,
 )
 from trainer_core.config.stages import (
     DPOConfig,
@@ -91,6 +92,7 @@ __all__ = [
     "TrackingConfig",
     "TrainStageConfig",
     "apply_overrides",
+    "check_grid",
     "config_value",
     "config_hash",
     "load_config",

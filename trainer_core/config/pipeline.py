@@ -20,6 +20,7 @@ from pydantic_core import to_jsonable_python
 from trainer_core.config.backend import BackendConfig
 from trainer_core.config.base import ConfigBase
 from trainer_core.config.distill import DistillConfig, TeacherConfig
+from trainer_core.config.run_ids import MAX_NAME_CHARS, check_name
 from trainer_core.config.sections import (
     DataConfig,
     LaunchConfig,
@@ -47,12 +48,24 @@ from trainer_core.registry import DEFAULT_STAGES, EVALUATED_METRICS, STAGE_ORDER
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
+MAX_SEED = 2**32 - 1
+"""The largest ``seed``: numpy's limit (``np.random.seed``, which lm-evaluation-harness calls with
+it), the tightest of its consumers; torch takes up to 2**64 - 1 and ``random`` any int. Seeds
+derived from it stay in torch's range: ``seed + epoch``, ``seed + 1``, and an RL rank's sampler
+``seed + 1_000_003 * rank`` (below 2**64 for any rank under 10**13)."""
+
 
 class PipelineConfig(ConfigBase):
     """The whole pipeline: stage list, data, model, and every stage's hyper-parameters."""
 
-    name: str = Field("posttrain", description="Pipeline name (used in run names).")
-    seed: int = Field(0, description="Global seed: data split, shuffling, init, sampling.")
+    name: str = Field(
+        "posttrain", description="Pipeline name: run ids are made of it (<name>-<YYYYmmdd-HHMMSS>-<6 hex>), so it "
+        f"takes 1 to {MAX_NAME_CHARS} ASCII letters, digits and ._-, starting with a letter or digit.",
+    )
+    seed: int = Field(
+        0, ge=0, le=MAX_SEED, description="Global seed: data split, shuffling, init, sampling. At most 2**32 - 1 "
+        "(numpy's seed range: lm-evaluation-harness seeds numpy with it).",
+    )
     stages: list[str] = Field(
         default_factory=lambda: list(DEFAULT_STAGES),
         description="Stages to run, in pipeline order: " + ", ".join(STAGE_ORDER) + " (default: all but "
@@ -82,6 +95,11 @@ class PipelineConfig(ConfigBase):
     distill: DistillConfig = Field(default_factory=DistillConfig, description="On-policy distillation stage.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
     sweep: SweepConfig = Field(default_factory=SweepConfig, description="A grid of recipes (posttrain sweep).")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        return check_name(name)
 
     @field_validator("stages", mode="before")
     @classmethod
@@ -279,8 +297,9 @@ def load_config(
         base: a dict to start from instead of reading ``uri``.
 
     Raises:
-        ConfigError: unreadable YAML, a bad override, or a validation failure; the message
-            names each failing field path.
+        ConfigError: a missing or empty file (only comments: an empty mapping ``{}`` takes
+            every default), unreadable YAML, a bad override, or a validation failure; the
+            message names the file, or each failing field path.
     """
     import fsspec
 
@@ -289,11 +308,14 @@ def load_config(
     if uri is not None:
         try:
             with fsspec.open(uri, "r") as f:
-                loaded = yaml.safe_load(f) or {}
+                loaded = yaml.safe_load(f)
         except FileNotFoundError as e:
             raise ConfigError(f"config file not found: {uri}") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {uri} is not valid YAML: {e}") from e
+        if loaded is None:  # an empty file, or comments only: most likely the wrong file or a failed write
+            raise ConfigError(f"config file {uri} is empty (no settings, at most comments); to run every default "
+                              "on purpose, write {} in it")
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {uri}: top level must be a mapping")
         data = loaded

@@ -333,11 +333,28 @@ class SweepConfig(ConfigBase):
     @field_validator("grid")
     @classmethod
     def _values(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        for key, values in grid.items():
-            if not values:
-                raise ValueError(f"sweep.grid.{key}: give at least one value")
-            if key == "sweep" or key.startswith(("sweep.", "name", "storage.", "tracking.")):
-                raise ValueError(f"sweep.grid.{key}: the sweep, its name, storage and tracking are one for every point")
-            if len({repr(v) for v in values}) != len(values):
-                raise ValueError(f"sweep.grid.{key}: a value is repeated in {values}")
-        return grid
+        return check_grid(grid)
+
+
+def check_grid(grid: dict[str, Any], where: str = "sweep.grid.") -> dict[str, list[Any]]:
+    """Return ``grid`` if every axis is sweepable: a list of at least one value, none repeated,
+    and a key outside the sweep, the name, storage and tracking (one for every point). The rule of
+    ``sweep.grid`` and of ``posttrain sweep --grid`` (and the sweep flow's ``grid``) alike.
+
+    Args:
+        grid: config key -> the values swept.
+        where: what the messages put before a key (``sweep.grid.``, ``--grid ``).
+
+    Raises:
+        ValueError: naming the first bad axis as ``<where><key>``.
+    """
+    for key, values in grid.items():
+        if not isinstance(values, list):
+            raise ValueError(f"{where}{key}: give a list of values, not {values!r}")
+        if not values:
+            raise ValueError(f"{where}{key}: give at least one value (an empty axis makes a sweep of no points)")
+        if key == "sweep" or key.startswith(("sweep.", "name", "storage.", "tracking.")):
+            raise ValueError(f"{where}{key}: the sweep, its name, storage and tracking are one for every point")
+        if len({repr(v) for v in values}) != len(values):
+            raise ValueError(f"{where}{key}: a value is repeated in {values}")
+    return grid

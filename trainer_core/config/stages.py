@@ -348,10 +348,27 @@ class RewardConfig(ConfigBase):
         if self.kind == "weighted" and self.weights is not None and not self.weights:
             raise ValueError("reward.weights must name at least one reward kind")
         return self
+
     format_bonus: float = Field(
         0.1, ge=0, description="'verifier' and 'math_verify': added when the completion has a '#### <number>' "
         "final line."
     )
+
+    def kind_weights(self) -> dict[str, float]:
+        """The reward kinds summed, with their weights: ``{kind: 1.0}`` for a single kind; for
+        'weighted', ``weights``, or by default ``reward_model_weight`` x RM + ``verifier_weight`` x
+        verifier. What the plan checks a stage's inputs against (``tasks/plan.py``); the same table as
+        ``trainer_core.training.rl.rewards.reward_weights``, which builds the reward."""
+        if self.kind != "weighted":
+            return {self.kind: 1.0}
+        if self.weights is not None:
+            return dict(self.weights)
+        return {"reward_model": self.reward_model_weight, "verifier": self.verifier_weight}
+
+    @property
+    def reads_reward_model(self) -> bool:
+        """Whether the reward reads a trained reward model ('reward_model', or a weighted sum with it)."""
+        return "reward_model" in self.kind_weights()
 
 
 class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
