@@ -4,7 +4,9 @@ run per stage.
 The trainer logs step metrics into its stage run (``trainer_core.tracking.MetricLogger``); this
 module creates the runs (tagged with the Prefect flow run's URL), logs the stage's flattened
 config as params, at the end logs the stage manifest as an artifact, and puts the pipeline's
-headline metrics on the parent run. Models and the registry: ``tasks/report/mlflow_models.py``. Only
+headline metrics on the parent run. A SQLite store copied with its storage root (a run directory
+resumed elsewhere) first has its artifact locations moved under that root
+(:func:`rehome_copied_store`). Models and the registry: ``tasks/report/mlflow_models.py``. Only
 ``mlflow.MlflowClient`` is used: no fluent API, no process-global active run or tracking URI, so
 stage tasks may call it from several threads of one process at once.
 """
@@ -14,19 +16,24 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import math
 import os
+import sqlite3
 import time
 from typing import Any
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
+from mlflow.tracking._tracking_service import utils as tracking_service_utils
 from pydantic import BaseModel, SecretStr
 
 from trainer_core.config import PipelineConfig, config_hash
 from trainer_core.registry import get_stage
 from trainer_core.tracking import sanitize_metric_name
+
+log = logging.getLogger(__name__)
 
 MAX_PARAM_VALUE_CHARS = 6000
 """MLflow's limit on a param value (built-in stores)."""
@@ -93,6 +100,19 @@ def _sqlite_path(tracking_uri: str) -> str | None:
     return tracking_uri[len(prefix) :] if tracking_uri.startswith(prefix) else None
 
 
+@contextlib.contextmanager
+def _store_lock(path: str | None):
+    """Hold an exclusive lock on ``<path>.lock`` beside the SQLite database ``path`` (its folder
+    created); no lock for None (a store that is not a SQLite file)."""
+    if path is None:
+        yield
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(f"{path}.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
 def open_store(tracking_uri: str) -> MlflowClient:
     """A client of ``tracking_uri`` whose store exists: a SQLite store is created (tables, then
     MLflow's schema migrations) under an exclusive lock on ``<database>.lock``.
@@ -106,14 +126,7 @@ def open_store(tracking_uri: str) -> MlflowClient:
     Raises:
         RuntimeError: the store cannot be opened or created; the message names the URI.
     """
-    path = _sqlite_path(tracking_uri)
-    lock = contextlib.nullcontext()
-    if path is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        lock = open(f"{path}.lock", "a")  # noqa: SIM115 - closed by the with below
-    with lock as held:
-        if held is not None:
-            fcntl.flock(held, fcntl.LOCK_EX)
+    with _store_lock(_sqlite_path(tracking_uri)):
         try:
             client = MlflowClient(tracking_uri)
             client.search_experiments(max_results=1)
@@ -131,14 +144,114 @@ def _mlflow_status(status: str) -> str:
     return status
 
 
-def _experiment_id(client: MlflowClient, config: PipelineConfig) -> str:
+ARTIFACTS_DIR = "mlflow-artifacts"
+"""The folder of a local storage root that holds its experiments' MLflow artifacts."""
+
+_LOCATION_COLUMNS = (
+    ("experiments", "artifact_location"),
+    ("runs", "artifact_uri"),
+    ("logged_models", "artifact_location"),
+    ("model_versions", "source"),
+    ("model_versions", "storage_location"),
+)
+"""Where MLflow's SQL store keeps artifact locations (tables and columns of older schemas that
+lack one are skipped)."""
+
+
+def _artifact_root(storage_root: str) -> str | None:
+    """``<root>/mlflow-artifacts`` of a local storage root (absolute), else None."""
+    root = _local_path(storage_root)
+    return os.path.join(os.path.abspath(root), ARTIFACTS_DIR) if root is not None else None
+
+
+def _moved_artifact_root(location: str | None, artifact_root: str) -> str | None:
+    """``location`` (as stored) when it is the artifact folder of another local root, else None."""
+    path = _local_path(location or "")
+    if not path or not os.path.isabs(path):
+        return None
+    path = path.rstrip("/")
+    if os.path.basename(path) != ARTIFACTS_DIR or path == artifact_root:
+        return None
+    return location.rstrip("/")
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    """The columns of ``table`` (none when the schema has no such table)."""
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _forget_artifact_repos(folder: str) -> None:
+    """Drop MLflow's cached artifact repositories (one per run or logged model, process-wide,
+    made from the location read when first used) that write under ``folder``: a process that
+    used a run before its store was moved would else go on writing to the old place."""
+    cache = getattr(tracking_service_utils, "_artifact_repos_cache", None)
+    if not isinstance(cache, dict):
+        return
+    for key, repo in list(cache.items()):
+        uri = str(getattr(repo, "artifact_uri", ""))
+        if uri == folder or uri.startswith(folder + "/"):
+            cache.pop(key, None)
+
+
+def rehome_copied_store(tracking_uri: str, storage_root: str) -> dict[str, str]:
+    """Put the artifact locations of a SQLite store copied with its storage root under that root.
+
+    MLflow keeps absolute artifact locations in its database: the experiment's
+    (``<root>/mlflow-artifacts``, :func:`_experiment_id`) and, made from it, each run's, logged
+    model's and model version's. A run directory copied elsewhere (``cp -r outputs /tmp/copy``)
+    and resumed there (``posttrain resume RUN --root /tmp/copy``) opens the copied
+    ``mlflow.db``, whose locations still name the original root: the reopened parent run and
+    every new stage run would write their artifacts into the original. When the store's
+    database lies under the local ``storage_root``, every location under another root's
+    ``mlflow-artifacts`` folder is rewritten to the same place under ``storage_root`` (the copy
+    holds those artifacts too), under the store's lock. A store elsewhere (a tracking server, a
+    SQLite file shared by several roots) is left as it is: its records are not the copy's.
+
+    Args:
+        tracking_uri: The MLflow tracking URI (:func:`resolve_tracking_uri`).
+        storage_root: The pipeline's storage root (absolute when local).
+
+    Returns:
+        ``{old artifact folder: new one}`` for each folder moved (empty: nothing moved).
+
+    Raises:
+        sqlite3.Error: the database cannot be read or written.
+    """
+    path, artifact_root = _sqlite_path(tracking_uri), _artifact_root(storage_root)
+    if path is None or artifact_root is None:
+        return {}
+    path = os.path.abspath(path)
+    if os.path.commonpath([path, os.path.dirname(artifact_root)]) != os.path.dirname(artifact_root):
+        return {}
+    with _store_lock(path), contextlib.closing(sqlite3.connect(path, timeout=60)) as db, db:
+        present = [(t, c) for t, c in _LOCATION_COLUMNS if c in _columns(db, t)]
+        if ("experiments", "artifact_location") not in present:
+            return {}
+        stored = db.execute("SELECT artifact_location FROM experiments").fetchall()
+        moved = {old: artifact_root for (loc,) in stored if (old := _moved_artifact_root(loc, artifact_root))}
+        for old in moved:
+            for table, column in present:
+                db.execute(
+                    f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
+                    f"WHERE substr({column}, 1, ?) = ? AND (length({column}) = ? OR substr({column}, ?, 1) = '/')",
+                    (artifact_root, len(old) + 1, len(old), old, len(old), len(old) + 1),
+                )
+    for old in moved:
+        _forget_artifact_repos(old)
+        log.info("MLflow store %s: artifacts of %s are now those under %s (the store was copied with its "
+                 "storage root)", tracking_uri, old, artifact_root)
+    return moved
+
+
+def _experiment_id(client: MlflowClient, config: PipelineConfig, tracking_uri: str) -> str:
     """The id of the pipeline's experiment, created when missing; tagged as a model-training
-    experiment (:data:`TAG_EXPERIMENT_KIND`) unless it already has a kind."""
+    experiment (:data:`TAG_EXPERIMENT_KIND`) unless it already has a kind. A store copied with
+    the storage root first gets its artifact locations moved under it (:func:`rehome_copied_store`)."""
     name = config.tracking.experiment_name
+    rehome_copied_store(tracking_uri, config.storage.root)
     found = client.get_experiment_by_name(name)
     if found is None:
-        root = _local_path(config.storage.root)
-        location = os.path.join(os.path.abspath(root), "mlflow-artifacts") if root is not None else None
+        location = _artifact_root(config.storage.root)
         try:
             return client.create_experiment(
                 name, artifact_location=location, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND}
@@ -209,7 +322,7 @@ def start_pipeline_run(
         RuntimeError: the store cannot be opened or created (:func:`open_store`).
     """
     client = open_store(tracking_uri)
-    experiment_id = _experiment_id(client, config)
+    experiment_id = _experiment_id(client, config, tracking_uri)
     tagged = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_RUN_ID}` = '{run_id}'", max_results=1000)
     existing = [r for r in tagged if TAG_STAGE not in r.data.tags]  # stage runs carry the run id too
     if existing:
@@ -249,7 +362,7 @@ def start_sweep_run(config: PipelineConfig, sweep_id: str, grid: dict[str, list[
         MlflowException: when the store rejects a read or write.
     """
     client = open_store(tracking_uri)
-    experiment_id = _experiment_id(client, config)
+    experiment_id = _experiment_id(client, config, tracking_uri)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_SWEEP_ID}` = '{sweep_id}'", max_results=1)
     if found:
         run_id = found[0].info.run_id
