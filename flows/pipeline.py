@@ -49,6 +49,7 @@ from tasks.results import PipelineRun, SweepPoint, describe_interrupt
 from tasks.runs import check_run_id, new_run_id, run_lease, save_run_config
 from trainer_core import storage
 from trainer_core.config import PipelineConfig
+from trainer_core.errors import classify
 from trainer_core.storage import RunLayout
 
 
@@ -112,7 +113,10 @@ def post_training_pipeline(
             model sources), or a stage input that nothing provides (before anything is written).
         LeaseHeldError: another live run or resume of this run id holds its lease (refused at
             once, before anything is written).
-        StageFailed: a stage failed (after the summary is written; the first failure).
+        StageFailed: a stage failed (after the summary is written, or a warning that storage
+            could not take it; the first failure).
+        StorageUnavailable: no stage failed but storage could not take the summary (naming
+            the S3 endpoint and the URI).
         QualityGateFailed: every stage completed but the final policy failed a quality gate;
             the flow run ends in Prefect's standard Failed state with the gate's message (and
             the tag ``gate-failed``, the event ``posttrain.release.gate-failed``).
@@ -142,6 +146,28 @@ def _record_interruption(run: PipelineRun, graph: StageGraphRun, interrupt: Base
         finish_pipeline_run(run.parent_mlflow_run_id, "KILLED", tracking_uri=run.tracking_uri)
     except Exception as e:  # noqa: BLE001
         log.warning("run %s: could not record the interruption: %s", run.run_id, e)
+
+
+def _write_summary(run: PipelineRun, summary: dict[str, Any], log: Any, failed: bool) -> str | None:
+    """Write the run's summary; returns its URI, or None when a stage had failed and the summary
+    could not be written either (logged as one warning: the stage's failure, raised next, is the
+    run's error, not the summary's).
+
+    Raises:
+        StorageUnavailable: no stage failed, but storage did not answer (naming the endpoint and URI).
+        Exception: no stage failed, and the summary could not be written for another reason.
+    """
+    try:
+        return write_summary(run, summary)
+    except Exception as e:
+        error = classify(e)
+        if not failed:
+            if error is None:
+                raise
+            raise error from e
+        log.warning("run %s: summary %s not written: %s", run.run_id, run.layout.summary,
+                    error if error is not None else f"{type(e).__name__}: {e}")
+        return None
 
 
 def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, PlannedStage], log: Any,
@@ -185,10 +211,10 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
         summary["release"] = {"error": f"{type(e).__name__}: {e}"}
     if gate_failure or release_error:
         summary["status"] = "gate_failed" if gate_failure else "failed"
-    summary["summary_uri"] = write_summary(run, summary)
+    summary["summary_uri"] = _write_summary(run, summary, log, failed=bool(graph.failures))
     finish_pipeline_run(run.parent_mlflow_run_id, "FAILED" if gate_failure else summary["status"],
                         tracking_uri=tracking_uri)
-    log.info("run %s %s; summary %s", run_id, summary["status"], summary["summary_uri"])
+    log.info("run %s %s; summary %s", run_id, summary["status"], summary["summary_uri"] or "not written")
     if graph.failures:
         raise graph.failures[0]
     if release_error is not None:

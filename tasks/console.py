@@ -6,7 +6,9 @@ failed task and flow before the message that explains it. :class:`PlainConsoleHa
 same handler with emoji codes off and, for the failures posttrain already explains (a stage's
 :class:`~tasks.launch.failures.StageFailed` with the trainer's own error, a
 :class:`~trainer_core.errors.PosttrainError` naming its input), one line instead of the
-traceback and the exception's repr. Prefect's API log handler is untouched: the Prefect UI keeps
+traceback and the exception's repr; a raw storage error that gave up on an outage is shown as the
+:class:`~trainer_core.errors.StorageUnavailable` it classifies as (the endpoint and the URI), in
+one line too. Prefect's API log handler is untouched: the Prefect UI keeps
 every traceback (the debug record).
 """
 
@@ -22,7 +24,7 @@ from rich.highlighter import NullHighlighter
 from rich.theme import Theme
 
 from tasks.launch.failures import LaunchAborted, StageFailed
-from trainer_core.errors import PosttrainError
+from trainer_core.errors import PosttrainError, StorageUnavailable, classify
 
 EXPLAINED = (StageFailed, LaunchAborted, PosttrainError)
 """Failures whose message already says what went wrong: shown without their traceback."""
@@ -47,7 +49,12 @@ class PlainConsoleHandler(PrefectConsoleHandler):
     def emit(self, record: logging.LogRecord) -> None:
         error = record.exc_info[1] if record.exc_info else None
         text = record.getMessage()
-        if isinstance(error, EXPLAINED) or any(name.__name__ in text for name in (StageFailed, *StageFailed.__subclasses__())):
+        outage = classify(error) if isinstance(error, Exception) and not isinstance(error, EXPLAINED) else None
+        if isinstance(outage, StorageUnavailable):  # a raw storage error: the service and URI, not the frames
+            record = logging.makeLogRecord(record.__dict__)
+            record.msg, record.args = f"{text.split(':', 1)[0]}: {outage}", None
+            record.exc_info = record.exc_text = None
+        elif isinstance(error, EXPLAINED) or any(name.__name__ in text for name in (StageFailed, *StageFailed.__subclasses__())):
             record = logging.makeLogRecord(record.__dict__)
             first = text.split("\n", 1)[0]
             record.msg, record.args = (first[:_MAX_CHARS] + (" [...]" if len(first) > _MAX_CHARS or "\n" in text else "")), None

@@ -45,6 +45,7 @@ from tasks.sweep import adopt
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
 from trainer_core.config import PipelineConfig
+from trainer_core.errors import StorageUnavailable, classify
 from trainer_core.registry import get_stage
 from trainer_core.spec import build_spec
 from trainer_core.storage import join_uri
@@ -227,7 +228,20 @@ def run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResu
             multi-node stage whose storage root or tracking URI the pods cannot reach.
         StageFailed: any other trainer failure or timeout (retried per ``config.launch``).
         SharedStageFailed: the point of the run's sweep that trains the stage did not.
+        StorageUnavailable: this task's own reads and writes (the spec, the committed manifest)
+            found storage down through its retries (naming the endpoint and URI; retried).
     """
+    try:
+        return _run_stage(stage, run, inputs)
+    except Exception as e:
+        error = classify(e)
+        if isinstance(error, StorageUnavailable):  # one line naming the service, not botocore's frames
+            raise error from e
+        raise
+
+
+def _run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageResult:
+    """The body of :func:`run_stage` (same arguments, result and errors)."""
     log = get_run_logger()
     config, layout = run.config, run.layout
     writer_id = f"prefect-task-run:{prefect_task_run.id}" if prefect_task_run.id else None

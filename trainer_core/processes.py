@@ -76,6 +76,40 @@ def process_running(pid: int) -> bool:
         return False
 
 
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22):
+    with the pid, the identity of a process (a pid is reused, a pid and start time are not).
+    None when it is gone or there is no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_alive(pid: int, started: int | None = None) -> bool:
+    """Whether process ``pid`` runs: it exists (signal 0; another user's counts), is not a zombie
+    (killed and not yet reaped by its parent: signal 0 still reaches it) and, when ``started`` is
+    given, is the process that started then (:func:`process_start`), not a later one given the pid.
+
+    Args:
+        pid: The process.
+        started: Its start time as :func:`process_start` read it earlier; None: not checked.
+
+    Returns:
+        False once it is gone or a zombie; where there is no ``/proc``, signal 0 alone decides.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    if not os.path.isdir("/proc"):
+        return True
+    return process_running(pid) and (started is None or process_start(pid) == started)
+
+
 def kill_marked(launch_id: str, timeout_s: float = 3.0, also: set[int] | None = None) -> list[int]:
     """SIGKILL every process carrying ``launch_id`` (and the pids in ``also``) until none runs.
 

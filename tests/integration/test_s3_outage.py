@@ -1,5 +1,7 @@
 """The S3 endpoint goes away for ~10 s in the middle of a checkpoint upload: the save retries,
-completes once the endpoint is back, and nothing is lost.
+completes once the endpoint is back, and nothing is lost. An endpoint that goes away for good
+after a committed checkpoint ends the next save in one error naming the endpoint and the URI
+(transient: exit 1), and the trainer's entry point reports such an error in one line, no traceback.
 
 A dedicated moto server (``ThreadedMotoServer``) on a fixed loopback port plays S3. The
 checkpoint of a small model is written with the trainer's own writer (``put_train_state``
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
+import types
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,14 +28,18 @@ import fsspec.config
 import pytest
 import torch
 from moto.server import ThreadedMotoServer
+from tenacity import stop_after_attempt, wait_none
 from torch import nn
 
+from trainer_core import run as trainer_run
 from trainer_core import storage
+from trainer_core.checkpoint.lease import StageLease
 from trainer_core.checkpoint.manifest import load_verified
 from trainer_core.backends.single import SingleDeviceBackend
-from trainer_core.checkpoint.components import RankWriter, StagedWriter
+from trainer_core.checkpoint.components import RankWriter, Sharing, StagedWriter
 from trainer_core.checkpoint.train_state import TrainProgress, load_checkpoint_state, put_train_state
 from trainer_core.config import SFTConfig, StorageConfig
+from trainer_core.errors import EXIT_FAILED, classify
 from trainer_core.training.loop import build_optimizer, build_scheduler
 
 OUTAGE_S = 10.0
@@ -200,3 +208,53 @@ def test_checkpoint_upload_survives_a_10s_endpoint_outage(s3_endpoint, caplog):
     for name, tensor in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
     assert fresh_optimizer.state_dict()["state"][0]["exp_avg"].equal(optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_an_endpoint_gone_for_good_ends_in_one_error_naming_it(s3_endpoint, monkeypatch, capsys, caplog):
+    """After a committed checkpoint the endpoint dies and stays down. The next save fails with the
+    write's own error: the lease's release, which cannot reach the endpoint either, neither waits
+    the outage out again nor replaces that error (it logs one warning). The error classifies as
+    transient (exit 1, retried) and names the endpoint and the URI written. The trainer's entry
+    point reports such an error (its spec unreadable) as one ``error:`` line, without a traceback.
+    Retries are cut to two attempts (botocore's own to one) to keep this to seconds."""
+    port, bucket, servers = s3_endpoint
+    endpoint = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.delenv("POSTTRAIN_WATCH_PID", raising=False)
+    storage.configure(StorageConfig(endpoint_url=endpoint, region="us-east-1"))
+    for op in (storage.write_bytes, storage.read_bytes, storage.exists):
+        monkeypatch.setattr(op.retry, "stop", stop_after_attempt(2))
+        monkeypatch.setattr(op.retry, "wait", wait_none())
+    stage = f"s3://{bucket}/runs/r/stages/sft"
+    backend = SingleDeviceBackend("cpu")
+    caplog.set_level(logging.WARNING, logger="trainer_core.checkpoint.lease")
+    with pytest.raises(Exception) as info, StageLease(stage, ttl_s=30):
+        first = RankWriter(f"{stage}/checkpoints/step-00000001", backend)
+        first.put("model.bin", Sharing.GLOBAL, b"weights")
+        first.commit(kind="checkpoint", stage="sft", run_id="r", global_step=1)
+        second = RankWriter(f"{stage}/checkpoints/step-00000002", backend)
+        stop_server(servers[0])
+        second.put("model.bin", Sharing.GLOBAL, b"weights")
+
+    error = classify(info.value, where="stage sft")
+    assert error is not None, f"unclassified: {info.value!r}"
+    message = str(error)
+    assert error.exit_code == EXIT_FAILED, message
+    assert f"the S3 endpoint {endpoint} did not answer: writing {stage}/checkpoints/step-00000002/model.bin" in message
+    released = [r.getMessage() for r in caplog.records if "not released" in r.getMessage()]
+    assert len(released) == 1 and f"{stage}/lease.json" in released[0], caplog.text
+
+    monkeypatch.setattr(trainer_run, "watch_parent", lambda: None)
+    monkeypatch.setattr(trainer_run, "skip_exit_collection", lambda: None)
+    runner = types.ModuleType("trainer_core.stages.runner")  # never reached (the spec is unreadable); its
+    runner.run_spec = None  # torch-and-transformers imports would cost seconds here
+    monkeypatch.setitem(sys.modules, "trainer_core.stages.runner", runner)
+    capsys.readouterr()
+    spec = f"s3://{bucket}/runs/r/specs/sft.json"
+    code = trainer_run.main([spec])
+    out, err = capsys.readouterr()
+    assert code == EXIT_FAILED, err
+    assert (out + err).count("Traceback (most recent call last)") == 0, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"the S3 endpoint {endpoint} did not answer" in errors[0], err
+    assert f"/{bucket}/runs/r/specs/sft.json" in errors[0], err

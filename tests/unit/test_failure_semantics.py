@@ -221,6 +221,53 @@ def test_the_console_keeps_file_and_line_and_drops_explained_tracebacks():
     assert "Traceback" not in text and "long details" not in text
 
 
+def _outage(uri: str = "s3://bucket/runs/r/summary.json", endpoint: str = "http://127.0.0.1:9") -> BaseException:
+    """botocore's error for a refused endpoint, as the storage layer re-raises it once it gave up."""
+    from botocore.exceptions import EndpointConnectionError
+
+    from trainer_core.errors import StorageFailure
+
+    exc = EndpointConnectionError(endpoint_url=f"{endpoint}/{uri.removeprefix('s3://')}")
+    exc.storage_failure = StorageFailure("writing", uri, endpoint, attempts=6, elapsed_s=31.0)
+    return exc
+
+
+def test_a_storage_outage_is_transient_and_named_and_the_console_shows_it_in_one_line():
+    error = classify(_outage(), where="stage sft")
+    assert error is not None and error.exit_code == 1  # transient: retried
+    assert str(error).startswith("stage sft: the S3 endpoint http://127.0.0.1:9 did not answer: writing "
+                                 "s3://bucket/runs/r/summary.json failed after 6 attempt(s) over 31 s")
+    stream = io.StringIO()
+    handler = PlainConsoleHandler(stream=stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger(f"console-test-{uuid.uuid4().hex}")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        raise _outage()
+    except Exception:
+        logger.exception("Encountered exception during execution: EndpointConnectionError(...)")
+    text = stream.getvalue()
+    assert "Traceback" not in text and "the S3 endpoint http://127.0.0.1:9 did not answer" in text, text
+
+
+def test_a_summary_storage_cannot_take_is_one_warning_and_the_stage_failure_stays_the_error(monkeypatch):
+    from flows import pipeline
+    from trainer_core.errors import StorageUnavailable
+
+    def unreachable(run, summary):
+        raise _outage()
+
+    monkeypatch.setattr(pipeline, "write_summary", unreachable)
+    run = type("Run", (), {"run_id": "r", "layout": RunLayout("s3://bucket", "r")})()
+    warnings: list[str] = []
+    log = type("Log", (), {"warning": lambda self, msg, *args: warnings.append(msg % args)})()
+    assert pipeline._write_summary(run, {}, log, failed=True) is None
+    assert len(warnings) == 1 and "summary s3://bucket/runs/r/summary.json not written: the S3 endpoint" in warnings[0]
+    with pytest.raises(StorageUnavailable, match="the S3 endpoint http://127.0.0.1:9 did not answer"):
+        pipeline._write_summary(run, {}, log, failed=False)
+
+
 # --- leases, re-plans, states ---------------------------------------------------------------
 
 

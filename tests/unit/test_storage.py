@@ -278,6 +278,37 @@ def test_write_gives_up_after_max_attempts(flaky_fs, monkeypatch):
     assert flaky_fs.calls == storage.RETRY_ATTEMPTS
 
 
+def test_a_write_that_gives_up_names_what_it_was_writing(flaky_fs, monkeypatch):
+    """The error is re-raised unchanged, with what the operation did attached for the taxonomy."""
+    from trainer_core.errors import classify
+
+    monkeypatch.setattr(flaky_fs, "fail_times", 100)
+    with pytest.raises(ConnectionResetError) as info:
+        storage.write_bytes("flakymem://retry/c.bin", b"never")
+    failure = info.value.storage_failure
+    assert (failure.action, failure.uri, failure.endpoint, failure.attempts) == (
+        "writing", "flakymem://retry/c.bin", None, storage.RETRY_ATTEMPTS)
+    assert str(classify(info.value)).startswith("storage did not answer: writing flakymem://retry/c.bin failed after 6")
+
+
+def test_asyncio_reports_an_abandoned_request_in_one_line(capsys):
+    """A request left behind when an endpoint went away: one warning, no traceback."""
+    storage.configure(StorageConfig())
+    handler = logging.StreamHandler()
+    log = logging.getLogger("asyncio")
+    log.addHandler(handler)
+    try:
+        try:
+            raise ConnectionResetError("Cannot write to closing transport")
+        except ConnectionResetError as e:
+            log.error("Task exception was never retrieved\nfuture: <Task ...>", exc_info=e)
+    finally:
+        log.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "future:" not in err
+    assert "Task exception was never retrieved (an abandoned storage request" in err and "closing transport" in err
+
+
 def test_file_not_found_is_not_retried(flaky_fs, monkeypatch):
     calls = []
     original = _FlakyMemoryFS.cat_file

@@ -43,9 +43,11 @@ import time
 import uuid
 from typing import Any
 
+from tenacity import stop_after_attempt
+
 from trainer_core import storage
-from trainer_core.errors import EXIT_FAILED, PosttrainError
-from trainer_core.processes import LAUNCH_ID_ENV, current_launch_id, kill_marked, process_running
+from trainer_core.errors import EXIT_FAILED, PosttrainError, classify
+from trainer_core.processes import LAUNCH_ID_ENV, current_launch_id, kill_marked, process_alive, process_start
 from trainer_core.storage import join_uri
 
 log = logging.getLogger(__name__)
@@ -80,25 +82,11 @@ def default_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def _process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, killed and not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return process_running(pid) if os.path.isdir("/proc") else True
+_process_alive = process_alive
+"""Whether ``pid`` runs (a zombie, killed and not yet reaped by its parent, does not)."""
 
-
-def _process_start(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22):
-    with the pid, the identity of a process (a pid is reused, a pid and start time are not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+_process_start = process_start
+"""The start time of a process: with the pid, its identity (``trainer_core.processes``)."""
 
 
 def _boot_id() -> str:
@@ -257,9 +245,15 @@ class StageLease:
         self._thread: threading.Thread | None = None
         self.lost = threading.Event()
 
-    def _read(self) -> dict | None:
+    def _read(self, attempts: int | None = None) -> dict | None:
+        """The lease record, or None when there is none (or it is unreadable).
+
+        Args:
+            attempts: storage attempts; None: the storage layer's retry policy.
+        """
+        read = storage.read_bytes if attempts is None else storage.read_bytes.retry_with(stop=stop_after_attempt(attempts))
         try:
-            return json.loads(storage.read_bytes(self.uri))
+            return json.loads(read(self.uri))
         except FileNotFoundError:
             return None
         except (ValueError, KeyError):
@@ -367,11 +361,23 @@ class StageLease:
                 log.warning("lease renewal failed: %s", e)
 
     def release(self) -> None:
-        """Stop renewing and delete the lease if it is still ours (best effort)."""
+        """Stop renewing and delete the lease if it is still ours (best effort: never raises).
+
+        A release runs as its holder ends, often because storage failed: one read, without the
+        storage layer's retries, so it neither waits out the outage again nor replaces the error
+        that ended the holder; a failure is one warning naming the lease. A lease left behind
+        lapses within ``ttl_s``, and on this host as soon as this process is gone.
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        current = self._read()
+        try:
+            current = self._read(attempts=1)
+        except Exception as e:  # noqa: BLE001 - best effort by contract
+            error = classify(e)
+            log.warning("lease %s not released (it lapses within %.0f s): %s", self.uri, self.ttl_s,
+                        error if error is not None else f"{type(e).__name__}: {e}")
+            return
         if current is not None and self._mine(current):
             storage.remove(self.uri, recursive=False)
 

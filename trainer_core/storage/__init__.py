@@ -2,6 +2,8 @@
 
 - :mod:`~trainer_core.storage.fs`: read, write, list, remove, upload and hash files on local
   paths, ``s3://`` and ``memory://`` URIs, retrying transient failures.
+- :mod:`~trainer_core.storage.retry`: that retry policy, and what an operation that gave up was
+  doing (the URI and the S3 endpoint, for the error that names them).
 - :mod:`~trainer_core.storage.s3`: the process's S3 settings (:func:`configure`) and the
   environment that hands them to a child process (:func:`process_env`).
 - :mod:`~trainer_core.storage.layout`: :func:`join_uri`, :class:`RunLayout` and
@@ -15,12 +17,9 @@ then ``storage.read_json(uri)`` is the usual way in.
 from trainer_core.storage.fs import (
     CACHE_DIRNAME,
     CHUNK_BYTES,
-    RETRY_ATTEMPTS,
-    RETRY_MAX_DELAY_S,
     copy_dir,
     download_dir,
     exists,
-    is_transient,
     list_dirs,
     list_files,
     materialize,
@@ -36,6 +35,7 @@ from trainer_core.storage.fs import (
     write_json,
 )
 from trainer_core.storage.layout import RunLayout, StageLayout, join_uri
+from trainer_core.storage.retry import RETRY_ATTEMPTS, RETRY_MAX_DELAY_S, is_transient
 from trainer_core.storage.s3 import S3Settings, configure, process_env
 
 __all__ = [

@@ -3,7 +3,9 @@
 Every path here is a URI string (a ``pathlib.Path`` would mangle ``s3://``); join parts with
 :func:`trainer_core.storage.layout.join_uri`. Operations that talk to storage retry transient failures
 (connection refused or reset, timeouts, S3 5xx answers) with exponential backoff: up to
-:data:`RETRY_ATTEMPTS` attempts over about :data:`RETRY_MAX_DELAY_S` seconds. Missing files,
+:data:`~trainer_core.storage.retry.RETRY_ATTEMPTS` attempts over about
+:data:`~trainer_core.storage.retry.RETRY_MAX_DELAY_S` seconds (``trainer_core/storage/retry.py``,
+which also names what an operation that gave up was doing, for the error). Missing files,
 permission errors and other bad input fail at once.
 
 S3 settings come from :func:`trainer_core.storage.s3.configure`.
@@ -17,102 +19,26 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from tenacity import (
-    before_sleep_log,
-    retry,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-)
 
 from trainer_core.errors import ResourceError
+from trainer_core.storage.retry import retrying as _retrying
 
 
 logger = logging.getLogger(__name__)
-
-RETRY_ATTEMPTS = 6
-"""Attempts (first try included) of a storage operation that keeps failing transiently."""
-
-RETRY_MAX_DELAY_S = 30.0
-"""Stop retrying once this many seconds have passed since the first attempt."""
 
 CHUNK_BYTES = 8 * 1024 * 1024
 """Read size when streaming a file through a hash."""
 
 CACHE_DIRNAME = "posttrain-cache"
 """Directory under ``tempfile.gettempdir()`` where :func:`materialize` keeps remote copies."""
-
-_TRANSIENT_ERRNOS = frozenset(
-    {
-        errno.EIO,
-        getattr(errno, "EREMOTEIO", errno.EIO),
-        errno.ETIMEDOUT,
-        errno.ECONNRESET,
-        errno.ECONNREFUSED,
-        errno.ECONNABORTED,
-        errno.EAGAIN,
-        errno.EPIPE,
-        errno.EHOSTUNREACH,
-        errno.ENETUNREACH,
-        errno.ENETDOWN,
-    }
-)
-_PERMANENT_ERRORS = (
-    FileNotFoundError,
-    FileExistsError,
-    PermissionError,
-    IsADirectoryError,
-    NotADirectoryError,
-)
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _transient_types() -> tuple[type[BaseException], ...]:
-    """The network error types worth a retry: the builtins, and botocore's and aiohttp's where
-    they are imported. An exception of theirs can only exist once its module is imported, so
-    this looks in ``sys.modules`` instead of importing them (~0.4 s a process that never uses S3)."""
-    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    if (botocore := sys.modules.get("botocore.exceptions")) is not None:
-        types += [botocore.ConnectionError, botocore.HTTPClientError]
-    if (aiohttp := sys.modules.get("aiohttp")) is not None:
-        types.append(aiohttp.ClientError)
-    return tuple(types)
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` is worth retrying: a network failure, a timeout or a server-side error.
-
-    ``FileNotFoundError``, ``PermissionError`` and the other "bad input" ``OSError``
-    subclasses are never transient.
-    """
-    if isinstance(exc, _PERMANENT_ERRORS):
-        return False
-    if isinstance(exc, _transient_types()):
-        return True
-    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
-
-
-def _retrying(func: _F) -> _F:
-    """Decorate a storage operation with the module's retry policy (tenacity)."""
-    return retry(  # type: ignore[return-value]
-        retry=retry_if_exception(is_transient),
-        stop=stop_after_attempt(RETRY_ATTEMPTS) | stop_after_delay(RETRY_MAX_DELAY_S),
-        wait=wait_exponential(multiplier=1.0, min=1.0, max=10.0),
-        before_sleep=before_sleep_log(logger, logging.WARNING),
-        reraise=True,
-    )(func)
-
 
 @contextmanager
 def _writing(uri: str) -> Iterator[None]:

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import fsspec
 import fsspec.config
 
+from trainer_core.storage.retry import quiet_abandoned_requests
+
 logger = logging.getLogger(__name__)
 
 
@@ -36,7 +38,8 @@ def configure(storage: S3Settings) -> None:
     Fields left ``None`` fall back to the environment: ``AWS_ENDPOINT_URL`` for the endpoint;
     botocore itself reads ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and
     ``AWS_DEFAULT_REGION``. Cached S3 filesystem instances are dropped so the settings apply
-    to the next call. Secrets are passed to s3fs only, never logged.
+    to the next call. Secrets are passed to s3fs only, never logged. asyncio's report of a request
+    abandoned when an endpoint went away becomes one line (:func:`quiet_abandoned_requests`).
 
     Args:
         storage: the pipeline's storage settings (``StorageConfig``); the two keys are
@@ -61,6 +64,7 @@ def configure(storage: S3Settings) -> None:
     if storage.secret_access_key is not None:
         s3_conf["secret"] = storage.secret_access_key.get_secret_value()
     fsspec.config.conf["s3"] = s3_conf
+    quiet_abandoned_requests()
     s3fs = sys.modules.get("s3fs")  # cached instances exist only where s3fs is imported already
     if s3fs is not None:
         s3fs.S3FileSystem.clear_instance_cache()
