@@ -178,11 +178,16 @@ def _headline(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).split(chr(10) + chr(10), 1)[0]}"
 
 
-def _summary_bytes(uri: str) -> bytes | None:
+def _summary_bytes(uri: str, retry: bool = True) -> bytes | None:
+    """The run's ``summary.json`` as it is now, or None when absent or unreadable; ``retry=False``
+    reads once (after a failure: a storage outage would add the retries' ~30 s to the exit)."""
+    from tenacity import stop_after_attempt
+
     from trainer_core import storage
 
+    read = storage.read_bytes if retry else storage.read_bytes.retry_with(stop=stop_after_attempt(1))
     try:
-        return storage.read_bytes(uri)
+        return read(uri)
     except Exception:  # noqa: BLE001 - absent or unreadable: not written by this run
         return None
 
@@ -251,7 +256,7 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
             start_temporary_api_server()
         summary = post_training_pipeline(config=cfg, run_id=run_id)
     except BaseException as e:  # noqa: BLE001 - reported; the summary (when written) says which stage failed
-        written = _summary_bytes(layout.summary) not in (None, before)  # this run wrote it
+        written = _summary_bytes(layout.summary, retry=False) not in (None, before)  # this run wrote it
         if isinstance(e, KeyboardInterrupt) or _received:
             signum = _received[0] if _received else signal.SIGINT
             _err.print(f"error: pipeline interrupted by {signal.Signals(signum).name}"
