@@ -204,13 +204,19 @@ def test_bad_input_and_exhausted_resources_are_not_retried():
     assert retry_condition(None, None, Failed(data=StageFailed("killed", -9))) is True
 
 
-def test_the_console_keeps_file_and_line_and_drops_explained_tracebacks():
+def _console_logger() -> tuple[logging.Logger, io.StringIO]:
+    """A logger of its own whose only handler is the plain console's, writing to the stream returned."""
     stream = io.StringIO()
     handler = PlainConsoleHandler(stream=stream)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger(f"console-test-{uuid.uuid4().hex}")
     logger.addHandler(handler)
     logger.propagate = False
+    return logger, stream
+
+
+def test_the_console_keeps_file_and_line_and_drops_explained_tracebacks():
+    logger, stream = _console_logger()
     logger.error("bad record at sft.jsonl:100: invalid JSON")
     try:
         raise BadStageInput("stage 'sft': sft.jsonl:100: invalid JSON\n\nlong details", 2)
@@ -237,12 +243,7 @@ def test_a_storage_outage_is_transient_and_named_and_the_console_shows_it_in_one
     assert error is not None and error.exit_code == 1  # transient: retried
     assert str(error).startswith("stage sft: the S3 endpoint http://127.0.0.1:9 did not answer: writing "
                                  "s3://bucket/runs/r/summary.json failed after 6 attempt(s) over 31 s")
-    stream = io.StringIO()
-    handler = PlainConsoleHandler(stream=stream)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger(f"console-test-{uuid.uuid4().hex}")
-    logger.addHandler(handler)
-    logger.propagate = False
+    logger, stream = _console_logger()
     try:
         raise _outage()
     except Exception:
