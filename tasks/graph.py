@@ -123,4 +123,5 @@ class StageGraphRun:
                 self._set(name, StageResult.interrupted(name, interrupt))
                 return
             self.failures.append(e)
-            self._set(name, StageResult.failed(name, e))
+            times = {"started_at": getattr(e, "started_at", None), "ended_at": getattr(e, "ended_at", None)}
+            self._set(name, StageResult.failed(name, e, **times))

@@ -95,8 +95,9 @@ class StageResult(BaseModel):
         manifest_uri: that directory's ``manifest.json``.
         fingerprint: the stage fingerprint it ran (or was reused) under.
         wall_s: seconds its trainer ran (0 when reused; None when it never started).
-        started_at: when its trainer started (after any GPU slots were acquired), UTC.
-        ended_at: when its trainer ended, UTC.
+        started_at: when its trainer started (after any GPU slots were acquired), UTC; for a
+            failed stage, its last attempt's trainer (None when no trainer ran).
+        ended_at: when its trainer ended, UTC (likewise).
         metrics: the final metrics of its manifest.
         mlflow_run_id: its nested MLflow run.
         model_uri: its final model as an MLflow model (``mlflow.transformers.load_model`` reads

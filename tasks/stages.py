@@ -35,7 +35,7 @@ from prefect.runtime import task_run as prefect_task_run
 from tasks.k8s.job import run_trainer_job
 from tasks.k8s.manifest import pin_rendezvous, trainer_job
 from tasks.launch.commands import trainer_command
-from tasks.launch.failures import raise_for_result
+from tasks.launch.failures import StageFailed, raise_for_result
 from tasks.launch.process import LaunchResult, launch_stage_process, retry_condition
 from tasks.report import mlflow_models, tracking
 from tasks.report.views import StageProgress, artifact_key, log_curves, mlflow_ui_url, png_markdown, run_link_markdown
@@ -261,7 +261,11 @@ def _run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageRes
     try:
         progress = StageProgress(stage, config.section(stage).max_steps, log=log) if get_stage(stage).trains else None
         result, started_at, ended_at = _launch_trainer(stage, run, spec_uri, env, job, progress, log)
-        raise_for_result(result, stage)
+        try:
+            raise_for_result(result, stage)
+        except StageFailed as e:  # the failed attempt's times, for the run's summary
+            e.started_at, e.ended_at = started_at, ended_at
+            raise
         if progress is not None:
             progress.complete()
         output = layout.final(stage)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from trainer_core.errors import EXIT_BAD_INPUT, EXIT_RESOURCE
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from tasks.launch.process import LaunchResult
 
 
@@ -53,6 +55,9 @@ class StageFailed(RuntimeError):
             known, that rank's exit status (the launcher itself exits 1).
         tail: Its last output lines (ranks interleaved).
         rank: The failing global rank, when known.
+        started_at: When the failed trainer started, UTC (set by the stage task that launched
+            it, for the run's summary; None until then).
+        ended_at: When it ended, UTC (likewise).
     """
 
     def __init__(
@@ -62,6 +67,8 @@ class StageFailed(RuntimeError):
         self.returncode = returncode
         self.tail = list(tail or [])
         self.rank = rank
+        self.started_at: datetime | None = None
+        self.ended_at: datetime | None = None
 
 
 class BadStageInput(StageFailed):

@@ -2,8 +2,9 @@
 SFT) run side by side when the GPU concurrency limit has two slots and one after the other with
 one; a failed stage skips only the stages that read its output.
 
-CPU stages hold slots here: ``backend.device`` is ``auto``, not ``cpu``. The three runs share one
-run id, so the later ones reuse prepare_data and SFT and re-run only what their overrides change.
+CPU stages hold slots here: ``backend.device`` is ``auto``, not ``cpu``. The two runs share one
+run id, so the second reuses prepare_data and SFT and re-runs only what its overrides change; a
+failed stage's entry in the summary keeps when its trainer ran.
 """
 
 from __future__ import annotations
@@ -77,24 +78,22 @@ def test_independent_stages_overlap_with_two_slots_and_a_failure_skips_only_its_
                                  ("grpo", "evaluate")]:
         assert interval(stages[upstream])[1] <= interval(stages[downstream])[0], (upstream, downstream)
 
-    changed = {"dpo.learning_rate": 1e-4, "grpo.learning_rate": 1e-4}
-    one = post_training_pipeline(config=graph_config(root, concurrency_limit(1), **changed), run_id=run_id)
-    stages = one["stages"]
-    assert one["status"] == "completed", stages
-    assert {s for s, e in stages.items() if e["reused"]} == {"prepare_data", "sft"}
-    print(f"1 slot: dpo/grpo overlap {overlap_s(stages['dpo'], stages['grpo']):.1f}s")
-    assert overlap_s(stages["dpo"], stages["grpo"]) <= 0
-
-    # a reference that passes the pre-flight check (its config.json exists) and fails to load in DPO
+    # One slot, and a reference that passes the pre-flight check (its config.json exists) and fails
+    # to load in DPO: the two independent stages run one after the other (DPO's failed trainer ran
+    # for its imports' seconds, so a slot not held shows as overlap), GRPO still completes, and
+    # only evaluate, which reads DPO, is skipped.
     (tmp_path / "broken-model").mkdir()
     (tmp_path / "broken-model" / "config.json").write_text("{}")
-    broken = {"dpo.reference_from": str(tmp_path / "broken-model"), "grpo.learning_rate": 2e-4}
+    broken = {"dpo.reference_from": str(tmp_path / "broken-model"), "grpo.learning_rate": 1e-4}
     state = post_training_pipeline(
-        config=graph_config(root, concurrency_limit(2), **broken), run_id=run_id, return_state=True
+        config=graph_config(root, concurrency_limit(1), **broken), run_id=run_id, return_state=True
     )
     assert state.is_failed()
     stages = json.loads((root / "runs" / run_id / "summary.json").read_text())["stages"]
+    assert {s for s, e in stages.items() if e["reused"]} == {"prepare_data", "sft"}
     assert stages["dpo"]["status"] == "failed" and "broken-model" in stages["dpo"]["error"]
     assert stages["grpo"]["status"] == "completed" and not stages["grpo"]["reused"]
+    print(f"1 slot: dpo/grpo overlap {overlap_s(stages['dpo'], stages['grpo']):.1f}s")
+    assert overlap_s(stages["dpo"], stages["grpo"]) <= 0
     assert stages["evaluate"]["status"] == "skipped" and stages["evaluate"]["skipped_because"] == "dpo"
     assert stages["evaluate"]["started_at"] is None

@@ -1,9 +1,9 @@
 """``posttrain sweep`` end to end (tiny config, CPU, the session's Prefect API, MLflow on SQLite).
 
 One module fixture runs, under one storage root: sweep ``sw-a``, a 2 x 2 grid over ``dpo.beta``
-and ``grpo.learning_rate``, uninterrupted; sweep ``sw-b``, the grid's half with the first learning
-rate (``dpo.beta`` swept, ``grpo.learning_rate`` set), killed (SIGTERM to the CLI's group) once
-its first DPO committed, then run again with the same id; and ``sw-a`` again with a third beta.
+and ``grpo.learning_rate``, uninterrupted; sweep ``sw-b``, one point of that grid (the first beta
+and learning rate), killed (SIGTERM to the CLI's group) once its DPO committed, then run again
+with the same id; and ``sw-a`` again with a third beta.
 The tests read what they left.
 """
 
@@ -62,8 +62,8 @@ class Sweeps:
     grown: Sweep  # sw-a with a third beta
 
 
-HALF = ["--grid", "dpo.beta=0.1,0.5", "--set", "grpo.learning_rate=1e-5"]
-"""sw-b's points: the configs of sw-a's points with the first learning rate."""
+HALF = ["--grid", "dpo.beta=0.1", "--set", "grpo.learning_rate=1e-5"]
+"""sw-b's one point: the config of sw-a's point with the first beta and learning rate."""
 
 
 def _command(root: Path, sweep_id: str, *grid: str) -> list[str]:
@@ -82,7 +82,7 @@ def _sweep(root: Path, env: dict, sweep_id: str, *grid: str) -> Sweep:
 
 
 def _kill_after_first_dpo(root: Path, env: dict) -> tuple[str, int]:
-    """sw-b until its first DPO committed, then SIGTERM to its process group; (output, exit code)."""
+    """sw-b until its DPO committed, then SIGTERM to its process group; (output, exit code)."""
     log = root.parent / "sw-b.log"
     with log.open("w") as out:
         cli = subprocess.Popen(_command(root, "sw-b", *HALF), cwd=root.parent, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -160,9 +160,10 @@ def test_a_killed_sweep_resumed_reaches_the_uninterrupted_result(sweeps):
     assert sweeps.killed_rc == 128 + signal.SIGTERM, sweeps.killed[-3000:]
     assert "error: sweep interrupted by SIGTERM; resume it with: posttrain sweep CONFIG --sweep-id sw-b" in sweeps.killed
     assert sweeps.resumed.summary["status"] == "completed"
-    assert Counter(COMMITTED.findall(sweeps.resumed.log))["sft"] == 0  # committed before the kill: reused
+    # prepare_data, SFT and DPO committed before the kill: reused, only what follows DPO runs
+    assert Counter(COMMITTED.findall(sweeps.resumed.log)) == {"grpo": 1, "evaluate": 1}
     first, again = sweeps.first.points, sweeps.resumed.points
-    assert len(again) == 2
+    assert len(again) == 1
     for values, point in again.items():  # the same config as sw-a's point with that beta and 1e-5
         twin = first[json.dumps({**json.loads(values), "grpo.learning_rate": 1e-05}, sort_keys=True)]
         assert point["headline"] == twin["headline"], values

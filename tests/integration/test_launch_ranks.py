@@ -12,6 +12,9 @@ import contextlib
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -138,3 +141,25 @@ def test_deepspeed_launcher_runs_two_ranks_on_cpu(tag):
     assert result.returncode == 0, "\n".join(result.tail)
     assert any("rank 1 step 2 sum 4" in line for line in log.lines)
     assert_nothing_left(tag, launched_pids(log.lines))
+
+
+def test_deepspeed_on_cpu_compiles_no_op(tmp_path):
+    """``DeepSpeedBackend`` on CPU joins its gloo group without compiling DeepSpeed's
+    shared-memory all-reduce op (a C++ build of about a minute into ``TORCH_EXTENSIONS_DIR``, which
+    ``deepspeed.init_distributed`` runs on every CPU init and training never calls)."""
+    extensions = tmp_path / "torch_extensions"
+    code = ("from trainer_core.backends import build_backend\n"
+            "from trainer_core.config import BackendConfig\n"
+            "backend = build_backend(BackendConfig(name='deepspeed', device='cpu'))\n"
+            "import torch.distributed as dist\n"
+            "print('world', dist.get_world_size(), flush=True)\n"
+            "dist.destroy_process_group()\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "world 1" in done.stdout, (done.stdout + done.stderr)[-3000:]
+    assert not list(extensions.rglob("*.so")), sorted(extensions.rglob("*"))

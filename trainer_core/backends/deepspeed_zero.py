@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import logging
 import os
 import re
@@ -107,6 +108,24 @@ def build_ds_config(backend: BackendConfig, cfg: TrainStageConfig, world_size: i
     return deep_merge(config, backend.ds_config)
 
 
+def skip_shared_memory_all_reduce_build() -> None:
+    """Keep ``deepspeed.init_distributed`` on CPU from compiling DeepSpeed's shared-memory
+    all-reduce op (``ShareMemCommBuilder``, a C++ extension built with ninja into
+    ``~/.cache/torch_extensions``, about a minute on 2 cores, again for every new virtual
+    environment's path).
+
+    DeepSpeed 0.19.8's ``TorchBackend.__init__`` (``deepspeed/comm/torch.py``) builds it on every
+    CPU init, but only ``TorchBackend.inference_all_reduce`` (DeepSpeed inference's tensor
+    parallelism) calls it; training's collectives are ``torch.distributed``'s, over gloo here.
+    Without the op, ``inference_all_reduce`` falls back to ``torch.distributed.all_reduce``
+    itself. Replaces the module's ``build_shm_op`` with one that returns ``None``, the value
+    DeepSpeed itself uses where the op is not compatible.
+    """
+    # the module, not ``deepspeed.comm``'s attribute ``torch`` (which is torch itself)
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    ds_comm_torch.build_shm_op = lambda: None
+
+
 class DeepSpeedBackend(ProcessGroupBackend):
     """DeepSpeed ZeRO (``deepspeed.initialize``); the model to call is the engine."""
 
@@ -117,6 +136,8 @@ class DeepSpeedBackend(ProcessGroupBackend):
         import deepspeed
 
         super().__init__(cfg)
+        if self.device.type == "cpu":
+            skip_shared_memory_all_reduce_build()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         self.sharded_forward = cfg.zero_stage == 3
         self._engines: dict[int, Any] = {}  # id(module) -> its engine, for callers holding the module
