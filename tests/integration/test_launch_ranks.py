@@ -12,7 +12,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from prefect.states import Failed
 from tasks.launch.commands import launcher_command
 from tasks.launch.failures import BadStageInput, StageFailed, raise_for_result
 from tasks.launch.process import launch_stage_process, retry_condition
+from tests.integration.helpers import free_port
 from tests.processes import ListLog, alive, command_lines
 from trainer_core.config import BackendConfig
 
@@ -154,11 +154,8 @@ def test_deepspeed_on_cpu_compiles_no_op(tmp_path):
             "import torch.distributed as dist\n"
             "print('world', dist.get_world_size(), flush=True)\n"
             "dist.destroy_process_group()\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and "world 1" in done.stdout, (done.stdout + done.stderr)[-3000:]
