@@ -90,12 +90,23 @@ transformers, huggingface_hub or tqdm in the task log (a bar's every redraw beca
 a stage's progress is its ``<stage>-progress`` artifact and its step lines)."""
 
 
+SHARED_CPU_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Defaults of a trainer's environment (the flow's own values win): OpenMP threads that wait for
+work sleep instead of spinning. With the default policy, libgomp's threads spin before they sleep,
+so on a CPU shared with other busy processes each of torch's parallel regions waits for a thread
+that the kernel has descheduled, and a small model's many short parallel regions each wait a
+scheduler time slice. Sleeping costs a little on an idle CPU (the wake-up) and gains several
+times on a busy one; a GPU worker's threads mostly wait on the device either way. What each costs:
+``bench/bench_cpu_threads.py``, docs/benchmarks ("Shared CPUs")."""
+
+
 def _spec_config_and_env(config: PipelineConfig) -> tuple[PipelineConfig, dict[str, str]]:
     """The config without S3 secrets (it is written to storage) and the trainer's environment: the
-    flow's, with :data:`QUIET_PROGRESS_ENV` as defaults and the config's S3 endpoint, region and
-    keys (``storage.process_env``; the trainer reads its spec from the storage root before it
-    reads the config in it)."""
-    env = {**QUIET_PROGRESS_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **storage.process_env(config.storage)}
+    flow's, with :data:`QUIET_PROGRESS_ENV` and :data:`SHARED_CPU_ENV` as defaults and the config's
+    S3 endpoint, region and keys (``storage.process_env``; the trainer reads its spec from the
+    storage root before it reads the config in it)."""
+    env = {**QUIET_PROGRESS_ENV, **SHARED_CPU_ENV, **os.environ, "PYTHONUNBUFFERED": "1",
+           **storage.process_env(config.storage)}
     safe = config.model_copy(deep=True)
     safe.storage.access_key_id = None
     safe.storage.secret_access_key = None

@@ -125,6 +125,21 @@ def test_env_is_passed_to_child():
     assert log.lines == ["42"]
 
 
+@pytest.mark.parametrize("flow_value", [None, "ACTIVE"])
+def test_trainer_env_waits_passively_unless_the_flow_says_otherwise(monkeypatch, flow_value):
+    """OpenMP threads of a trainer sleep while they wait (tasks.stages.SHARED_CPU_ENV) unless the
+    flow's own environment sets the policy."""
+    from tasks.stages import _spec_config_and_env
+
+    if flow_value is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", flow_value)
+    _, env = _spec_config_and_env(load_config())
+    assert env["OMP_WAIT_POLICY"] == (flow_value or "PASSIVE")
+    assert env["TQDM_DISABLE"] == "1"
+
+
 def test_timeout_kills_child_and_grandchild():
     log = ListLog()
     start = time.monotonic()
