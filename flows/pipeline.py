@@ -39,6 +39,7 @@ from flows.settings import RunSettings, resolve_config
 from tasks.console import use_plain_console
 from tasks.graph import StageGraphRun, max_parallel_stages
 from tasks.launch.process import forget_launch_group
+from tasks.model_import import import_base_model
 from tasks.plan import PlannedStage, plan_run
 from tasks.preflight import preflight
 from tasks.report.gates import QualityGateFailed
@@ -73,6 +74,12 @@ def _name_flow_run(run_id: str) -> None:
             client.update_flow_run(flow_run_id, name=run_id)
     except Exception as e:  # noqa: BLE001
         get_run_logger().warning("could not rename the flow run to %s: %s", run_id, e)
+
+
+def _checked(cfg: PipelineConfig, run_id: str, layout: RunLayout, log: Any) -> PipelineConfig:
+    """``cfg`` after the pre-flight checks, with a GGUF base model imported (``tasks.model_import``)."""
+    preflight(cfg, {layout.final(s) for s in cfg.stages})
+    return import_base_model(cfg, run_id, log)
 
 
 @flow(name="post-training-pipeline", flow_run_name=flow_run_name)
@@ -110,7 +117,8 @@ def post_training_pipeline(
 
     Raises:
         ConfigError: invalid config or run id, a failed pre-flight check (storage root, data,
-            model sources), or a stage input that nothing provides (before anything is written).
+            model sources, a GGUF file the importer refuses), or a stage input that nothing
+            provides (before anything is written).
         LeaseHeldError: another live run or resume of this run id holds its lease (refused at
             once, before anything is written).
         StageFailed: a stage failed (after the summary is written, or a warning that storage
@@ -128,7 +136,7 @@ def post_training_pipeline(
     _name_flow_run(run_id)
     storage.configure(cfg.storage)
     layout = RunLayout(cfg.storage.root, run_id)
-    preflight(cfg, {layout.final(s) for s in cfg.stages})
+    cfg = _checked(cfg, run_id, layout, log)
     plan = plan_run(cfg, layout)
     lease = run_lease(cfg, layout)
     lease.acquire(wait_s=0)

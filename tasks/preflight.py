@@ -1,4 +1,5 @@
-"""Checks before any stage runs: the storage root, the data files and the model sources.
+"""Checks before any stage runs: the storage root, the data files and the model sources (a GGUF
+file's header and tensor types among them).
 
 A pipeline run that would fail an hour in (an unwritable storage root, a data URI without
 credentials, a model directory that is not there) fails here instead, in seconds, with a
@@ -16,6 +17,7 @@ from tenacity import stop_after_attempt
 from trainer_core import storage
 from trainer_core.config import PipelineConfig
 from trainer_core.errors import ConfigError, PosttrainError, classify
+from trainer_core.modeling.gguf import PACKAGE_SCHEME, check_tensor_types, is_gguf, local_gguf, read_info
 from trainer_core.storage import join_uri, names_a_path
 
 _PROBE = ".posttrain-preflight-{}"
@@ -109,10 +111,35 @@ def check_models(config: PipelineConfig, planned: set[str] = frozenset()) -> Non
         ConfigError: naming the field and the source.
     """
     for field, source in _model_fields(config).items():
+        if is_gguf(source):
+            check_gguf(field, source)
+            continue
         if source in planned or not names_a_path(source):
             continue
         config_json = join_uri(os.path.expanduser(source.removeprefix("file://")), "config.json")
         _check_exists(field, source, config_json, "is not a model directory (no config.json there)")
+
+
+def check_gguf(field: str, source: str) -> None:
+    """A GGUF model source is ``model.name_or_path``, exists, and (when it is local or in a
+    package) is a GGUF file whose tensor types the ``gguf`` package can dequantize
+    (``trainer_core.modeling.gguf.check_tensor_types``); its architecture, and a remote file's
+    header, are checked by the import (``tasks.model_import``), still before any stage.
+
+    Raises:
+        ConfigError: naming the field, the file and what is wrong with it.
+    """
+    if field != "model.name_or_path":
+        raise ConfigError(f"{field} {source!r} is a GGUF file: only model.name_or_path is imported from GGUF; "
+                          "point this field at an HF model directory")
+    if "://" in source and not source.startswith(("file://", PACKAGE_SCHEME)):
+        _check_exists(field, source, source, "does not exist")
+        return
+    try:
+        path = local_gguf(source)
+        check_tensor_types(read_info(path, source), source)
+    except ConfigError as e:
+        raise ConfigError(f"{field}: {e}") from e
 
 
 def preflight(config: PipelineConfig, planned_outputs: set[str] = frozenset()) -> None:

@@ -255,6 +255,28 @@ def _download_file(fs: fsspec.AbstractFileSystem, path: str, local_path: str) ->
         fs.get_file(path, local_path)
 
 
+def download_file(uri: str) -> str:
+    """A local copy of the file ``uri``: ``<tempdir>/posttrain-cache/<sha256(uri)>-<name>``,
+    downloaded when absent or of another size than the remote file (a local ``uri`` is returned
+    as a path).
+
+    Raises:
+        FileNotFoundError: no file at ``uri``.
+    """
+    fs, path = url_to_fs(uri)
+    if _is_local(fs):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"download_file: no file {uri}")
+        return path
+    name = os.path.basename(path.rstrip("/")) or "file"
+    local = os.path.join(tempfile.gettempdir(), CACHE_DIRNAME,
+                         f"{hashlib.sha256(uri.encode('utf-8')).hexdigest()}-{name}")
+    size = fs.info(path).get("size")
+    if not (os.path.isfile(local) and size is not None and os.path.getsize(local) == int(size)):
+        _download_file(fs, path, local)
+    return local
+
+
 @_retrying
 def list_files(uri: str) -> dict[str, int]:
     """Every file under the directory ``uri`` (recursively), from one listing (caches bypassed).
