@@ -116,9 +116,8 @@ def post_training_pipeline(
         The summary (tasks.report.summary.build_summary) plus summary_uri.
 
     Raises:
-        ConfigError: invalid config or run id, a failed pre-flight check (storage root, data,
-            model sources, a GGUF file the importer refuses), or a stage input that nothing
-            provides (before anything is written).
+        ConfigError: invalid config or run id, a failed pre-flight check or import (storage
+            root, data, model sources), or a stage input nothing provides (nothing written).
         LeaseHeldError: another live run or resume of this run id holds its lease (refused at
             once, before anything is written).
         StageFailed: a stage failed (after the summary is written, or a warning that storage
