@@ -31,8 +31,8 @@ from prefect.client.schemas.filters import (
 from prefect.exceptions import PrefectHTTPStatusError
 
 from flows.settings import override_items
+from tests.e2e.demo_overrides import tiny_demo
 from tests.e2e.stack import PROJECT_DIR, client, posttrain, start_worker, stop
-from tests.tiny import TINY_MODEL
 from trainer_core.config import PipelineConfig
 
 pytestmark = pytest.mark.slow
@@ -40,28 +40,6 @@ pytestmark = pytest.mark.slow
 DEPLOYMENT = "post-training-pipeline/demo"
 GPU_LIMIT = "posttrain-gpu-local"
 RUN_TIMEOUT_S = 300
-
-
-def tiny_demo(root: Path, tracking_uri: str) -> dict:
-    """``overrides`` for a demo run of a few seconds: prepare_data and 3 SFT steps of the tiny Llama
-    (``tests.tiny.TINY_MODEL``, with one key-value head of two) on a smaller synthetic task."""
-    return {
-        **TINY_MODEL,
-        "storage.root": str(root),
-        "tracking.tracking_uri": tracking_uri,
-        "stages": "prepare_data,sft",
-        "data.synthetic.num_problems": 60,
-        "data.synthetic.num_pairs": 40,
-        "model.init.num_attention_heads": 2,
-        "model.init.num_key_value_heads": 1,
-        "sft.max_steps": 3,
-        "sft.micro_batch_size": 4,
-        "sft.warmup_steps": 0,
-        "sft.eval_every": 3,
-        "sft.eval_max_batches": 1,
-        "sft.save_every": 3,
-        "launch.retries": 0,
-    }
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.pipeline import post_training_pipeline
 from tests.conftest import make_bucket
+from tests.e2e.demo_overrides import tiny_demo
 from tests.e2e.stack import PROJECT_DIR
-from tests.e2e.test_deployment import tiny_demo
 from tests.integration.k8s_fake import FakeCluster, role_rules
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import ArtifactWriter

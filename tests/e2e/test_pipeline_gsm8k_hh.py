@@ -13,7 +13,6 @@ The data folder is ``../shared/data`` from the repository root, or ``$POSTTRAIN_
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from flows.pipeline import post_training_pipeline
+from tests.shared_data import GSM8K, HH, needs_shared_data
 from trainer_core.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA") or REPO.parent / "shared" / "data").resolve()
-SFT_FILE = SHARED_DATA / "gsm8k" / "train.jsonl"
-PREFERENCE_FILE = SHARED_DATA / "hh-rlhf-harmless" / "pairs.jsonl"
 
 STAGES = ("prepare_data", "sft", "reward_model", "score", "dpo", "evaluate")
 """The stages configs/gsm8k-hh.yaml runs, in order."""
@@ -36,10 +33,7 @@ TRAINED = ("sft", "reward_model", "dpo")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not (SFT_FILE.is_file() and PREFERENCE_FILE.is_file()),
-        reason=f"real data not found under {SHARED_DATA} (set POSTTRAIN_SHARED_DATA)",
-    ),
+    needs_shared_data,
 ]
 
 
@@ -48,8 +42,8 @@ def small_overrides(tmp_path: Path) -> dict:
     return {
         "storage.root": str(tmp_path / "out"),
         "tracking.tracking_uri": f"sqlite:///{tmp_path / 'tracking' / 'mlflow.db'}",
-        "data.sft.uri": str(SFT_FILE),
-        "data.preference.uri": str(PREFERENCE_FILE),
+        "data.sft.uri": str(GSM8K),
+        "data.preference.uri": str(HH),
         "data.preference.max_rows": 240,
         "data.max_length_tokens": 256,
         "data.max_prompt_length_tokens": 192,

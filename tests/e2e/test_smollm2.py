@@ -14,13 +14,13 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from flows.pipeline import post_training_pipeline
+from tests.shared_data import GSM8K, HH, needs_shared_data
 from trainer_core.config import LoraConfig, RolloutGenerationConfig, load_config
 from trainer_core.data.batching import collate_causal, collate_prompts_left
 from trainer_core.data.tokenizer import encode_chat
@@ -33,9 +33,6 @@ from trainer_core.modeling.lora import apply_lora, default_target_modules
 from trainer_core.objectives.chunked import chunked_linear_logprobs
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA") or REPO.parent / "shared" / "data").resolve()
-SFT_FILE = SHARED_DATA / "gsm8k" / "train.jsonl"
-PREFERENCE_FILE = SHARED_DATA / "hh-rlhf-harmless" / "pairs.jsonl"
 CONFIG = REPO / "configs" / "smollm2-gsm8k.yaml"
 STAGES = ["prepare_data", "sft", "dpo", "grpo", "evaluate"]
 END_OF_TURN = "<|im_end|>"
@@ -43,8 +40,7 @@ QUESTIONS = ["What is 2+3? Reply with the number only.", "Name the capital of Fr
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not (SFT_FILE.is_file() and PREFERENCE_FILE.is_file()),
-                       reason=f"real data not found under {SHARED_DATA} (set POSTTRAIN_SHARED_DATA)"),
+    needs_shared_data,
 ]
 
 
@@ -54,9 +50,9 @@ def small_overrides(tmp_path: Path) -> dict:
         "stages": STAGES,
         "storage.root": str(tmp_path / "out"),
         "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
-        "data.sft.uri": str(SFT_FILE),
+        "data.sft.uri": str(GSM8K),
         "data.sft.max_rows": 64,
-        "data.preference.uri": str(PREFERENCE_FILE),
+        "data.preference.uri": str(HH),
         "data.preference.max_rows": 48,
         "data.eval_fraction": 0.1,
         "data.max_eval_rows": 4,

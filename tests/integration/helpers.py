@@ -1,5 +1,6 @@
-"""Shared machinery of the integration tests: a tiny pipeline config, stage specs, and stage
-processes launched (and killed) the way the stage tasks launch them.
+"""Shared machinery of the integration tests: a tiny pipeline config, stage specs, stage
+processes launched (and killed) the way the stage tasks launch them, and what the tests read
+back from them (metric lines, failure causes, checkpoints, weights).
 
 Every stage runs as ``python -m trainer_core.run <spec>`` in a process of its own pinned to
 one CPU thread (``OMP_NUM_THREADS=1``): the runs compared bit for bit must do the same
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,12 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
 
 from tests.integration import forked
 from tests.tiny import TINY_DATA, TINY_GATES, TINY_MODEL
-from trainer_core import storage
+from trainer_core import registry, storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, parse_step_dirname, step_dirname
 from trainer_core.config import PipelineConfig, load_config
 from trainer_core.registry import TRAINING_STAGES
@@ -84,6 +87,14 @@ STEP_LINE = re.compile(r"\[(?P<stage>\w+)\] step (?P<step>\d+): (?P<metrics>.*)$
 TIMING_METRICS = ("train/tokens_per_s", "rollout/tokens_per_s")
 """Logged metrics that measure wall time: never equal between two runs."""
 
+PRINTED_REL = 1e-3
+"""Tolerance on printed metrics: the lines print 4 significant digits (``%.4g``), so two runs
+whose floats differ in the 7th digit may print values one unit apart in the 4th (<= 1e-3 relative)."""
+PRINTED_ABS = 1e-5
+"""Absolute tolerance on printed metrics near 0: DPO's reward metrics (beta x log-ratio, ~1e-3)
+come from reference log-probs computed in batches of 8 on one device and of 4 at 2 ranks, whose
+padding differs; measured: 8e-7 apart (rewards/margins, step 6)."""
+
 
 def tiny_overrides() -> dict[str, object]:
     """``key.path -> value`` overrides shrinking the demo config to a seconds-long run per stage."""
@@ -100,15 +111,17 @@ def tiny_config(root: str) -> PipelineConfig:
 
 
 def stage_inputs(stage: str, data_uri: str, sft_model_uri: str | None) -> dict[str, str]:
-    """A stage's input roles, wired as the pipeline flow wires them."""
-    if stage == "sft":
-        return {"data": data_uri, "model": "init"}
-    assert sft_model_uri is not None, f"{stage} needs the SFT model"
-    if stage == "reward_model":
-        return {"data": data_uri, "model": sft_model_uri}
-    if stage == "dpo":
-        return {"data": data_uri, "model": sft_model_uri, "reference": sft_model_uri}
-    raise ValueError(f"not a training stage: {stage}")
+    """The input roles of ``stage`` (``sft``, ``reward_model`` or ``dpo``), wired as the pipeline
+    flow wires them: the registry's (:func:`trainer_core.registry.stage_inputs`) for the tiny
+    config, whose stages set no ``*_from`` (SFT starts from ``init``, the others from SFT's
+    output), given prepare_data's output ``data_uri`` and, after SFT, its model."""
+    outputs = {"prepare_data": data_uri}
+    if stage != "sft":
+        assert sft_model_uri is not None, f"{stage} needs the SFT model"
+        outputs["sft"] = sft_model_uri
+    if stage not in ("sft", "reward_model", "dpo"):
+        raise ValueError(f"not a training stage: {stage}")
+    return registry.stage_inputs(load_config(str(DEMO_CONFIG), overrides=tiny_overrides()), stage, outputs)
 
 
 def write_spec(spec: StageSpec, path: str | Path) -> str:
@@ -172,6 +185,27 @@ class StageRun:
                 if key not in TIMING_METRICS:
                     values[key] = value
         return out
+
+
+def stage_lines(run: StageRun, stage: str) -> StageRun:
+    """``run`` with only ``stage``'s metric lines (a job that ran several stages)."""
+    lines = [line for line in run.lines if (m := STEP_LINE.search(line)) is None or m["stage"] == stage]
+    return StageRun(returncode=run.returncode, lines=lines, killed=run.killed, wall_s=run.wall_s)
+
+
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def why_failed(run: StageRun) -> str:
+    """The end of a failed job's output, preceded by the known cause when its signature shows."""
+    tail = run.tail(60)
+    if EXIT_ABORT in run.output and "committed: global_step" in run.output:
+        return (
+            f"a rank aborted ({EXIT_ABORT!r}, SIGABRT) at process exit after the stage committed: "
+            "Backend.close destroys the process group while wrapped models kept by reference "
+            "cycles still hold it (see test_no_garbage_model_holds_the_process_group_when_it_is_destroyed)\n" + tail
+        )
+    return tail
 
 
 def start_process(
@@ -347,6 +381,13 @@ def checkpoint_uri(output_uri: str, step: int) -> str:
     return found[-1] if found else join_uri(StageLayout(output_uri).checkpoints, step_dirname(step))
 
 
+def copy_checkpoint(output_uri: str, step: int, new_output_uri: str) -> str:
+    """A fresh stage output holding only ``output_uri``'s ``step`` checkpoint; returns the copy's URI."""
+    target = checkpoint_uri(new_output_uri, step)
+    shutil.copytree(checkpoint_uri(output_uri, step), target)
+    return target
+
+
 def final_weights(output_uri: str) -> dict[str, torch.Tensor]:
     """The tensors of ``<output_uri>/final/model.safetensors`` (any storage)."""
     return safetensors.torch.load(storage.read_bytes(join_uri(StageLayout(output_uri).final, "model.safetensors")))
@@ -357,6 +398,19 @@ def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, tor
     assert sorted(actual) == sorted(expected)
     differ = [k for k in expected if actual[k].dtype != expected[k].dtype or not torch.equal(actual[k], expected[k])]
     assert not differ, f"{len(differ)}/{len(expected)} tensors differ, e.g. {differ[:5]}"
+
+
+def assert_close_lines(actual: dict[int, dict[str, str]], expected: dict[int, dict[str, str]]) -> None:
+    """Same steps, same metric names; every printed value (train and eval loss, grad norm, LR, DPO
+    rewards ...) within :data:`PRINTED_REL` or :data:`PRINTED_ABS`; consumed samples equal."""
+    assert sorted(actual) == sorted(expected)
+    for step, values in expected.items():
+        assert sorted(actual[step]) == sorted(values), step
+        for key, value in values.items():
+            got = actual[step][key]
+            if key == "train/consumed_samples":
+                assert got == value, (step, key)
+            assert float(got) == pytest.approx(float(value), rel=PRINTED_REL, abs=PRINTED_ABS), (step, key, got, value)
 
 
 @dataclass

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -52,22 +51,25 @@ from trainer_core.storage import StageLayout
 from .helpers import (
     REPO_ROOT,
     RUN_ID,
-    STEP_LINE,
     RanksRun,
     StageRun,
     TinyPipeline,
     after_checkpoint,
+    assert_close_lines,
     checkpoint_uri,
     committed_steps,
+    copy_checkpoint,
     final_weights,
     process_table,
     run_ranks,
     run_stage,
     run_stage_ranks,
     stage_inputs,
+    stage_lines,
+    why_failed,
     write_spec,
 )
-from .test_stage_outputs import _stage_parts
+from .in_process import stage_parts
 
 FIXTURES = REPO_ROOT / "tests" / "integration" / "fixtures"
 BACKENDS: dict[str, dict[str, Any]] = {
@@ -80,13 +82,6 @@ STAGES = ("sft", "dpo")
 STEPS = 20
 SAVE_EVERY = 4
 MICRO_BATCH_SIZE = 4
-PRINTED_REL = 1e-3
-"""Tolerance on printed metrics: the lines print 4 significant digits (``%.4g``), so two runs
-whose floats differ in the 7th digit may print values one unit apart in the 4th (<= 1e-3 relative)."""
-PRINTED_ABS = 1e-5
-"""Absolute tolerance on printed metrics near 0: DPO's reward metrics (beta x log-ratio, ~1e-3)
-come from reference log-probs computed in batches of 8 on one device and of 4 at 2 ranks, whose
-padding differs; measured: 8e-7 apart (rewards/margins, step 6)."""
 FLOAT_REL = 1e-5
 """Tolerance on unrounded float32 losses and grad norms of 6 steps summed in another order
 (across ranks, micro-batches or shards); measured <= 1.2e-6."""
@@ -139,34 +134,6 @@ def write_stage_spec(
     sft_model = StageLayout(pipeline.baseline_uris["sft"]).final
     spec = build_spec(stage_config(pipeline, backend, nproc), stage, RUN_ID, stage_inputs(stage, pipeline.data_uri, sft_model), output_uri=output_uri, writer_id=writer_id)
     return write_spec(spec, f"{output_uri}.spec.json")
-
-
-def stage_lines(run: StageRun, stage: str) -> StageRun:
-    """``run`` with only ``stage``'s metric lines (a job that ran several stages)."""
-    lines = [line for line in run.lines if (m := STEP_LINE.search(line)) is None or m["stage"] == stage]
-    return StageRun(returncode=run.returncode, lines=lines, killed=run.killed, wall_s=run.wall_s)
-
-
-EXIT_ABORT = "terminate called without an active exception"
-
-
-def why_failed(run: StageRun) -> str:
-    """The end of a failed job's output, preceded by the known cause when its signature shows."""
-    tail = run.tail(60)
-    if EXIT_ABORT in run.output and "committed: global_step" in run.output:
-        return (
-            f"a rank aborted ({EXIT_ABORT!r}, SIGABRT) at process exit after the stage committed: "
-            "Backend.close destroys the process group while wrapped models kept by reference "
-            "cycles still hold it (see test_no_garbage_model_holds_the_process_group_when_it_is_destroyed)\n" + tail
-        )
-    return tail
-
-
-def copy_checkpoint(output_uri: str, step: int, new_output_uri: str) -> str:
-    """A fresh stage output holding only ``output_uri``'s ``step`` checkpoint; returns the copy's URI."""
-    target = checkpoint_uri(new_output_uri, step)
-    shutil.copytree(checkpoint_uri(output_uri, step), target)
-    return target
 
 
 # --- the runs, each started once ------------------------------------------------------------
@@ -331,30 +298,15 @@ def runs(request: pytest.FixtureRequest, tiny_pipeline: TinyPipeline, tmp_path_f
     store.close()
 
 
-# --- assertions -----------------------------------------------------------------------------
-
-
-def assert_close_lines(actual: dict[int, dict[str, str]], expected: dict[int, dict[str, str]]) -> None:
-    """Same steps, same metric names; every printed value (train and eval loss, grad norm, LR, DPO
-    rewards ...) within :data:`PRINTED_REL` or :data:`PRINTED_ABS`; consumed samples equal."""
-    assert sorted(actual) == sorted(expected)
-    for step, values in expected.items():
-        assert sorted(actual[step]) == sorted(values), step
-        for key, value in values.items():
-            got = actual[step][key]
-            if key == "train/consumed_samples":
-                assert got == value, (step, key)
-            assert float(got) == pytest.approx(float(value), rel=PRINTED_REL, abs=PRINTED_ABS), (step, key, got, value)
-
-
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_stage_losses_track_single_device(runs, backend, stage):
     """Steps 0-20 at 2 ranks (micro_batch_size 4, 1 micro-batch per rank per step) print the
     train and eval losses of the single device (micro_batch_size 4, 2 micro-batches per step)
-    within rel 1e-3 (:data:`PRINTED_REL`; measured: the same strings), and its other metrics
-    (grad norm, LR, DPO rewards) within rel 1e-3 or abs 1e-5 (:data:`PRINTED_ABS`). The run
-    really was distributed: both ranks joined, and the final manifest records the backend at 2 ranks."""
+    within rel 1e-3 (:data:`~tests.integration.helpers.PRINTED_REL`; measured: the same strings),
+    and its other metrics (grad norm, LR, DPO rewards) within rel 1e-3 or abs 1e-5
+    (:data:`~tests.integration.helpers.PRINTED_ABS`). The run really was distributed: both ranks
+    joined, and the final manifest records the backend at 2 ranks."""
     stages, single = runs.result(f"stages:{backend}"), runs.result(f"single:{stage}")
     expected = single.run(stage).step_metrics()
     assert sorted(expected) == list(range(STEPS + 1))
@@ -370,7 +322,7 @@ def test_stage_losses_track_single_device(runs, backend, stage):
 
 def single_device_reference(pipeline: TinyPipeline, stage: str, workdir: str) -> dict[int, dict[str, float]]:
     """In-process single device: 6 steps of 2 stock micro-batches of 4 (what 2 ranks read at once)."""
-    make, objective, rows, lengths, collate = _stage_parts(stage, pipeline)
+    make, objective, rows, lengths, collate = stage_parts(stage, pipeline)
     cfg = TrainStageConfig(
         max_steps=6, micro_batch_size=4, grad_accum_steps=2, learning_rate=3e-3, warmup_steps=2,
         eval_every=1000, save_every=1000, async_save=False,
@@ -437,7 +389,8 @@ def test_fsdp2_checkpoint_resumes_at_another_world_size(runs):
     """A DCP checkpoint written by 2 ranks resumes at 1 rank (``global_batch_size`` keeps the
     batch: 2 micro-batches a step instead of 1 per rank), and one written by that 1-rank run
     resumes at 2: both print the uninterrupted 2-rank run's losses after the resume point
-    (rel 1e-3, :data:`PRINTED_REL`) and end with its weights (float32, rtol 1e-4)."""
+    (rel 1e-3, :data:`~tests.integration.helpers.PRINTED_REL`) and end with its weights (float32,
+    rtol 1e-4)."""
     uninterrupted = runs.result("stages:fsdp2")
     expected_lines = uninterrupted.run("sft").step_metrics()
     expected_weights = final_weights(uninterrupted.output_uris["sft"])

@@ -39,9 +39,9 @@ from .helpers import (
     start_process,
     step_checkpoints,
     torchrun_command,
+    why_failed,
     write_spec,
 )
-from .test_backends import why_failed
 
 STEPS, SAVE_EVERY, KILL_AT = 12, 2, 4
 WRITER = "prefect-task-run:fencing-test"

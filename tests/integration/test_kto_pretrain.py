@@ -26,8 +26,7 @@ from trainer_core.registry import stage_inputs
 from trainer_core.spec import build_spec
 from trainer_core.storage import StageLayout, join_uri
 
-from .helpers import RUN_ID, run_stage, run_stage_ranks, tiny_overrides, write_spec
-from .test_backends import why_failed
+from .helpers import RUN_ID, run_stage, run_stage_ranks, tiny_overrides, why_failed, write_spec
 
 STAGES = ("prepare_data", "pretrain", "sft", "kto")
 KTO = {"max_steps": 48, "micro_batch_size": 8, "learning_rate": 2e-3, "beta": 0.1, "eval_every": 24,

@@ -39,14 +39,16 @@ from .helpers import (
     assert_same_weights,
     checkpoint_uri,
     committed_steps,
+    copy_checkpoint,
     final_weights,
     run_ranks,
     run_stage,
+    stage_lines,
+    why_failed,
     wider_teacher,
     write_spec,
 )
-from .test_backends import copy_checkpoint, stage_lines, why_failed
-from .test_rl import rl_config
+from .rl_runs import rl_config
 
 FIXTURES = REPO_ROOT / "tests" / "integration" / "fixtures"
 STEPS = 8

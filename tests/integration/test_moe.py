@@ -28,8 +28,7 @@ from trainer_core.registry import stage_inputs
 from trainer_core.spec import build_spec
 from trainer_core.storage import StageLayout
 
-from .helpers import RUN_ID, run_stage, run_stage_ranks, tiny_overrides, write_spec
-from .test_backends import assert_close_lines, why_failed
+from .helpers import RUN_ID, assert_close_lines, run_stage, run_stage_ranks, tiny_overrides, why_failed, write_spec
 
 STEPS = 8
 LONG_STEPS = 100

@@ -19,8 +19,7 @@ from trainer_core.config import load_config
 from trainer_core.spec import build_spec
 from trainer_core.storage import StageLayout
 
-from .helpers import RUN_ID, TinyPipeline, run_stage, stage_inputs, write_spec
-from .test_backends import why_failed
+from .helpers import RUN_ID, TinyPipeline, run_stage, stage_inputs, why_failed, write_spec
 
 STEPS = 8
 # Each loss alone (the demo's DPO adds RPO's NLL term, rpo_alpha 2.0, which ORPO refuses).

@@ -32,6 +32,7 @@ from .helpers import (
     wider_teacher,
     write_spec,
 )
+from .rl_runs import RL_OVERRIDES, RL_STEPS, rl_config, rl_spec_path
 
 def _load_rl_learning():
     """``bench/rl_learning.py`` (its :func:`window_gain`: the demo's learning criterion)."""
@@ -44,53 +45,12 @@ def _load_rl_learning():
 
 window_gain = _load_rl_learning().window_gain
 
-RL_STEPS = 8
-"""Iterations of each RL run here; checkpoints every SAVE_EVERY (4)."""
-
-_RL_OVERRIDES = {
-    "max_steps": RL_STEPS,
-    "prompts_per_rollout": 4,
-    "ppo_epochs": 2,
-    "num_mini_batches": 2,
-    "generation.max_new_tokens": 12,
-    "generation.temperature": 1.0,
-    "generation.batch_size": 8,
-    "learning_rate": 1e-3,
-}
-_STAGE_OVERRIDES = {
-    # Adaptive KL: the controller's state must survive the resume too; the ptx term beside a
-    # value head.
-    "ppo": {"adaptive_kl": True, "kl_target": 0.5, "kl_horizon": 100, "ptx_coef": 0.5, "ptx_rows_per_step": 4},
-    # A KL term, so the reference model is loaded and used; the ptx term, whose rows a resume
-    # must draw as the uninterrupted run did.
-    "grpo": {"group_size": 4, "kl_coef": 0.05, "ptx_coef": 0.5, "ptx_rows_per_step": 4},
-    "distill": {"samples_per_prompt": 2},
-}
-
 PPO_METRICS = (
     "objective/kl", "objective/entropy", "objective/scores", "objective/rlhf_reward", "policy/approxkl_avg",
     "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/ratio", "reward_mean", "reward_std",
     "response_length_tokens", "verifier_accuracy",
 )
 TIMED = ("time/generation_s", "time/reward_s", "time/logprobs_s", "time/reference_s", "time/update_s", "rollout/tokens_per_s")
-
-
-def rl_config(pipeline: TinyPipeline, stage: str, **extra: object):
-    """The tiny pipeline config with the RL overrides of ``stage`` (plus ``extra``: ``key.path`` -> value)."""
-    overrides = {f"{stage}.{k}": v for k, v in {**_RL_OVERRIDES, **_STAGE_OVERRIDES[stage]}.items()}
-    overrides.update(extra)
-    return load_config(base=pipeline.config.model_dump(mode="json"), overrides=overrides)
-
-
-def rl_spec_path(pipeline: TinyPipeline, stage: str, name: str, config=None, model: str | None = None) -> tuple[str, str]:
-    """Write the spec of an RL run named ``name``; returns (spec path, output URI)."""
-    sft = StageLayout(pipeline.baseline_uris["sft"]).final
-    inputs = {"data": pipeline.data_uri, "model": model or sft, "reference": model or sft}
-    if stage == "ppo":
-        inputs["reward_model"] = StageLayout(pipeline.baseline_uris["reward_model"]).final
-    output = os.path.join(pipeline.root, "rl", name)
-    spec = build_spec(config or rl_config(pipeline, stage), stage, RUN_ID, inputs, output_uri=output, writer_id=f"writer-{name}")
-    return write_spec(spec, os.path.join(pipeline.root, "specs", f"rl-{name}.json")), output
 
 
 TOOL = {"name": "tests.integration.tool_envs:Counter", "kwargs": {"every": 12}}
@@ -313,7 +273,7 @@ def distill_teacher(tiny_pipeline: TinyPipeline, tmp_path_factory) -> str:
 def distill_spec_path(pipeline: TinyPipeline, name: str, teacher: str, **extra: object) -> tuple[str, str]:
     """Write the spec of a distill run ``name`` (the SFT baseline the student, ``teacher`` the
     teacher, ``extra`` more ``distill.*`` settings); returns (spec path, output URI)."""
-    overrides = {f"distill.{k}": v for k, v in {**_RL_OVERRIDES, **extra}.items()}
+    overrides = {f"distill.{k}": v for k, v in {**RL_OVERRIDES, **extra}.items()}
     config = load_config(base=pipeline.config.model_dump(mode="json"),
                          overrides={**overrides, "distill.teacher_from": teacher, "distill.samples_per_prompt": 2})
     sft = StageLayout(pipeline.baseline_uris["sft"]).final
@@ -394,7 +354,7 @@ def test_the_teacher_stage_trains_a_wider_model_that_distill_reads(tiny_pipeline
     config = load_config(base=tiny_pipeline.config.model_dump(mode="json"), overrides={
         "stages": "prepare_data,sft,teacher,distill,evaluate", "teacher.max_steps": 8,
         "teacher.model_init": {**init, "hidden_size": 2 * init["hidden_size"]},
-        **{f"distill.{k}": v for k, v in {**_RL_OVERRIDES, "max_steps": 2}.items()}})
+        **{f"distill.{k}": v for k, v in {**RL_OVERRIDES, "max_steps": 2}.items()}})
     outputs = {"prepare_data": tiny_pipeline.data_uri, "sft": StageLayout(tiny_pipeline.baseline_uris["sft"]).final}
     teacher_out = os.path.join(tiny_pipeline.root, "rl", "teacher")
     spec = build_spec(config, "teacher", RUN_ID, registry_inputs(config, "teacher", outputs), output_uri=teacher_out)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from .helpers import TinyPipeline, final_weights, run_stage
-from .test_rl import rl_config, rl_spec_path
+from .rl_runs import rl_config, rl_spec_path
 
 STEPS = 3
 

@@ -8,7 +8,7 @@
   the same per-step losses (the loop normalises by the units counted over the whole step).
   The length-bucketed sampler orders batches differently for different micro-batch sizes, so
   this runs :class:`~trainer_core.training.loop.TrainLoop` in-process on a sampler that cuts each
-  4-example micro-batch of the real sampler into consecutive pieces.
+  4-example micro-batch of the real sampler into consecutive pieces (``in_process.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -30,24 +29,14 @@ from trainer_core.backends import build_backend
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, read_manifest, verify
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.config import BackendConfig, TrainStageConfig
-from trainer_core.data.batching import BucketedBatchSampler, collate_causal, collate_pairs
-from trainer_core.data.prepared import load_split, load_tokenizer_from
+from trainer_core.data.batching import BucketedBatchSampler
 from trainer_core.errors import EXIT_RESOURCE
-from trainer_core.modeling.models import load_causal_lm, load_reward_model
 from trainer_core.spec import build_spec
 from trainer_core.storage import StageLayout, join_uri
 from trainer_core.training.loop import BatchSource, TrainLoop
-from trainer_core.training.supervised import (
-    DPOObjective,
-    RewardObjective,
-    SFTObjective,
-    causal_source,
-    collate_with_reference,
-    pair_source,
-    reference_logprobs,
-)
 
 from .helpers import MAX_STEPS, TinyPipeline, checkpoint_uri, child_env, committed_steps, final_weights, write_spec
+from .in_process import SplitSampler, stage_parts
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -113,55 +102,7 @@ def test_final_dir_loads_with_auto_classes(tiny_pipeline, stage, auto_class):
         assert any(not torch.equal(state[k], v) for k, v in start.items() if k in state)
 
 
-class SplitSampler:
-    """Each micro-batch of ``inner`` cut into ``parts`` consecutive equal pieces.
-
-    With ``grad_accum_steps=parts`` an optimizer step then sees exactly the examples of one
-    ``inner`` micro-batch, which the stock sampler does not guarantee across micro-batch sizes.
-    Duck-types :class:`~trainer_core.data.batching.BucketedBatchSampler` (``len``, ``batches``).
-    """
-
-    def __init__(self, inner: BucketedBatchSampler, parts: int) -> None:
-        assert inner.drop_last and inner.micro_batch_size % parts == 0
-        self.inner, self.parts = inner, parts
-        self.size = inner.micro_batch_size // parts
-
-    def __len__(self) -> int:
-        return len(self.inner) * self.parts
-
-    def batches(self, epoch: int) -> list[list[int]]:
-        return [b[i : i + self.size] for b in self.inner.batches(epoch) for i in range(0, len(b), self.size)]
-
-
 EXAMPLES_PER_STEP = 4
-
-
-def _stage_parts(stage: str, pipeline: TinyPipeline):
-    """(model factory, objective, train rows, row lengths, collate) of ``stage``, built in-process."""
-    data, config, cpu = pipeline.data_uri, pipeline.config, torch.device("cpu")
-    tokenizer = load_tokenizer_from(data)
-    pad_id = tokenizer.pad_token_id
-    if stage == "sft":
-        rows = load_split(data, "sft/train")
-        held_out = causal_source(load_split(data, "sft/eval"), pad_id, 4, 0, cpu, shuffle=False)
-        make = partial(load_causal_lm, "init", config.model, tokenizer, config.seed)
-        lengths = [len(r["input_ids"]) for r in rows]
-        return make, SFTObjective(held_out, 1), rows, lengths, partial(collate_causal, pad_id=pad_id)
-    rows = load_split(data, "preference/train")
-    lengths = [max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in rows]
-    eval_rows = load_split(data, "preference/eval")
-    if stage == "reward_model":
-        held_out = pair_source(eval_rows, pad_id, 4, 0, cpu, shuffle=False)
-        make = partial(load_reward_model, "init", config.model, tokenizer, config.seed)
-        return make, RewardObjective(held_out, 1), rows, lengths, partial(collate_pairs, pad_id=pad_id)
-    make = partial(load_causal_lm, "init", config.model, tokenizer, config.seed)
-    reference = make().eval()
-    for split in (rows, eval_rows):  # policy = reference at the start: DPO loss log 2
-        for row, (chosen, rejected) in zip(split, reference_logprobs(reference, split, pad_id, 16, cpu)):
-            row["ref_chosen_logprobs"], row["ref_rejected_logprobs"] = chosen, rejected
-    collate = partial(collate_with_reference, pad_id=pad_id)
-    held_out = pair_source(eval_rows, pad_id, 4, 0, cpu, shuffle=False, collate=collate)
-    return make, DPOObjective(0.1, held_out, 1), rows, lengths, collate
 
 
 def _train(parts, workdir: str, grad_accum_steps: int):
@@ -196,7 +137,7 @@ def _train(parts, workdir: str, grad_accum_steps: int):
 
 @pytest.mark.parametrize("stage", ["sft", "reward_model", "dpo"])
 def test_micro_batch_times_accumulation_gives_the_same_steps(tiny_pipeline, tmp_path, stage):
-    parts = _stage_parts(stage, tiny_pipeline)
+    parts = stage_parts(stage, tiny_pipeline)
     reference_metrics, reference_weights = _train(parts, str(tmp_path), grad_accum_steps=1)
     for grad_accum_steps in (2, 4):
         metrics, weights = _train(parts, str(tmp_path), grad_accum_steps=grad_accum_steps)

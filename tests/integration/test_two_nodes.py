@@ -31,6 +31,7 @@ from .helpers import (
     RUN_ID,
     StageRun,
     after_checkpoint,
+    assert_close_lines,
     child_env,
     committed_steps,
     descendants,
@@ -39,9 +40,9 @@ from .helpers import (
     process_table,
     run_stage,
     stage_inputs,
+    why_failed,
     write_spec,
 )
-from .test_backends import assert_close_lines, why_failed
 
 STEPS, SAVE_EVERY = 8, 4
 NODE_TIMEOUT_S = 300.0

@@ -1,8 +1,8 @@
 """RLOO parity with TRL 1.16's ``RLOOTrainer`` as the oracle, on the fixed rollout batch of
-``test_grpo_parity.py``.
+``test_grpo_parity.py`` (``grpo_case.py``).
 
-Both sides get that module's rollout (:data:`~tests.parity.test_grpo_parity.PROMPTS`,
-``COMPLETIONS``, ``REWARDS``: 3 left-padded prompts x 4 completions of 1 to 8 tokens, one cut at
+Both sides get that rollout (:data:`~tests.parity.grpo_case.PROMPTS`, ``COMPLETIONS``,
+``REWARDS``: 3 left-padded prompts x 4 completions of 1 to 8 tokens, one cut at
 ``max_new_tokens`` without its EOS, one group of equal rewards), its weights (the ``weights``
 fixture: the initial model is the reference, "old" and "current" perturbations of it) and its
 temperature (0.7). From the sampled tokens on, each side runs its own code:
@@ -19,7 +19,7 @@ temperature (0.7). From the sampled tokens on, each side runs its own code:
 * The project: :class:`~trainer_core.training.rl.trainer.RLTrainer` with
   :class:`~trainer_core.stages.grpo.GRPOAlgorithm` and ``advantage_estimator: rloo``
   (``trainer_core/objectives/grpo_family.py``, ``rloo_advantages``: ``r_i`` minus the mean of the
-  group's other ``G - 1`` scores), built by ``test_grpo_parity.project_trainer`` (its replaying
+  group's other ``G - 1`` scores), built by ``grpo_case.project_trainer`` (its replaying
   engine and gradient-recording optimizer): ``RLTrainer.rollout``, then ``RLTrainer.train_step``.
 
 What the two share, and where they part (``trl/trainer/rloo_trainer.py``,
@@ -84,7 +84,7 @@ from torch import Tensor
 trl = pytest.importorskip("trl", reason="TRL (the dev extra's trl==1.16.0) is the oracle of these parity tests")
 datasets = pytest.importorskip("datasets", reason="TRL's trainers read datasets.Dataset")
 
-from tests.parity.test_grpo_parity import (  # noqa: E402
+from tests.parity.grpo_case import (  # noqa: E402
     CLIP_EPS,
     COMPLETIONS,
     FIXED,

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
+from tests.shared_data import GSM8K, HH, needs_shared_data
 from trainer_core.config import DataSource
 from trainer_core.data.formats import (
     DialogueParseError,
@@ -25,10 +24,6 @@ from trainer_core.data.formats import (
 from trainer_core.data.sources import read_records
 from trainer_core.errors import DataError
 
-SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
-GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
-HH = SHARED_DATA / "hh-rlhf-harmless" / "pairs.jsonl"
-needs_shared_data = pytest.mark.skipif(not GSM8K.exists(), reason=f"shared data not at {SHARED_DATA}")
 
 GSM = {"question": "Tom has 3 apples. He buys 5. How many?", "answer": "3+5=<<3+5=8>>8\n#### 8", "_source": "f.jsonl:7"}
 HH_ROW = {

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
 import uuid
 from pathlib import Path
 
@@ -13,16 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.shared_data import GSM8K, HH, needs_shared_data
 from trainer_core import storage
 from trainer_core.config import DataSource
 from trainer_core.data.sources import read_records
 from trainer_core.errors import EXIT_BAD_INPUT, DataError
 from trainer_core.storage import join_uri
-
-SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
-GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
-HH = SHARED_DATA / "hh-rlhf-harmless" / "pairs.jsonl"
-needs_shared_data = pytest.mark.skipif(not GSM8K.exists(), reason=f"shared data not at {SHARED_DATA}")
 
 
 def _write(path: Path, text: str) -> str:

@@ -7,8 +7,8 @@
 - The Kubernetes work pool's base job template rendered as Prefect's Kubernetes worker renders it
   (defaults, then job variables, ``apply_values``, ``KubernetesWorkerJobConfiguration``,
   ``prepare_for_flow_run``).
-- The multi-node trainer manifest rendered as ``envsubst`` renders it, and each pod's command
-  run (``--dry-run``) against a stage spec.
+- The multi-node trainer manifest rendered as ``envsubst`` renders it (``k8s_render.py``), and
+  each pod's command run (``--dry-run``) against a stage spec.
 - ``deployments/prefect.yaml`` through ``deployments.deploy`` (no API), and the stage task's GPU
   slot and MLflow link helpers.
 """
@@ -19,8 +19,6 @@ import json
 import logging
 import re
 import shlex
-import shutil
-import subprocess
 import tomllib
 import uuid
 from contextlib import contextmanager
@@ -32,6 +30,7 @@ import pytest
 import yaml
 
 from deployments import deploy
+from tests.unit.k8s_render import MULTINODE_VALUES, render_multinode
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError
 
@@ -178,27 +177,6 @@ def test_work_pool_job_renders_gpu_image_and_secrets():
     assert container["image"] == "registry.example.com/posttrain-worker:1.2"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert container["envFrom"][0]["secretRef"]["name"] == "team-s3"
-
-
-MULTINODE_VALUES = {
-    "NAME": "sft-run42", "NAMESPACE": "posttrain", "NNODES": "2", "NPROC_PER_NODE": "8",
-    "IMAGE": "registry.example.com/posttrain-worker:1.2", "SPEC_URI": "s3://b/runs/run42/specs/sft.json",
-}  # fmt: skip
-
-
-def envsubst(text: str, values: dict[str, str]) -> str:
-    """GNU ``envsubst`` without arguments: ``$VAR`` and ``${VAR}`` replaced, unset ones by ''."""
-    return re.sub(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)", lambda m: values.get(m.group(1) or m.group(2), ""), text)
-
-
-def render_multinode(values: dict[str, str]) -> tuple[dict, dict]:
-    template = (INFRA / "k8s" / "multinode-trainer.yaml").read_text()
-    text = envsubst(template, values)
-    if envsubst_bin := shutil.which("envsubst"):  # the real tool, where installed, renders the same
-        real = subprocess.run([envsubst_bin], input=template, capture_output=True, text=True, env=values, check=True)
-        assert real.stdout == text
-    service, job = yaml.safe_load_all(text)
-    return service, job
 
 
 def test_multinode_trainer_manifest_renders():

@@ -24,7 +24,7 @@ from tasks.k8s.status import JobView, blamed_pod, job_state, pod_result
 from tasks.launch import commands
 from tasks.launch import process as launch
 from tasks.launch.failures import BadStageInput
-from tests.unit.test_infra import MULTINODE_VALUES, render_multinode
+from tests.unit.k8s_render import MULTINODE_VALUES, render_multinode
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError
 from trainer_core.spec import build_spec

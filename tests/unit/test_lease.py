@@ -28,8 +28,10 @@ def test_same_owner_retakes_its_own_lease(storage_root):
     first.acquire()
     first._stop.set()  # the first attempt died without releasing
     second = StageLease(prefix, owner="task-run-1", ttl_s=30)
-    second.acquire()
+    second.acquire(wait_s=0)  # at once: waiting out the first attempt's 30 s would hide a broken retake
+    assert json.loads(storage.read_bytes(join_uri(prefix, LEASE_NAME)))["attempt"] == second.attempt != first.attempt
     second.release()
+    assert not storage.exists(join_uri(prefix, LEASE_NAME))
 
 
 def test_expired_lease_is_taken_over(tmp_path):

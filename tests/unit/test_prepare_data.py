@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import fsspec.config
 import pytest
 
+from tests.shared_data import GSM8K, HH
 from tests.tiny import TINY_PREPARE
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import read_manifest, verify
@@ -24,10 +25,6 @@ from trainer_core.data.prepared import SPLIT_NAMES, load_split, load_tokenizer_f
 from trainer_core.stages.prepare_data import split_train_eval
 from trainer_core.stages.runner import run_spec as run
 
-SHARED_DATA = Path(os.environ.get("POSTTRAIN_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
-GSM8K = SHARED_DATA / "gsm8k" / "train.jsonl"
-HH = SHARED_DATA / "hh-rlhf-harmless" / "pairs.jsonl"
-needs_shared_data = pytest.mark.skipif(not GSM8K.exists(), reason=f"shared data not at {SHARED_DATA}")
 
 def _spec(root: str, **overrides) -> StageSpec:
     """A prepare_data spec writing under ``root`` (on S3: the endpoint the test configured)."""
