@@ -53,11 +53,13 @@ def small_overrides(tmp_path: Path) -> dict:
         "data.sft.uri": str(GSM8K),
         "data.sft.max_rows": 64,
         "data.preference.uri": str(HH),
-        "data.preference.max_rows": 48,
+        # DPO's reference pass reads every training pair (at 2 ranks, each forwarding its half
+        # twice: chosen and rejected): 20 pairs, not more, and rows cut at 128 tokens.
+        "data.preference.max_rows": 20,
         "data.eval_fraction": 0.1,
         "data.max_eval_rows": 4,
-        "data.max_length_tokens": 192,
-        "data.max_prompt_length_tokens": 128,
+        "data.max_length_tokens": 128,
+        "data.max_prompt_length_tokens": 96,
         "sft.max_steps": 2, "sft.micro_batch_size": 2, "sft.eval_every": 2, "sft.eval_max_batches": 1,
         "sft.save_every": 2,
         "dpo.max_steps": 1, "dpo.micro_batch_size": 1, "dpo.grad_accum_steps": 1, "dpo.eval_every": 1,
