@@ -85,6 +85,15 @@ def test_invalid_stage_override_names_the_stage():
         load_config(overrides={"grpo.backend": {"nprocs": 2}})
 
 
+@pytest.mark.parametrize("stage", ["ppo", "grpo", "distill"])
+def test_padding_free_rl_on_deepspeed_is_refused_at_load(stage):
+    """Refused when the config loads, not after the trainer has loaded both models."""
+    zero3 = {"name": "deepspeed", "zero_stage": 3, "nproc_per_node": 2}
+    with pytest.raises(ConfigError, match=rf"{stage}\.padding_free is not supported with backend.name=deepspeed"):
+        load_config(overrides={f"{stage}.padding_free": True, f"{stage}.backend": zero3})
+    load_config(overrides={f"{stage}.padding_free": True, f"{stage}.backend": {"name": "fsdp2", "nproc_per_node": 2}})
+
+
 def test_backend_for_raises_for_an_override_set_after_validation():
     config = load_config(overrides=FSDP2_X2)
     config.ppo.backend = {"name": "single"}  # assignment validates the field, not the merged backend

@@ -40,6 +40,7 @@ from trainer_core.config.stages import (
     PPOConfig,
     PretrainConfig,
     RewardModelConfig,
+    RLStageConfig,
     ScoreConfig,
     SFTConfig,
 )
@@ -140,6 +141,11 @@ class PipelineConfig(ConfigBase):
                 raise ValueError(
                     f"{stage}.max_nonfinite_steps={section.max_nonfinite_steps}: skipping non-finite steps needs a "
                     "backend whose optimizer step posttrain runs (single, ddp, fsdp2); DeepSpeed's engine steps itself"
+                )
+            if backend.name == "deepspeed" and isinstance(section, RLStageConfig) and section.padding_free:
+                raise ValueError(
+                    f"{stage}.padding_free is not supported with backend.name=deepspeed yet: a 2-rank ZeRO-3 distill "
+                    "run gave non-finite advantages with it (use fsdp2, ddp or single)"
                 )
             lora = self.lora_for(stage)
             if lora.enabled and lora.quantize is not None and backend.name != "single":

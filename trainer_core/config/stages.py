@@ -408,8 +408,8 @@ class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
         "(TRL's padding_free, verl's use_remove_padding). No token attends across rows (block-diagonal on "
         "sdpa/eager, document masks with model.attn_implementation=flex_attention, varlen with flash_attention_2); "
         "on sdpa/eager the mask is as long as all the rows together, so it pays where padding is a large share. "
-        "Refused at start for a model whose attention mask ignores position ids (OPT, BLOOM), and with "
-        "backend.name=deepspeed (a ZeRO-3 run gave non-finite advantages with it; not yet understood)."
+        "Refused at start for a model whose attention mask ignores position ids (OPT, BLOOM), and when the config "
+        "loads with backend.name=deepspeed (a ZeRO-3 run gave non-finite advantages with it; not yet understood)."
     )
     ptx_coef: float = Field(
         0.0, ge=0, description="Weight of a supervised loss on the prepared sft/train demonstrations added to "

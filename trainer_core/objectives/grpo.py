@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from trainer_core.objectives.grpo_family import STD_EPS
 from trainer_core.objectives.ppo import KL_ESTIMATORS, clipped_policy_loss
 
-STD_EPS = 1e-4
-"""Added to the group std before dividing (TRL's value)."""
+__all__ = ["STD_EPS", "group_advantages", "grpo_loss"]
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: bool = True) -> Tensor:

@@ -113,9 +113,6 @@ def run_rl_stage(
     torch.manual_seed(seed)
     value_head = value_head_for(policy) if algo.uses_values else None
     model = backend.wrap(PolicyAndValue(policy, value_head))
-    if cfg.padding_free and backend.name == "deepspeed":
-        raise ConfigError(f"{ctx.spec.stage}.padding_free is not supported with backend.name=deepspeed yet: a 2-rank "
-                          "ZeRO-3 distill run gave non-finite advantages with it (use fsdp2, ddp or single)")
     if cfg.padding_free:
         for name, packed in (("model", model), ("reference", reference)):
             if packed is not None:
