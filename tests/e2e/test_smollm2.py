@@ -50,6 +50,8 @@ def small_overrides(tmp_path: Path) -> dict:
         "stages": STAGES,
         "storage.root": str(tmp_path / "out"),
         "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        # No MLflow copy of each policy (3 x 538 MB written again; logged models are the demo's tests').
+        "tracking.log_models": False,
         "data.sft.uri": str(GSM8K),
         "data.sft.max_rows": 64,
         "data.preference.uri": str(HH),
