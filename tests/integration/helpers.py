@@ -13,6 +13,7 @@ A single-process stage is forked from a warm interpreter that has imported the s
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -121,7 +122,13 @@ def stage_inputs(stage: str, data_uri: str, sft_model_uri: str | None) -> dict[s
         outputs["sft"] = sft_model_uri
     if stage not in ("sft", "reward_model", "dpo"):
         raise ValueError(f"not a training stage: {stage}")
-    return registry.stage_inputs(load_config(str(DEMO_CONFIG), overrides=tiny_overrides()), stage, outputs)
+    return registry.stage_inputs(_wiring_config(), stage, outputs)
+
+
+@functools.cache
+def _wiring_config() -> PipelineConfig:
+    """The tiny config whose wiring :func:`stage_inputs` reads (loaded once; only read)."""
+    return load_config(str(DEMO_CONFIG), overrides=tiny_overrides())
 
 
 def write_spec(spec: StageSpec, path: str | Path) -> str:

@@ -30,12 +30,11 @@ import pytest
 import yaml
 
 from deployments import deploy
-from tests.unit.k8s_render import MULTINODE_VALUES, render_multinode
+from tests.unit.k8s_render import INFRA, MULTINODE_VALUES, render_multinode
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError
 
 PROJECT = Path(__file__).resolve().parents[2]
-INFRA = PROJECT / "infra"
 COMPOSE_FILES = ("docker-compose.yml", "docker-compose.gpu.yml")
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 
