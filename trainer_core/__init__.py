@@ -4,7 +4,8 @@ The public API has three tiers (``docs/reference/api.md`` documents each name wi
 
 - **Tier 0, interfaces**: what you implement to plug in. ``Backend`` (a Protocol: how a model
   runs: single device, DDP, FSDP2, DeepSpeed ZeRO), ``Objective`` (the base class of what the
-  supervised loop optimises) and the ``StepOutput`` an objective returns.
+  supervised loop optimises), the ``StepOutput`` an objective returns, and ``Algorithm`` (the
+  base class of what the RL loop optimises: PPO, the GRPO family, distillation).
 - **Tier 1, primitives**, each usable on its own: pure losses and log-prob functions, model and
   tokenizer loading, the optimizer and scheduler factories, the backend factory, and the
   manifest commit protocol (write files, commit a ``manifest.json`` last, read and verify it).
@@ -24,6 +25,7 @@ from typing import Any
 TIER_0: dict[str, str] = {
     "Backend": "trainer_core.backends.base",
     "Objective": "trainer_core.training.loop",
+    "Algorithm": "trainer_core.training.rl.algorithms.base",
     "StepOutput": "trainer_core.training.loop",
 }
 """The interfaces (and the value an ``Objective`` returns): name -> defining module."""

@@ -37,7 +37,7 @@ from trainer_core.errors import ConfigError
 from trainer_core.generation.engines import HFEngine
 from trainer_core.objectives.ppo import whiten
 from trainer_core.spec import StageSpec, build_spec
-from trainer_core.stages.ppo import PPOAlgorithm, whiten_across_ranks
+from trainer_core.training.rl.algorithms import PPOAlgorithm
 from trainer_core.storage import StageLayout, join_uri
 from trainer_core.training.rl.rollout import PolicyAndValue, RolloutBatch, value_head_for
 from trainer_core.training.rl.trainer import RLTrainer, check_rl_config
@@ -411,15 +411,21 @@ def test_fewer_rows_per_rank_than_mini_batches():
 
 
 def test_whitening_over_ranks_equals_whitening_the_whole_batch():
-    """One rank: bit-identical to ``whiten``. Two ranks holding rows 0-2 and 3-5: the
-    concatenation equals ``whiten`` of all six rows (mean and unbiased variance of every token)."""
+    """One rank: bit-identical to TRL's ``masked_whiten`` written out (masked mean, masked mean of
+    squares times n / (n - 1)), the formula ``whiten`` had before it took ``all_reduce_sum``. Two
+    ranks holding rows 0-2 and 3-5: the concatenation equals ``whiten`` of all six rows."""
     torch.manual_seed(0)
     x = torch.randn(6, 5)
     mask = (torch.rand(6, 5) > 0.3).float()
     mask[:, 0] = 1.0
-    assert torch.equal(whiten_across_ranks(x, mask, lambda t: t), whiten(x, mask))
+    count = mask.sum()
+    mean = (x * mask).sum() / count.clamp(min=1.0)
+    var = ((x - mean) ** 2 * mask).sum() / count.clamp(min=1.0) * count / (count - 1).clamp(min=1.0)
+    masked_whiten = (x - mean) * torch.rsqrt(var + 1e-8) * mask
+    assert torch.equal(whiten(x, mask), masked_whiten)
+    assert torch.equal(whiten(x, mask, all_reduce_sum=lambda t: t), masked_whiten)
     reduce = ThreadAllReduce(2)
-    halves = on_threads(lambda r: whiten_across_ranks(x[3 * r : 3 * r + 3], mask[3 * r : 3 * r + 3], reduce.rank(r)), 2)
+    halves = on_threads(lambda r: whiten(x[3 * r : 3 * r + 3], mask[3 * r : 3 * r + 3], all_reduce_sum=reduce.rank(r)), 2)
     torch.testing.assert_close(torch.cat(halves), whiten(x, mask), rtol=0, atol=1e-6)
 
 

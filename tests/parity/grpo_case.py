@@ -28,7 +28,7 @@ from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.config import BackendConfig, GRPOConfig
 from trainer_core.generation.engines import Generated, GenerationEngine
 from trainer_core.modeling.models import load_causal_lm
-from trainer_core.stages.grpo import GRPOAlgorithm
+from trainer_core.training.rl.algorithms import GRPOAlgorithm
 from trainer_core.training.rl.rewards import PromptItem
 from trainer_core.training.rl.rollout import PolicyAndValue
 from trainer_core.training.rl.trainer import RLTrainer

@@ -20,7 +20,7 @@ runs its own code:
   gradients, and ``_metrics["train"]`` the per-token means of the KL, the clip ratio
   (``clip_ratio/region_mean``) and the entropy that loss logged.
 * The project: :class:`~trainer_core.training.rl.trainer.RLTrainer` with
-  :class:`~trainer_core.stages.grpo.GRPOAlgorithm`, built as ``stages/rl_common.py`` builds it, its
+  :class:`~trainer_core.training.rl.algorithms.grpo.GRPOAlgorithm`, built as ``stages/rl_common.py`` builds it, its
   generation engine replaced by one that replays the fixed completions
   (:class:`~tests.parity.grpo_case.ReplayEngine`) and its reward function by the fixed rewards.
   ``RLTrainer.rollout`` collates the prompts, computes the old and reference log-probs

@@ -17,7 +17,7 @@ temperature (0.7). From the sampled tokens on, each side runs its own code:
   (``_compute_loss``) and a backward give the loss and the gradients, and ``_metrics["train"]``
   the means it logged (``entropy``, ``clip_ratio/region_mean``, ``kl``).
 * The project: :class:`~trainer_core.training.rl.trainer.RLTrainer` with
-  :class:`~trainer_core.stages.grpo.GRPOAlgorithm` and ``advantage_estimator: rloo``
+  :class:`~trainer_core.training.rl.algorithms.grpo.GRPOAlgorithm` and ``advantage_estimator: rloo``
   (``trainer_core/objectives/grpo_family.py``, ``rloo_advantages``: ``r_i`` minus the mean of the
   group's other ``G - 1`` scores), built by ``grpo_case.project_trainer`` (its replaying
   engine and gradient-recording optimizer): ``RLTrainer.rollout``, then ``RLTrainer.train_step``.
@@ -117,7 +117,7 @@ from tests.parity.trl_oracle import (  # noqa: E402
     word_tokenizer,
 )
 from trainer_core.config import GRPOConfig  # noqa: E402
-from trainer_core.stages.grpo import GRPOAlgorithm  # noqa: E402
+from trainer_core.training.rl.algorithms import GRPOAlgorithm  # noqa: E402
 from trainer_core.training.rl.rollout import RolloutBatch, policy_forward  # noqa: E402
 from trainer_core.training.rl.trainer import RLTrainer  # noqa: E402
 
@@ -358,7 +358,7 @@ def test_ratio_is_per_token_not_per_completion(weights, tmp_path):
     averages ``-min(ratio_i A_i, clip(ratio_i) A_i)`` over the completions (``RLOOTrainer._compute_loss``:
     ``log_ratio = logps - old_logps`` on the summed log-probs, ``per_sequence_loss.mean()``); the
     project's GRPO family, RLOO included, takes PPO's per-token ratio
-    (``GRPOAlgorithm.loss`` -> ``clipped_policy_loss_asymmetric``). On-policy the gradients agree
+    (``GRPOAlgorithm.loss`` -> ``grpo_loss`` -> ``clipped_policy_loss``). On-policy the gradients agree
     (:func:`test_rloo_gradients_match_rlootrainer_on_policy`) but not the loss values: a
     completion's term is ``A_i`` there, ``|o_i| x A_i`` summed over its tokens here. Off-policy the
     ratios themselves part: a completion's ratio is the product of its tokens' (here 0.25 to 1.99,

@@ -8,7 +8,7 @@ import torch
 from trainer_core.config import load_config
 from trainer_core.errors import ConfigError
 from trainer_core.registry import STAGE_ORDER, policy_stages, stage_inputs
-from trainer_core.stages.distill import DistillAlgorithm
+from trainer_core.training.rl.algorithms import DISTILL_ALGORITHMS
 from trainer_core.training.rl.rollout import RolloutBatch
 
 
@@ -19,7 +19,7 @@ def test_the_advantage_is_the_teachers_log_prob_minus_the_students_on_the_studen
                          completion_ids=torch.zeros(2, 3, dtype=torch.long), completion_mask=mask,
                          logprobs=torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]]), scores=torch.zeros(2),
                          prompt_index=torch.arange(2), ref_logprobs=torch.tensor([[-1.5, -1.0, -9.0], [-0.5, -3.0, 0.0]]))
-    DistillAlgorithm(cfg).prepare(batch, 0.0, lambda t: t)
+    DISTILL_ALGORITHMS[cfg.loss](cfg).prepare(batch, 0.0, lambda t: t)
     torch.testing.assert_close(batch.advantages, torch.tensor([[-0.5, 1.0, 0.0], [0.0, 0.0, 0.0]]))
 
 

@@ -180,7 +180,7 @@ def test_truncated_importance_weights_scale_the_policy_term_not_the_kl():
     """With ``is_weights`` the policy loss of each token is weighted (verl's tis_imp_ratio_cap),
     the KL term is not: at ratio 1, A = 1, weights 0 the loss is kl_coef x KL alone."""
     from trainer_core.config import GRPOConfig
-    from trainer_core.stages.grpo import GRPOAlgorithm
+    from trainer_core.training.rl.algorithms import GRPOAlgorithm
     from trainer_core.training.rl.batches import MiniBatchCounts
     from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
 
@@ -194,12 +194,11 @@ def test_truncated_importance_weights_scale_the_policy_term_not_the_kl():
     )
     batch.advantages = mask.clone()
     algo = GRPOAlgorithm(GRPOConfig(group_size=2, kl_coef=0.1))
-    algo.kl_coef = 0.1
     out = PolicyForward(logprobs, torch.zeros_like(mask), None)
     counts = MiniBatchCounts(num_tokens=torch.tensor(3.0), num_sequences=torch.tensor(2.0))
-    unweighted, _ = algo.loss(batch, out, counts)
+    unweighted, _ = algo.loss(batch, out, counts, kl_coef=0.1)
     batch.is_weights = torch.zeros_like(mask)
-    weighted, _ = algo.loss(batch, out, counts)
+    weighted, _ = algo.loss(batch, out, counts, kl_coef=0.1)
     # k3 KL of token (-1.0 vs -1.5): exp(-0.5) - (-0.5) - 1 = 0.10653; the others 0.
     kl = math.exp(-0.5) + 0.5 - 1.0
     assert weighted.item() == pytest.approx(0.1 * kl / 3, rel=1e-5)

@@ -62,33 +62,44 @@ def grpo_loss(
     clip_eps: float,
     kl_coef: float,
     kl_estimator: str = "k3",
+    clip_eps_high: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token GRPO loss: the clipped surrogate with each sequence's advantage, plus ``kl_coef * KL``.
+    """Per-token GRPO loss: the clipped surrogate with each token's advantage, plus ``kl_coef * KL``.
+
+    What the GRPO stage (and the family's recipes: Dr. GRPO, DAPO, RLOO, REINFORCE++ with
+    ``kl_coef`` 0 here) trains with; a loss aggregation of
+    :data:`~trainer_core.objectives.grpo_family.LOSS_AGGREGATIONS` reduces it.
 
     Args:
         logprobs: [N, T] sampled-token log-probs under the current policy (with grad).
         old_logprobs: [N, T] the same at rollout time.
-        advantages: [N] one advantage per completion (broadcast over its tokens).
+        advantages: [N] one advantage per completion (broadcast over its tokens), or [N, T] per
+            token (the family's estimators).
         ref_logprobs: [N, T] under the reference; None when ``kl_coef`` is 0.
-        clip_eps: clip range epsilon.
+        clip_eps: clip range epsilon (the lower one with ``clip_eps_high``).
         kl_coef: KL coefficient (beta in the paper); 0 disables the term.
-        kl_estimator: ``"k1"`` or ``"k3"`` (the paper's).
+        kl_estimator: a key of :data:`~trainer_core.objectives.ppo.KL_ESTIMATORS` (``"k3"``: the paper's).
+        clip_eps_high: DAPO's clip-higher upper range (Yu et al. 2025, eq. 10); None: ``clip_eps``.
+        is_weights: [N, T] truncated importance weights of the policy term (not the KL term), or None.
 
     Returns:
         (losses [N, T], metrics) with detached [N, T] ``ratio``, ``clipped``, ``approxkl`` and,
-        when the KL term is on, ``kl``. Unreduced: mask and divide by ``num_valid_tokens``.
+        when the KL term is on, ``kl``. Unreduced: mask and aggregate.
 
     Raises:
         ValueError: ``kl_coef`` > 0 without ``ref_logprobs``, an unknown ``kl_estimator``, or a
-            non-positive ``clip_eps``.
+            non-positive clip range.
 
     Worked value: policy == old policy == reference, advantage 0.5: every token's loss is
     -0.5 (ratio 1, KL 0).
     """
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown kl_estimator {kl_estimator!r}; known: {sorted(KL_ESTIMATORS)}")
-    losses, metrics = clipped_policy_loss(logprobs, old_logprobs, advantages[:, None].expand_as(logprobs), clip_eps)
-    if kl_coef > 0:
+    if advantages.ndim == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    losses, metrics = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, is_weights)
+    if kl_coef > 0:  # DeepSeekMath eq. 3: + beta * KL(pi || pi_ref) per token (k3, eq. 4)
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
         kl = KL_ESTIMATORS[kl_estimator](logprobs, ref_logprobs)

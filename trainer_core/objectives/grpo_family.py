@@ -18,8 +18,8 @@ Advantage estimators (:data:`ADVANTAGE_ESTIMATORS`, ``grpo.advantage_estimator``
 - ``reinforce_pp``: REINFORCE++ (Hu 2025, eq. 5-6; OpenRLHF's ``reinforce`` advantage and verl's
   ``compute_reinforce_plus_plus_outcome_advantage``): token rewards ``-kl_coef * KL_t`` plus the
   score on the last real token, the return-to-go ``G_t = sum_{s >= t} r_s`` (gamma 1) as the
-  advantage, whitened (mean and unbiased variance) over every real token of the batch, over all
-  ranks when ``all_reduce_sum`` is given. No group baseline.
+  advantage, whitened (:func:`~trainer_core.objectives.ppo.whiten`: mean and unbiased variance)
+  over every real token of the batch, over all ranks when ``all_reduce_sum`` is given. No group baseline.
 
 Loss aggregations (:data:`LOSS_AGGREGATIONS`, ``grpo.loss_aggregation``), each ``(losses [N, T],
 mask, *, num_tokens, num_sequences, max_new_tokens) -> scalar``: this rank's share of the
@@ -44,13 +44,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from trainer_core.objectives.ppo import KL_ESTIMATORS, clipped_policy_loss, last_real_index
+from trainer_core.objectives.ppo import KL_ESTIMATORS, clipped_policy_loss, last_real_index, whiten
 
 STD_EPS = 1e-4
 """Added to the group std before dividing (TRL's value)."""
-
-WHITEN_EPS = 1e-8
-"""Added to the variance when REINFORCE++ whitens (as PPO's ``whiten``)."""
 
 AllReduceSum = Callable[[Tensor], Tensor]
 
@@ -106,18 +103,6 @@ def rloo_advantages(scores: Tensor, mask: Tensor, group_size: int, **_: object) 
     return _per_token(grouped - others, mask)
 
 
-def _whiten(x: Tensor, mask: Tensor, all_reduce_sum: AllReduceSum | None) -> Tensor:
-    """``(x - mean) / sqrt(var + 1e-8)`` over the real tokens (of every rank with
-    ``all_reduce_sum``), the variance unbiased; zero on padding."""
-    reduce = all_reduce_sum or (lambda t: t)
-    sums = reduce(torch.stack([(x * mask).sum(), mask.sum()]))
-    count = sums[1]
-    mean = sums[0] / count.clamp(min=1.0)
-    squares = reduce(((x - mean) ** 2 * mask).sum())
-    var = squares / (count - 1).clamp(min=1.0)
-    return (x - mean) * torch.rsqrt(var + WHITEN_EPS) * mask
-
-
 def reinforce_pp_advantages(
     scores: Tensor, mask: Tensor, group_size: int, *, logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None, kl_coef: float = 0.0, kl_estimator: str = "k1",
@@ -152,7 +137,7 @@ def reinforce_pp_advantages(
     last = last_real_index(mask)  # the policy's last token, also after a tool's observation
     rewards[torch.arange(scores.shape[0], device=scores.device), last] += scores.float()
     returns = rewards.flip(1).cumsum(1).flip(1) * mask  # G_t = sum_{s >= t} r_s
-    return _whiten(returns, mask, all_reduce_sum)
+    return whiten(returns, mask, all_reduce_sum=all_reduce_sum)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {

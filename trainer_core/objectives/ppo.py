@@ -138,25 +138,38 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+    all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
     """Normalise the masked entries of ``x`` to unit variance (and zero mean with ``shift_mean``).
 
     As TRL's ``masked_whiten``: the variance is the unbiased (Bessel-corrected) masked variance.
+    With ``all_reduce_sum`` the mean and the variance are those of every rank's tokens (their
+    sums all-reduced over the data-parallel ranks), so every rank whitens with the numbers of the
+    whole batch; without it (or with the identity) the result is the same operations on this
+    process's tokens alone, bit for bit.
 
     Args:
-        x: [B, T] values (advantages).
+        x: [B, T] values (advantages, REINFORCE++'s returns).
         mask: [B, T] 1 = counted.
         shift_mean: subtract the mean (False: only rescale, the mean is kept).
         eps: added to the variance.
+        all_reduce_sum: the sum of a tensor over ranks (``Backend.all_reduce_sum``); None: this
+            process only.
 
     Returns:
         [B, T] whitened values, zero on padding.
 
-    Worked value: x [[1, 3]], mask all 1: mean 2, unbiased var 2 -> [[-0.7071, 0.7071]].
+    Worked values: x [[1, 3]], mask all 1: mean 2, unbiased var 2 -> [[-0.7071, 0.7071]]; rank 0
+    holding [[1]] and rank 1 [[3]] get [[-0.7071]] and [[0.7071]].
     """
-    mean = masked_mean(x, mask)
-    count = mask.sum()
-    var = masked_mean((x - mean) ** 2, mask) * count / (count - 1).clamp(min=1.0)
+    reduce = all_reduce_sum or (lambda t: t)
+    sums = reduce(torch.stack([(x * mask).sum(), mask.sum()]))
+    count = sums[1]
+    mean = sums[0] / count.clamp(min=1.0)
+    squares = reduce(((x - mean) ** 2 * mask).sum())
+    var = squares / count.clamp(min=1.0) * count / (count - 1).clamp(min=1.0)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -164,7 +177,8 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) 
 
 
 def clipped_policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float, clip_eps_high: float | None = None
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float, clip_eps_high: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate, per token: ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high))``.
 
@@ -175,6 +189,10 @@ def clipped_policy_loss(
         clip_eps: clip range epsilon (> 0).
         clip_eps_high: the upper clip range (> 0; DAPO's clip-higher, Yu et al. 2025, eq. 10);
             None: ``clip_eps``.
+        is_weights: [B, T] truncated importance weights ``min(pi_old / pi_engine, cap)`` that
+            multiply each token's loss (Yao et al. 2025, "Your efficient RL framework secretly
+            brings you off-policy RL training"; verl's ``tis_imp_ratio_cap`` in its policy loss),
+            or None. The one place PPO, GRPO and distillation apply them.
 
     Returns:
         (losses [B, T], metrics) with detached [B, T] ``ratio``, ``clipped`` (1.0 where the
@@ -195,6 +213,8 @@ def clipped_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_high)
     losses = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        losses = losses * is_weights
     metrics = {
         "ratio": ratio.detach(),
         "clipped": (clipped > unclipped).float().detach(),

@@ -29,12 +29,8 @@ from trainer_core.training.rl.rewards import (
     needs_reward_model,
 )
 from trainer_core.training.rl.rollout import PolicyAndValue, value_head_for
-from trainer_core.training.rl.trainer import (
-    RL_CHECKPOINT_LAYOUT,
-    Algorithm,
-    RLTrainer,
-    check_rl_config,
-)
+from trainer_core.training.rl.algorithms import Algorithm
+from trainer_core.training.rl.trainer import RL_CHECKPOINT_LAYOUT, RLTrainer, check_rl_config
 
 log = logging.getLogger(__name__)
 

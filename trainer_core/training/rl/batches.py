@@ -1,5 +1,5 @@
 """The RL loop's data: prompt order, the rollout's sampling rounds (DAPO's dynamic sampling),
-mini- and micro-batch sizes, the algorithm protocol, and the rollout's metrics
+mini- and micro-batch sizes, and the rollout's metrics
 (:mod:`trainer_core.training.rl.trainer` runs them).
 
 Shape legend: N sequences (this rank's), G completions per prompt, P prompt tokens, T
@@ -13,7 +13,7 @@ import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,31 +40,6 @@ class MiniBatchCounts:
 
     num_tokens: Tensor
     num_sequences: Tensor
-
-
-class Algorithm(Protocol):
-    """What PPO and GRPO plug into the loop.
-
-    Optional attributes read with ``getattr``: ``dynamic_sampling`` (bool) and
-    ``max_sampling_rounds`` (int): keep only groups whose scores are not all equal
-    (:func:`groups_with_signal`), sampling more prompts, up to that many rounds; ``train_forward``
-    (``(trainer, mini_batch) -> PolicyForward``): the update's forward instead of the trainer's
-    own (distillation's generalised JSD, which forwards the teacher too).
-    """
-
-    samples_per_prompt: int
-    uses_values: bool
-
-    def prepare(self, batch: RolloutBatch, kl_coef: float, all_reduce_sum: Callable[[Tensor], Tensor]) -> None:
-        """Set ``batch.advantages`` (and ``returns``) from scores, values and reference log-probs;
-        ``all_reduce_sum`` (``Backend.all_reduce_sum``) for statistics over every rank's rows."""
-
-    def loss(
-        self, batch: RolloutBatch, out: PolicyForward, counts: MiniBatchCounts
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """(this rank's share of the mini-batch loss: summed over ranks it is the loss of the
-        whole mini-batch, whose sizes ``counts`` gives; detached scalar metric sums over this
-        rank's real tokens, which the loop divides by ``counts.num_tokens``)."""
 
 
 def groups_with_signal(scores: Tensor, group_size: int) -> Tensor:

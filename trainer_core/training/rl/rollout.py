@@ -127,12 +127,6 @@ class RolloutBatch(Completions):
     def num_sequences(self) -> int:
         return self.completion_ids.shape[0]
 
-    @property
-    def policy_loss_weights(self) -> Tensor:
-        """[N, T] float32 weight of each token's policy loss: ``is_weights`` when set, else the
-        completion mask."""
-        return self.completion_mask if self.is_weights is None else self.is_weights
-
 
 def masked_row(batch: RolloutBatch) -> RolloutBatch:
     """A one-row mini-batch that counts nothing: ``batch``'s first row with its completion mask

@@ -66,8 +66,9 @@ from trainer_core.modeling.lora import adapter_disabled
 from trainer_core.objectives.ppo import AdaptiveKLController, FixedKLController
 from trainer_core.training.guard import check_finite_metrics, check_finite_tensors, finite_only, step_is_finite
 from trainer_core.training.loop import build_optimizer, build_scheduler, peak_memory_bytes
+from trainer_core.training.rl.algorithms.base import Algorithm, UpdateForwards
 from trainer_core.training.rl.batches import (  # noqa: F401 (also the loop's public names)
-    Algorithm, MiniBatchCounts, SampledRound, check_rl_config, concat_rounds, engine_config, groups_with_signal,
+    MiniBatchCounts, SampledRound, check_rl_config, concat_rounds, engine_config, groups_with_signal,
     logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
     micro_batch_rows, sampler_seed, score_round,
 )
@@ -97,7 +98,7 @@ class RLTrainer:
         backend: the backend it runs on.
         tokenizer: decodes completions (its pad and EOS ids delimit them).
         cfg: the stage config.
-        algo: PPO or GRPO.
+        algo: what it optimises (:class:`~trainer_core.training.rl.algorithms.base.Algorithm`: PPO, GRPO, distillation).
         model: the trainable :class:`PolicyAndValue` as ``Backend.wrap`` returned it; replaced by
             what ``Backend.setup_optimizer`` returns (a DeepSpeed engine).
         reference: the frozen reference (``Backend.prepare_frozen``), or None (no KL term, or
@@ -133,12 +134,13 @@ class RLTrainer:
     def __post_init__(self) -> None:
         cfg, backend = self.cfg, self.backend
         check_demonstrations(self.session.stage, cfg.ptx_coef, self.demonstrations)
-        self.lmbda = getattr(cfg, "lmbda", 1.0)  # distill's share of iterations on its own samples (GKD)
-        self.on_policy = True  # this iteration's draw (rollout)
-        check_dataset_rows(self.session.stage, self.lmbda, self.demonstrations)
+        self.on_policy = True  # this iteration's draw (rollout; the algorithm's lmbda)
+        check_dataset_rows(self.session.stage, self.algo.lmbda, self.demonstrations)
         engine_cfg = engine_config(cfg, self.algo.samples_per_prompt, backend.world_size)
         self.model, self.optimizer = backend.setup_optimizer(self.model, build_optimizer(self.model, cfg), engine_cfg)
         self.module: PolicyAndValue = backend.unwrap(self.model)  # gradient-free forwards
+        self.forwards = UpdateForwards(self.model, self.reference, cfg.generation.temperature,
+                                       with_values=self.module.value_head is not None, padding_free=cfg.padding_free)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         kl = cfg.kl_coef
         self.kl_ctl = AdaptiveKLController(kl, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(kl)
@@ -208,7 +210,7 @@ class RLTrainer:
         """
         backend, group = self.backend, self.algo.samples_per_prompt
         first = self._sample_round(timer)
-        if not getattr(self.algo, "dynamic_sampling", False):
+        if not self.algo.dynamic_sampling:
             return first, first, {}
         share = self.cfg.prompts_per_rollout // backend.world_size
         kept: list[SampledRound] = []
@@ -263,7 +265,7 @@ class RLTrainer:
         """
         cfg, backend = self.cfg, self.backend
         timer = timer or phase_timer(backend.device)
-        self.on_policy = on_policy = on_policy_iteration(self.lmbda, self.seed, self.progress.global_step)
+        self.on_policy = on_policy = on_policy_iteration(self.algo.lmbda, self.seed, self.progress.global_step)
         if on_policy:
             self.engine.load_weights(self.module)
         sample, first, stats = self._sample(timer)
@@ -299,7 +301,7 @@ class RLTrainer:
             ratio = torch.exp(batch.logprobs - g.logprobs).clamp(max=cfg.importance_sampling_cap)
             batch.is_weights = ratio * c_mask
         stats.update(logprob_diff_metrics(batch, backend) if on_policy else {})
-        if self.lmbda < 1:
+        if self.algo.lmbda < 1:
             stats["rollout/on_policy"] = float(on_policy)
         self.algo.prepare(batch, self.kl_ctl.value, backend.all_reduce_sum)
         check_finite_tensors({"rewards": batch.scores, "advantages": batch.advantages}, stage=self.session.stage,
@@ -370,9 +372,8 @@ class RLTrainer:
         for index, part in enumerate(parts):
             with backend.grad_sync(self.model, is_last_micro_batch=index == len(parts) - 1 and not ptx):
                 with backend.autocast():
-                    train_forward = getattr(self.algo, "train_forward", None)  # distill's JSD: the teacher too
-                    out = train_forward(self, part) if train_forward else self.forward(self.model, part)
-                    loss, sums = self.algo.loss(part, out, counts)
+                    out = self.algo.forward(self.forwards, part)
+                    loss, sums = self.algo.loss(part, out, counts, kl_coef=self.kl_ctl.value)
                 backend.backward(self.model, loss)
             loss_sum = loss_sum + loss.detach().float()
             for k, v in sums.items():
