@@ -10,7 +10,7 @@ Kubernetes API (``kubernetes_asyncio``; in-cluster service account, else ``$KUBE
 
 - node 0's log (rank 0 prints the metrics) is followed into the stage's log and its ``on_line``
   (the progress artifact), as a local launch's output is;
-- success returns a :class:`~tasks.launch.process.LaunchResult`; the Job and Service are left for
+- success returns a :class:`~tasks.launch.failures.LaunchResult`; the Job and Service are left for
   inspection until ``ttlSecondsAfterFinished`` (template: one day);
 - a failed Job (``backoffLimit: 0``: one failed pod fails it, and Kubernetes stops the others)
   raises the error :func:`~tasks.launch.failures.raise_for_result` gives for the blamed pod's log tail,

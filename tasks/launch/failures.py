@@ -1,6 +1,7 @@
 """Why a launched stage failed: the errors it raises, and torchrun's failure summary.
 
-:func:`raise_for_result` turns a finished launch (``tasks/launch/process.py``) into :class:`StageFailed`
+:func:`raise_for_result` turns a finished launch (:class:`LaunchResult`, what ``tasks/launch/process.py``
+returns) into :class:`StageFailed`
 (a retry may fix it) or :class:`BadStageInput` (never retried); :func:`retry_condition` is the
 Prefect retry rule that tells them apart. For a torchrun launch it reads
 torchrun's error summary (:func:`parse_torchrun_failures`), picks the rank to blame
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainer_core.errors import EXIT_BAD_INPUT, EXIT_RESOURCE
@@ -20,7 +21,26 @@ from trainer_core.errors import EXIT_BAD_INPUT, EXIT_RESOURCE
 if TYPE_CHECKING:
     from datetime import datetime
 
-    from tasks.launch.process import LaunchResult
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """What a finished (or killed) child process left behind.
+
+    Attributes:
+        returncode: The exit status; negative ``-N`` when killed by signal ``N``.
+        tail: The last output lines (stdout and stderr merged, ranks interleaved), oldest first.
+        wall_s: Seconds from start to reaping.
+        timed_out: True when the deadline passed and the group was killed.
+        rank_tails: Local rank -> its last lines, ``[default<N>]:`` prefix removed (torchrun only).
+        launcher_lines: The last lines no rank printed (torchrun's own, with its error summary).
+    """
+
+    returncode: int
+    tail: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    timed_out: bool = False
+    rank_tails: dict[int, list[str]] = field(default_factory=dict)
+    launcher_lines: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

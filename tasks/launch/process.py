@@ -46,12 +46,13 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
 from tasks.launch.aborts import abort_event, abort_launches, forget_launch_group
 from tasks.launch.commands import trainer_command
-from tasks.launch.failures import BadStageInput, LaunchAborted, StageFailed, raise_for_result, retry_condition
+from tasks.launch.failures import (
+    BadStageInput, LaunchAborted, LaunchResult, StageFailed, raise_for_result, retry_condition,
+)
 from trainer_core.config import BackendConfig
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
 from trainer_core.processes import LAUNCH_ID_ENV, kill_marked, marked_pids
@@ -99,30 +100,6 @@ class LineLogger(Protocol):
     """Anything with ``info(msg, *args)``: a ``logging.Logger`` or a Prefect run logger."""
 
     def info(self, msg: str, *args: Any) -> Any: ...
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    """What a finished (or killed) child process left behind.
-
-    Attributes:
-        returncode: The exit status; negative ``-N`` when killed by signal ``N``.
-        tail: The last output lines (stdout and stderr merged, ranks interleaved), oldest first.
-        wall_s: Seconds from start to reaping.
-        timed_out: True when the deadline passed and the group was killed.
-        rank_tails: Local rank -> its last lines, ``[default<N>]:`` prefix removed (torchrun only).
-        launcher_lines: The last lines no rank printed (torchrun's own, with its error summary).
-    """
-
-    returncode: int
-    tail: list[str] = field(default_factory=list)
-    wall_s: float = 0.0
-    timed_out: bool = False
-    rank_tails: dict[int, list[str]] = field(default_factory=dict)
-    launcher_lines: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- process tree

@@ -24,7 +24,7 @@ from trainer_core.modeling.forward import sequence_rewards
 
 if TYPE_CHECKING:
     from trainer_core.backends import Backend
-    from trainer_core.training.rl.environments import ToolSession
+    from trainer_core.generation.decode_session import DecodeSession
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: DataConfig,
@@ -53,7 +53,7 @@ def check_generation_engine(field: str, gen: GenerationConfig, backend: Backend)
 @torch.no_grad()
 def generate_completions(
     model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], gen: GenerationConfig,
-    device: torch.device, seed: int, session_for: Callable[[int, int], ToolSession] | None = None,
+    device: torch.device, seed: int, session_for: Callable[[int, int], DecodeSession] | None = None,
 ) -> list[str]:
     """Generate one completion per prompt, ``gen.batch_size`` prompts at a time.
 
@@ -69,7 +69,7 @@ def generate_completions(
         gen: max new tokens, temperature (0 = greedy), top-p, batch size, engine.
         device: where ``model`` is.
         seed: seeds sampling, so the same call gives the same completions.
-        session_for: with a tool, ``session_for(start, stop)`` gives the ``ToolSession`` of prompts
+        session_for: with a tool, ``session_for(start, stop)`` gives the session (a :class:`~trainer_core.generation.decode_session.DecodeSession`: a ``ToolSession``) of prompts
             ``start:stop`` (a batch); "hf" then samples through ``HFEngine`` (``generate`` cannot
             feed observations).
 

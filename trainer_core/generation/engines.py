@@ -60,12 +60,13 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from trainer_core.config import GenerationConfig
+from trainer_core.generation.decode_session import DecodeSession
 from trainer_core.generation.sampling import exponential_noise, next_tokens, sample_with_noise, token_logprobs
 from trainer_core.generation.static_decode import (
     CompletionBuffers,
@@ -80,9 +81,6 @@ from trainer_core.generation.static_decode import (
     is_sharded,
     typed_static_cache,
 )
-
-if TYPE_CHECKING:
-    from trainer_core.training.rl.environments import ToolSession
 
 CHECK_EVERY_STEPS = 16
 """Decode steps between "all rows ended?" host reads with a compiled (CUDA-graph) decode step."""
@@ -133,7 +131,7 @@ class GenerationEngine(abc.ABC):
     @torch.no_grad()
     def generate(
         self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, *, eos_id: int, pad_id: int,
-        generator: torch.Generator, session: ToolSession | None = None,
+        generator: torch.Generator, session: DecodeSession | None = None,
     ) -> Generated:
         """Sample up to ``gen.max_new_tokens`` tokens after each prompt (observation tokens of
         ``session`` included).
@@ -166,7 +164,7 @@ class GenerationEngine(abc.ABC):
 
     @abc.abstractmethod
     def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
-                generator: torch.Generator, session: ToolSession | None = None) -> Generated:
+                generator: torch.Generator, session: DecodeSession | None = None) -> Generated:
         """The decode loop of :meth:`generate` (same arguments): with a ``session``, its ``after_step``
         after each token is recorded, before the token is fed back."""
 
@@ -217,7 +215,7 @@ class HFEngine(GenerationEngine):
         self.sync = sync
 
     def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
-                generator: torch.Generator, session: ToolSession | None = None) -> Generated:
+                generator: torch.Generator, session: DecodeSession | None = None) -> Generated:
         """The decode loop (T the same with or without ``sync``)."""
         attention = prompt_mask.long()
         positions = _prompt_positions(prompt_mask)
@@ -395,7 +393,7 @@ class StaticCacheEngine(GenerationEngine):
         return self._fused.installed()
 
     def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
-                generator: torch.Generator, session: ToolSession | None = None) -> Generated:
+                generator: torch.Generator, session: DecodeSession | None = None) -> Generated:
         num_rows, prompt_len = prompt_ids.shape
         cache, state = self._reserve(num_rows, prompt_len + gen.max_new_tokens, gen.max_new_tokens)
         positions = _prompt_positions(prompt_mask)
