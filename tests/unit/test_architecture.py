@@ -84,6 +84,30 @@ def test_no_function_over_60_lines():
     assert set(long) <= set(LONG_FUNCTIONS), {k: v for k, v in long.items() if k not in LONG_FUNCTIONS}
 
 
+LOOPS = ("trainer_core/training/loop.py", "trainer_core/training/rl/trainer.py")
+"""The supervised and the RL loop: they read what an objective, an algorithm or a config section
+declares, never probe it."""
+
+
+def test_the_loops_probe_no_objective_algorithm_or_config_with_getattr():
+    """No ``getattr(x, ...)`` in the loops where ``x`` is an objective, an algorithm or a config
+    (a name or attribute ``objective``, ``algo``, ``cfg``, ``config`` or ``*_cfg``): optional
+    behaviour is a declared hook or attribute with a default (``Objective``, ``Algorithm``)."""
+    import ast
+
+    def probed(node: ast.expr) -> str | None:
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        return name if name in {"objective", "algo", "cfg", "config"} or (name or "").endswith("_cfg") else None
+
+    found = []
+    for rel in LOOPS:
+        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"getattr", "hasattr"}:
+                if node.args and probed(node.args[0]):
+                    found.append(f"{rel}:{node.lineno}")
+    assert found == []
+
+
 @pytest.mark.parametrize("stage", STAGE_ORDER)
 def test_every_registered_stage_has_a_module_and_a_config_section(stage):
     definition = get_stage(stage)
