@@ -403,7 +403,8 @@ def test_an_unreachable_storage_root_is_refused_after_one_probe(monkeypatch, cap
 def test_a_final_model_with_nonfinite_weights_is_never_committed(tmp_path):
     from trainer_core.backends.single import SingleDeviceBackend
     from trainer_core.spec import build_spec
-    from trainer_core.stages.context import StageContext, commit_final
+    from trainer_core.stages.commit import commit_final
+    from trainer_core.stages.context import StageContext
     from trainer_core.tracking import MetricLogger
 
     config = load_config(overrides={"storage.root": str(tmp_path)})

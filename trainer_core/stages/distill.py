@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.errors import ConfigError
-from trainer_core.stages.context import StageContext, commit_final
+from trainer_core.stages.commit import commit_final
+from trainer_core.stages.context import StageContext
 from trainer_core.stages.rl_common import run_rl_stage
 from trainer_core.training.rl.algorithms import DISTILL_ALGORITHMS
 

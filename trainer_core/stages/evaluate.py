@@ -71,7 +71,8 @@ from trainer_core.objectives.paired import (
     verdict_auc,
 )
 from trainer_core.registry import INIT_SOURCE, policy_role, policy_stages
-from trainer_core.stages.context import StageContext, commit_final
+from trainer_core.stages.commit import commit_final
+from trainer_core.stages.context import StageContext
 from trainer_core.training.rl.environments import ToolSession, load_environment
 from trainer_core.training.rl.rewards import PromptItem
 from trainer_core.training.supervised import (

@@ -12,7 +12,8 @@ reference model is loaded only when ``grpo.kl_coef`` > 0 (or the KL controller i
 from __future__ import annotations
 
 from trainer_core.checkpoint.manifest import Manifest
-from trainer_core.stages.context import StageContext, commit_final
+from trainer_core.stages.commit import commit_final
+from trainer_core.stages.context import StageContext
 from trainer_core.stages.rl_common import run_rl_stage
 from trainer_core.training.rl.algorithms import GRPOAlgorithm
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 
 from trainer_core.checkpoint.manifest import Manifest
-from trainer_core.stages.context import StageContext, commit_final, train_stage
+from trainer_core.stages.commit import commit_final
+from trainer_core.stages.context import StageContext, train_stage
 from trainer_core.stages.reference import SPLITS, policy_and_reference
 from trainer_core.training.supervised import KTOObjective, kto_source
 

@@ -17,7 +17,8 @@ averages ``val/ratio`` over padding too (where the ratio is 1); here it is over 
 from __future__ import annotations
 
 from trainer_core.checkpoint.manifest import Manifest
-from trainer_core.stages.context import StageContext, commit_final
+from trainer_core.stages.commit import commit_final
+from trainer_core.stages.context import StageContext
 from trainer_core.stages.rl_common import run_rl_stage, value_head_bytes
 from trainer_core.training.rl.algorithms import PPOAlgorithm
 

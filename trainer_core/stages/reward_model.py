@@ -12,7 +12,8 @@ from __future__ import annotations
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.errors import ConfigError
 from trainer_core.modeling.forward import mark_implicit_reward
-from trainer_core.stages.context import StageContext, commit_final, train_stage
+from trainer_core.stages.commit import commit_final
+from trainer_core.stages.context import StageContext, train_stage
 from trainer_core.training.supervised import RewardObjective, pair_source
 
 

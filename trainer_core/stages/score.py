@@ -22,7 +22,8 @@ from trainer_core.generation.completions import (
     prompt_ids,
     reward_scores,
 )
-from trainer_core.stages.context import StageContext, commit_final
+from trainer_core.stages.commit import commit_final
+from trainer_core.stages.context import StageContext
 
 
 def _prompts(ctx: StageContext, num_prompts: int) -> list[dict]:

@@ -9,7 +9,8 @@ import torch
 
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import SupervisedStageConfig
-from trainer_core.stages.context import StageContext, commit_final, train_stage
+from trainer_core.stages.commit import commit_final
+from trainer_core.stages.context import StageContext, train_stage
 from trainer_core.training.supervised import SFTObjective, causal_source
 
 

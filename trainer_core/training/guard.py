@@ -11,7 +11,7 @@ backend left weights and optimizer state untouched, see
 and otherwise fails the stage with :class:`~trainer_core.errors.NonFiniteError` naming the stage,
 the global step and the metric, before any checkpoint of that step is written (the supervised
 loop may have run up to ``log_every`` - 1 more steps by then; none of them is checkpointed
-either). ``stages/context.py`` checks the final weights before it commits them.
+either). ``stages/commit.py`` checks the final weights before it commits them.
 
 The skip follows Megatron-LM's and DeepSpeed's overflow handling of mixed precision (the
 iteration is skipped, the batch consumed); unlike them the LR schedule advances as for any step.
