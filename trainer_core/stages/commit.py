@@ -93,7 +93,7 @@ def _final_weights(ctx: StageContext, model: nn.Module | None) -> tuple[dict[str
     if model is None or not has_lora(model) or not ctx.is_main:
         return weights, None
     plain = backend.unwrap(model)
-    if ctx.lora.merge_on_commit:
+    if ctx.models.lora.merge_on_commit:
         full = weights if weights is not None else plain.state_dict()
         return merged_state_dict(plain, full, copy=weights is None), None
     adapter = AdapterCommit.of(ctx, plain, weights if weights is not None else plain.state_dict())
@@ -140,7 +140,7 @@ class AdapterCommit:
     @classmethod
     def of(cls, ctx: StageContext, model: nn.Module, state: dict) -> AdapterCommit:
         """The commit of ``model`` (unwrapped, adapted) whose full state dict is ``state``."""
-        base = ctx.adapter_base()
+        base = ctx.models.adapter_base()
         base_weights = None
         if not base:
             # a QLoRA base is committed dequantized: the weights its adapter was trained against

@@ -42,6 +42,6 @@ def run(ctx: StageContext) -> Manifest:
         model = policy_and_reference(ctx, cfg, train, held_out, splits, ("ref_chosen_logprobs", "ref_rejected_logprobs"))
     else:
         log.info("loss_type %s is reference-free: no reference model or log-probs", cfg.loss_type)
-        model = ctx.backend.wrap(ctx.causal_lm("model"))
+        model = ctx.backend.wrap(ctx.models.causal_lm("model"))
     metrics = train_stage(ctx, model, objective, train, cfg)
     return commit_final(ctx, metrics, model=model)

@@ -90,7 +90,7 @@ log = logging.getLogger(__name__)
 
 
 def _policy(ctx: StageContext, role: str) -> nn.Module:
-    model = ctx.causal_lm(role)
+    model = ctx.models.causal_lm(role)
     return ctx.backend.prepare_frozen(model)
 
 
@@ -361,7 +361,7 @@ def run(ctx: StageContext) -> Manifest:
     roles = [("base", "base_model")] if inputs.get("base_model", INIT_SOURCE) != INIT_SOURCE else []
     roles += [(name, policy_role(name)) for name in policy_stages() if policy_role(name) in inputs]
     trained = [name for name, _ in roles if name != "base"]
-    rm = ctx.backend.prepare_frozen(ctx.reward_model()) if "reward_model" in inputs else None
+    rm = ctx.backend.prepare_frozen(ctx.models.reward_model()) if "reward_model" in inputs else None
     rm_metrics = _rm_metrics(ctx, rm, pairs) if rm is not None else {}
     with_win_rates = rm is not None and "sft" in trained and len(trained) > 1
     win_rate_prompts = _win_rate_prompts(ctx, pairs) if with_win_rates else ([], [])

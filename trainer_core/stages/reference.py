@@ -43,7 +43,7 @@ def load_or_compute_reference(
         kind: ``pairs`` ([chosen, rejected]) or ``kto`` ([completion, KL completion]); see
             :func:`~trainer_core.training.supervised.reference_logprobs`.
         policy: the wrapped LoRA policy whose disabled adapter is the reference
-            (``ctx.reference_is_disabled_adapter``), or None to load the reference input as its
+            (``ctx.models.reference_is_disabled_adapter``), or None to load the reference input as its
             own model.
 
     Returns:
@@ -54,7 +54,7 @@ def load_or_compute_reference(
     if committed is not None:
         return committed
     if policy is None:
-        reference, disabled = ctx.backend.prepare_frozen(ctx.causal_lm("reference")), contextlib.nullcontext()
+        reference, disabled = ctx.backend.prepare_frozen(ctx.models.causal_lm("reference")), contextlib.nullcontext()
     else:  # LoRA: the policy with its adapter off is the model it starts from; eval mode (no adapter dropout)
         reference, disabled = policy, adapter_disabled(ctx.backend.unwrap(policy))
         policy.eval()
@@ -131,11 +131,11 @@ def policy_and_reference(
         "eval": rows_used(held_out, min(cfg.eval_max_batches, len(held_out.sampler))),
     }
     batch_size = cfg.micro_batch_size * cfg.accum_steps(world_size)
-    if ctx.reference_is_disabled_adapter:
-        model = ctx.backend.wrap(ctx.causal_lm("model"))
+    if ctx.models.reference_is_disabled_adapter:
+        model = ctx.backend.wrap(ctx.models.causal_lm("model"))
         values = load_or_compute_reference(ctx, needed, splits, batch_size, kind=kind, policy=model)
     else:
         values = load_or_compute_reference(ctx, needed, splits, batch_size, kind=kind)
-        model = ctx.backend.wrap(ctx.causal_lm("model"))
+        model = ctx.backend.wrap(ctx.models.causal_lm("model"))
     attach_reference(splits, values, keys)
     return model

@@ -33,12 +33,12 @@ def run(ctx: StageContext) -> Manifest:
     )
     held_out = pair_source(ctx.load_rows("preference/eval"), pad_id, cfg.micro_batch_size, seed, device, shuffle=False)
     if cfg.parameterization == "implicit":
-        if ctx.lora.enabled:
+        if ctx.models.lora.enabled:
             raise ConfigError("reward_model.parameterization='implicit' does not take LoRA (reward_model.lora / lora)")
-        model = ctx.causal_lm("model")
+        model = ctx.models.causal_lm("model")
         mark_implicit_reward(model, cfg.implicit_beta)
     else:
-        model = ctx.reward_model("model")
+        model = ctx.models.reward_model("model")
     model = ctx.backend.wrap(model)
     metrics = train_stage(ctx, model, RewardObjective(held_out, cfg.eval_max_batches), train, cfg)
     return commit_final(ctx, metrics, model=model)

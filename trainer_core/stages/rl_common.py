@@ -62,7 +62,7 @@ def load_prompts(ctx: StageContext, cfg: RLStageConfig, split: PreparedRows | No
 
 def _reward_fn(ctx: StageContext, cfg: RLStageConfig) -> RewardFunction:
     def load() -> RewardFunction:
-        rm = ctx.reward_model()
+        rm = ctx.models.reward_model()
         rm = ctx.backend.prepare_frozen(rm)
         batch_size = cfg.forward_micro_batch_size or cfg.generation.batch_size
         return RewardModelReward(rm, ctx.tokenizer, ctx.config.data, batch_size, ctx.backend.device)
@@ -99,13 +99,13 @@ def run_rl_stage(
     prompts = load_prompts(ctx, cfg, split)
     reward_fn = _reward_fn(ctx, cfg)
     reference = None
-    disabled_adapter = uses_reference and ctx.reference_is_disabled_adapter
+    disabled_adapter = uses_reference and ctx.models.reference_is_disabled_adapter
     if disabled_adapter:
         log.info("reference: the policy with its LoRA adapter disabled (no reference model loaded)")
     if uses_reference and not disabled_adapter:
-        reference = ctx.causal_lm("reference")
+        reference = ctx.models.causal_lm("reference")
         reference = backend.prepare_frozen(reference)
-    policy = ctx.causal_lm("model")
+    policy = ctx.models.causal_lm("model")
     torch.manual_seed(seed)
     value_head = value_head_for(policy) if algo.uses_values else None
     model = backend.wrap(PolicyAndValue(policy, value_head))

@@ -75,7 +75,7 @@ def run(ctx: StageContext) -> Manifest:
     check_generation_engine("score.generation", cfg.generation, ctx.backend)
     device = ctx.backend.device
     items = _prompts(ctx, cfg.num_prompts)
-    policy = ctx.backend.prepare_frozen(ctx.causal_lm("model"))
+    policy = ctx.backend.prepare_frozen(ctx.models.causal_lm("model"))
     prompts = [prompt_ids(ctx.tokenizer, i["messages"], data) for i in items]
     completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, device, seed)
     del policy
@@ -85,7 +85,7 @@ def run(ctx: StageContext) -> Manifest:
             item["correct"] = answers_match(extract_generated_answer(completion), item["answer"])
     if "reward_model" in ctx.spec.inputs:
         rm = ctx.backend.prepare_frozen(
-            ctx.reward_model()
+            ctx.models.reward_model()
         )
         messages = [i["messages"] for i in items]
         rewards = reward_scores(rm, ctx.tokenizer, messages, completions, data, cfg.generation.batch_size, device)

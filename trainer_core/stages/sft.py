@@ -24,7 +24,7 @@ def train_causal_lm(ctx: StageContext, cfg: SupervisedStageConfig, data_set: str
     )
     held_out = causal_source(ctx.load_rows(f"{data_set}/eval"), pad_id, cfg.micro_batch_size, seed, device,
                              shuffle=False)
-    model = ctx.backend.wrap(ctx.causal_lm("model"))
+    model = ctx.backend.wrap(ctx.models.causal_lm("model"))
     torch.manual_seed(seed)
     metrics = train_stage(ctx, model, SFTObjective(held_out, cfg.eval_max_batches), train, cfg)
     return commit_final(ctx, metrics, model=model)
