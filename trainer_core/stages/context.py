@@ -47,8 +47,8 @@ class StageContext:
         tokenizer: the pipeline's tokenizer (from prepare_data's output); None for prepare_data.
         metrics: the MLflow metric logger of the stage's nested run (rank 0; a no-op elsewhere
             and without tracking).
-        print_timing: also print each step's wall-time metrics on a line of their own (the RL
-            stages: the time split of an iteration).
+        print_timing: also print each step's wall-time metrics on a line of their own (set by
+            the runner for the RL stages: the time split of an iteration).
         attempt: this launch's attempt id (the same on every rank): its checkpoints are written
             under names of their own; None: plain ``step-XXXXXXXX`` names.
         fence: what every rank checks before it writes (the stage's lease still held by this

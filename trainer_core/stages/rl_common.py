@@ -92,7 +92,6 @@ def run_rl_stage(
         ConfigError: see :func:`check_rl_config`.
     """
     backend = ctx.backend
-    ctx.print_timing = True
     check_rl_config(ctx.spec.stage, cfg, algo.samples_per_prompt, backend.world_size)
     seed = ctx.config.seed
     split = ctx.load_rows("sft/train")  # the prompts, the ptx term's demonstrations, distill's dataset completions

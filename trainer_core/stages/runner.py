@@ -20,7 +20,7 @@ from trainer_core import storage
 from trainer_core.backends import Backend, build_backend
 from trainer_core.checkpoint.lease import StageLease, WriteFence, default_owner, new_attempt_id
 from trainer_core.checkpoint.manifest import Manifest
-from trainer_core.config import PipelineConfig, resolve_local_root
+from trainer_core.config import PipelineConfig, RLStageConfig, resolve_local_root
 from trainer_core.data.prepared import load_tokenizer_from
 from trainer_core.processes import current_launch_id
 from trainer_core.registry import get_stage, stage_inputs
@@ -73,8 +73,9 @@ def run_spec(spec: StageSpec, backend: Backend | None = None) -> Manifest:
                 if backend.world_size > 1:
                     backend.barrier()  # the lease is taken before any rank reads or writes the stage's files
                 tokenizer = load_tokenizer_from(spec.inputs["data"]) if "data" in spec.inputs else None
-                ctx = StageContext(spec=spec, backend=backend, tokenizer=tokenizer, metrics=metrics, attempt=attempt,
-                                   fence=WriteFence(spec.output_uri, owner, attempt))
+                rl = isinstance(spec.config.section(spec.stage), RLStageConfig)  # an iteration's time split
+                ctx = StageContext(spec=spec, backend=backend, tokenizer=tokenizer, metrics=metrics, print_timing=rl,
+                                   attempt=attempt, fence=WriteFence(spec.output_uri, owner, attempt))
                 manifest = module.run(ctx)
             if main and spec.mlflow_run_id:  # committed and tracked: the final model as an MLflow model
                 # of the stage run; imported here, so an untracked stage never imports mlflow (~1 s)
