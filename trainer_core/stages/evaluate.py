@@ -344,6 +344,13 @@ def _jsonl(rows: list[dict]) -> bytes:
     return "".join(json.dumps(row) + "\n" for row in rows).encode()
 
 
+def _reward_aucs(rewards: dict[str, list[float]], verdicts: dict[str, list[bool]]) -> dict[str, float]:
+    """``<policy>/reward_auc``: how well the reward model ranks each policy's own right answers
+    above its wrong ones (:func:`verdict_auc`; left out where one kind is missing)."""
+    aucs = {name: verdict_auc(scores, verdicts[name]) for name, scores in rewards.items()}
+    return {f"{name}/reward_auc": auc for name, auc in aucs.items() if auc is not None}
+
+
 def run(ctx: StageContext) -> Manifest:
     """Compute every available held-out metric and the sample-generation table, and commit them.
 
@@ -395,8 +402,7 @@ def run(ctx: StageContext) -> Manifest:
     metrics |= sft_metrics | rm_metrics | dpo_metrics | policy_metrics | (_win_rates(win_rate_scores) if with_win_rates else {})
     if "sft" in verdicts and problems:
         metrics |= _paired_gains(verdicts, estimates)
-    aucs = {name: verdict_auc(scores, verdicts[name]) for name, scores in rewards.items()}  # on its own answers
-    metrics |= {f"{name}/reward_auc": auc for name, auc in aucs.items() if auc is not None}
+    metrics |= _reward_aucs(rewards, verdicts)
     samples = sample_rows(problems, completions, verdicts, rewards, estimates)
     ctx.log_metrics(metrics, 0)
     if ctx.is_main:
