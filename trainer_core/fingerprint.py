@@ -26,7 +26,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from trainer_core.checkpoint.manifest import read_manifest
-from trainer_core.config import MoEConfig, PipelineConfig, config_hash, config_value
+from trainer_core.config import PipelineConfig, config_hash, config_value
+from trainer_core.config.base import neutral_of
 from trainer_core.registry import get_stage
 
 log = logging.getLogger(__name__)
@@ -44,42 +45,6 @@ def input_identity(uri: str) -> str:
         return uri
 
 
-ADDED_FIELDS: dict[str, object] = {
-    # the supervised loop: non-finite steps, token-budget batches, the attention kernel
-    "max_nonfinite_steps": 0, "max_tokens_per_micro_batch": None, "attn_implementation": None,
-    # online RL: batch sizes, importance sampling, the GRPO family's estimators, losses and sampling
-    "forward_micro_batch_size": None, "num_prompts": None, "importance_sampling_cap": None, "advantage_estimator": "grpo",
-    "padding_free": False,
-    "loss_aggregation": "token_mean", "clip_eps_high": None, "dynamic_sampling": False,
-    "dynamic_sampling_max_rounds": 4, "overlong_buffer_tokens": None, "overlong_penalty": 1.0,
-    "ptx_coef": 0.0, "ptx_rows_per_step": 16,
-    # generation (RL, score, evaluate) and rewards: the engine, compilation, its fused projections
-    # (the same tokens to the bit), reward functions and weights
-    "engine": "hf", "compile": None, "fuse_projections": True, "function": None, "weights": None,
-    # DPO's loss family
-    "loss_type": "sigmoid", "label_smoothing": 0.0, "simpo_gamma": 0.5, "rpo_alpha": 0.0,
-    # KTO and continued pretraining data (data.kto, data.pretrain, a DataSource's text_field)
-    "kto": None, "pretrain": None, "text_field": "text",
-    # conversations: SFT loss on every assistant turn
-    "assistant_turns": "last",
-    # tool environments of multi-turn rollouts; the synthetic task's calculator annotations
-    "environment": None, "annotation_fraction": 1.0, "annotation_unit": "solution",
-    # evaluate's sampled answers and lm-evaluation-harness tasks
-    "pass_at_k": None, "lm_eval": None,
-    # the reward model's parameterisation
-    "parameterization": "scalar_head", "implicit_beta": 2.0,
-    # on-policy distillation's generalised JSD (distill.loss, distill.beta: DPO's beta is never None)
-    "loss": "token_reverse_kl", "beta": None, "lmbda": 1.0,
-    # mixture-of-experts models (model.init and every training stage's moe section)
-    "num_local_experts": None, "num_experts_per_tok": None, "moe": MoEConfig(), "router_temperature": None,
-}
-"""Fields added to the config after runs were committed, each with the value that reproduces the
-earlier behaviour (its neutral value). The rule: a field named here is hashed only when it is set
-to something other than its neutral value, in whichever section (or sub-section) carries it, so
-the fingerprints of runs committed before it existed, and their resume, are unchanged. A field
-added from now on goes here with its neutral value; removing one changes earlier fingerprints."""
-
-
 POST_HOC_FIELDS = ("gates",)
 """Fields judged by the flow after a stage committed (evaluate's quality gates): never hashed."""
 
@@ -92,14 +57,18 @@ def _not_hashed(section) -> dict[str, Any]:
     """Fields of a stage section that do not change its result, as a pydantic ``exclude``: the
     backend override, the LoRA override (hashed resolved, when enabled, by the caller), the :data:`POST_HOC_FIELDS` and
     :data:`RUNTIME_FIELDS`, the accumulation steps when
-    ``global_batch_size`` fixes the batch (they follow the world size), and :data:`ADDED_FIELDS`
-    at their neutral value, in sub-sections too (``generation.engine``)."""
+    ``global_batch_size`` fixes the batch (they follow the world size), and every field at the
+    :class:`~trainer_core.config.base.Neutral` value it declares (a field added after runs were
+    committed), in sub-sections too (``generation.engine``)."""
     fields = type(section).model_fields
     out: dict[str, Any] = {name: True for name in ("backend", "lora") if name in fields}
     out |= {name: True for name in (*POST_HOC_FIELDS, *RUNTIME_FIELDS) if name in fields}
     if getattr(section, "global_batch_size", None) is not None:
         out["grad_accum_steps"] = True
-    out |= {name: True for name, neutral in ADDED_FIELDS.items() if name in fields and getattr(section, name) == neutral}
+    for name, info in fields.items():
+        declared, neutral = neutral_of(info)
+        if declared and getattr(section, name) == neutral:
+            out[name] = True
     for name in fields:
         value = getattr(section, name)
         if name not in out and isinstance(value, BaseModel):

@@ -95,3 +95,23 @@ def test_data_num_proc_is_never_hashed():
     one = stage_fingerprint(load_config(), "prepare_data", {})
     assert stage_fingerprint(load_config(overrides={"data.num_proc": 2}), "prepare_data", {}) == one
     assert stage_fingerprint(load_config(overrides={"data.max_eval_rows": 7}), "prepare_data", {}) != one
+
+
+def test_a_neutral_value_is_declared_on_its_field_not_matched_by_name():
+    """A field is left out of the hash at the neutral value its own declaration gives
+    (``Annotated[T, Neutral(v)]``), never because a field of that name elsewhere has one: a new
+    ``loss`` field of another section is hashed at distill's neutral value (``token_reverse_kl``)."""
+    from typing import Annotated
+
+    from trainer_core.config.base import ConfigBase, Neutral
+    from trainer_core.fingerprint import _not_hashed
+
+    class Declared(ConfigBase):
+        loss: Annotated[str, Neutral("token_reverse_kl")] = "token_reverse_kl"
+
+    class Plain(ConfigBase):
+        loss: str = "token_reverse_kl"
+
+    assert _not_hashed(Declared()) == {"loss": True}
+    assert _not_hashed(Declared(loss="generalized_jsd")) == {}
+    assert _not_hashed(Plain()) == {}

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from trainer_core.config.base import ConfigBase
+from trainer_core.config.base import ConfigBase, Neutral
 
 BACKENDS: tuple[str, ...] = ("single", "ddp", "fsdp2", "deepspeed")
 """Training backends; every one but ``single`` runs one process per rank under a launcher."""
@@ -50,7 +50,7 @@ class BackendConfig(ConfigBase):
         description="Recompute each transformer block's activations in the backward instead of keeping them: "
         "activation memory of one block instead of all, for about one more forward of compute.",
     )
-    compile: bool = Field(
+    compile: Annotated[bool, Neutral(None)] = Field(
         False, description="torch.compile each transformer block's training forward (inductor; CPU needs a C++ compiler)."
     )
     cpu_offload: bool = Field(False, description="fsdp2: keep parameters, gradients and optimizer state on CPU.")

@@ -3,10 +3,11 @@ the ``teacher`` section: SFT of that teacher in the same run (``trainer_core/sta
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from trainer_core.config.base import Neutral
 from trainer_core.config.sections import ModelInit
 from trainer_core.config.stages import RLStageConfig, SupervisedStageConfig
 
@@ -41,7 +42,7 @@ class DistillConfig(RLStageConfig):
         "stages/sft/final) that shares the student's tokenizer; required when the stage runs."
     )
     samples_per_prompt: int = Field(1, ge=1, description="Completions sampled per prompt.")
-    loss: Literal["token_reverse_kl", "generalized_jsd"] = Field(
+    loss: Annotated[Literal["token_reverse_kl", "generalized_jsd"], Neutral("token_reverse_kl")] = Field(
         "token_reverse_kl", description="token_reverse_kl: a policy gradient whose per-token advantage is the "
         "teacher's log-prob of the sampled token minus the student's (a one-sample reverse KL; no [B, T, V] "
         "tensor, no teacher forward in the update); generalized_jsd: the generalised Jensen-Shannon divergence "
@@ -49,12 +50,12 @@ class DistillConfig(RLStageConfig):
         "et al. 2024, GKD, eq. 1; TRL's generalized_jsd_loss), from both models' hidden states and heads in "
         "chunks, the teacher forwarded again in each update step."
     )
-    beta: float | None = Field(
+    beta: Annotated[float | None, Neutral(None)] = Field(
         None, ge=0, le=1, description="generalized_jsd's mixing coefficient (TRL's convention: 0 the forward KL "
         "KL(teacher || student), 1 the reverse KL KL(student || teacher)); None: 0.5, GKD's default. Only "
         "with loss generalized_jsd."
     )
-    lmbda: float = Field(
+    lmbda: Annotated[float, Neutral(1.0)] = Field(
         1.0, ge=0, le=1, description="GKD's lambda (TRL's GKDConfig.lmbda): the probability that an iteration "
         "trains on the student's own samples; otherwise it trains on the dataset's completions (the prepared "
         "sft/train rows of the same prompts: supervised KD with the teacher's distribution as the target). 1: "

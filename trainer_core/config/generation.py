@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import re
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from trainer_core.config.base import ConfigBase
+from trainer_core.config.base import ConfigBase, Neutral
 
 
 class GenerationConfig(ConfigBase):
@@ -19,17 +19,17 @@ class GenerationConfig(ConfigBase):
     temperature: float = Field(0.0, ge=0, description="Sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
-    engine: Literal["hf", "static"] = Field(
+    engine: Annotated[Literal["hf", "static"], Neutral("hf")] = Field(
         "hf", description="Generation engine: 'hf' the model's own forward with a dynamic KV cache (score and "
         "evaluate: transformers' generate; PPO/GRPO rollouts: trainer_core.generation.engines.HFEngine, bit-exact resume), the "
         "CPU reference and the one for sharded policies; 'static' (trainer_core.generation.engines.StaticCacheEngine) a static "
         "KV cache reserved up front, batched prefill and (on CUDA) a compiled, CUDA-graph decode step; single and "
         "DDP backends."
     )
-    compile: bool | None = Field(
+    compile: Annotated[bool | None, Neutral(None)] = Field(
         None, description="'static' engine: compile the decode step (None: on CUDA only)."
     )
-    fuse_projections: bool = Field(
+    fuse_projections: Annotated[bool, Neutral(True)] = Field(
         True, description="'static' engine: run the q/k/v and the gate/up projections as one GEMM each while "
         "generating (Llama, Qwen2, Qwen3 layers); their weights are held once more until the engine's release."
     )

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
 from trainer_core.config.backend import BackendConfig
-from trainer_core.config.base import ConfigBase
+from trainer_core.config.base import ConfigBase, Neutral
 from trainer_core.config.distill import DistillConfig, TeacherConfig
 from trainer_core.config.run_ids import MAX_NAME_CHARS, check_name
 from trainer_core.config.sections import (
@@ -84,12 +84,12 @@ class PipelineConfig(ConfigBase):
     lora: LoraConfig = Field(
         default_factory=LoraConfig, description="LoRA adapters for every training stage (a stage's `lora` overrides)."
     )
-    pretrain: PretrainConfig = Field(default_factory=PretrainConfig, description="Continued-pretraining stage.")
+    pretrain: Annotated[PretrainConfig, Neutral(None)] = Field(default_factory=PretrainConfig, description="Continued-pretraining stage.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="SFT stage.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Reward model stage.")
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="Scoring stage.")
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO stage.")
-    kto: KTOConfig = Field(default_factory=KTOConfig, description="KTO stage.")
+    kto: Annotated[KTOConfig, Neutral(None)] = Field(default_factory=KTOConfig, description="KTO stage.")
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO stage.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO stage.")
     teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="SFT of a distillation teacher.")

@@ -6,11 +6,11 @@ Each field has a description: they become the CLI help and the Prefect UI form.
 from __future__ import annotations
 
 import posixpath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from trainer_core.config.base import ConfigBase
+from trainer_core.config.base import ConfigBase, Neutral
 
 class StorageConfig(ConfigBase):
     """Where outputs go: any fsspec URI (local directory, ``s3://bucket/prefix``, ``memory://``)."""
@@ -90,7 +90,7 @@ class DataSource(ConfigBase):
         "{prompt, completion, label} examples; 'text': raw text (the text_field of JSONL/Parquet records, or each "
         "line of a .txt file).",
     )
-    text_field: str = Field("text", description="Field holding the document of a 'text' record (JSONL/Parquet).")
+    text_field: Annotated[str, Neutral("text")] = Field("text", description="Field holding the document of a 'text' record (JSONL/Parquet).")
     split: str = Field("train", description="Split name, for 'hf://' data set ids only.")
     max_rows: int | None = Field(None, ge=1, description="Read at most this many rows (None: all).")
 
@@ -101,12 +101,12 @@ class SyntheticConfig(ConfigBase):
     num_problems: int = Field(3000, ge=10, description="Number of generated problems (SFT and eval).")
     num_pairs: int = Field(1500, ge=10, description="Number of generated preference pairs.")
     max_operand: int = Field(20, ge=2, description="Largest operand in a generated problem.")
-    annotation_fraction: float = Field(
+    annotation_fraction: Annotated[float, Neutral(1.0)] = Field(
         1.0, ge=0, le=1, description="Share of SFT solutions written with GSM8K's calculator annotations "
         "('3+5=<<3+5=8>>8'; the others '3+5=8'): a model then calls the calculator environment on about this share "
         "of its answers. 1.0: all."
     )
-    annotation_unit: Literal["solution", "step"] = Field(
+    annotation_unit: Annotated[Literal["solution", "step"], Neutral("solution")] = Field(
         "solution", description="What annotation_fraction draws: 'solution' (a solution is annotated on every step or on "
         "none) or 'step' (each step on its own draw, so every answer mixes calls and plain sums)."
     )
@@ -123,13 +123,13 @@ class DataConfig(ConfigBase):
         default_factory=DataSource,
         description="Held-out GSM8K-format problems for generation eval; None: a seeded split of the SFT data.",
     )
-    kto: DataSource | None = Field(
+    kto: Annotated[DataSource | None, Neutral(None)] = Field(
         None,
         description="Unpaired desirable/undesirable examples for the kto stage: 'kto' records, or preference pairs "
         "(prompt_completion, hh_rlhf) each split into a desirable and an undesirable example; uri None: the "
         "synthetic preference pairs, unpaired. None: no kto splits (the kto stage needs them).",
     )
-    pretrain: DataSource | None = Field(
+    pretrain: Annotated[DataSource | None, Neutral(None)] = Field(
         None,
         description="Raw text for the pretrain stage (format 'text'), packed into sequences of max_length_tokens; "
         "uri None: the synthetic problems and solutions as plain text. None: no pretrain splits (the pretrain stage "
@@ -142,7 +142,7 @@ class DataConfig(ConfigBase):
     max_prompt_length_tokens: int = Field(
         192, ge=4, description="Max prompt tokens; longer prompts keep their last tokens."
     )
-    assistant_turns: Literal["last", "all"] = Field(
+    assistant_turns: Annotated[Literal["last", "all"], Neutral("last")] = Field(
         "last", description="SFT rows of a conversation (a 'messages' record, or a prompt with assistant turns): "
         "'last' counts only the final assistant reply in the loss, 'all' every assistant reply (system, user "
         "and the template's headers are never counted). Preference and KTO rows count their final reply.",
@@ -173,8 +173,8 @@ class ModelInit(ConfigBase):
         "llama", description="Model family (transformers config class): llama (dense) or mixtral (a sparse mixture "
         "of experts in every block: a top-k router over num_local_experts MLPs of intermediate_size).",
     )
-    num_local_experts: int | None = Field(None, ge=2, description="Experts per block (mixtral; None: 4).")
-    num_experts_per_tok: int | None = Field(
+    num_local_experts: Annotated[int | None, Neutral(None)] = Field(None, ge=2, description="Experts per block (mixtral; None: 4).")
+    num_experts_per_tok: Annotated[int | None, Neutral(None)] = Field(
         None, ge=1, description="Experts each token is routed to, top-k (mixtral; None: 2)."
     )
     hidden_size: int = Field(64, ge=8, description="Hidden size.")
@@ -220,7 +220,7 @@ class ModelConfig(ConfigBase):
     init: ModelInit | None = Field(None, description="Build a model from these sizes instead of loading one.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off unless set).")
-    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] | None = Field(
+    attn_implementation: Annotated[Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] | None, Neutral(None)] = Field(
         None,
         description="transformers' attention kernel for every model the stages load; None: transformers' default "
         "(sdpa). With packed micro-batches on CUDA, flex_attention (document masks) or flash_attention_2 (varlen, "

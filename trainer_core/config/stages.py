@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from trainer_core.config.base import ConfigBase
+from trainer_core.config.base import ConfigBase, Neutral
 from trainer_core.config.generation import (
     EnvironmentConfig,
     GenerationConfig,
@@ -37,7 +37,7 @@ class MoEConfig(ConfigBase):
         "load_balancing_loss_func) added to the training loss. 0: none, which is transformers' own default "
         "(output_router_logits off); Mixtral's published coefficient is 0.02.",
     )
-    router_temperature: RouterTemperatureConfig | None = Field(
+    router_temperature: Annotated[RouterTemperatureConfig | None, Neutral(None)] = Field(
         None, description="Router temperature schedule {start, end, steps}: the router logits of the training "
         "forwards divided by a temperature moved linearly from start to end over `steps` optimizer steps; None: "
         "the routers as they are (temperature 1).",
@@ -59,7 +59,7 @@ class TrainStageConfig(ConfigBase):
         description="Override of the pipeline-wide `lora` for this stage (e.g. {enabled: true, rank: 8}); merged over "
         "`lora`.",
     )
-    moe: MoEConfig = Field(
+    moe: Annotated[MoEConfig, Neutral(MoEConfig())] = Field(
         default_factory=MoEConfig, description="Router load-balancing loss of a mixture-of-experts model (expert usage "
         "is logged whenever the model has routers).",
     )
@@ -94,7 +94,7 @@ class TrainStageConfig(ConfigBase):
         None, ge=1, description="Stop after this many evaluations without a better eval loss (None: off)."
     )
     log_every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
-    max_nonfinite_steps: int = Field(
+    max_nonfinite_steps: Annotated[int, Neutral(0)] = Field(
         0,
         ge=0,
         description="Optimizer steps with a NaN/inf loss or gradient norm that are skipped (weights and optimizer "
@@ -121,7 +121,7 @@ class TrainStageConfig(ConfigBase):
 class SupervisedStageConfig(TrainStageConfig):
     """A stage trained on a fixed dataset (SFT, reward model, DPO): its micro-batches may be packed."""
 
-    max_tokens_per_micro_batch: int | None = Field(
+    max_tokens_per_micro_batch: Annotated[int | None, Neutral(None)] = Field(
         None,
         ge=1,
         description="Pack rows end to end, padding-free, into micro-batches of at most this many tokens (a "
@@ -158,14 +158,14 @@ class RewardModelConfig(SupervisedStageConfig):
     """Bradley-Terry reward model on preference pairs, in one of two parameterisations."""
 
     learning_rate: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
-    parameterization: Literal["scalar_head", "implicit"] = Field(
+    parameterization: Annotated[Literal["scalar_head", "implicit"], Neutral("scalar_head")] = Field(
         "scalar_head",
         description="scalar_head: a sequence classifier with one output read at the last token (InstructGPT; TRL's "
         "RewardTrainer), its head new; implicit: the causal LM itself, reward implicit_beta / |y| * log pi(y | x), "
         "the mean log-probability of the completion (SimPO's reference-free implicit reward, Meng et al. 2024, "
         "eq. 4), committed as a causal LM whose config.json says so. Both train with the Bradley-Terry loss.",
     )
-    implicit_beta: float = Field(
+    implicit_beta: Annotated[float, Neutral(2.0)] = Field(
         2.0, gt=0, description="The implicit reward's scale beta (SimPO's default 2.0); unused by scalar_head."
     )
 
@@ -175,21 +175,21 @@ class DPOConfig(SupervisedStageConfig, ReferenceModelConfig):
     reference, or another loss of the family (``loss_type``; see ``trainer_core.objectives.dpo``)."""
 
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
-    beta: float = Field(0.1, gt=0, description="DPO beta: strength of the implicit KL constraint (IPO's tau, "
+    beta: Annotated[float, Neutral(None)] = Field(0.1, gt=0, description="DPO beta: strength of the implicit KL constraint (IPO's tau, "
                         "SimPO's reward scale, ORPO's lambda).")
-    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "simpo", "orpo"] = Field(
+    loss_type: Annotated[Literal["sigmoid", "robust", "hinge", "ipo", "simpo", "orpo"], Neutral("sigmoid")] = Field(
         "sigmoid",
         description="sigmoid: DPO (with label_smoothing > 0: conservative DPO); robust: rDPO; hinge: SLiC; ipo: IPO "
         "(length-averaged log-ratios); simpo: SimPO (reference-free, length-normalised, margin simpo_gamma); "
         "orpo: ORPO (NLL of the chosen plus the odds-ratio term, reference-free). The reference-free ones load no "
         "reference model.",
     )
-    label_smoothing: float = Field(
+    label_smoothing: Annotated[float, Neutral(0.0)] = Field(
         0.0, ge=0, lt=0.5, description="Probability that a preference label is flipped: cDPO (sigmoid), rDPO "
         "(robust) and SimPO; 0 elsewhere.",
     )
-    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin gamma.")
-    rpo_alpha: float = Field(
+    simpo_gamma: Annotated[float, Neutral(0.5)] = Field(0.5, ge=0, description="SimPO's target reward margin gamma.")
+    rpo_alpha: Annotated[float, Neutral(0.0)] = Field(
         0.0, ge=0, description="Weight of the chosen completions' negative log-likelihood (per token) added to "
         "the preference loss: RPO (Pang et al. 2024, eq. 1; TRL 1.x: loss_type ['sigmoid', 'sft'] with "
         "loss_weights [1, rpo_alpha]); keeps the chosen solutions likely where DPO alone lowers both sides. "
@@ -214,7 +214,7 @@ class KTOConfig(TrainStageConfig, ReferenceModelConfig):
         1e-4, gt=0, description="Peak learning rate (AdamW); lower than DPO's: an unpaired loss has no pair to cancel "
         "the shift common to every completion.",
     )
-    beta: float = Field(0.1, gt=0, description="KTO beta: scale of the implied reward (as DPO's).")
+    beta: Annotated[float, Neutral(None)] = Field(0.1, gt=0, description="KTO beta: scale of the implied reward (as DPO's).")
     desirable_weight: float = Field(
         1.0, gt=0, description="lambda_D, the weight of a desirable example's loss. The paper advises "
         "desirable_weight x #desirable / (undesirable_weight x #undesirable) in [1, 4/3].",
@@ -238,7 +238,7 @@ class ScoreConfig(ConfigBase):
 
     policy_from: str | None = Field(None, description="Policy URI; None: the SFT output.")
     reward_model_from: str | None = Field(None, description="Reward model URI; None: the reward_model output.")
-    num_prompts: int = Field(
+    num_prompts: Annotated[int, Neutral(None)] = Field(
         64, ge=1, description="Held-out prompts scored from each set (GSM8K-style problems and preference prompts)."
     )
     generation: SampledGenerationConfig = Field(
@@ -293,15 +293,15 @@ class EvaluateConfig(ConfigBase):
     eval_max_batches: int = Field(16, ge=1, description="Max micro-batches per loss/accuracy evaluation.")
     micro_batch_size: int = Field(16, ge=1, description="Examples per forward in loss/accuracy evaluation.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Generation settings.")
-    environment: EnvironmentConfig | None = Field(
+    environment: Annotated[EnvironmentConfig | None, Neutral(None)] = Field(
         None, description="A tool environment every policy's exact-match answers are generated with (as the RL "
         "stage's, e.g. the calculator); None: without tools."
     )
-    pass_at_k: PassAtKConfig | None = Field(
+    pass_at_k: Annotated[PassAtKConfig | None, Neutral(None)] = Field(
         None, description="Sample n answers to held-out problems per policy: <policy>/pass_at_<k>, "
         "<policy>/avg_at_<n> and their standard errors (Chen et al. 2021's unbiased estimator); None: off."
     )
-    lm_eval: LmEvalConfig | None = Field(
+    lm_eval: Annotated[LmEvalConfig | None, Neutral(None)] = Field(
         None, description="lm-evaluation-harness tasks for every policy: <policy>/lm_eval/<task>/<metric> and its "
         "results JSON (the 'eval' extra installs the harness); None: off."
     )
@@ -327,11 +327,11 @@ class RewardConfig(ConfigBase):
     reward_model_from: str | None = Field(None, description="Reward model URI; None: the reward_model output.")
     reward_model_weight: float = Field(1.0, description="Weight of the RM score in 'weighted' (without 'weights').")
     verifier_weight: float = Field(1.0, description="Weight of the verifier score in 'weighted' (without 'weights').")
-    function: str | None = Field(
+    function: Annotated[str | None, Neutral(None)] = Field(
         None, description="'function' (or a 'weighted' part): import path 'package.module:function' of a reward "
         "function (see trainer_core.training.rl.rewards.FunctionReward for its signature)."
     )
-    weights: dict[RewardKind, float] | None = Field(
+    weights: Annotated[dict[RewardKind, float] | None, Neutral(None)] = Field(
         None, description="'weighted': kind -> weight, e.g. {verifier: 1.0, function: 0.5}; None: "
         "reward_model_weight and verifier_weight."
     )
@@ -377,7 +377,7 @@ class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
     learning_rate: float = Field(1e-4, gt=0, description="Peak policy learning rate (AdamW).")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay.")
     prompts_per_rollout: int = Field(8, ge=1, description="Prompts sampled per rollout-update iteration.")
-    num_prompts: int | None = Field(
+    num_prompts: Annotated[int | None, Neutral(None)] = Field(
         None, ge=1, description="RL prompt pool: this many prompts of the prepared train split, drawn with the "
         "pipeline seed (iterations go through the pool in epochs); None: all of them."
     )
@@ -390,18 +390,18 @@ class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
     kl_target: float = Field(6.0, gt=0, description="Target KL for the adaptive controller.")
     kl_horizon: int = Field(10000, ge=1, description="Horizon of the adaptive KL controller.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
-    environment: EnvironmentConfig | None = Field(
+    environment: Annotated[EnvironmentConfig | None, Neutral(None)] = Field(
         None, description="A tool environment for multi-turn rollouts (its tokens masked from every loss term; "
         "PPO's GAE steps over the policy's tokens alone); None: single-turn."
     )
     generation: RolloutGenerationConfig = Field(
         default_factory=RolloutGenerationConfig, description="Rollout sampling settings."
     )
-    forward_micro_batch_size: int | None = Field(
+    forward_micro_batch_size: Annotated[int | None, Neutral(None)] = Field(
         None, ge=1, description="Sequences per forward over a rollout batch (policy, reference, value head, "
         "reward model) and per backward in a mini-batch (gradients accumulated); None: all at once."
     )
-    padding_free: bool = Field(
+    padding_free: Annotated[bool, Neutral(False)] = Field(
         False, description="Run the policy's, the reference's and the teacher's forwards over a rollout (log-probs, "
         "values and the update, the ptx rows too) on the real tokens only: each forward's rows end to end in one "
         "row, position ids restarting per row, instead of [rows, longest prompt + longest completion] with padding "
@@ -411,13 +411,13 @@ class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
         "Refused at start for a model whose attention mask ignores position ids (OPT, BLOOM), and when the config "
         "loads with backend.name=deepspeed (a ZeRO-3 run gave non-finite advantages with it; not yet understood)."
     )
-    ptx_coef: float = Field(
+    ptx_coef: Annotated[float, Neutral(0.0)] = Field(
         0.0, ge=0, description="Weight of a supervised loss on the prepared sft/train demonstrations added to "
         "every optimizer step (InstructGPT's PPO-ptx, eq. 2; OpenRLHF's ptx_coef): keeps what the policy "
         "learnt outside the RL prompts; 0: off. See trainer_core.training.rl.ptx."
     )
-    ptx_rows_per_step: int = Field(16, ge=1, description="Demonstrations per rank in each optimizer step's ptx loss.")
-    importance_sampling_cap: float | None = Field(
+    ptx_rows_per_step: Annotated[int, Neutral(16)] = Field(16, ge=1, description="Demonstrations per rank in each optimizer step's ptx loss.")
+    importance_sampling_cap: Annotated[float | None, Neutral(None)] = Field(
         None, gt=0, description="Truncated importance sampling: weight each token's loss by "
         "min(exp(trainer logprob - engine logprob), cap) where the engine's numerics differ from the "
         "trainer's (e.g. 2.0 with engine 'static'); None: off."
@@ -455,32 +455,32 @@ class GRPOConfig(RLStageConfig):
     scale_rewards: bool = Field(
         True, description="'grpo' estimator: divide group advantages by the group std (False: as 'dr_grpo')."
     )
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field(
+    advantage_estimator: Annotated[Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"], Neutral("grpo")] = Field(
         "grpo", description="'grpo' (group mean and std), 'dr_grpo' (group mean only), 'rloo' (leave-one-out "
         "mean), 'reinforce_pp' (REINFORCE++: token-level KL in the reward, whitened over the batch); see "
         "trainer_core.objectives.grpo_family."
     )
-    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field(
+    loss_aggregation: Annotated[Literal["token_mean", "sequence_mean", "constant"], Neutral("token_mean")] = Field(
         "token_mean", description="How per-token losses become the loss: 'token_mean' over the mini-batch's "
         "tokens (DAPO), 'sequence_mean' each sequence's token mean then the mean over sequences (GRPO), "
         "'constant' the sum over sequences x max_new_tokens (Dr. GRPO)."
     )
-    clip_eps_high: float | None = Field(
+    clip_eps_high: Annotated[float | None, Neutral(None)] = Field(
         None, gt=0, description="Upper clip range (DAPO's clip-higher: ratio clipped to "
         "[1 - clip_eps, 1 + clip_eps_high]); None: clip_eps."
     )
-    dynamic_sampling: bool = Field(
+    dynamic_sampling: Annotated[bool, Neutral(False)] = Field(
         False, description="DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more "
         "prompts until prompts_per_rollout groups remain or dynamic_sampling_max_rounds is reached."
     )
-    dynamic_sampling_max_rounds: int = Field(
+    dynamic_sampling_max_rounds: Annotated[int, Neutral(4)] = Field(
         4, ge=1, description="Sampling rounds per rollout at most with dynamic_sampling (1: filter only)."
     )
-    overlong_buffer_tokens: int | None = Field(
+    overlong_buffer_tokens: Annotated[int | None, Neutral(None)] = Field(
         None, ge=1, description="DAPO's soft overlong punishment: completions longer than max_new_tokens minus "
         "this many tokens lose up to overlong_penalty linearly; None: off."
     )
-    overlong_penalty: float = Field(1.0, ge=0, description="Largest overlong punishment (DAPO: 1).")
+    overlong_penalty: Annotated[float, Neutral(1.0)] = Field(1.0, ge=0, description="Largest overlong punishment (DAPO: 1).")
 
     @model_validator(mode="after")
     def _overlong_fits(self) -> GRPOConfig:
