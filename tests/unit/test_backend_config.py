@@ -94,6 +94,30 @@ def test_padding_free_rl_on_deepspeed_is_refused_at_load(stage):
     load_config(overrides={f"{stage}.padding_free": True, f"{stage}.backend": {"name": "fsdp2", "nproc_per_node": 2}})
 
 
+def test_the_rl_loops_refusals_come_at_load_for_the_stages_the_run_trains():
+    """Unequal prompt shares, more mini-batches than sequences, greedy rollouts and a non-``hf``
+    engine under FSDP2 or ZeRO-3 are refused when the config loads (each naming its field), not
+    once the stage has loaded its models; a stage the run does not train is not judged."""
+    ddp2 = {"name": "ddp", "nproc_per_node": 2}
+    cases = [
+        ({"grpo.prompts_per_rollout": 3, "grpo.backend": ddp2}, r"grpo\.prompts_per_rollout=3 must be a multiple of the world size \(2\)"),
+        ({"grpo.prompts_per_rollout": 2, "grpo.group_size": 2, "grpo.num_mini_batches": 5},
+         r"grpo\.num_mini_batches=5 exceeds the rollout batch's number of sequences \(4 ="),
+        ({"distill.teacher_from": "/t", "distill.prompts_per_rollout": 2, "distill.samples_per_prompt": 2,
+          "distill.num_mini_batches": 5}, r"distill\.num_mini_batches=5 exceeds .* \(4 ="),
+        ({"ppo.generation.temperature": 0.0}, r"ppo\.generation\.temperature must be > 0"),
+        ({"grpo.generation.engine": "static", "grpo.backend": {"name": "deepspeed", "zero_stage": 3, "nproc_per_node": 2}},
+         r"grpo\.generation\.engine='static' needs an unsharded policy .* with deepspeed"),
+    ]
+    stages = "prepare_data,sft,reward_model,ppo,grpo,distill,evaluate"
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides={"stages": stages, **overrides})
+        load_config(overrides={"stages": "prepare_data,sft,evaluate", **overrides})  # not trained: not judged
+    load_config(overrides={"stages": stages, "distill.teacher_from": "/t", "grpo.generation.engine": "static",
+                           "grpo.backend": {"name": "deepspeed", "zero_stage": 2, "nproc_per_node": 2}})
+
+
 def test_backend_for_raises_for_an_override_set_after_validation():
     config = load_config(overrides=FSDP2_X2)
     config.ppo.backend = {"name": "single"}  # assignment validates the field, not the merged backend

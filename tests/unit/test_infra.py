@@ -206,7 +206,7 @@ def test_multinode_trainer_manifest_renders():
 def write_stage_spec(path: Path, overrides: list[str]) -> str:
     from trainer_core.spec import build_spec
 
-    config = load_config(overrides=overrides)
+    config = load_config(overrides=["stages=[prepare_data,sft]", *overrides])  # 16 ranks: the RL stages' shares would not divide
     spec = build_spec(config, "sft", "run42", {}, output_uri=str(path.parent / "sft"))
     path.write_text(json.dumps(spec.model_dump(mode="json")))
     return str(path)
@@ -226,8 +226,8 @@ def test_multinode_pods_run_the_stage_command_built_from_the_spec(tmp_path, caps
     ])  # fmt: skip
     [container] = render_multinode(MULTINODE_VALUES | {"SPEC_URI": spec_uri})[1]["spec"]["template"]["spec"]["containers"]
     assert container["command"][:3] == ["python", "-m", "tasks.launch.process"]
-    config = load_config(overrides={"backend.name": "fsdp2", "backend.nnodes": 2, "backend.nproc_per_node": 8,
-                                    "backend.rdzv_endpoint": "sft-run42-0.sft-run42:29500"})
+    config = load_config(overrides={"stages": "prepare_data,sft", "backend.name": "fsdp2", "backend.nnodes": 2,
+                                    "backend.nproc_per_node": 8, "backend.rdzv_endpoint": "sft-run42-0.sft-run42:29500"})
     for index in (0, 1):
         argv = [a.replace("$(NODE_RANK)", str(index)) for a in container["command"][3:]]
         assert launch.main([*argv, "--dry-run"]) == 0

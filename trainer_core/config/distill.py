@@ -66,6 +66,11 @@ class DistillConfig(RLStageConfig):
     kl_coef: float = Field(0.0, ge=0, le=0, description="Must stay 0: the teacher takes the reference's place, and "
                            "the distillation signal is the KL to it.")
 
+    @property
+    def samples_per_prompt_of_rollout(self) -> int:
+        """Completions sampled per prompt: ``samples_per_prompt``."""
+        return self.samples_per_prompt
+
     @model_validator(mode="after")
     def _teacher_is_the_reference(self) -> DistillConfig:
         if self.reference_from is not None:

@@ -156,6 +156,32 @@ class PipelineConfig(ConfigBase):
         return self
 
     @model_validator(mode="after")
+    def _check_rl_stages(self) -> PipelineConfig:
+        """The RL loop's refusals (``check_rl_config``, the engine check) at load, for the RL stages
+        this run trains: a sampling temperature, equal prompt shares per rank, enough sequences
+        for the mini-batches, and ``hf`` generation under a sharded policy (FSDP2, ZeRO-3)."""
+        for stage in TRAINING_STAGES:
+            section = self.section(stage)
+            if stage not in self.stages or not isinstance(section, RLStageConfig):
+                continue
+            backend, gen = self.backend_for(stage), section.generation
+            sequences = section.prompts_per_rollout * section.samples_per_prompt_of_rollout
+            if gen.temperature <= 0:
+                raise ValueError(f"{stage}.generation.temperature must be > 0: RL stages sample")
+            if section.prompts_per_rollout % backend.world_size:
+                raise ValueError(f"{stage}.prompts_per_rollout={section.prompts_per_rollout} must be a multiple of the "
+                                 f"world size ({backend.world_size}): every rank samples an equal share of each "
+                                 "rollout's prompts")
+            if section.num_mini_batches > sequences:
+                raise ValueError(f"{stage}.num_mini_batches={section.num_mini_batches} exceeds the rollout batch's "
+                                 f"number of sequences ({sequences} = prompts_per_rollout x samples per prompt)")
+            sharded = backend.name == "fsdp2" or (backend.name == "deepspeed" and backend.zero_stage == 3)
+            if gen.engine != "hf" and sharded:
+                raise ValueError(f"{stage}.generation.engine={gen.engine!r} needs an unsharded policy (backend single "
+                                 f"or ddp); with {backend.name} use engine 'hf'")
+        return self
+
+    @model_validator(mode="after")
     def _check_stage_data(self) -> PipelineConfig:
         for stage in ("kto", "pretrain"):
             if stage in self.stages and getattr(self.data, stage) is None:

@@ -423,6 +423,11 @@ class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
         "trainer's (e.g. 2.0 with engine 'static'); None: off."
     )
 
+    @property
+    def samples_per_prompt_of_rollout(self) -> int:
+        """Completions sampled per prompt (GRPO's group size, distillation's ``samples_per_prompt``; 1 here)."""
+        return 1
+
     @model_validator(mode="after")
     def _no_router_loss(self) -> RLStageConfig:
         if self.moe.aux_loss_coef:
@@ -451,6 +456,11 @@ class GRPOConfig(RLStageConfig):
     """GRPO: G samples per prompt, group-normalised advantages, no critic."""
 
     group_size: int = Field(4, ge=2, description="Completions sampled per prompt (G).")
+
+    @property
+    def samples_per_prompt_of_rollout(self) -> int:
+        """Completions sampled per prompt: the group size G."""
+        return self.group_size
 
     scale_rewards: bool = Field(
         True, description="'grpo' estimator: divide group advantages by the group std (False: as 'dr_grpo')."
