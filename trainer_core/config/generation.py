@@ -123,3 +123,13 @@ class LmEvalConfig(ConfigBase):
         default_factory=GenerationConfig, description="generate_until's engine, batch size and default length "
         "(a task's max_gen_toks and sampling settings replace them; greedy otherwise)."
     )
+
+
+def engine_problem(field: str, engine: str, backend_name: str, sharded_forward: bool) -> str | None:
+    """Why ``engine`` cannot generate for a policy on backend ``backend_name`` (``sharded_forward``:
+    a forward needs every rank, FSDP2 and ZeRO-3), or None: only ``hf`` runs in lockstep over a
+    sharded policy. ``field`` is the config section named in the message (e.g. ``grpo.generation``)."""
+    if engine != "hf" and sharded_forward:
+        return (f"{field}.engine={engine!r} needs an unsharded policy (backend single or ddp); "
+                f"with {backend_name} use engine 'hf'")
+    return None

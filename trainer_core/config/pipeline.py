@@ -20,6 +20,7 @@ from pydantic_core import to_jsonable_python
 from trainer_core.config.backend import BackendConfig
 from trainer_core.config.base import ConfigBase, Neutral
 from trainer_core.config.distill import DistillConfig, TeacherConfig
+from trainer_core.config.generation import engine_problem
 from trainer_core.config.run_ids import MAX_NAME_CHARS, check_name
 from trainer_core.config.sections import (
     DataConfig,
@@ -164,21 +165,12 @@ class PipelineConfig(ConfigBase):
             section = self.section(stage)
             if stage not in self.stages or not isinstance(section, RLStageConfig):
                 continue
-            backend, gen = self.backend_for(stage), section.generation
-            sequences = section.prompts_per_rollout * section.samples_per_prompt_of_rollout
-            if gen.temperature <= 0:
-                raise ValueError(f"{stage}.generation.temperature must be > 0: RL stages sample")
-            if section.prompts_per_rollout % backend.world_size:
-                raise ValueError(f"{stage}.prompts_per_rollout={section.prompts_per_rollout} must be a multiple of the "
-                                 f"world size ({backend.world_size}): every rank samples an equal share of each "
-                                 "rollout's prompts")
-            if section.num_mini_batches > sequences:
-                raise ValueError(f"{stage}.num_mini_batches={section.num_mini_batches} exceeds the rollout batch's "
-                                 f"number of sequences ({sequences} = prompts_per_rollout x samples per prompt)")
+            backend = self.backend_for(stage)
             sharded = backend.name == "fsdp2" or (backend.name == "deepspeed" and backend.zero_stage == 3)
-            if gen.engine != "hf" and sharded:
-                raise ValueError(f"{stage}.generation.engine={gen.engine!r} needs an unsharded policy (backend single "
-                                 f"or ddp); with {backend.name} use engine 'hf'")
+            problem = (rl_config_problem(stage, section, section.samples_per_prompt_of_rollout, backend.world_size)
+                       or engine_problem(f"{stage}.generation", section.generation.engine, backend.name, sharded))
+            if problem:
+                raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -371,3 +363,19 @@ def resolve_local_root(config: PipelineConfig) -> PipelineConfig:
         config = config.model_copy(deep=True)
         config.storage.root = root
     return config
+
+
+def rl_config_problem(stage: str, cfg: RLStageConfig, samples_per_prompt: int, world_size: int) -> str | None:
+    """Why the RL stage ``stage`` cannot run with ``cfg`` on ``world_size`` data-parallel ranks, or
+    None: temperature 0 (RL samples); ``prompts_per_rollout`` not a multiple of the world size
+    (every rank takes an equal share: sharded forwards run in lockstep); more ``num_mini_batches``
+    than the rollout batch has sequences (``prompts_per_rollout x samples_per_prompt``)."""
+    if cfg.generation.temperature <= 0:
+        return f"{stage}.generation.temperature must be > 0: RL stages sample"
+    if cfg.prompts_per_rollout % world_size:
+        return (f"{stage}.prompts_per_rollout={cfg.prompts_per_rollout} must be a multiple of the world size "
+                f"({world_size}): every rank samples an equal share of each rollout's prompts")
+    if cfg.num_mini_batches > cfg.prompts_per_rollout * samples_per_prompt:
+        return (f"{stage}.num_mini_batches={cfg.num_mini_batches} exceeds the rollout batch's number of sequences "
+                f"({cfg.prompts_per_rollout * samples_per_prompt} = prompts_per_rollout x samples per prompt)")
+    return None

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from trainer_core.config import DataConfig, GenerationConfig
+from trainer_core.config.generation import engine_problem
 from trainer_core.data.batching import collate_causal, collate_prompts_left
 from trainer_core.data.tokenizer import encode_chat
 from trainer_core.errors import ConfigError
@@ -45,9 +46,9 @@ def check_generation_engine(field: str, gen: GenerationConfig, backend: Backend)
         ConfigError: an engine other than ``hf`` with a backend whose forward needs every rank
             (``Backend.sharded_forward``: FSDP2, ZeRO-3).
     """
-    if gen.engine != "hf" and backend.sharded_forward:
-        raise ConfigError(f"{field}.engine={gen.engine!r} needs an unsharded policy (backend single or ddp); "
-                          f"with {backend.name} use engine 'hf'")
+    problem = engine_problem(field, gen.engine, backend.name, backend.sharded_forward)
+    if problem:
+        raise ConfigError(problem)
 
 
 @torch.no_grad()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +20,13 @@ from torch import Tensor
 from trainer_core.backends.base import Backend
 from trainer_core.checkpoint.train_state import TrainProgress
 from trainer_core.config import RLStageConfig
+from trainer_core.config.pipeline import rl_config_problem
 from trainer_core.errors import ConfigError
 from trainer_core.generation.engines import Generated
 from trainer_core.objectives.ppo import KL_ESTIMATORS
 from trainer_core.training.rl.environments import ToolSession
 from trainer_core.training.rl.rewards import PromptItem, RewardFunction, is_correct
-from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
+from trainer_core.training.rl.rollout import RolloutBatch
 
 
 @dataclass(frozen=True)
@@ -199,18 +199,9 @@ def check_rl_config(stage: str, cfg: RLStageConfig, samples_per_prompt: int, wor
             world size (every rank takes an equal share: sharded forwards run in lockstep);
             more ``num_mini_batches`` than the rollout batch has sequences.
     """
-    if cfg.generation.temperature <= 0:
-        raise ConfigError(f"{stage}.generation.temperature must be > 0: RL stages sample")
-    if cfg.prompts_per_rollout % world_size:
-        raise ConfigError(
-            f"{stage}.prompts_per_rollout={cfg.prompts_per_rollout} must be a multiple of the world size "
-            f"({world_size}): every rank samples an equal share of each rollout's prompts"
-        )
-    if cfg.num_mini_batches > cfg.prompts_per_rollout * samples_per_prompt:
-        raise ConfigError(
-            f"{stage}.num_mini_batches={cfg.num_mini_batches} exceeds the rollout batch's number of sequences "
-            f"({cfg.prompts_per_rollout * samples_per_prompt} = prompts_per_rollout x samples per prompt)"
-        )
+    problem = rl_config_problem(stage, cfg, samples_per_prompt, world_size)
+    if problem:
+        raise ConfigError(problem)
 
 
 def engine_config(cfg: RLStageConfig, samples_per_prompt: int, world_size: int) -> RLStageConfig:
