@@ -180,8 +180,25 @@ class CompiledForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.block.training and torch.is_grad_enabled():
-            return self.compiled(*args, **kwargs)
+            with _checkpoint_side_effects_not_replayed():
+                return self.compiled(*args, **kwargs)
         return self.eager(*args, **kwargs)
+
+
+def _checkpoint_side_effects_not_replayed() -> contextlib.AbstractContextManager:
+    """Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` while a block's forward compiles.
+
+    transformers (from 5.25, with ``kernels`` 0.19) routes a layer's kernel functions through a
+    context variable its forward sets and resets (``kernels.use_kernelized_func`` on the attention
+    of Llama and others). Inside ``torch.utils.checkpoint`` dynamo refuses that mutation ("HOP:
+    Unsafe side effect") and, the break being at the block's first call, compiles nothing, so
+    ``compile: true`` with activation checkpointing would run eager without a word. The variable
+    only picks which function the graph calls, which tracing has fixed already: the recompute has
+    nothing to replay. A torch without the option (older than its introduction) compiles as before.
+    """
+    if not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def compile_blocks(model: nn.Module, backend: str | None = None) -> int:
