@@ -114,3 +114,17 @@ def write_tiny_demo(path: Path, **overrides: object) -> None:
             node = node.setdefault(part, {})
         node[leaf] = value
     path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def tiny_llama(tokenizer, **attn: str):
+    """The unit tests' random 2-layer, 32-wide Llama (4 heads, 2 KV heads, 128 positions) over
+    ``tokenizer``'s vocabulary and pad/EOS ids, built after ``torch.manual_seed(0)``, in eval mode;
+    ``attn``: ``attn_implementation=...`` where a test pins it."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn).eval()

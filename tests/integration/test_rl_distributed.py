@@ -53,21 +53,18 @@ from .helpers import (
     wider_teacher,
     write_spec,
 )
+from .rl_runs import RL_OVERRIDES
 
 RL_STEPS = 6
 RL_SAVE_EVERY = 2
 """Iterations of each run and checkpoint period: the kill lands between two checkpoints."""
 
 _RL_OVERRIDES = {
+    **RL_OVERRIDES,  # the single-process runs' settings, shorter, with checkpoints every 2 steps
     "max_steps": RL_STEPS,
     "save_every": RL_SAVE_EVERY,
     "prompts_per_rollout": 4,  # 2 per rank
-    "ppo_epochs": 2,
-    "num_mini_batches": 2,
     "generation.max_new_tokens": 8,
-    "generation.temperature": 1.0,
-    "generation.batch_size": 8,
-    "learning_rate": 1e-3,
 }
 _STAGE_OVERRIDES = {
     # Adaptive KL: the controller is replicated state, fed the KL of every rank's sequences.

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
+from tests.tiny import tiny_llama
 from trainer_core.config import GenerationConfig, SampledGenerationConfig, load_config
 from trainer_core.data.tokenizer import train_tokenizer
 from trainer_core.errors import ConfigError
@@ -27,11 +28,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def policy(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return tiny_llama(tokenizer, attn_implementation="sdpa")
 
 
 def _prompt_ids(tokenizer) -> list[list[int]]:

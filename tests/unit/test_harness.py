@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.tiny import tiny_llama
 from trainer_core.config import GenerationConfig
 from trainer_core.config.sections import DataConfig
 from trainer_core.data.formats import answers_match, extract_generated_answer
@@ -24,11 +24,7 @@ QUESTIONS = [f"What is {i}+{j}?" for i in range(3) for j in range(2)]
 @pytest.fixture(scope="module")
 def tiny():
     tokenizer = train_tokenizer(TEXTS * 20, 128, 1)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = tiny_llama(tokenizer)
     digits = [i for token, i in tokenizer.get_vocab().items() if token.lstrip("\u0120").isdigit()]
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id].zero_()  # EOS rare: every answer runs to max_new_tokens
