@@ -253,9 +253,9 @@ def pin_rendezvous(config: PipelineConfig, stage: str, endpoint: str) -> Pipelin
     backend and the stage's override alike), so the spec agrees with the Job's pods."""
     pinned = config.model_copy(deep=True)
     pinned.backend = pinned.backend.model_copy(update={"rdzv_endpoint": endpoint})
-    section = pinned.section(stage)
-    if "rdzv_endpoint" in getattr(section, "backend", {}):
-        section.backend = {**section.backend, "rdzv_endpoint": endpoint}
+    override = getattr(pinned.section(stage), "backend", None)  # a training stage's BackendOverride
+    if override is not None and "rdzv_endpoint" in override.model_fields_set:
+        override.rdzv_endpoint = endpoint
     return pinned
 
 

@@ -81,8 +81,35 @@ def test_invalid_stage_override_names_the_stage():
         load_config(overrides={**FSDP2_X2, "sft.backend": {"name": "single"}})
     with pytest.raises(ConfigError, match=r"(?s)dpo\.backend: .*offload_params needs backend.zero_stage=3"):
         load_config(overrides={"dpo.backend": {"name": "deepspeed", "offload_params": True}})
-    with pytest.raises(ConfigError, match=r"(?s)grpo\.backend: .*nprocs"):
-        load_config(overrides={"grpo.backend": {"nprocs": 2}})
+
+
+def test_a_misspelt_stage_override_key_fails_at_load_naming_its_path():
+    """A stage's ``backend`` and ``lora`` are typed partial sections: an unknown key, or a bad
+    value of a known one, fails when the config loads, named by its full path."""
+    cases = [({"grpo.backend": {"nprocs": 2}}, r"grpo\.backend\.nprocs: Extra inputs are not permitted"),
+             ({"sft.backend.zero_stag": 3}, r"sft\.backend\.zero_stag: Extra inputs are not permitted"),
+             ({"sft.backend.nproc_per_node": 0}, r"sft\.backend\.nproc_per_node: Input should be greater than or equal to 1"),
+             ({"dpo.lora.rnak": 8}, r"dpo\.lora\.rnak: Extra inputs are not permitted"),
+             ({"dpo.lora.quantize": "8bit"}, r"dpo\.lora\.quantize: Input should be '4bit'")]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides=overrides)
+
+
+def test_a_stage_override_sets_exactly_its_keys_and_dumps_only_them():
+    """Unset fields inherit; a field set to null sets None where None is a value (as the mapping
+    did); a dump holds only the set fields, and loads back to the same merged sections."""
+    config = load_config(overrides={"lora": {"enabled": True, "quantize": "4bit"}, "sft.lora.quantize": None,
+                                    "sft.lora.rank": 4, "backend.rdzv_id": "job", "dpo.backend.rdzv_id": None})
+    assert (config.lora_for("sft").quantize, config.lora_for("sft").rank, config.lora_for("sft").enabled) == (None, 4, True)
+    assert config.lora_for("dpo") == config.lora  # nothing set: the pipeline's own object
+    assert (config.backend_for("dpo").rdzv_id, config.backend_for("sft").rdzv_id) == (None, "job")
+    dumped = config.model_dump(mode="json")
+    assert dumped["sft"]["lora"] == {"quantize": None, "rank": 4} and dumped["sft"]["backend"] == {}
+    assert dumped["dpo"]["backend"] == {"rdzv_id": None}
+    again = PipelineConfig.model_validate(dumped)
+    assert all(again.lora_for(s) == config.lora_for(s) and again.backend_for(s) == config.backend_for(s)
+               for s in TRAINING_STAGES)
 
 
 @pytest.mark.parametrize("stage", ["ppo", "grpo", "distill"])
@@ -238,10 +265,9 @@ def test_deprecated_mixed_precision_is_read_as_precision(old, new):
 
 
 def test_deprecated_mixed_precision_in_a_stage_override_wins_and_bad_values_fail():
-    with pytest.warns(FutureWarning):
+    with pytest.warns(FutureWarning):  # once, when the override loads
         config = load_config(overrides={"backend.precision": "bf16", "sft.backend": {"mixed_precision": "fp32"}})
-    with pytest.warns(FutureWarning):
-        sft = config.backend_for("sft")
+    sft = config.backend_for("sft")
     assert sft.precision == "fp32"
     assert config.backend.precision == config.backend_for("dpo").precision == "bf16"
     with pytest.raises(ValidationError, match=r"mixed_precision \(deprecated, use backend.precision\): 'fp16'"):

@@ -7,7 +7,7 @@ backend (``backend.py``) and each stage's own (``stages.py``). :func:`load_confi
 field path.
 """
 
-from trainer_core.config.backend import BACKENDS, BackendConfig
+from trainer_core.config.backend import BACKENDS, BackendConfig, BackendOverride
 from trainer_core.config.base import ConfigBase, config_hash
 from trainer_core.config.distill import DistillConfig, TeacherConfig
 from trainer_core.config.pipeline import (
@@ -23,6 +23,7 @@ from trainer_core.config.sections import (
     DataSource,
     LaunchConfig,
     LoraConfig,
+    LoraOverride,
     ModelConfig,
     ModelInit,
     StorageConfig,
@@ -40,6 +41,7 @@ from trainer_core.config.stages import (
     GRPOConfig,
     KTOConfig,
     MoEConfig,
+    OptimizerStageConfig,
     RouterTemperatureConfig,
     PPOConfig,
     PretrainConfig,
@@ -57,6 +59,7 @@ from trainer_core.config.stages import (
 __all__ = [
     "BACKENDS",
     "BackendConfig",
+    "BackendOverride",
     "ConfigBase",
     "DPOConfig",
     "DataConfig",
@@ -69,9 +72,11 @@ __all__ = [
     "GenerationConfig",
     "KTOConfig",
     "MoEConfig",
+    "OptimizerStageConfig",
     "RouterTemperatureConfig",
     "LaunchConfig",
     "LoraConfig",
+    "LoraOverride",
     "ModelConfig",
     "ModelInit",
     "PPOConfig",

@@ -7,10 +7,30 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from trainer_core.config.base import ConfigBase, Neutral
+from trainer_core.config.base import ConfigBase, Neutral, override_of
 
 BACKENDS: tuple[str, ...] = ("single", "ddp", "fsdp2", "deepspeed")
 """Training backends; every one but ``single`` runs one process per rank under a launcher."""
+
+
+def read_mixed_precision(data: Any) -> Any:
+    """``data`` (a backend mapping, the pipeline's or a stage's override) with the deprecated
+    ``mixed_precision`` (auto | fp32 | bf16, fsdp2 and deepspeed only) read as ``precision``: its
+    ``bf16`` was already bf16 compute over fp32 master weights, i.e. ``bf16-mixed``. Where both are
+    given (a stage's override of one over the pipeline's other) it wins.
+
+    Raises:
+        ValueError: a value other than auto, fp32 or bf16.
+    """
+    if isinstance(data, dict) and "mixed_precision" in data:
+        data = dict(data)
+        old = data.pop("mixed_precision")
+        mapped = {"auto": "auto", "fp32": "fp32", "bf16": "bf16-mixed"}.get(old)
+        if mapped is None:
+            raise ValueError(f"backend.mixed_precision (deprecated, use backend.precision): {old!r} is not auto, fp32 or bf16")
+        warnings.warn(f"backend.mixed_precision is deprecated: read as backend.precision={mapped}", FutureWarning, stacklevel=2)
+        data["precision"] = mapped
+    return data
 
 
 class BackendConfig(ConfigBase):
@@ -73,18 +93,7 @@ class BackendConfig(ConfigBase):
     @model_validator(mode="before")
     @classmethod
     def _deprecated_mixed_precision(cls, data: Any) -> Any:
-        """Read the deprecated ``mixed_precision`` (auto | fp32 | bf16, fsdp2 and deepspeed only) as
-        ``precision``: its ``bf16`` was already bf16 compute over fp32 master weights, i.e. ``bf16-mixed``.
-        Where both are given (a stage's override of one over the pipeline's other) it wins."""
-        if isinstance(data, dict) and "mixed_precision" in data:
-            data = dict(data)
-            old = data.pop("mixed_precision")
-            mapped = {"auto": "auto", "fp32": "fp32", "bf16": "bf16-mixed"}.get(old)
-            if mapped is None:
-                raise ValueError(f"backend.mixed_precision (deprecated, use backend.precision): {old!r} is not auto, fp32 or bf16")
-            warnings.warn(f"backend.mixed_precision is deprecated: read as backend.precision={mapped}", FutureWarning, stacklevel=2)
-            data["precision"] = mapped
-        return data
+        return read_mixed_precision(data)
 
     @model_validator(mode="after")
     def _check(self) -> BackendConfig:
@@ -102,3 +111,15 @@ class BackendConfig(ConfigBase):
         if self.name == "deepspeed" and self.precision == "bf16" and self.zero_stage == 0:
             raise ValueError("backend.precision=bf16 (no fp32 master copy) on deepspeed needs backend.zero_stage 1-3")
         return self
+
+
+class BackendOverride(override_of(BackendConfig)):  # type: ignore[misc]
+    """A stage's ``backend``: the fields of :class:`BackendConfig` it sets over the pipeline-wide
+    ``backend`` (e.g. ``{name: ddp}``), unset ones inherited; the merged backend is validated as a
+    whole (``PipelineConfig.backend_for``). An unknown key fails at load, named
+    ``<stage>.backend.<key>``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_mixed_precision(cls, data: Any) -> Any:
+        return read_mixed_precision(data)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -47,8 +47,6 @@ from trainer_core.config.stages import (
 )
 from trainer_core.errors import ConfigError
 from trainer_core.registry import DEFAULT_STAGES, EVALUATED_METRICS, STAGE_ORDER, TRAINING_STAGES, get_stage
-
-ModelT = TypeVar("ModelT", bound=BaseModel)
 
 MAX_SEED = 2**32 - 1
 """The largest ``seed``: numpy's limit (``np.random.seed``, which lm-evaluation-harness calls with
@@ -205,46 +203,31 @@ class PipelineConfig(ConfigBase):
         return self
 
     def lora_for(self, stage: str) -> LoraConfig:
-        """The LoRA settings of ``stage``: the pipeline's, with the stage's ``lora`` mapping merged.
+        """The LoRA settings of ``stage``: the pipeline's, with the fields the stage's ``lora`` sets replaced.
 
         Stages that train nothing (prepare_data, score, evaluate) never use adapters.
 
         Raises:
-            ValueError: the merged mapping is not a valid :class:`LoraConfig` (the message names
+            ValueError: the merged settings are not a valid :class:`LoraConfig` (the message names
                 ``<stage>.lora``).
         """
         if stage not in TRAINING_STAGES:
             return LoraConfig()
-        return _merged(self.lora, self.section(stage).lora, f"{stage}.lora")
+        return self.section(stage).lora.merged_over(self.lora, f"{stage}.lora")
 
     def backend_for(self, stage: str) -> BackendConfig:
-        """The backend ``stage`` runs on: the pipeline's, with the stage's ``backend`` override merged.
+        """The backend ``stage`` runs on: the pipeline's, with the fields the stage's ``backend`` sets replaced.
 
         Stages without an optimizer loop (prepare_data, score, evaluate) run one process on
         the pipeline's device whatever the backend: they generate and score, they do not train.
 
         Raises:
-            ValueError: the merged override is not a valid :class:`BackendConfig` (the message
+            ValueError: the merged backend is not a valid :class:`BackendConfig` (the message
                 names ``<stage>.backend``).
         """
         if stage not in TRAINING_STAGES:
             return BackendConfig(device=self.backend.device)
-        return _merged(self.backend, self.section(stage).backend, f"{stage}.backend")
-
-
-def _merged(base: ModelT, override: dict[str, Any] | None, field: str) -> ModelT:
-    """``base`` with a stage's ``override`` keys set and validated again; ``base`` itself when the
-    override is empty.
-
-    Raises:
-        ValueError: the merged mapping is invalid (the message starts with ``field``).
-    """
-    if not override:
-        return base
-    try:
-        return type(base).model_validate({**base.model_dump(), **override})
-    except ValidationError as e:
-        raise ValueError(f"{field}: {e}") from None
+        return self.section(stage).backend.merged_over(self.backend, f"{stage}.backend")
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from trainer_core.config.base import ConfigBase, Neutral
+from trainer_core.config.base import ConfigBase, Neutral, override_of
 
 class StorageConfig(ConfigBase):
     """Where outputs go: any fsspec URI (local directory, ``s3://bucket/prefix``, ``memory://``)."""
@@ -237,8 +237,8 @@ class ModelConfig(ConfigBase):
 class LoraConfig(ConfigBase):
     """Low-rank adapters (LoRA, Hu et al. 2021) on a training stage's model, built with ``peft``.
 
-    Set pipeline-wide under ``lora`` and per stage under ``<stage>.lora`` (a mapping merged over
-    the pipeline's, as ``<stage>.backend`` is). With ``enabled``, the stage trains only the
+    Set pipeline-wide under ``lora`` and per stage under ``<stage>.lora`` (:class:`LoraOverride`:
+    the fields set there replace the pipeline's, as ``<stage>.backend`` does). With ``enabled``, the stage trains only the
     adapters (and the reward model's score head, PPO's value head); the reference of DPO, PPO and
     GRPO is the policy with its adapter disabled when the policy starts from the reference's
     weights (no second model); checkpoints hold the trainable weights and their optimizer state
@@ -283,6 +283,12 @@ class LoraConfig(ConfigBase):
         "(a second copy: the disabled adapter would be the base, not the input).",
     )
 
+
+class LoraOverride(override_of(LoraConfig)):  # type: ignore[misc]
+    """A stage's ``lora``: the fields of :class:`LoraConfig` it sets over the pipeline-wide
+    ``lora`` (e.g. ``{enabled: true, rank: 8}``), unset ones inherited; the merged settings are
+    validated as a whole (``PipelineConfig.lora_for``). An unknown key fails at load, named
+    ``<stage>.lora.<key>``."""
 
 
 class LaunchConfig(ConfigBase):

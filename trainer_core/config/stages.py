@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
+from trainer_core.config.backend import BackendOverride
 from trainer_core.config.base import ConfigBase, Neutral
 from trainer_core.config.generation import (
     EnvironmentConfig,
@@ -16,6 +17,7 @@ from trainer_core.config.generation import (
     SampledGenerationConfig,
     per_problem_metric,
 )
+from trainer_core.config.sections import LoraOverride
 from trainer_core.errors import ConfigError
 
 
@@ -44,26 +46,53 @@ class MoEConfig(ConfigBase):
     )
 
 
-class TrainStageConfig(ConfigBase):
-    """Optimisation settings shared by every training stage."""
+class OptimizerStageConfig(ConfigBase):
+    """What every training stage reads, the supervised loop's and the online RL loop's alike: the
+    model it starts from, its backend and LoRA overrides, its optimizer steps, AdamW and its
+    schedule, clipping, non-finite steps and checkpoints."""
 
     init_from: str | None = Field(
         None, description="Model URI to start from; None: the previous stage's output (or model config)."
     )
-    backend: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Override of the pipeline-wide backend for this stage (e.g. {name: ddp}); merged over `backend`.",
+    backend: BackendOverride = Field(
+        default_factory=BackendOverride,
+        description="Override of the pipeline-wide backend for this stage (e.g. {name: ddp}): the fields set here "
+        "replace `backend`'s, the merged backend is validated as a whole.",
     )
-    lora: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Override of the pipeline-wide `lora` for this stage (e.g. {enabled: true, rank: 8}); merged over "
-        "`lora`.",
+    lora: LoraOverride = Field(
+        default_factory=LoraOverride,
+        description="Override of the pipeline-wide `lora` for this stage (e.g. {enabled: true, rank: 8}): the fields "
+        "set here replace `lora`'s, the merged settings are validated as a whole.",
     )
+    max_steps: int = Field(100, ge=1, description="Optimizer steps (global_step at the end).")
+    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps, then cosine decay.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global grad norm (None: no clipping).")
+    save_every: int = Field(50, ge=1, description="Write a checkpoint every N optimizer steps.")
+    keep_last_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are purged.")
+    async_save: bool = Field(
+        True, description="Upload checkpoints in a background thread (at most one save in flight)."
+    )
+    max_nonfinite_steps: Annotated[int, Neutral(0)] = Field(
+        0,
+        ge=0,
+        description="Optimizer steps with a NaN/inf loss or gradient norm that are skipped (weights and optimizer "
+        "state left as they were) before the stage fails; 0: the first one fails it. Not with deepspeed.",
+    )
+
+
+class TrainStageConfig(OptimizerStageConfig):
+    """A stage of the supervised loop (``trainer_core.training.loop``: SFT, reward model, DPO, KTO,
+    pretrain, the distillation teacher): micro-batches of a fixed dataset, held-out evaluation,
+    the best checkpoint and early stopping, logging every N steps, the routers' losses."""
+
     moe: Annotated[MoEConfig, Neutral(MoEConfig())] = Field(
         default_factory=MoEConfig, description="Router load-balancing loss of a mixture-of-experts model (expert usage "
         "is logged whenever the model has routers).",
     )
-    max_steps: int = Field(100, ge=1, description="Optimizer steps (global_step at the end).")
     micro_batch_size: int = Field(8, ge=1, description="Examples per forward/backward.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per rank per optimizer step.")
     global_batch_size: int | None = Field(
@@ -73,33 +102,15 @@ class TrainStageConfig(ConfigBase):
         "derived as global_batch_size / (micro_batch_size x world size), so a run resumed at another world "
         "size (elastic) keeps the same batch.",
     )
-
-    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
-    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps, then cosine decay.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global grad norm (None: no clipping).")
     eval_every: int = Field(25, ge=1, description="Evaluate every N optimizer steps (and at the end).")
     eval_max_batches: int = Field(8, ge=1, description="Max eval micro-batches per evaluation.")
-    save_every: int = Field(50, ge=1, description="Write a checkpoint every N optimizer steps.")
-    keep_last_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are purged.")
     keep_best_metric: str | None = Field(
         "eval/loss", description="Also keep the checkpoint with the lowest value of this metric (None: off)."
-    )
-    async_save: bool = Field(
-        True, description="Upload checkpoints in a background thread (at most one save in flight)."
     )
     early_stopping_patience: int | None = Field(
         None, ge=1, description="Stop after this many evaluations without a better eval loss (None: off)."
     )
     log_every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
-    max_nonfinite_steps: Annotated[int, Neutral(0)] = Field(
-        0,
-        ge=0,
-        description="Optimizer steps with a NaN/inf loss or gradient norm that are skipped (weights and optimizer "
-        "state left as they were) before the stage fails; 0: the first one fails it. Not with deepspeed.",
-    )
 
     def accum_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step at ``world_size`` ranks.
