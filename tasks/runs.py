@@ -15,12 +15,19 @@ from tasks.results import StageResult
 from trainer_core import storage
 from trainer_core.checkpoint.lease import StageLease, read_lease
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, find_latest, read_manifest
-from trainer_core.config import PipelineConfig, load_config, resolve_local_root, run_ids
+from trainer_core.config import PipelineConfig, RLStageConfig, load_config, resolve_local_root, run_ids
+from trainer_core.config.stages import without_supervised_loop_fields
 from trainer_core.errors import ConfigError
 from trainer_core.registry import STAGE_ORDER
 from trainer_core.storage import RunLayout, join_uri
 
 log = logging.getLogger(__name__)
+
+RL_SECTIONS = frozenset(
+    name for name, field in PipelineConfig.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, RLStageConfig)
+)
+"""The config sections of the online RL stages (ppo, grpo, distill)."""
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -82,12 +89,20 @@ def _read_config(layout: RunLayout) -> dict[str, Any]:
 
 
 def load_run_config(root: str, run_id: str) -> dict[str, Any]:
-    """The config dict a run was last started with.
+    """The config dict a run was last started with, less the supervised loop's fields in its RL
+    sections when it was saved before they lost them (the RL loop never read them; logged).
 
     Raises:
         ConfigError: the run has no saved config under ``root``, or it is damaged (named).
     """
-    return _read_config(RunLayout(root, run_id))
+    data = _read_config(RunLayout(root, run_id))
+    for name, section in data.items():
+        if name in RL_SECTIONS and isinstance(section, dict):
+            data[name], dropped = without_supervised_loop_fields(section)
+            if dropped:
+                log.info("run %s: %s.{%s} dropped from its saved config (the RL stages do not have them)",
+                         run_id, name, ",".join(dropped))
+    return data
 
 
 _LOCAL_PREFIXES = ("", "file://", "sqlite:///")

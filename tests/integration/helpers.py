@@ -37,7 +37,7 @@ from tests.tiny import TINY_DATA, TINY_GATES, TINY_MODEL
 from trainer_core import registry, storage
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, parse_step_dirname, step_dirname
 from trainer_core.config import PipelineConfig, load_config
-from trainer_core.registry import TRAINING_STAGES
+from trainer_core.registry import TRAINING_STAGES, get_stage
 from trainer_core.spec import StageSpec, build_spec
 from trainer_core.storage import StageLayout, join_uri
 
@@ -101,8 +101,10 @@ def tiny_overrides() -> dict[str, object]:
     """``key.path -> value`` overrides shrinking the demo config to a seconds-long run per stage."""
     out: dict[str, object] = {**_DATA_OVERRIDES, **TINY_GATES}
     for stage in TRAINING_STAGES:
+        fields = PipelineConfig.model_fields[get_stage(stage).section].annotation.model_fields
         for key, value in {**_TRAIN_OVERRIDES, **_STAGE_OVERRIDES.get(stage, {})}.items():
-            out[f"{stage}.{key}"] = value
+            if key in fields:  # the RL sections have none of the supervised loop's fields
+                out[f"{stage}.{key}"] = value
     return out
 
 

@@ -40,6 +40,25 @@ def test_unknown_key_is_named():
         load_config(overrides={"sft.learning_rat": 0.1})
 
 
+@pytest.mark.parametrize("stage", ["ppo", "grpo", "distill"])
+def test_an_rl_section_refuses_the_supervised_loops_fields_naming_them(stage):
+    """The RL sections do not have the supervised loop's fields (the RL loop reads none of them):
+    setting one fails at load naming the section and the field; the supervised sections keep them."""
+    from trainer_core.config import OptimizerStageConfig, RLStageConfig, TrainStageConfig
+    from trainer_core.config.stages import SUPERVISED_LOOP_FIELDS
+
+    assert set(SUPERVISED_LOOP_FIELDS) == {"moe", "micro_batch_size", "grad_accum_steps", "global_batch_size",
+                                           "eval_every", "eval_max_batches", "keep_best_metric",
+                                           "early_stopping_patience", "log_every"}
+    assert not set(SUPERVISED_LOOP_FIELDS) & set(RLStageConfig.model_fields)
+    assert set(TrainStageConfig.model_fields) == set(OptimizerStageConfig.model_fields) | set(SUPERVISED_LOOP_FIELDS)
+    for name, value in [("micro_batch_size", 4), ("eval_every", 5), ("log_every", 1), ("moe.aux_loss_coef", 0.01)]:
+        field = name.split(".")[0]
+        with pytest.raises(ConfigError, match=rf"(?s){stage}: .*{field}: a setting of the supervised loop"):
+            load_config(overrides={f"{stage}.{name}": value})
+    assert load_config(overrides={"sft.log_every": 3, "dpo.eval_every": 5}).sft.log_every == 3
+
+
 def test_stages_are_put_in_pipeline_order_from_a_comma_string():
     config = load_config(overrides=["stages=dpo, sft,prepare_data"])
     assert config.stages == ["prepare_data", "sft", "dpo"]

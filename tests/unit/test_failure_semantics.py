@@ -318,6 +318,26 @@ def test_a_resume_with_another_config_is_a_logged_replan_keeping_the_old_config(
     assert config_changes({"a": {"b": 1}}, {"a": {"b": 1, "c": 2}}) == {"a.c": [None, 2]}
 
 
+def test_a_run_saved_before_the_rl_sections_lost_the_supervised_fields_still_resumes(tmp_path):
+    """A ``config.json`` of that time holds the supervised loop's fields in its RL sections (a
+    dump holds every field); they are dropped when it is read (the RL loop never read them), and
+    the other sections keep theirs."""
+    from tasks.runs import resume_config
+
+    layout = RunLayout(str(tmp_path), "r1")
+    save_run_config(load_config(overrides={"storage.root": str(tmp_path)}), layout)
+    old = json.loads(open(layout.config).read())
+    for section in ("ppo", "grpo", "distill"):
+        old[section].update({"micro_batch_size": 8, "eval_every": 25, "log_every": 1, "moe": {"aux_loss_coef": 0.0}})
+    with open(layout.config, "w") as f:
+        json.dump(old, f)
+    saved = load_run_config(str(tmp_path), "r1")
+    assert "micro_batch_size" not in saved["ppo"] and "log_every" not in saved["distill"]
+    assert saved["sft"]["micro_batch_size"] == old["sft"]["micro_batch_size"]
+    config, _ = resume_config(str(tmp_path), "r1")
+    assert config.grpo.prompts_per_rollout == old["grpo"]["prompts_per_rollout"]
+
+
 def test_a_damaged_run_config_is_reported_by_path(tmp_path):
     layout = RunLayout(str(tmp_path), "r1")
     os.makedirs(layout.uri)

@@ -2,9 +2,9 @@
 
 :class:`PipelineConfig` (``pipeline.py``) holds the stage list and every section: the
 pipeline-wide ones (``sections.py``: storage, tracking, data, tokenizer, model, launch), the
-backend (``backend.py``) and each stage's own (``stages.py``). :func:`load_config` reads YAML
-(any fsspec URI), applies ``key.path=value`` overrides and validates once; errors name the
-field path.
+backend (``backend.py``) and each stage's own (``stages.py``, ``rewards.py``, ``distill.py``).
+:func:`load_config` reads YAML (any fsspec URI), applies ``key.path=value`` overrides and
+validates once; errors name the field path.
 """
 
 from trainer_core.config.backend import BACKENDS, BackendConfig, BackendOverride
@@ -33,23 +33,25 @@ from trainer_core.config.sections import (
     TrackingConfig,
     check_grid,
 )
+from trainer_core.config.generation import (
+    EnvironmentConfig,
+    GenerationConfig,
+    RolloutGenerationConfig,
+    SampledGenerationConfig,
+)
+from trainer_core.config.rewards import RewardConfig
 from trainer_core.config.stages import (
     DPOConfig,
-    EnvironmentConfig,
     EvaluateConfig,
-    GenerationConfig,
     GRPOConfig,
     KTOConfig,
     MoEConfig,
     OptimizerStageConfig,
-    RouterTemperatureConfig,
     PPOConfig,
     PretrainConfig,
-    RewardConfig,
     RewardModelConfig,
     RLStageConfig,
-    RolloutGenerationConfig,
-    SampledGenerationConfig,
+    RouterTemperatureConfig,
     ScoreConfig,
     SFTConfig,
     SupervisedStageConfig,

@@ -44,6 +44,7 @@ from trainer_core.config.stages import (
     RLStageConfig,
     ScoreConfig,
     SFTConfig,
+    TrainStageConfig,
 )
 from trainer_core.errors import ConfigError
 from trainer_core.registry import DEFAULT_STAGES, EVALUATED_METRICS, STAGE_ORDER, TRAINING_STAGES, get_stage
@@ -133,7 +134,8 @@ class PipelineConfig(ConfigBase):
         for stage in TRAINING_STAGES:
             backend, section = self.backend_for(stage), self.section(stage)
             try:
-                section.accum_steps(backend.world_size)
+                if isinstance(section, TrainStageConfig):  # the supervised loop's batches
+                    section.accum_steps(backend.world_size)
             except ConfigError as e:
                 raise ValueError(f"{stage}: {e}") from None
             if backend.name == "deepspeed" and section.max_nonfinite_steps:

@@ -1,4 +1,5 @@
-"""The per-stage config sections: optimisation, rewards and each stage's own (sampling and tools: generation.py)."""
+"""The per-stage config sections: optimisation and each stage's own (the RL stages' rewards: rewards.py; sampling and
+tools: generation.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from trainer_core.config.generation import (
     SampledGenerationConfig,
     per_problem_metric,
 )
+from trainer_core.config.rewards import RewardConfig
 from trainer_core.config.sections import LoraOverride
 from trainer_core.errors import ConfigError
 
@@ -323,67 +325,27 @@ class EvaluateConfig(ConfigBase):
     )
 
 
-RewardKind = Literal["reward_model", "verifier", "math_verify", "function"]
+SUPERVISED_LOOP_FIELDS: tuple[str, ...] = tuple(
+    name for name in TrainStageConfig.model_fields if name not in OptimizerStageConfig.model_fields
+)
+"""The supervised loop's fields (:class:`TrainStageConfig`'s own), which the online RL loop does
+not read and its sections do not have."""
 
 
-class RewardConfig(ConfigBase):
-    """How an online RL stage scores a completion: learned, verifiable, a user function, or a weighted sum."""
 
-    kind: Literal["reward_model", "verifier", "math_verify", "function", "weighted"] = Field(
-        "verifier", description="'reward_model': the trained RM's score; 'verifier': exact match of the final "
-        "number (1/0) plus format bonus; 'math_verify': 1/0 by math-verify's equivalence of the final answer; "
-        "'function': the user function at 'function'; 'weighted': the weighted sum of 'weights' (by default "
-        "reward_model_weight * RM + verifier_weight * verifier)."
-    )
-    reward_model_from: str | None = Field(None, description="Reward model URI; None: the reward_model output.")
-    reward_model_weight: float = Field(1.0, description="Weight of the RM score in 'weighted' (without 'weights').")
-    verifier_weight: float = Field(1.0, description="Weight of the verifier score in 'weighted' (without 'weights').")
-    function: Annotated[str | None, Neutral(None)] = Field(
-        None, description="'function' (or a 'weighted' part): import path 'package.module:function' of a reward "
-        "function (see trainer_core.training.rl.rewards.FunctionReward for its signature)."
-    )
-    weights: Annotated[dict[RewardKind, float] | None, Neutral(None)] = Field(
-        None, description="'weighted': kind -> weight, e.g. {verifier: 1.0, function: 0.5}; None: "
-        "reward_model_weight and verifier_weight."
-    )
+def without_supervised_loop_fields(section: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """An RL section of a config saved before the RL sections lost the supervised loop's fields
+    (a run's ``config.json`` holds every field), without them, and their names: the RL loop never
+    read them, so the section configures the same run (CHANGELOG.md)."""
+    dropped = [name for name in SUPERVISED_LOOP_FIELDS if name in section]
+    return {k: v for k, v in section.items() if k not in dropped}, dropped
 
-    @model_validator(mode="after")
-    def _function_named(self) -> RewardConfig:
-        uses_function = self.kind == "function" or (self.kind == "weighted" and "function" in (self.weights or {}))
-        if uses_function and not self.function:
-            raise ValueError("reward.function must name 'package.module:function' when the reward uses a function")
-        if self.function is not None and ":" not in self.function:
-            raise ValueError(f"reward.function={self.function!r} must be 'package.module:function'")
-        if self.weights is not None and self.kind != "weighted":
-            raise ValueError(f"reward.weights is for kind 'weighted', not {self.kind!r}")
-        if self.kind == "weighted" and self.weights is not None and not self.weights:
-            raise ValueError("reward.weights must name at least one reward kind")
-        return self
-
-    format_bonus: float = Field(
-        0.1, ge=0, description="'verifier' and 'math_verify': added when the completion has a '#### <number>' "
-        "final line."
-    )
-
-    def kind_weights(self) -> dict[str, float]:
-        """The reward kinds summed, with their weights: ``{kind: 1.0}`` for a single kind; for
-        'weighted', ``weights``, or by default ``reward_model_weight`` x RM + ``verifier_weight`` x
-        verifier. What the plan checks a stage's inputs against (``tasks/plan.py``); the same table as
-        ``trainer_core.training.rl.rewards.reward_weights``, which builds the reward."""
-        if self.kind != "weighted":
-            return {self.kind: 1.0}
-        if self.weights is not None:
-            return dict(self.weights)
-        return {"reward_model": self.reward_model_weight, "verifier": self.verifier_weight}
-
-    @property
-    def reads_reward_model(self) -> bool:
-        """Whether the reward reads a trained reward model ('reward_model', or a weighted sum with it)."""
-        return "reward_model" in self.kind_weights()
-
-
-class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
-    """Settings shared by online RL stages (PPO, GRPO). ``max_steps`` counts rollout-update iterations."""
+class RLStageConfig(OptimizerStageConfig, ReferenceModelConfig):
+    """Settings shared by online RL stages (PPO, GRPO, distill). ``max_steps`` counts rollout-update
+    iterations. The supervised loop's own fields (:data:`SUPERVISED_LOOP_FIELDS`) are refused: an
+    iteration's batches are ``prompts_per_rollout``, ``num_mini_batches`` and
+    ``forward_micro_batch_size``, it logs every iteration, held-out evaluation is ``evaluate``'s,
+    and it adds no router loss."""
 
     learning_rate: float = Field(1e-4, gt=0, description="Peak policy learning rate (AdamW).")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay.")
@@ -439,15 +401,17 @@ class RLStageConfig(TrainStageConfig, ReferenceModelConfig):
         """Completions sampled per prompt (GRPO's group size, distillation's ``samples_per_prompt``; 1 here)."""
         return 1
 
-    @model_validator(mode="after")
-    def _no_router_loss(self) -> RLStageConfig:
-        if self.moe.aux_loss_coef:
-            raise ValueError(f"moe.aux_loss_coef={self.moe.aux_loss_coef}: the online RL stages do not add the router "
-                             "loss (the supervised and preference stages do)")
-        if self.moe.router_temperature is not None:
-            raise ValueError("moe.router_temperature: the online RL stages do not schedule the router temperature "
-                             "(the supervised and preference stages do)")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _no_supervised_loop_fields(cls, data: Any) -> Any:
+        found = [name for name in SUPERVISED_LOOP_FIELDS if isinstance(data, dict) and name in data]
+        if found:
+            raise ValueError(
+                f"{', '.join(found)}: a setting of the supervised loop, which the online RL stages do not read (their "
+                "batches are prompts_per_rollout, num_mini_batches and forward_micro_batch_size; they log every "
+                "iteration; held-out evaluation is the evaluate stage's; they add no router loss): remove it"
+            )
+        return data
 
 
 class PPOConfig(RLStageConfig):

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer_core.backends import Backend
 from trainer_core.checkpoint.lease import WriteFence, check_fence
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
-from trainer_core.config import PipelineConfig, TrainStageConfig
+from trainer_core.config import OptimizerStageConfig, PipelineConfig, TrainStageConfig
 from trainer_core.data.prepared import load_split
 from trainer_core.modeling.forward import check_packed_rows_apart
 from trainer_core.spec import StageSpec
@@ -126,7 +126,7 @@ class StageContext:
         self.print_metrics(metrics, step)
         self.metrics.log(metrics, step)
 
-    def checkpoint_session(self, cfg: TrainStageConfig, *, extra: dict[str, Any] | None = None,
+    def checkpoint_session(self, cfg: OptimizerStageConfig, *, extra: dict[str, Any] | None = None,
                            asynchronous: bool | None = None) -> CheckpointSession:
         """The stage's checkpoint session over ``<output>/checkpoints`` with a fresh metrics buffer.
 

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from trainer_core.backends.base import Backend
 from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.checkpoint.train_state import TrainProgress
-from trainer_core.config import TrainStageConfig
+from trainer_core.config import OptimizerStageConfig, TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition, iterate_batches
 from trainer_core.training.guard import check_finite_metrics, finite_only, step_is_finite
 from trainer_core.training.schedule import build_scheduler
@@ -163,7 +163,7 @@ class BatchSource:
             yield (None if batch is None else self.to_device(batch)), after, size
 
 
-def build_optimizer(model: nn.Module, cfg: TrainStageConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimizerStageConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on norms, biases or 1-D params).
 
     The fused implementation (one kernel over all parameters, on CPU and CUDA) replaces the

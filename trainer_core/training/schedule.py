@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from trainer_core.config import TrainStageConfig
+from trainer_core.config import OptimizerStageConfig
 
 __all__ = ["build_scheduler", "cosine_with_min_lr_lambda"]
 
@@ -31,7 +31,7 @@ def cosine_with_min_lr_lambda(current_step: int, *, num_warmup_steps: int, num_t
     return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainStageConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerStageConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` x peak
     (:func:`cosine_with_min_lr_lambda`, as transformers' scheduler of that name)."""
     lr_lambda = partial(cosine_with_min_lr_lambda, num_warmup_steps=min(cfg.warmup_steps, cfg.max_steps),

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from trainer_core.backends.base import Backend
 from trainer_core.checkpoint.train_state import TrainProgress
-from trainer_core.config import RLStageConfig
+from trainer_core.config import OptimizerStageConfig, RLStageConfig, TrainStageConfig
 from trainer_core.config.pipeline import rl_config_problem
 from trainer_core.errors import ConfigError
 from trainer_core.generation.engines import Generated
@@ -204,19 +204,19 @@ def check_rl_config(stage: str, cfg: RLStageConfig, samples_per_prompt: int, wor
         raise ConfigError(problem)
 
 
-def engine_config(cfg: RLStageConfig, samples_per_prompt: int, world_size: int) -> RLStageConfig:
+def engine_config(cfg: RLStageConfig, samples_per_prompt: int, world_size: int) -> TrainStageConfig:
     """``cfg`` as ``Backend.setup_optimizer`` sees it: one optimizer step per mini-batch.
 
-    A DeepSpeed engine's config takes the micro-batch size and accumulation from the stage
-    config; here a mini-batch (this rank's rows of it) is cut into micro-batches of
-    ``forward_micro_batch_size`` rows (all of them when None), accumulated into one step (no
-    ``global_batch_size``).
+    A DeepSpeed engine's config takes the micro-batch size, accumulation and clipping from a
+    supervised-loop config; here a mini-batch (this rank's rows of it) is cut into micro-batches
+    of ``forward_micro_batch_size`` rows (all of them when None), accumulated into one step (no
+    ``global_batch_size``). The fields both loops read are ``cfg``'s.
     """
     rows = cfg.prompts_per_rollout // world_size * samples_per_prompt
     mini = max(1, math.ceil(rows / cfg.num_mini_batches))
     micro = min(mini, cfg.forward_micro_batch_size or mini)
-    update = {"micro_batch_size": micro, "grad_accum_steps": math.ceil(mini / micro), "global_batch_size": None}
-    return cfg.model_copy(update=update)
+    shared = {name: getattr(cfg, name) for name in OptimizerStageConfig.model_fields}
+    return TrainStageConfig(**shared, micro_batch_size=micro, grad_accum_steps=math.ceil(mini / micro))
 
 
 def micro_batch_rows(lengths: Tensor, size: int | None) -> list[Tensor]:

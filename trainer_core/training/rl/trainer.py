@@ -37,9 +37,10 @@ its checksums compared across ranks first) and ``sampler_rng.pt`` (every rank's 
 generator, in rank order), so a resumed run samples and steps as one never stopped. Metrics go
 to MLflow once the checkpoint covering them is committed.
 
-Unused fields of the shared stage config: ``micro_batch_size``, ``grad_accum_steps``, ``global_batch_size`` (a
-DeepSpeed engine takes one step per mini-batch, accumulated over its micro-batches), ``eval_every``,
-``eval_max_batches``, ``keep_best_metric``, ``early_stopping_patience``; held-out evaluation is ``evaluate``'s job.
+The stage config is an :class:`~trainer_core.config.RLStageConfig`: the fields both loops read
+(:class:`~trainer_core.config.OptimizerStageConfig`) and the RL ones, none of the supervised loop's
+(a DeepSpeed engine takes one step per mini-batch, accumulated over its micro-batches:
+:func:`~trainer_core.training.rl.batches.engine_config`); held-out evaluation is ``evaluate``'s job.
 
 Shape legend: N sequences (this rank's), T completion tokens.
 """
