@@ -69,5 +69,10 @@ def test_the_teacher_stage_trains_its_own_model_and_distill_reads_it():
     assert wide_ctx.config.sft == config.sft and wide_ctx.input("model") == INIT_SOURCE
     with pytest.raises(ConfigError, match="teacher.model_init"):
         teacher_context(context(config, "Qwen/Qwen2.5-7B"))
+    for loaded in ({"teacher.init_from": "/pretrained"}, {"model.init": None, "model.name_or_path": "/base"}):
+        with pytest.raises(ConfigError, match="teacher.model_init: the teacher starts from /.*, a model that is loaded"):
+            load_config(base=config.model_dump(mode="json"), overrides=loaded)  # at load, for the run's teacher
+    load_config(overrides={"stages": "prepare_data,sft,evaluate", "teacher.model_init": wide,
+                           "teacher.init_from": "/pretrained"})  # not trained: not judged
     plain = load_config(overrides={"stages": "prepare_data,sft,teacher,evaluate"})
     assert teacher_context(context(plain, INIT_SOURCE)).config.model.init == plain.model.init

@@ -118,6 +118,20 @@ def test_environments_load_by_name_and_import_path_with_clear_errors():
         load_environment("tests.unit.test_environments:TEXTS.copy")
 
 
+
+def test_an_environment_name_that_names_none_is_refused_at_load():
+    """A name neither built in nor an import path fails when the config loads (the RL stages' and
+    evaluate's environment), naming the field; the built-in names are the loader's."""
+    from trainer_core.config import load_config
+    from trainer_core.config.generation import BUILTIN_ENVIRONMENTS
+    from trainer_core.training.rl.environments import ENVIRONMENTS
+
+    assert BUILTIN_ENVIRONMENTS == tuple(sorted(ENVIRONMENTS))
+    for field in ("grpo.environment", "evaluate.environment"):
+        with pytest.raises(ConfigError, match=rf"{field}\.name: Value error, 'abacus': not a built-in environment"):
+            load_config(overrides={field: {"name": "abacus"}})
+    load_config(overrides={"grpo.environment": {"name": "calculator"}, "ppo.environment": {"name": "a.b:C"}})
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return train_tokenizer(TEXTS * 20, 128, 1)

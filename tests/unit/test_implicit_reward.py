@@ -112,3 +112,17 @@ def test_the_marker_survives_a_saved_directory(tmp_path):
 def test_beta_must_be_positive():
     with pytest.raises(ValueError, match="beta must be > 0"):
         mark_implicit_reward(_implicit_lm(), 0.0)
+
+
+def test_an_implicit_reward_model_with_lora_is_refused_at_load():
+    """Refused when the config loads (the pipeline's lora or the stage's), for a run that trains
+    the reward model; not for one that does not."""
+    from trainer_core.config import load_config
+    from trainer_core.errors import ConfigError
+
+    implicit = {"reward_model.parameterization": "implicit"}
+    for lora in ({"lora.enabled": True}, {"reward_model.lora.enabled": True}):
+        with pytest.raises(ConfigError, match=r"reward_model.parameterization='implicit' does not take LoRA"):
+            load_config(overrides={**implicit, **lora})
+    load_config(overrides={**implicit, "lora.enabled": True, "reward_model.lora.enabled": False})
+    load_config(overrides={**implicit, "lora.enabled": True, "stages": "prepare_data,sft,dpo,evaluate"})

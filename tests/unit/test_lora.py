@@ -152,7 +152,7 @@ def test_a_full_model_checkpoint_is_unchanged():
 
 
 def test_stage_override_merges_over_the_pipeline_lora_and_changes_the_fingerprint():
-    base = {"lora.enabled": True, "lora.rank": 8}
+    base = {"lora.enabled": True, "lora.rank": 8, "reward_model.lora.enabled": False}  # the demo's RM is implicit
     config = load_config("configs/demo.yaml", overrides={**base, "sft.lora": {"enabled": False}, "dpo.lora": {"rank": 4}})
     assert not config.lora_for("sft").enabled
     assert (config.lora_for("dpo").enabled, config.lora_for("dpo").rank) == (True, 4)

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from trainer_core.config.base import Neutral
 from trainer_core.config.sections import ModelInit
 from trainer_core.config.stages import RLStageConfig, SupervisedStageConfig
+from trainer_core.registry import INIT_SOURCE
 
 
 class TeacherConfig(SupervisedStageConfig):
@@ -88,3 +89,13 @@ class DistillConfig(RLStageConfig):
         if self.adaptive_kl:
             raise ValueError("distill.adaptive_kl: no KL penalty in distillation (the KL to the teacher is the loss)")
         return self
+
+
+def teacher_init_problem(cfg: TeacherConfig, start: str) -> str | None:
+    """Why ``teacher.model_init`` cannot apply to a teacher that starts from ``start`` (its input
+    model), or None: only a teacher built from config (:data:`~trainer_core.registry.INIT_SOURCE`)
+    takes it; a loaded one would ignore it."""
+    if cfg.model_init is not None and start != INIT_SOURCE:
+        return (f"teacher.model_init: the teacher starts from {start}, a model that is loaded, not built from config; "
+                "unset teacher.model_init or teacher.init_from / model.name_or_path")
+    return None

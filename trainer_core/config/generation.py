@@ -7,7 +7,7 @@ import re
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainer_core.config.base import ConfigBase, Neutral
 
@@ -50,6 +50,19 @@ class RolloutGenerationConfig(GenerationConfig):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
 
 
+BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("calculator", "functions")
+"""The names of the built-in tool environments (``trainer_core.training.rl.environments.ENVIRONMENTS``);
+any other environment is named by its import path ``package.module:Class``."""
+
+
+def environment_name_problem(name: str) -> str | None:
+    """Why ``name`` names no environment, or None: neither a built-in one nor an import path (whether
+    the path imports is known only when it is loaded)."""
+    if name in BUILTIN_ENVIRONMENTS or ":" in name:
+        return None
+    return f"not a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}) nor an import path 'package.module:Class'"
+
+
 class EnvironmentConfig(ConfigBase):
     """A tool environment the policy calls while it generates (multi-turn rollouts; see
     trainer_core.training.rl.environments)."""
@@ -64,6 +77,14 @@ class EnvironmentConfig(ConfigBase):
     tool_timeout_s: float = Field(
         5.0, gt=0, description="A tool call running longer is a tool error (observed, counted in env/tool_errors)."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _names_an_environment(cls, name: str) -> str:
+        problem = environment_name_problem(name)
+        if problem:
+            raise ValueError(f"{name!r}: {problem}")
+        return name
 
 
 SAMPLED_METRIC = re.compile(r"(pass_at|avg_at)_[1-9][0-9]*")

@@ -19,7 +19,7 @@ from pydantic_core import to_jsonable_python
 
 from trainer_core.config.backend import BackendConfig
 from trainer_core.config.base import ConfigBase, Neutral
-from trainer_core.config.distill import DistillConfig, TeacherConfig
+from trainer_core.config.distill import DistillConfig, TeacherConfig, teacher_init_problem
 from trainer_core.config.generation import engine_problem
 from trainer_core.config.run_ids import MAX_NAME_CHARS, check_name
 from trainer_core.config.sections import (
@@ -45,9 +45,17 @@ from trainer_core.config.stages import (
     ScoreConfig,
     SFTConfig,
     TrainStageConfig,
+    implicit_reward_problem,
 )
 from trainer_core.errors import ConfigError
-from trainer_core.registry import DEFAULT_STAGES, EVALUATED_METRICS, STAGE_ORDER, TRAINING_STAGES, get_stage
+from trainer_core.registry import (
+    DEFAULT_STAGES,
+    EVALUATED_METRICS,
+    INIT_SOURCE,
+    STAGE_ORDER,
+    TRAINING_STAGES,
+    get_stage,
+)
 
 MAX_SEED = 2**32 - 1
 """The largest ``seed``: numpy's limit (``np.random.seed``, which lm-evaluation-harness calls with
@@ -174,6 +182,22 @@ class PipelineConfig(ConfigBase):
         return self
 
     @model_validator(mode="after")
+    def _check_stage_models(self) -> PipelineConfig:
+        """The stages' refusals of a model setting that the config alone decides, at load for the
+        stages this run trains (each stage raises the same message when it runs): an implicit
+        reward model with LoRA; ``teacher.model_init`` for a teacher that is loaded."""
+        problems = []
+        if "reward_model" in self.stages:
+            problems.append(implicit_reward_problem(self.reward_model, self.lora_for("reward_model").enabled))
+        if "teacher" in self.stages:  # the teacher's input model, as the registry gives it
+            problems.append(teacher_init_problem(self.teacher, self.teacher.init_from or self.model.name_or_path
+                                                 or INIT_SOURCE))
+        for problem in problems:
+            if problem:
+                raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _check_stage_data(self) -> PipelineConfig:
         for stage in ("kto", "pretrain"):
             if stage in self.stages and getattr(self.data, stage) is None:
@@ -236,7 +260,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        lines.append(f"  {path}: {e['msg']} (got {e.get('input')!r})")
+        got = f" (got {e.get('input')!r})" if e["loc"] else ""  # a check of the whole config: not all of it again
+        lines.append(f"  {path}: {e['msg']}{got}")
     return "\n".join(lines)
 
 

@@ -183,6 +183,15 @@ class RewardModelConfig(SupervisedStageConfig):
     )
 
 
+
+def implicit_reward_problem(cfg: RewardModelConfig, lora_enabled: bool) -> str | None:
+    """Why the reward model stage cannot train ``cfg`` with LoRA on (``lora_enabled``), or None:
+    the implicit reward is committed as a causal LM marked in its config.json, which an adapter's
+    directory would not carry."""
+    if cfg.parameterization == "implicit" and lora_enabled:
+        return "reward_model.parameterization='implicit' does not take LoRA (reward_model.lora / lora)"
+    return None
+
 class DPOConfig(SupervisedStageConfig, ReferenceModelConfig):
     """Preference optimisation on chosen/rejected pairs: DPO (sigmoid loss) against a frozen
     reference, or another loss of the family (``loss_type``; see ``trainer_core.objectives.dpo``)."""

@@ -10,6 +10,7 @@ the SFT causal LM itself (committed as a causal LM marked as a reward model; see
 from __future__ import annotations
 
 from trainer_core.checkpoint.manifest import Manifest
+from trainer_core.config.stages import implicit_reward_problem
 from trainer_core.errors import ConfigError
 from trainer_core.modeling.forward import mark_implicit_reward
 from trainer_core.stages.commit import commit_final
@@ -33,8 +34,9 @@ def run(ctx: StageContext) -> Manifest:
     )
     held_out = pair_source(ctx.load_rows("preference/eval"), pad_id, cfg.micro_batch_size, seed, device, shuffle=False)
     if cfg.parameterization == "implicit":
-        if ctx.models.lora.enabled:
-            raise ConfigError("reward_model.parameterization='implicit' does not take LoRA (reward_model.lora / lora)")
+        problem = implicit_reward_problem(cfg, ctx.models.lora.enabled)  # refused at load too
+        if problem:
+            raise ConfigError(problem)
         model = ctx.models.causal_lm("model")
         mark_implicit_reward(model, cfg.implicit_beta)
     else:

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.errors import ConfigError
-from trainer_core.registry import INIT_SOURCE
+from trainer_core.config.distill import teacher_init_problem
 from trainer_core.stages.context import StageContext
 from trainer_core.stages.sft import train_causal_lm
 
@@ -31,9 +31,9 @@ def teacher_context(ctx: StageContext) -> StageContext:
     cfg, config = ctx.config.teacher, ctx.config
     if cfg.model_init is None:
         return ctx
-    if ctx.input("model") != INIT_SOURCE:
-        raise ConfigError(f"teacher.model_init: the teacher starts from {ctx.input('model')}, a model that is loaded, "
-                          "not built from config; unset teacher.model_init or teacher.init_from / model.name_or_path")
+    problem = teacher_init_problem(cfg, ctx.input("model"))  # refused at load too, for the input the config names
+    if problem:
+        raise ConfigError(problem)
     model = config.model.model_copy(update={"init": cfg.model_init})
     return replace(ctx, spec=ctx.spec.model_copy(update={"config": config.model_copy(update={"model": model})}))
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from trainer_core.config.generation import environment_name_problem
 from trainer_core.errors import ConfigError, PosttrainError
 from trainer_core.imports import import_object
 from trainer_core.training.rl.rewards import PromptItem
@@ -293,9 +294,9 @@ def load_environment(name: str, kwargs: dict[str, Any] | None = None, *, where: 
     """
     factory: Any = ENVIRONMENTS.get(name)
     if factory is None:
-        if ":" not in name:
-            raise ConfigError(f"{where}={name!r}: not a built-in environment ({', '.join(sorted(ENVIRONMENTS))}) "
-                              "nor an import path 'package.module:Class'")
+        problem = environment_name_problem(name)  # refused at load too (EnvironmentConfig)
+        if problem:
+            raise ConfigError(f"{where}={name!r}: {problem}")
         factory = import_object(name, where, "Class")
     try:
         env = factory(**(kwargs or {}))
