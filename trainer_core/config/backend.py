@@ -63,7 +63,7 @@ class BackendConfig(ConfigBase):
         "auto",
         description="Training precision on every backend: bf16-mixed (fp32 master weights, gradients and optimizer "
         "state, bf16 compute), bf16 (all bf16, no master copy), fp32; auto = bf16-mixed on CUDA, fp32 on CPU. "
-        "Replaces mixed_precision (still read: bf16 -> bf16-mixed).",
+        "The deprecated mixed_precision is read as this field (its bf16 as bf16-mixed).",
     )
     activation_checkpointing: bool = Field(
         False,

@@ -391,7 +391,7 @@ class RLStageConfig(OptimizerStageConfig, ReferenceModelConfig):
         "sdpa/eager, document masks with model.attn_implementation=flex_attention, varlen with flash_attention_2); "
         "on sdpa/eager the mask is as long as all the rows together, so it pays where padding is a large share. "
         "Refused at start for a model whose attention mask ignores position ids (OPT, BLOOM), and when the config "
-        "loads with backend.name=deepspeed (a ZeRO-3 run gave non-finite advantages with it; not yet understood)."
+        "loads with backend.name=deepspeed."
     )
     ptx_coef: Annotated[float, Neutral(0.0)] = Field(
         0.0, ge=0, description="Weight of a supervised loss on the prepared sft/train demonstrations added to "
