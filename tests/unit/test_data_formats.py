@@ -172,7 +172,7 @@ def test_tool_conversations_keep_their_calls_and_outputs():
         ({"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]},
          r"t:1: field 'messages'\[1\]\['tool_calls'\]\[0\] must be \{'function'"),
         ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
-         r"t:1: field 'messages'\[1\]\['tool_calls'\]\[0\] arguments are not JSON"),
+         r"t:1: field 'messages'\[1\]\['tool_calls'\]\[0\] arguments: invalid JSON"),
         ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]},
          r"must be \{'function': \{'name': str, 'arguments': object\}\}"),
         ({"role": "tool"}, r"t:1: field 'messages'\[1\] must be \{'role'"),
@@ -369,7 +369,8 @@ def test_the_tools_column_declares_a_conversations_tools():
     want = [{"type": "function", "function": schema}]
     assert to_sft_example({**record, "tools": [schema]})["tools"] == want
     assert to_sft_example({**record, "tools": json.dumps(want)})["tools"] == want
-    for tools, why in [({"name": "add"}, "must be a list"), ([{"function": {}}], r"'tools'\[0\] must be"),
-                       (["add"], r"'tools'\[0\] must be"), ("[not json", "not JSON")]:
+    for tools, why in [({"name": "add"}, "expected a list of function schemas, got dict"),
+                       ([{"function": {}}], r"'tools'\[0\] must be"), (["add"], r"'tools'\[0\] must be"),
+                       ("[not json", "'tools': invalid JSON"), ('{"name": "add"}', "expected a list of function schemas")]:
         with pytest.raises(DataError, match=why):
             to_sft_example({**record, "tools": tools})

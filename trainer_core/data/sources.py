@@ -36,6 +36,7 @@ from typing import Any, Iterator
 import fsspec
 
 from trainer_core.config import DataSource
+from trainer_core.data.tools import parse_json
 from trainer_core.errors import DataError, PosttrainError, classify
 
 logger = logging.getLogger(__name__)
@@ -157,12 +158,7 @@ def _parse_line(uri: str, line_no: int, line: str) -> dict[str, Any] | None:
     """The JSON object on one line, or None for a blank line."""
     if not line.strip():
         return None
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{uri}:{line_no}: invalid JSON: {e.msg} (column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"{uri}:{line_no}: expected a JSON object per line, got {type(obj).__name__}")
+    obj = parse_json(line, f"{uri}:{line_no}", dict, "a JSON object per line")
     if _SURROGATE_ESCAPE.search(line):
         _refuse_lone_surrogates(f"{uri}:{line_no}", obj)
     obj["_source"] = f"{uri}:{line_no}"

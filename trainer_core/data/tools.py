@@ -9,6 +9,25 @@ from typing import Any
 
 from trainer_core.errors import DataError
 
+SCHEMAS = "a list of function schemas"
+"""What a conversation's ``tools`` must be (:func:`declared_tools`)."""
+
+
+def parse_json(text: str, where: str, kind: type = object, expected: str = "JSON") -> Any:
+    """The JSON value of ``text`` (a record's line, a column holding JSON), which must be a ``kind``.
+
+    Raises:
+        DataError: ``text`` is not JSON (the parser's message and column), or its value is not a
+            ``kind`` (``expected`` says what it must be); the message starts with ``where``.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(value, kind):
+        raise DataError(f"{where}: expected {expected}, got {type(value).__name__}")
+    return value
+
 
 def tool_call(call: Any, where: str) -> dict[str, Any]:
     """``{"type": "function", "function": {"name", "arguments": dict}}`` of one tool call
@@ -22,10 +41,7 @@ def tool_call(call: Any, where: str) -> dict[str, Any]:
     name = function.get("name") if isinstance(function, dict) else None
     arguments = function.get("arguments", {}) if isinstance(function, dict) else None
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where} arguments are not JSON: {e}") from None
+        arguments = parse_json(arguments, f"{where} arguments")
     if not (isinstance(name, str) and name and isinstance(arguments, dict)):
         raise DataError(f"{where} must be {{'function': {{'name': str, 'arguments': object}}}}, got {call!r}")
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
@@ -44,12 +60,9 @@ def declared_tools(value: Any, where: str) -> list[dict] | None:
     if value in (None, "", []):
         return None
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where} is not JSON: {e}") from None
-    if not isinstance(value, list):
-        raise DataError(f"{where} must be a list of function schemas, got {type(value).__name__}")
+        value = parse_json(value, where, list, SCHEMAS)
+    elif not isinstance(value, list):
+        raise DataError(f"{where}: expected {SCHEMAS}, got {type(value).__name__}")
     tools = []
     for i, tool in enumerate(value):
         function = tool.get("function", tool) if isinstance(tool, dict) else None
