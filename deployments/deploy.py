@@ -316,6 +316,21 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
+def _check_api() -> None:
+    """Exit (:func:`_fail`) unless $PREFECT_API_URL is set and a Prefect API answers there."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        _fail("PREFECT_API_URL is not set: point it at a Prefect server, e.g. http://127.0.0.1:4200/api")
+    with get_client(sync_client=True) as client:
+        unreachable = client.api_healthcheck()
+    if unreachable is not None:
+        _fail(f"no Prefect API answers at {url} (PREFECT_API_URL): {type(unreachable).__name__}: {unreachable}. "
+              "Start a server (prefect server start) or point PREFECT_API_URL at one")
+
+
 def deploy(
     names: Annotated[
         list[str] | None, typer.Option("--name", "-n", help="Register only this deployment (repeatable). Default: all.")
@@ -331,16 +346,8 @@ def deploy(
     """
     from prefect.client.orchestration import get_client
     from prefect.flows import load_flow_from_entrypoint
-    from prefect.settings import PREFECT_API_URL
 
-    url = PREFECT_API_URL.value()
-    if not url:
-        _fail("PREFECT_API_URL is not set: point it at a Prefect server, e.g. http://127.0.0.1:4200/api")
-    with get_client(sync_client=True) as client:
-        unreachable = client.api_healthcheck()
-    if unreachable is not None:
-        _fail(f"no Prefect API answers at {url} (PREFECT_API_URL): {type(unreachable).__name__}: {unreachable}. "
-              "Start a server (prefect server start) or point PREFECT_API_URL at one")
+    _check_api()
     try:
         spec = load_prefect_file(prefect_file)
         entries = select_deployments(spec, names)

@@ -177,9 +177,10 @@ def _write_summary(run: PipelineRun, summary: dict[str, Any], log: Any, failed: 
         return None
 
 
-def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, PlannedStage], log: Any,
-         sweep: SweepPoint | None = None) -> dict[str, Any]:
-    """The flow's body once it holds the run's lease: record the config, run the graph, summarise."""
+def _start(cfg: PipelineConfig, run_id: str, layout: RunLayout, log: Any,
+           sweep: SweepPoint | None) -> tuple[PipelineRun, dict[str, Any]]:
+    """Record the run's config (the fields changed since its last start, logged) and open its
+    MLflow parent run: the run's record and those changes."""
     changes = save_run_config(cfg, layout)
     if changes:
         log.info("run %s re-planned: %d config field(s) changed since its last start: %s", run_id, len(changes),
@@ -190,9 +191,34 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
                                 parent_run_id=sweep.mlflow_run_id if sweep else None)
     run = PipelineRun(run_id=run_id, config=cfg, tracking_uri=tracking_uri, flow_run_url=flow_run_url,
                       parent_mlflow_run_id=parent, sweep=sweep)
+    return run, changes
+
+
+def _release(run: PipelineRun, graph: StageGraphRun, summary: dict[str, Any],
+             log: Any) -> tuple[str | None, Exception | None]:
+    """Log the headline metrics to MLflow and, for a run outside a sweep whose stages all
+    succeeded, judge the gates and release (``summary["release"]``): the gate failure's message
+    and the error met, each None if none (the summary is written before either is raised)."""
+    gate_failure, release_error = None, None
+    try:
+        log_pipeline_metrics(run.parent_mlflow_run_id, summary["headline"], tracking_uri=run.tracking_uri)
+        if not graph.failures and run.sweep is None:  # a sweep releases its best point itself
+            summary["release"] = release(run, graph.results, summary["headline"])
+            gate_failure = summary["release"]["failure"]
+            publish_release(run, summary["release"], log)
+    except Exception as e:  # noqa: BLE001 - the summary is written first, then it is raised
+        release_error = e
+        summary["release"] = {"error": f"{type(e).__name__}: {e}"}
+    return gate_failure, release_error
+
+
+def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, PlannedStage], log: Any,
+         sweep: SweepPoint | None = None) -> dict[str, Any]:
+    """The flow's body once it holds the run's lease: record the config, run the graph, summarise."""
+    run, changes = _start(cfg, run_id, layout, log, sweep)
     bound = max_parallel_stages(cfg)
     log.info("run %s: stages %s (at most %s at once), MLflow %s (run %s)", run_id, cfg.stages,
-             bound or "unbounded", tracking_uri, run.parent_mlflow_run_id)
+             bound or "unbounded", run.tracking_uri, run.parent_mlflow_run_id)
     graph = StageGraphRun(plan, run, bound, log)
     try:
         graph.run()
@@ -206,21 +232,12 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
     summary = build_summary(run, graph.results)
     if changes:
         summary["config_changes"] = changes
-    gate_failure, release_error = None, None
-    try:
-        log_pipeline_metrics(run.parent_mlflow_run_id, summary["headline"], tracking_uri=tracking_uri)
-        if not graph.failures and sweep is None:  # a sweep releases its best point itself
-            summary["release"] = release(run, graph.results, summary["headline"])
-            gate_failure = summary["release"]["failure"]
-            publish_release(run, summary["release"], log)
-    except Exception as e:  # noqa: BLE001 - the summary is written first, then it is raised
-        release_error = e
-        summary["release"] = {"error": f"{type(e).__name__}: {e}"}
+    gate_failure, release_error = _release(run, graph, summary, log)
     if gate_failure or release_error:
         summary["status"] = "gate_failed" if gate_failure else "failed"
     summary["summary_uri"] = _write_summary(run, summary, log, failed=bool(graph.failures))
     finish_pipeline_run(run.parent_mlflow_run_id, "FAILED" if gate_failure else summary["status"],
-                        tracking_uri=tracking_uri)
+                        tracking_uri=run.tracking_uri)
     log.info("run %s %s; summary %s", run_id, summary["status"], summary["summary_uri"] or "not written")
     if graph.failures:
         raise graph.failures[0]

@@ -47,7 +47,7 @@ from trainer_core.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manif
 from trainer_core.config import PipelineConfig
 from trainer_core.errors import StorageUnavailable, classify
 from trainer_core.registry import get_stage
-from trainer_core.spec import build_spec
+from trainer_core.spec import StageSpec, build_spec
 from trainer_core.storage import join_uri
 
 TAG_FINGERPRINT = "posttrain.fingerprint"
@@ -262,12 +262,7 @@ def _run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageRes
     reused = completed_result(layout, stage, spec.fingerprint) or adopt(run, stage, spec.fingerprint, log)
     if reused is not None:
         return _reuse(reused, run, spec_uri, env, log)
-    # Several nodes: a Kubernetes Job whose pods meet at its pod 0 (tasks/k8s/job.py); it holds no slots here.
-    job = trainer_job(config, stage, run.run_id, spec_uri, run.tracking_uri) if config.backend_for(stage).nnodes > 1 else None
-    if job is not None:
-        spec_config = pin_rendezvous(spec_config, stage, job.rdzv_endpoint)
-    spec = spec.model_copy(update={"mlflow_run_id": _stage_run_id(run, stage, spec.fingerprint)})
-    storage.write_json(spec_uri, spec.model_copy(update={"config": spec_config}).model_dump(mode="json"))
+    spec, job = _write_spec(spec, run, spec_uri, spec_config)
     log.info("stage %s: spec %s, inputs %s", stage, spec_uri, inputs)
     try:
         progress = StageProgress(stage, config.section(stage).max_steps, log=log) if get_stage(stage).trains else None
@@ -298,6 +293,23 @@ def _run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageRes
         mlflow_run_id=spec.mlflow_run_id,
         model_uri=model_uri,
     )
+
+
+def _write_spec(spec: StageSpec, run: PipelineRun, spec_uri: str, spec_config: PipelineConfig) -> tuple[StageSpec, Any]:
+    """Write the stage's spec to ``spec_uri`` with the MLflow run it reports to and the config its
+    trainer reads (``spec_config``; with several nodes, pinned to the Kubernetes Job's rendezvous).
+
+    Returns:
+        The spec (with its ``mlflow_run_id``) and the Job whose pods meet at its pod 0
+        (tasks/k8s/job.py; it holds no slots here), or None on one node.
+    """
+    config, stage = run.config, spec.stage
+    job = trainer_job(config, stage, run.run_id, spec_uri, run.tracking_uri) if config.backend_for(stage).nnodes > 1 else None
+    if job is not None:
+        spec_config = pin_rendezvous(spec_config, stage, job.rdzv_endpoint)
+    spec = spec.model_copy(update={"mlflow_run_id": _stage_run_id(run, stage, spec.fingerprint)})
+    storage.write_json(spec_uri, spec.model_copy(update={"config": spec_config}).model_dump(mode="json"))
+    return spec, job
 
 
 def _reuse(reused: StageResult, run: PipelineRun, spec_uri: str, env: dict[str, str], log: Any) -> StageResult:

@@ -28,7 +28,7 @@ import operator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from trainer_core.config.stages import QualityGate
+from trainer_core.config.evaluation import QualityGate
 from trainer_core.errors import EXIT_GATE_FAILED, PosttrainError
 from trainer_core.objectives.paired import paired_gain, paired_verdicts, sample_column
 

@@ -131,10 +131,7 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     config = run.config
     name = config.tracking.registered_model_name
     champion = mlflow_models.read_champion(name, tracking_uri=run.tracking_uri) if name else None
-    champion_samples = _champion_samples(run, champion) if champion is not None else None
-    samples = read_sample_tables(_samples_uri(results)) if champion_samples is not None else None
-    gates: list[GateResult] = check_gates(config.evaluate.gates, headline, champion, list(config.stages),
-                                          samples=samples, champion_samples=champion_samples)
+    gates = _judge(run, results, headline, champion)
     failure = gate_failure_message(gates)
     judged = all(g.judged for g in gates)
     outcome: dict[str, Any] = {
@@ -163,6 +160,17 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
         "previous_champion": champion.version if champion else None,
     }
     return outcome
+
+
+def _judge(run: PipelineRun, results: dict[str, StageResult], headline: dict[str, float],
+           champion: Any) -> list[GateResult]:
+    """The run's gates judged on ``headline``, against ``champion`` (the registered champion
+    version, or None), with both sides' held-out samples where a champion has them (paired gates)."""
+    config = run.config
+    champion_samples = _champion_samples(run, champion) if champion is not None else None
+    samples = read_sample_tables(_samples_uri(results)) if champion_samples is not None else None
+    return check_gates(config.evaluate.gates, headline, champion, list(config.stages),
+                       samples=samples, champion_samples=champion_samples)
 
 
 TAG_RELEASE = "posttrain.release"

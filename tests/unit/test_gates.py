@@ -10,7 +10,7 @@ from tasks.report.mlflow_models import Champion
 from tasks.report.release import release, release_kind, release_markdown
 from tasks.results import PipelineRun
 from trainer_core.config import load_config
-from trainer_core.config.stages import QualityGate
+from trainer_core.config.evaluation import QualityGate
 from trainer_core.errors import ConfigError
 
 

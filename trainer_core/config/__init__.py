@@ -40,9 +40,9 @@ from trainer_core.config.generation import (
     SampledGenerationConfig,
 )
 from trainer_core.config.rewards import RewardConfig
+from trainer_core.config.evaluation import EvaluateConfig, ScoreConfig
 from trainer_core.config.stages import (
     DPOConfig,
-    EvaluateConfig,
     GRPOConfig,
     KTOConfig,
     MoEConfig,
@@ -52,7 +52,6 @@ from trainer_core.config.stages import (
     RewardModelConfig,
     RLStageConfig,
     RouterTemperatureConfig,
-    ScoreConfig,
     SFTConfig,
     SupervisedStageConfig,
     TrainStageConfig,

@@ -33,16 +33,15 @@ from trainer_core.config.sections import (
     TokenizerConfig,
     TrackingConfig,
 )
+from trainer_core.config.evaluation import EvaluateConfig, ScoreConfig
 from trainer_core.config.stages import (
     DPOConfig,
-    EvaluateConfig,
     GRPOConfig,
     KTOConfig,
     PPOConfig,
     PretrainConfig,
     RewardModelConfig,
     RLStageConfig,
-    ScoreConfig,
     SFTConfig,
     TrainStageConfig,
     implicit_reward_problem,

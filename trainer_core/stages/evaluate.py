@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -351,6 +352,48 @@ def _reward_aucs(rewards: dict[str, list[float]], verdicts: dict[str, list[bool]
     return {f"{name}/reward_auc": auc for name, auc in aucs.items() if auc is not None}
 
 
+@dataclass
+class _Collected:
+    """What :func:`run` gathers policy by policy (each dict keyed by the stage name, ``base`` for
+    the model trained from): completions, exact-match verdicts, reward-model scores, win-rate
+    scores, the estimates of the sampled metrics, the metrics, and the harness's result files."""
+
+    completions: dict[str, list[str]] = field(default_factory=dict)
+    verdicts: dict[str, list[bool]] = field(default_factory=dict)
+    rewards: dict[str, list[float]] = field(default_factory=dict)
+    win_rate_scores: dict[str, list[float]] = field(default_factory=dict)
+    estimates: dict[str, Estimates] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+def _collect(ctx: StageContext, roles: list[tuple[str, str]], problems: list[dict], pairs: list[dict],
+             rm: nn.Module | None, win_rate_prompts: tuple[list, list] | None) -> _Collected:
+    """Every policy of ``roles`` (``(stage, input role)``) evaluated in turn, one in memory at a
+    time (SFT's before DPO's: pipeline order); ``win_rate_prompts``: None without win rates."""
+    trained = [name for name, _ in roles if name != "base"]
+    out, dpo_rows = _Collected(), []
+    messages = [messages_of(p) for p in problems]
+    for name, role in roles:
+        policy = _policy(ctx, role)
+        out.verdicts[name], out.completions[name] = exact_match(ctx, policy, problems, calls := [])
+        sampled_metrics, out.estimates[name] = _policy_metrics(ctx, name, policy, problems, calls, out.files)
+        out.metrics |= sampled_metrics
+        if rm is not None:
+            out.rewards[name] = reward_scores(rm, ctx.tokenizer, messages, out.completions[name], ctx.config.data,
+                                              ctx.config.evaluate.micro_batch_size, ctx.backend.device)
+        if name == "sft":
+            out.metrics |= _sft_metrics(ctx, policy)
+            if "dpo" in trained:
+                dpo_rows = _dpo_reference_rows(ctx, policy, pairs)
+        if name == "dpo" and "sft" in trained:
+            out.metrics |= _dpo_metrics(ctx, policy, dpo_rows)
+        if win_rate_prompts is not None and name != "base":
+            out.win_rate_scores[name] = _win_rate_scores(ctx, rm, policy, *win_rate_prompts)
+        del policy
+    return out
+
+
 def run(ctx: StageContext) -> Manifest:
     """Compute every available held-out metric and the sample-generation table, and commit them.
 
@@ -371,42 +414,16 @@ def run(ctx: StageContext) -> Manifest:
     rm = ctx.backend.prepare_frozen(ctx.models.reward_model()) if "reward_model" in inputs else None
     rm_metrics = _rm_metrics(ctx, rm, pairs) if rm is not None else {}
     with_win_rates = rm is not None and "sft" in trained and len(trained) > 1
-    win_rate_prompts = _win_rate_prompts(ctx, pairs) if with_win_rates else ([], [])
-    completions: dict[str, list[str]] = {}
-    verdicts: dict[str, list[bool]] = {}
-    rewards: dict[str, list[float]] = {}
-    win_rate_scores: dict[str, list[float]] = {}
-    sft_metrics, dpo_metrics, files = {}, {}, {}  # files: the harness's results, beside the sample table
-    dpo_rows: list[dict] = []
-    policy_metrics: dict[str, float] = {}
-    estimates: dict[str, Estimates] = {}
-    messages = [messages_of(p) for p in problems]
-    for name, role in roles:  # one policy in memory at a time (SFT's before DPO's: pipeline order)
-        policy = _policy(ctx, role)
-        verdicts[name], completions[name] = exact_match(ctx, policy, problems, calls := [])
-        sampled_metrics, estimates[name] = _policy_metrics(ctx, name, policy, problems, calls, files)
-        policy_metrics |= sampled_metrics
-        if rm is not None:
-            rewards[name] = reward_scores(rm, ctx.tokenizer, messages, completions[name], ctx.config.data,
-                                          ctx.config.evaluate.micro_batch_size, ctx.backend.device)
-        if name == "sft":
-            sft_metrics = _sft_metrics(ctx, policy)
-            if "dpo" in trained:
-                dpo_rows = _dpo_reference_rows(ctx, policy, pairs)
-        if name == "dpo" and "sft" in trained:
-            dpo_metrics = _dpo_metrics(ctx, policy, dpo_rows)
-        if with_win_rates and name != "base":
-            win_rate_scores[name] = _win_rate_scores(ctx, rm, policy, *win_rate_prompts)
-        del policy
-    metrics = _exact_match_metrics(verdicts)
-    metrics |= sft_metrics | rm_metrics | dpo_metrics | policy_metrics | (_win_rates(win_rate_scores) if with_win_rates else {})
-    if "sft" in verdicts and problems:
-        metrics |= _paired_gains(verdicts, estimates)
-    metrics |= _reward_aucs(rewards, verdicts)
-    samples = sample_rows(problems, completions, verdicts, rewards, estimates)
+    got = _collect(ctx, roles, problems, pairs, rm, _win_rate_prompts(ctx, pairs) if with_win_rates else None)
+    metrics = _exact_match_metrics(got.verdicts) | rm_metrics | got.metrics
+    metrics |= _win_rates(got.win_rate_scores) if with_win_rates else {}
+    if "sft" in got.verdicts and problems:
+        metrics |= _paired_gains(got.verdicts, got.estimates)
+    metrics |= _reward_aucs(got.rewards, got.verdicts)
+    samples = sample_rows(problems, got.completions, got.verdicts, got.rewards, got.estimates)
     ctx.log_metrics(metrics, 0)
     if ctx.is_main:
         ctx.metrics.log_table(samples, "eval/samples.json")
-    harness = harness_rows(estimates)
-    return commit_final(ctx, metrics, files={**files, SAMPLES_FILE: _jsonl(samples),
+    harness = harness_rows(got.estimates)
+    return commit_final(ctx, metrics, files={**got.files, SAMPLES_FILE: _jsonl(samples),
                                              **({HARNESS_SAMPLES_FILE: _jsonl(harness)} if harness else {})})

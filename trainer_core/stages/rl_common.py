@@ -10,7 +10,7 @@ import random
 
 import safetensors.torch
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from trainer_core.config import RLStageConfig
 from trainer_core.data.prepared import PreparedRows
@@ -83,6 +83,17 @@ def value_head_bytes(state: dict[str, Tensor]) -> bytes:
     return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()})
 
 
+def _reference(ctx: StageContext, uses_reference: bool) -> tuple[nn.Module | None, bool]:
+    """The frozen reference model, prepared by the backend (None when the algorithm uses none, or
+    when the reference is the policy with its LoRA adapter disabled), and whether it is the latter."""
+    disabled_adapter = uses_reference and ctx.models.reference_is_disabled_adapter
+    if disabled_adapter:
+        log.info("reference: the policy with its LoRA adapter disabled (no reference model loaded)")
+    if not uses_reference or disabled_adapter:
+        return None, disabled_adapter
+    return ctx.backend.prepare_frozen(ctx.models.causal_lm("reference")), False
+
+
 def run_rl_stage(
     ctx: StageContext, cfg: RLStageConfig, algo: Algorithm, uses_reference: bool
 ) -> tuple[RLTrainer, dict[str, float]]:
@@ -97,13 +108,7 @@ def run_rl_stage(
     split = ctx.load_rows("sft/train")  # the prompts, the ptx term's demonstrations, distill's dataset completions
     prompts = load_prompts(ctx, cfg, split)
     reward_fn = _reward_fn(ctx, cfg)
-    reference = None
-    disabled_adapter = uses_reference and ctx.models.reference_is_disabled_adapter
-    if disabled_adapter:
-        log.info("reference: the policy with its LoRA adapter disabled (no reference model loaded)")
-    if uses_reference and not disabled_adapter:
-        reference = ctx.models.causal_lm("reference")
-        reference = backend.prepare_frozen(reference)
+    reference, disabled_adapter = _reference(ctx, uses_reference)
     policy = ctx.models.causal_lm("model")
     torch.manual_seed(seed)
     value_head = value_head_for(policy) if algo.uses_values else None
