@@ -12,13 +12,13 @@ answers of a policy that stops, up to part B's 256-token limit; ``--completion-t
 is part B's random-init model, whose completions all reach the limit), random token ids. The
 model is ``bench_gpu``'s Qwen2.5-0.5B architecture, random init, fp32 parameters under bf16
 autocast on CUDA (the RL stages' ``bf16-mixed``), fp32 on CPU; the LM head chunked as in the
-stages (:func:`~trainer_core.training.rl.rollout.policy_forward`).
+stages (:func:`~trainer_core.modeling.forwards.completion.completion_forward`).
 
 The median over ``--repeats`` of two phases over every micro-batch:
 
-- log-probs: ``policy_forward`` without gradients (the rollout's old log-probs; the reference's is
+- log-probs: ``completion_forward`` without gradients (the rollout's old log-probs; the reference's is
   the same forward);
-- update: ``policy_forward`` with gradients and the backward of a weighted sum of the log-probs
+- update: ``completion_forward`` with gradients and the backward of a weighted sum of the log-probs
   (gradients accumulated over the micro-batches, as in one optimizer step).
 
 Compared, as real tokens (prompt and completion) per second, the ratio the first over the second:
@@ -48,8 +48,8 @@ import torch
 from bench_gpu import QWEN2_0_5B, TINY_QWEN2, device_parser, environment_facts, parse_sized, print_rows, row
 from common import set_threads, write_result
 
+from trainer_core.modeling.forwards.completion import Completions, PolicyAndValue, completion_forward
 from trainer_core.training.rl.batches import micro_batch_rows
-from trainer_core.training.rl.rollout import Completions, PolicyAndValue, policy_forward
 
 
 def attention_implementations(device: torch.device) -> list[str]:
@@ -126,14 +126,14 @@ def measure(model: PolicyAndValue, batch: Completions, groups: list[torch.Tensor
         out = torch.zeros(batch.completion_mask.shape, device=device)
         with torch.no_grad(), autocast:
             for rows, part in zip(groups, parts):
-                out[rows] = policy_forward(model, part, temperature=1.0, with_values=False,
-                                           padding_free=padding_free).logprobs.float()
+                out[rows] = completion_forward(model, part, temperature=1.0, with_values=False,
+                                               padding_free=padding_free).logprobs.float()
         return out
 
     def update() -> None:
         for rows, part in zip(groups, parts):
             with autocast:
-                out = policy_forward(model, part, temperature=1.0, with_values=False, padding_free=padding_free)
+                out = completion_forward(model, part, temperature=1.0, with_values=False, padding_free=padding_free)
             (out.logprobs * weights[rows]).sum().backward()
         model.zero_grad(set_to_none=True)
 

@@ -81,10 +81,10 @@ from tests.parity.trl_oracle import (  # noqa: E402
 from trainer_core.backends import build_backend  # noqa: E402
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer  # noqa: E402
 from trainer_core.config import BackendConfig, GRPOConfig  # noqa: E402
+from trainer_core.modeling.forwards.completion import PolicyAndValue  # noqa: E402
 from trainer_core.modeling.models import load_causal_lm  # noqa: E402
 from trainer_core.training.rl.algorithms import GRPOAlgorithm  # noqa: E402
 from trainer_core.training.rl.rewards import PromptItem  # noqa: E402
-from trainer_core.training.rl.rollout import PolicyAndValue  # noqa: E402
 from trainer_core.training.rl.trainer import RLTrainer  # noqa: E402
 
 TARGET = frozenset(range(2, 10))

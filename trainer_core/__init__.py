@@ -46,7 +46,7 @@ TIER_1: dict[str, str] = {
     "compute_logprobs": "trainer_core.objectives.logprobs",
     "sequence_logprobs": "trainer_core.objectives.logprobs",
     "shift_mask": "trainer_core.objectives.logprobs",
-    "masked_token_logprobs": "trainer_core.modeling.forward",
+    "masked_token_logprobs": "trainer_core.modeling.forwards.token",
     "load_causal_lm": "trainer_core.modeling.models",
     "load_reward_model": "trainer_core.modeling.models",
     "save_pretrained_to": "trainer_core.modeling.models",

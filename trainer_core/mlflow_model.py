@@ -85,8 +85,8 @@ def model_task(stage: str) -> str:
 
 def _directory_task(local: str, task: str) -> str:
     """``task``, except for an implicit reward model (a causal LM whose ``config.json`` carries
-    :data:`~trainer_core.modeling.forward.IMPLICIT_REWARD_KEY`): ``"text-generation"``."""
-    from trainer_core.modeling.forward import IMPLICIT_REWARD_KEY
+    :data:`~trainer_core.modeling.forwards.rewards.IMPLICIT_REWARD_KEY`): ``"text-generation"``."""
+    from trainer_core.modeling.forwards.rewards import IMPLICIT_REWARD_KEY
 
     config = os.path.join(local, "config.json")
     if task == "text-classification" and os.path.exists(config):

@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from posttrain.cli import app
 from trainer_core.checkpoint.manifest import MANIFEST_NAME
 from trainer_core.errors import EXIT_GATE_FAILED
-from trainer_core.modeling.forward import IMPLICIT_REWARD_KEY
+from trainer_core.modeling.forwards.rewards import IMPLICIT_REWARD_KEY
 from trainer_core.storage import RunLayout
 
 pytestmark = pytest.mark.slow

@@ -23,14 +23,14 @@ from flows.pipeline import post_training_pipeline
 from tests.shared_data import GSM8K, HH, needs_shared_data
 from trainer_core.config import LoraConfig, RolloutGenerationConfig, load_config
 from trainer_core.data.batching import collate_causal, collate_prompts_left
-from trainer_core.data.tokenizer import encode_chat
 from trainer_core.data.prepared import load_split
+from trainer_core.data.tokenizer import encode_chat
+from trainer_core.errors import ConfigError
 from trainer_core.generation.completions import generate_completions, messages_of, prompt_ids
 from trainer_core.generation.engines import HFEngine, StaticCacheEngine
-from trainer_core.errors import ConfigError
+from trainer_core.modeling.forwards.kernels import chunked_linear_logprobs
 from trainer_core.modeling.gguf import IMPORT_STAGE, IMPORTS_DIR, is_gguf
 from trainer_core.modeling.lora import apply_lora, default_target_modules
-from trainer_core.objectives.chunked import chunked_linear_logprobs
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "smollm2-gsm8k.yaml"

@@ -3,7 +3,7 @@ Qwen2.5-0.5B architecture (vocabulary 151,936), peak memory under 40 GiB, the st
 
 Before issue 13 this ran out of memory on an H100 (a float32 log-softmax over [N, T, V] for the
 entropies: 18.5 GiB with 69.7 GiB in use). Now the completion tokens' log-probs and entropies
-come from the chunked LM head (``trainer_core.training.rl.rollout.completion_forward``), the forwards over
+come from the chunked LM head (``trainer_core.modeling.forwards.completion.completion_forward``), the forwards over
 the rollout batch go ``forward_micro_batch_size`` rows at a time, and the update is cut into
 mini-batches and micro-batches.
 

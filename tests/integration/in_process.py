@@ -13,6 +13,7 @@ import torch
 from tests.integration.helpers import TinyPipeline
 from trainer_core.data.batching import BucketedBatchSampler, collate_causal, collate_pairs
 from trainer_core.data.prepared import load_split, load_tokenizer_from
+from trainer_core.modeling.forwards.pairs import reference_logprobs
 from trainer_core.modeling.models import load_causal_lm, load_reward_model
 from trainer_core.training.supervised import (
     DPOObjective,
@@ -21,7 +22,6 @@ from trainer_core.training.supervised import (
     causal_source,
     collate_with_reference,
     pair_source,
-    reference_logprobs,
 )
 
 

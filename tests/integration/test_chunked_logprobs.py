@@ -29,17 +29,12 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when torchrun runs this file
 
-from trainer_core.modeling.forward import unwrap_causal_lm  # noqa: E402
+from trainer_core.modeling.forwards.heads import unwrap_causal_lm  # noqa: E402
+from trainer_core.modeling.forwards.pairs import concat_pairs, reference_logprobs  # noqa: E402
 from trainer_core.objectives.dpo import PairLogprobs, dpo_loss  # noqa: E402
 from trainer_core.objectives.logprobs import compute_logprobs, sequence_logprobs, shift_mask  # noqa: E402
 from trainer_core.objectives.sft import sft_loss  # noqa: E402
-from trainer_core.training.supervised import (  # noqa: E402
-    DPOObjective,
-    SFTObjective,
-    collate_with_reference,
-    concat_pairs,
-    reference_logprobs,
-)
+from trainer_core.training.supervised import DPOObjective, SFTObjective, collate_with_reference  # noqa: E402
 
 VOCAB, CHUNK, BETA, PAD_ID = 300, 4, 0.5, 0
 TOL = 1e-5

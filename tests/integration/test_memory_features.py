@@ -119,7 +119,7 @@ def train_step(backend: Any, model: nn.Module, batch: dict[str, Tensor], count_c
     model, optimizer = backend.setup_optimizer(model, optimizer, TrainStageConfig(micro_batch_size=2, grad_accum_steps=1))
     with backend.grad_sync(model, is_last_micro_batch=True):
         with backend.autocast():
-            out = model(**batch, use_cache=False)  # as trainer_core.modeling.forward calls it
+            out = model(**batch, use_cache=False)  # as trainer_core.modeling.forwards calls it
         backend.backward(model, out.loss / backend.world_size)
     grads = full_grads(backend, model)
     first_param = next(backend.unwrap(model).parameters())

@@ -35,11 +35,12 @@ from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.config import GenerationConfig, GRPOConfig, PPOConfig, load_config
 from trainer_core.errors import ConfigError
 from trainer_core.generation.engines import HFEngine
+from trainer_core.modeling.forwards.completion import PolicyAndValue, value_head_for
 from trainer_core.objectives.ppo import whiten
 from trainer_core.spec import StageSpec, build_spec
-from trainer_core.training.rl.algorithms import PPOAlgorithm
 from trainer_core.storage import StageLayout, join_uri
-from trainer_core.training.rl.rollout import PolicyAndValue, RolloutBatch, value_head_for
+from trainer_core.training.rl.algorithms import PPOAlgorithm
+from trainer_core.training.rl.rollout import RolloutBatch
 from trainer_core.training.rl.trainer import RLTrainer, check_rl_config
 
 from .helpers import (

@@ -27,10 +27,10 @@ from trainer_core.backends import build_backend
 from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.config import BackendConfig, GRPOConfig
 from trainer_core.generation.engines import Generated, GenerationEngine
+from trainer_core.modeling.forwards.completion import PolicyAndValue
 from trainer_core.modeling.models import load_causal_lm
 from trainer_core.training.rl.algorithms import GRPOAlgorithm
 from trainer_core.training.rl.rewards import PromptItem
-from trainer_core.training.rl.rollout import PolicyAndValue
 from trainer_core.training.rl.trainer import RLTrainer
 
 RTOL = 1e-5

@@ -24,7 +24,7 @@ runs its own code:
   generation engine replaced by one that replays the fixed completions
   (:class:`~tests.parity.grpo_case.ReplayEngine`) and its reward function by the fixed rewards.
   ``RLTrainer.rollout`` collates the prompts, computes the old and reference log-probs
-  (``rollout.policy_forward`` / ``completion_forward``) and the advantages
+  (``completion_forward`` of the policy and of the reference) and the advantages
   (``GRPOAlgorithm.prepare``); then, the current weights loaded, ``RLTrainer.train_step``
   forwards, takes ``GRPOAlgorithm.loss`` under the loop's ``MiniBatchCounts``, backwards and steps
   an optimizer that records the gradients it is given
@@ -59,7 +59,7 @@ estimator (``rloo`` is ``test_rloo_parity.py``'s), DAPO's dynamic sampling and o
 
 Tolerance: 1e-5 (the issue's bar). Both sides run the same fp32 arithmetic in another order: the
 LM head on the completion positions only, in chunks, with ``cross_entropy``
-(``trainer_core/training/rl/rollout.py``, ``objectives/chunked.py``) against TRL's fused, tiled
+(``trainer_core/modeling/forwards/completion.py``, ``kernels.py``) against TRL's fused, tiled
 head on every position (``trl/trainer/utils.py``, ``add_fused_lm_head``); position ids that skip
 the left padding here, counted from the first pad there (RoPE depends on position differences
 only, so the two agree up to the rounding of the angles); the sums over other shapes. Each
@@ -122,8 +122,9 @@ from tests.parity.trl_oracle import (  # noqa: E402
     word_tokenizer,
 )
 from trainer_core.config import GRPOConfig  # noqa: E402
+from trainer_core.modeling.forwards.completion import completion_forward  # noqa: E402
 from trainer_core.objectives.ppo import kl_k3  # noqa: E402
-from trainer_core.training.rl.rollout import RolloutBatch, policy_forward  # noqa: E402
+from trainer_core.training.rl.rollout import RolloutBatch  # noqa: E402
 from trainer_core.training.rl.trainer import RLTrainer  # noqa: E402
 
 LOSS_TYPES = {"grpo": "sequence_mean", "bnpo": "token_mean", "dapo": "token_mean", "dr_grpo": "constant"}
@@ -359,7 +360,7 @@ def test_kl_term_is_deepseekmath_k3_not_trls_bias_corrected_default(weights, tmp
     With ``use_bias_correction_kl=False`` TRL agrees with the project (the cases above). With the
     default, TRL's loss is the project's plus ``beta`` times the aggregated ``k3 x (ratio - 1)``, and
     its gradient the project's plus that term's: the term is computed here from the project's
-    numbers (its rollout's old and reference log-probs, ``policy_forward`` at the current weights,
+    numbers (its rollout's old and reference log-probs, ``completion_forward`` at the current weights,
     the ``sequence_mean`` of this case) and both sums are held to TRL's default like the cases
     above. The two definitions' losses and gradients (L2) differ by more than 10 x the bar."""
     case = Case("grpo", True, 0.04)
@@ -367,7 +368,7 @@ def test_kl_term_is_deepseekmath_k3_not_trls_bias_corrected_default(weights, tmp
     name = "GRPO grpo, KL 0.04 vs TRL's default use_bias_correction_kl"
     ours, batch, trainer = run_project(case, weights)
     theirs = run_trl(case, weights, ours.rows, tmp_path, use_bias_correction_kl=True)
-    current = policy_forward(trainer.module, batch, temperature=TEMPERATURE, with_values=False).logprobs
+    current = completion_forward(trainer.module, batch, temperature=TEMPERATURE, with_values=False).logprobs
     mask = batch.completion_mask
     per_token = kl_k3(current, batch.ref_logprobs) * (torch.exp(current - batch.logprobs) - 1.0) * mask
     term = case.beta * (per_token.sum(1) / mask.sum(1)).mean()

@@ -117,8 +117,9 @@ from tests.parity.trl_oracle import (  # noqa: E402
     word_tokenizer,
 )
 from trainer_core.config import GRPOConfig  # noqa: E402
+from trainer_core.modeling.forwards.completion import completion_forward  # noqa: E402
 from trainer_core.training.rl.algorithms import GRPOAlgorithm  # noqa: E402
-from trainer_core.training.rl.rollout import RolloutBatch, policy_forward  # noqa: E402
+from trainer_core.training.rl.rollout import RolloutBatch  # noqa: E402
 from trainer_core.training.rl.trainer import RLTrainer  # noqa: E402
 
 BETA = 0.04
@@ -368,7 +369,7 @@ def test_ratio_is_per_token_not_per_completion(weights, tmp_path):
     Rollout scored at the "old" weights, loss at the "current" ones, no KL, clip 0.2. TRL's loss,
     every gradient element and its logged (per-completion) clip ratio are recomputed from the
     project's numbers under TRL's definition (the project's rollout log-probs and advantages,
-    ``policy_forward`` at the current weights) and held to the module's tolerances (the loss's
+    ``completion_forward`` at the current weights) and held to the module's tolerances (the loss's
     scale: the largest ``|A_i| x max(ratio_i, 1)``). The project's own loss and gradient
     (``constant`` x ``max_new_tokens``, the form that matches on-policy) differ from TRL's by more
     than 1e-3 relative (``check_departure``'s minimum, 100 x the bar; the gradient in L2),
@@ -379,7 +380,7 @@ def test_ratio_is_per_token_not_per_completion(weights, tmp_path):
     module = trainer.module
     module.zero_grad(set_to_none=True)
     mask, advantages = batch.completion_mask, batch.advantages[:, 0]
-    current = policy_forward(module, batch, temperature=TEMPERATURE, with_values=False).logprobs
+    current = completion_forward(module, batch, temperature=TEMPERATURE, with_values=False).logprobs
     ratio = torch.exp(((current - batch.logprobs) * mask).sum(1))
     clipped = ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS)
     loss = -torch.min(ratio * advantages, clipped * advantages).mean()

@@ -61,6 +61,7 @@ from trainer_core.config.stages import (  # noqa: E402
     RewardModelConfig,
     SFTConfig,
 )
+from trainer_core.modeling.forwards.pairs import reference_logprobs  # noqa: E402
 from trainer_core.modeling.models import load_causal_lm, load_reward_model  # noqa: E402
 from trainer_core.training.supervised import (  # noqa: E402
     DPOObjective,
@@ -72,7 +73,6 @@ from trainer_core.training.supervised import (  # noqa: E402
     eval_batches,
     kto_source,
     pair_source,
-    reference_logprobs,
 )
 
 TRL_VERSION = "1.16.0"

@@ -27,7 +27,7 @@ clipping, in fp32 on the CPU, one process each, no gradient accumulation.
 
 Tolerance (:func:`check_close`): ``|ours - trl| <= RTOL |trl| + atol``. The two sides do the same
 arithmetic in another order: the project's LM head runs on completion positions only, in chunks
-(``trainer_core/modeling/forward.py``), TRL's fused head (``trl/trainer/utils.py``,
+(``trainer_core/modeling/forwards/token.py``), TRL's fused head (``trl/trainer/utils.py``,
 ``add_fused_lm_head``) on every position, then masks; the log-softmax is ``cross_entropy`` here,
 TRL's chunked kernel there; the project's reference log-probs come from length-sorted batches
 (other padding), TRL's from the training batch. Each differs by a few fp32 ulps (~1e-7

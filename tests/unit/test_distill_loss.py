@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from trainer_core.objectives.distill import chunked_generalized_jsd, generalized_jsd
+from trainer_core.modeling.forwards.kernels import chunked_generalized_jsd
+from trainer_core.objectives.distill import generalized_jsd
 
 
 def test_hand_worked_values():
@@ -77,15 +78,20 @@ def _tiny_llama(hidden: int, seed: int):
 
 
 def test_the_students_forward_gives_the_divergence_of_the_two_models_full_logits():
-    """The update's forward (``policy_forward`` with a ``TeacherTarget``: the teacher's hidden
+    """The update's forward (``completion_forward`` with a ``TeacherTarget``: the teacher's hidden
     states from ``completion_hidden``, its head from ``frozen_head``) equals ``generalized_jsd`` of
     the two models' full logits at the student's tokens (left-padded prompts, a padded completion,
     a tool observation not counted), 0 elsewhere; the gradient reaches the student only."""
-    from trainer_core.training.rl.rollout import (
-        Completions, PolicyAndValue, TeacherTarget, completion_hidden, completion_inputs, completion_start,
-        policy_forward,
+    from trainer_core.modeling.forwards.completion import (
+        Completions,
+        PolicyAndValue,
+        TeacherTarget,
+        completion_forward,
+        completion_hidden,
+        completion_inputs,
+        completion_start,
     )
-    from trainer_core.modeling.forward import frozen_head
+    from trainer_core.modeling.forwards.heads import frozen_head
 
     student, teacher = PolicyAndValue(_tiny_llama(16, 0)), _tiny_llama(24, 1).requires_grad_(False)
     prompt_ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
@@ -96,7 +102,7 @@ def test_the_students_forward_gives_the_divergence_of_the_two_models_full_logits
     batch = Completions(prompt_ids, prompt_mask, completion_ids, completion_mask, observation_mask=observation_mask)
     for beta in (0.0, 0.5, 1.0):
         target = TeacherTarget(completion_hidden(teacher, batch), *frozen_head(teacher), beta=beta, temperature=0.7)
-        out = policy_forward(student, batch, temperature=0.7, with_values=False, teacher=target)
+        out = completion_forward(student, batch, temperature=0.7, with_values=False, teacher=target)
         inputs, start = completion_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask,
                                           observation_mask), completion_start(prompt_ids)
         expected = generalized_jsd(student.policy(**inputs).logits[:, start:-1], teacher(**inputs).logits[:, start:-1],

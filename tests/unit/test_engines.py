@@ -39,7 +39,7 @@ from trainer_core.generation.static_decode import (
     grouped_decode_attention,
     sdpa_grouped_decode,
 )
-from trainer_core.training.rl import rollout
+from trainer_core.modeling.forwards.completion import PolicyAndValue
 
 PAD, EOS, VOCAB = 0, 1, 64
 PROMPT_LENGTHS = (3, 7, 5, 1, 7, 2)
@@ -443,7 +443,7 @@ def test_static_engine_load_weights(policy):
     assert engine.model is target
     pointer = target.lm_head.weight.data_ptr()
     engine.load_weights(target)
-    engine.load_weights(rollout.PolicyAndValue(policy))
+    engine.load_weights(PolicyAndValue(policy))
     assert target.lm_head.weight.data_ptr() == pointer
     assert torch.equal(target.lm_head.weight, policy.lm_head.weight)
     want = _run(StaticCacheEngine(policy, "cpu"), _gen(), 4)

@@ -16,6 +16,7 @@ from trainer_core.config import RolloutGenerationConfig
 from trainer_core.data.tokenizer import train_tokenizer
 from trainer_core.errors import ConfigError
 from trainer_core.generation.engines import HFEngine, StaticCacheEngine
+from trainer_core.modeling.forwards.completion import Completions, completion_forward
 from trainer_core.training.rl.environments import (
     CalculatorEnvironment,
     CalculatorError,
@@ -27,7 +28,6 @@ from trainer_core.training.rl.environments import (
     safe_arithmetic,
 )
 from trainer_core.training.rl.rewards import PromptItem
-from trainer_core.training.rl.rollout import Completions, completion_forward
 
 TEXTS = ["Tom has 3+5=<<3+5=8>>8 apples.", "Ann has 9-2=<<9-2=7>>7 pens.", "one plus two is three"]
 

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from trainer_core.modeling.forward import masked_nll_sum, masked_token_logprobs
-from trainer_core.objectives.chunked import chunked_linear_logprobs, nll_sum_kernel
+from trainer_core.modeling.forwards.kernels import chunked_linear_logprobs, nll_sum_kernel
+from trainer_core.modeling.forwards.token import masked_nll_sum, masked_token_logprobs
 from trainer_core.objectives.logprobs import compute_logprobs, shift_mask
 from trainer_core.objectives.sft import sft_loss
 
@@ -189,7 +189,7 @@ def test_packing_is_refused_for_a_model_whose_rows_would_see_each_other():
     from transformers import OPTConfig
 
     from trainer_core.errors import ConfigError
-    from trainer_core.modeling.forward import check_packed_rows_apart
+    from trainer_core.modeling.forwards.padding_free import check_packed_rows_apart
 
     llama = _model().train()
     check_packed_rows_apart(_Wrapper(llama), "sft.max_tokens_per_micro_batch")
@@ -317,7 +317,7 @@ def test_liger_nll_sum_matches_the_chunked_head_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("liger_kernel")
-    from trainer_core.objectives.chunked import NLL_SUM_KERNELS
+    from trainer_core.modeling.forwards.kernels import NLL_SUM_KERNELS
 
     device = torch.device("cuda")
     assert nll_sum_kernel(device) == "liger"

@@ -180,9 +180,10 @@ def test_truncated_importance_weights_scale_the_policy_term_not_the_kl():
     """With ``is_weights`` the policy loss of each token is weighted (verl's tis_imp_ratio_cap),
     the KL term is not: at ratio 1, A = 1, weights 0 the loss is kl_coef x KL alone."""
     from trainer_core.config import GRPOConfig
+    from trainer_core.modeling.forwards.completion import PolicyForward
     from trainer_core.training.rl.algorithms import GRPOAlgorithm
     from trainer_core.training.rl.batches import MiniBatchCounts
-    from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
+    from trainer_core.training.rl.rollout import RolloutBatch
 
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     logprobs = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from trainer_core.config import ModelConfig
 from trainer_core.data.batching import collate_pairs, collate_pairs_packed
 from trainer_core.mlflow_model import _directory_task
-from trainer_core.modeling.forward import (
+from trainer_core.modeling.forwards.pairs import pair_logprobs, pair_rewards
+from trainer_core.modeling.forwards.rewards import (
     IMPLICIT_REWARD_KEY,
     implicit_reward_beta,
     mark_implicit_reward,
@@ -27,7 +28,7 @@ from trainer_core.modeling.forward import (
 )
 from trainer_core.modeling.models import load_reward_model
 from trainer_core.objectives.dpo import PairLogprobs, simpo_loss
-from trainer_core.training.supervised import RewardObjective, collate_with_reference, pair_logprobs, pair_rewards
+from trainer_core.training.supervised import RewardObjective, collate_with_reference
 
 PAD, VOCAB, BETA = 0, 64, 2.0
 

@@ -28,14 +28,13 @@ from trainer_core.data.batching import (
     iterate_batches,
 )
 from trainer_core.errors import ConfigError
+from trainer_core.modeling.forwards.pairs import pair_logprobs, pair_rewards
 from trainer_core.training.supervised import (
     DPOObjective,
     RewardObjective,
     SFTObjective,
     causal_source,
     collate_with_reference,
-    pair_logprobs,
-    pair_rewards,
 )
 
 PAD = 0

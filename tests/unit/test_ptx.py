@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer_core.errors import ConfigError
+from trainer_core.modeling.forwards.completion import PolicyAndValue, completion_forward
 from trainer_core.training.rl.ptx import (
     check_demonstrations,
     collate_demonstrations,
@@ -15,7 +16,6 @@ from trainer_core.training.rl.ptx import (
     ptx_row_indices,
     split_demonstration,
 )
-from trainer_core.training.rl.rollout import PolicyAndValue, policy_forward
 
 PAD = 0
 
@@ -74,7 +74,7 @@ def test_ptx_rows_come_from_the_step_alone():
 
 
 def test_ptx_loss_equals_the_causal_lm_loss_on_the_same_tokens():
-    """policy_forward at temperature 1 over the cut demonstrations gives, through ptx_nll, the mean
+    """completion_forward at temperature 1 over the cut demonstrations gives, through ptx_nll, the mean
     cross-entropy transformers computes with labels -100 outside the loss mask."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -82,7 +82,7 @@ def test_ptx_loss_equals_the_causal_lm_loss_on_the_same_tokens():
     rows = [{"input_ids": [3, 11, 12, 13, 14, 15], "loss_mask": [0, 0, 1, 1, 1, 0]},
             {"input_ids": [3, 21, 22, 23], "loss_mask": [0, 1, 1, 1]}]
     batch = collate_demonstrations(rows, PAD, "cpu")
-    out = policy_forward(PolicyAndValue(model, None), batch, temperature=1.0, with_values=False)
+    out = completion_forward(PolicyAndValue(model, None), batch, temperature=1.0, with_values=False)
     ours = ptx_nll(out.logprobs, batch.completion_mask, 1)
     nll_sum, count = 0.0, 0
     for row in rows:

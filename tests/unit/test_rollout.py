@@ -9,14 +9,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from trainer_core.config import GenerationConfig
 from trainer_core.generation.engines import HFEngine
-from trainer_core.training.rl.rollout import (
-    Completions,
-    PolicyAndValue,
-    RolloutBatch,
-    completion_forward,
-    policy_forward,
-    value_head_for,
-)
+from trainer_core.modeling.forwards.completion import Completions, PolicyAndValue, completion_forward, value_head_for
+from trainer_core.training.rl.rollout import RolloutBatch
 
 PAD, EOS, VOCAB = 0, 1, 12
 
@@ -108,8 +102,8 @@ def test_chunked_completion_forward_equals_full_logits(policy, temperature):
     head = value_head_for(policy)
     torch.nn.init.normal_(head.weight)
     model = PolicyAndValue(policy, head)
-    full = policy_forward(model, batch, temperature=temperature, with_values=True, full_logits=True)
-    out = policy_forward(model, batch, temperature=temperature, with_values=True)
+    full = completion_forward(model, batch, temperature=temperature, with_values=True, full_logits=True)
+    out = completion_forward(model, batch, temperature=temperature, with_values=True)
     torch.testing.assert_close(out.logprobs, full.logprobs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.entropies, full.entropies, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.values, full.values, atol=1e-5, rtol=1e-5)
@@ -134,8 +128,8 @@ def test_masked_row_scores_nothing(policy):
     ids, p_mask = _prompts()
     tokens, _ = _sample(policy, 2, max_new_tokens=4)
     model = PolicyAndValue(policy)
-    out = policy_forward(model, Completions(ids, p_mask, tokens, torch.zeros(tokens.shape)), temperature=1.0,
-                         with_values=False)
+    out = completion_forward(model, Completions(ids, p_mask, tokens, torch.zeros(tokens.shape)), temperature=1.0,
+                             with_values=False)
     assert (out.logprobs == 0).all() and (out.entropies == 0).all()
     out.logprobs.sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -149,7 +143,7 @@ def test_padding_free_forwards_equal_padded(policy, full_logits):
     ids restarting per row): log-probs, entropies, values on real tokens, the teacher's hidden
     states and the gradients equal the padded forward's within 1e-5, an environment's tokens and
     a row that counts nothing included."""
-    from trainer_core.training.rl.rollout import completion_hidden
+    from trainer_core.modeling.forwards.completion import completion_hidden
 
     ids, p_mask = _prompts()
     tokens, c_mask = _sample(policy, 2, max_new_tokens=6)
@@ -167,8 +161,8 @@ def test_padding_free_forwards_equal_padded(policy, full_logits):
         weights = torch.randn(mask.shape) * mask
         outs, grads = [], []
         for padding_free in (False, True):
-            out = policy_forward(model, batch, temperature=0.7, with_values=True, full_logits=full_logits,
-                                 padding_free=padding_free)
+            out = completion_forward(model, batch, temperature=0.7, with_values=True, full_logits=full_logits,
+                                     padding_free=padding_free)
             outs.append(out)
             grads.append(torch.autograd.grad((out.logprobs * weights).sum() + (out.values * mask).sum(), params))
         padded, packed = outs
@@ -201,8 +195,8 @@ def test_a_micro_batch_forwards_its_own_longest_row(policy):
     try:
         model = PolicyAndValue(policy)
         with torch.no_grad():
-            got = policy_forward(model, wide, temperature=1.0, with_values=False)
-            want = policy_forward(model, tight, temperature=1.0, with_values=False)
+            got = completion_forward(model, wide, temperature=1.0, with_values=False)
+            want = completion_forward(model, tight, temperature=1.0, with_values=False)
             ref = completion_forward(policy, wide, temperature=1.0)
     finally:
         hook.remove()

@@ -68,7 +68,7 @@ def _causal(rows: Sequence[dict], pad_id: int, prefix: str, length: int) -> dict
 def counted_index(loss_mask: Tensor) -> Tensor:
     """Flat positions, in ``loss_mask.flatten()`` order, of the tokens whose NEXT token is counted.
 
-    The forward (:mod:`trainer_core.modeling.forward`) selects the hidden states that predict counted
+    The forward (:mod:`trainer_core.modeling.forwards.token`) selects the hidden states that predict counted
     tokens with it (``hidden.reshape(B * T, H).index_select(0, index)``, targets at ``index + 1``);
     computed on the host at collation, it spares the device a data-dependent selection (a host
     synchronisation on CUDA) in every step.
@@ -264,3 +264,8 @@ def collate_pairs_packed(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]
 def is_packed(batch: dict[str, Tensor]) -> bool:
     """True for a batch of :func:`collate_causal_packed` / :func:`collate_pairs_packed`."""
     return "sequence_ids" in batch
+
+
+def num_pairs(batch: dict[str, Tensor]) -> int:
+    """Preference pairs in a host or device batch, padded or packed (its shapes only: no sync)."""
+    return batch["last_token_index"].shape[0] // 2 if is_packed(batch) else batch["chosen_input_ids"].shape[0]

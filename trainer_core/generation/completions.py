@@ -21,7 +21,7 @@ from trainer_core.config.generation import engine_problem
 from trainer_core.data.batching import collate_causal, collate_prompts_left
 from trainer_core.data.tokenizer import encode_chat
 from trainer_core.errors import ConfigError
-from trainer_core.modeling.forward import sequence_rewards
+from trainer_core.modeling.forwards.rewards import sequence_rewards
 
 if TYPE_CHECKING:
     from trainer_core.backends import Backend
@@ -136,7 +136,7 @@ def reward_scores(
     device: torch.device,
 ) -> list[float]:
     """The reward model's score of each (prompt messages, completion), in either parameterisation
-    (:func:`~trainer_core.modeling.forward.sequence_rewards`), in the order given.
+    (:func:`~trainer_core.modeling.forwards.rewards.sequence_rewards`), in the order given.
 
     The rows go to the model ``batch_size`` at a time, longest first, so that each padded batch
     holds rows of like length (as many forwards as in the given order: ranks that score their own

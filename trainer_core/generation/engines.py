@@ -12,7 +12,7 @@ top-p cut ("engine log-probs"): the trainer recomputes them with its own forward
 (``rollout/logprob_diff_*``) or weights the loss by their ratio (truncated importance sampling;
 Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training").
 Temperature 0 is greedy; its log-probs are then those of the unscaled logits (0 counts as 1,
-as in ``rollout.completion_logprobs``). A row ends after its EOS token.
+as in :func:`~trainer_core.objectives.logprobs.completion_logprobs_entropies`). A row ends after its EOS token.
 
 Engines (:data:`ENGINES`, chosen by ``generation.engine``):
 
@@ -67,7 +67,7 @@ from torch import Tensor, nn
 
 from trainer_core.config import GenerationConfig
 from trainer_core.generation.decode_session import DecodeSession
-from trainer_core.generation.sampling import exponential_noise, next_tokens, sample_with_noise, token_logprobs
+from trainer_core.generation.sampling import exponential_noise, next_tokens, sample_with_noise
 from trainer_core.generation.static_decode import (
     CompletionBuffers,
     DecodeGraph,
@@ -81,6 +81,7 @@ from trainer_core.generation.static_decode import (
     is_sharded,
     typed_static_cache,
 )
+from trainer_core.objectives.logprobs import token_logprobs
 
 CHECK_EVERY_STEPS = 16
 """Decode steps between "all rows ended?" host reads with a compiled (CUDA-graph) decode step."""

@@ -1,7 +1,8 @@
 """Token sampling for the generation engines (:mod:`trainer_core.generation.engines`): the draws of the RL
 stages' sampling loop before the engines (``torch.multinomial`` on the temperature-scaled,
 top-p-filtered softmax), and the same draws as plain tensor maths that compile into a decode step
-(:func:`sample_with_noise`, fed Exp(1) noise by :func:`exponential_noise`).
+(:func:`sample_with_noise`, fed Exp(1) noise by :func:`exponential_noise`). The log-prob of each
+drawn token is :func:`~trainer_core.objectives.logprobs.token_logprobs`.
 
 Shapes: N rows, V vocabulary; logits any float dtype (computed in float32), tokens ``torch.long``.
 """
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor
 
 from trainer_core.config import GenerationConfig
+from trainer_core.objectives.logprobs import token_logprobs
 
 
 def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
@@ -40,13 +42,6 @@ def next_tokens(logits: Tensor, gen: GenerationConfig, generator: torch.Generato
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
-    """[N] float32 log-probs of ``tokens`` [N] under softmax(logits [N, V] / temperature), no top-p
-    cut (temperature 0 counts as 1)."""
-    scale = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits.float() / scale, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-
-
 def exponential_noise(noise: Tensor, generator: torch.Generator) -> Tensor:
     """Fill [N, V] float32 ``noise`` with Exp(1) draws from ``generator``, in place, and return it."""
     return noise.exponential_(1.0, generator=generator)
@@ -55,7 +50,7 @@ def exponential_noise(noise: Tensor, generator: torch.Generator) -> Tensor:
 def sample_with_noise(logits: Tensor, noise: Tensor | None, temperature: float,
                       top_p: float) -> tuple[Tensor, Tensor]:
     """[N] tokens sampled from [N, V] logits, with their [N] float32 log-probs (as
-    :func:`token_logprobs`), given [N, V] float32 Exp(1) ``noise`` (None when greedy).
+    :func:`~trainer_core.objectives.logprobs.token_logprobs`), given [N, V] float32 Exp(1) ``noise`` (None when greedy).
 
     ``torch.multinomial(probs, 1)`` draws exactly this way: ``q = empty_like(probs).exponential_()``,
     then ``argmax(probs / q)`` (the exponential race, i.e. the Gumbel-max trick; ATen's

@@ -4,8 +4,8 @@
   URI, a LoRA adapter directory), save in Hugging Face format.
 - :mod:`~trainer_core.modeling.lora`: LoRA adapters (``peft``): inject, disable for the
   reference, merge on commit.
-- :mod:`~trainer_core.modeling.forward`: causal-LM forwards that run the LM head on counted
-  tokens only, in chunks, inside any backend's wrapper.
+- :mod:`~trainer_core.modeling.forwards`: every forward (token, pair, reward, completion, the LM
+  head's kernels): the LM head on counted tokens only, in chunks, inside any backend's wrapper.
 - :mod:`~trainer_core.modeling.architecture`: a model's repeated transformer blocks (what FSDP2
   shards, activation checkpointing recomputes and LoRA adapts).
 """

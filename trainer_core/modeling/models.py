@@ -37,7 +37,7 @@ from transformers import (
 
 from trainer_core.config import ModelConfig
 from trainer_core.errors import ConfigError
-from trainer_core.modeling.forward import IMPLICIT_REWARD_KEY
+from trainer_core.modeling.forwards.rewards import IMPLICIT_REWARD_KEY
 from trainer_core.modeling.lora import (
     ADAPTER_CONFIG,
     adapter_base_model,
@@ -215,7 +215,7 @@ def load_reward_model(
 ) -> nn.Module:
     """A sequence-classification model with one output (``num_labels=1``): the reward; or, from
     the directory of an implicit reward model (a causal LM whose config carries
-    :data:`~trainer_core.modeling.forward.IMPLICIT_REWARD_KEY`), that causal LM.
+    :data:`~trainer_core.modeling.forwards.rewards.IMPLICIT_REWARD_KEY`), that causal LM.
 
     From a causal-LM directory (the SFT output) the backbone is reused and the score head is
     freshly initialised (seeded); from a reward-model directory everything is loaded.

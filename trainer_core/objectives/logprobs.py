@@ -1,6 +1,10 @@
-"""Per-token log-probabilities shared by every objective.
+"""Per-token log-probabilities from logits, shared by every objective: pure functions of tensors.
 
-Shape legend: B batch, T tokens, V vocabulary.
+The forwards that produce the logits (or the log-probs without them, the LM head in chunks) take
+a model and live in :mod:`trainer_core.modeling.forwards`; these take what a forward gives.
+
+Shape legend: B batch, T tokens, V vocabulary; N rows, P prompt and T completion tokens for the
+RL stages' completions.
 """
 
 from __future__ import annotations
@@ -57,3 +61,35 @@ def sequence_logprobs(logprobs: Tensor, mask: Tensor) -> Tensor:
         [B] summed log-probabilities (the log-likelihood of each completion).
     """
     return (logprobs * mask).sum(dim=-1)
+
+
+def completion_logprobs_entropies(
+    logits: Tensor, input_ids: Tensor, completion_mask: Tensor, start: int, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies of the completion tokens from a forward over ``[prompt | completion]``.
+
+    Args:
+        logits: [N, P + T, V] the model's logits over ``input_ids``.
+        input_ids: [N, P + T] long, from
+            :func:`~trainer_core.modeling.forwards.completion.completion_inputs`.
+        completion_mask: [N, T] 1 = real completion token.
+        start: :func:`~trainer_core.modeling.forwards.completion.completion_start` of the prompts.
+        temperature: logits are divided by it (0 counts as 1).
+
+    Returns:
+        (logprobs [N, T] float32 zeroed on padding, entropies [N, T] float32 detached).
+    """
+    scale = temperature if temperature > 0 else 1.0
+    logits = logits[:, start:, :].float() / scale  # [N, T + 1, V]; position t predicts token t
+    logprobs = compute_logprobs(logits, input_ids[:, start:]) * completion_mask
+    with torch.no_grad():
+        log_p = torch.log_softmax(logits[:, :-1], dim=-1)
+        entropies = -(log_p.exp() * log_p).sum(-1) * completion_mask
+    return logprobs, entropies
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+    """[N] float32 log-probs of ``tokens`` [N] under softmax(logits [N, V] / temperature), no top-p
+    cut (temperature 0 counts as 1)."""
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits.float() / scale, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)

@@ -21,7 +21,7 @@ from trainer_core.checkpoint.lease import WriteFence, check_fence
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
 from trainer_core.config import OptimizerStageConfig, PipelineConfig, TrainStageConfig
 from trainer_core.data.prepared import load_split
-from trainer_core.modeling.forward import check_packed_rows_apart
+from trainer_core.modeling.forwards.padding_free import check_packed_rows_apart
 from trainer_core.spec import StageSpec
 from trainer_core.stages.model_sources import ModelSources
 from trainer_core.storage import StageLayout
@@ -172,7 +172,7 @@ def train_stage(
     """Resume from the latest checkpoint if any, train, and return the stage's final metrics.
 
     Packed micro-batches (``max_tokens_per_micro_batch``) need a model that keeps packed rows
-    apart (:func:`~trainer_core.modeling.forward.check_packed_rows_apart`, ConfigError otherwise).
+    apart (:func:`~trainer_core.modeling.forwards.padding_free.check_packed_rows_apart`, ConfigError otherwise).
 
     A mixture-of-experts model trains with its routers' load-balancing loss (``cfg.moe``) and
     logs its expert usage (:mod:`trainer_core.training.moe`)."""

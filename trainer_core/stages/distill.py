@@ -18,7 +18,7 @@ over the whole vocabulary (GKD, Agarwal et al. 2024, eq. 1, with ``beta``; TRL's
 ``GKDTrainer``): in each update step the teacher forwards the mini-batch again (no gradient) for
 its final hidden states, and the divergence is computed from both models' hidden states and
 heads a chunk of tokens at a time inside the student's forward
-(:func:`~trainer_core.objectives.distill.chunked_generalized_jsd`: no [N, T, V] tensor of either
+(:func:`~trainer_core.modeling.forwards.kernels.chunked_generalized_jsd`: no [N, T, V] tensor of either
 model), token mean over the student's tokens (tool observations excluded).
 
 With ``distill.lmbda`` below 1 (GKD's lambda, generalized_jsd only) an iteration trains, with

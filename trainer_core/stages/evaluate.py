@@ -63,6 +63,7 @@ from trainer_core.generation.completions import (
     prompt_ids,
     reward_scores,
 )
+from trainer_core.modeling.forwards.pairs import reference_logprobs
 from trainer_core.objectives.paired import (
     HARNESS_SAMPLES_FILE,
     SAMPLES_FILE,
@@ -84,7 +85,6 @@ from trainer_core.training.supervised import (
     collate_with_reference,
     evaluate_pairs,
     pair_source,
-    reference_logprobs,
 )
 
 log = logging.getLogger(__name__)

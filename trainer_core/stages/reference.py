@@ -18,11 +18,12 @@ from torch import nn
 
 from trainer_core.checkpoint.manifest import ArtifactWriter, load_verified
 from trainer_core.config import TrainStageConfig
+from trainer_core.modeling.forwards.pairs import reference_logprobs
 from trainer_core.modeling.lora import adapter_disabled
 from trainer_core.stages.context import StageContext
 from trainer_core.storage import join_uri, read_bytes
 from trainer_core.training.loop import BatchSource
-from trainer_core.training.supervised import reference_logprobs, rows_used
+from trainer_core.training.supervised import rows_used
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def load_or_compute_reference(
         splits: split -> prepared rows.
         batch_size: rows per reference forward.
         kind: ``pairs`` ([chosen, rejected]) or ``kto`` ([completion, KL completion]); see
-            :func:`~trainer_core.training.supervised.reference_logprobs`.
+            :func:`~trainer_core.modeling.forwards.pairs.reference_logprobs`.
         policy: the wrapped LoRA policy whose disabled adapter is the reference
             (``ctx.models.reference_is_disabled_adapter``), or None to load the reference input as its
             own model.

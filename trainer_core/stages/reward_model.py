@@ -3,7 +3,7 @@
 ``reward_model.parameterization`` picks the reward: a new scalar head on the SFT backbone
 (committed as an HF sequence classifier), or the implicit reward ``beta / |y| * log pi(y | x)`` of
 the SFT causal LM itself (committed as a causal LM marked as a reward model; see
-:func:`~trainer_core.modeling.forward.sequence_rewards`). The objective is
+:func:`~trainer_core.modeling.forwards.rewards.sequence_rewards`). The objective is
 :class:`~trainer_core.training.supervised.RewardObjective` for both.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config.stages import implicit_reward_problem
 from trainer_core.errors import ConfigError
-from trainer_core.modeling.forward import mark_implicit_reward
+from trainer_core.modeling.forwards.rewards import mark_implicit_reward
 from trainer_core.stages.commit import commit_final
 from trainer_core.stages.context import StageContext, train_stage
 from trainer_core.training.supervised import RewardObjective, pair_source

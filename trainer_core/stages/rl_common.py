@@ -16,9 +16,11 @@ from trainer_core.config import RLStageConfig
 from trainer_core.data.prepared import PreparedRows
 from trainer_core.errors import ConfigError
 from trainer_core.generation.completions import messages_of, prompt_ids
-from trainer_core.modeling.forward import check_packed_rows_apart
+from trainer_core.modeling.forwards.completion import PolicyAndValue, value_head_for
+from trainer_core.modeling.forwards.padding_free import check_packed_rows_apart
 from trainer_core.stages.context import StageContext
 from trainer_core.training.loop import summarize
+from trainer_core.training.rl.algorithms import Algorithm
 from trainer_core.training.rl.environments import Environment, load_environment
 from trainer_core.training.rl.rewards import (
     PromptItem,
@@ -28,8 +30,6 @@ from trainer_core.training.rl.rewards import (
     needs_answers,
     needs_reward_model,
 )
-from trainer_core.training.rl.rollout import PolicyAndValue, value_head_for
-from trainer_core.training.rl.algorithms import Algorithm
 from trainer_core.training.rl.trainer import RL_CHECKPOINT_LAYOUT, RLTrainer, check_rl_config
 
 log = logging.getLogger(__name__)

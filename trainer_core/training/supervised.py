@@ -1,7 +1,7 @@
 """The supervised loop's objectives (SFT, reward model, DPO, KTO) and their batch sources.
 
 Each objective implements :class:`~trainer_core.training.loop.Objective` from the pure losses of
-:mod:`trainer_core.objectives` and the forwards of :mod:`trainer_core.modeling.forward`; the stages
+:mod:`trainer_core.objectives` and the forwards of :mod:`trainer_core.modeling.forwards`; the stages
 (``stages/sft.py``, ``pretrain.py``, ``reward_model.py``, ``dpo.py``, ``kto.py``) train with them and ``stages/evaluate.py``
 scores held-out data with them.
 
@@ -30,20 +30,15 @@ from trainer_core.data.batching import (
     collate_pairs_packed,
     is_packed,
     iterate_batches,
+    num_pairs,
 )
 from trainer_core.data.prepared import row_lengths
 from trainer_core.errors import ConfigError
-from trainer_core.modeling.forward import (
-    implicit_reward_beta,
-    masked_nll_sum,
-    masked_token_logprobs,
-    packed_sequence_scores,
-    sequence_rewards,
-)
-from trainer_core.objectives.chunked import CHUNK_SIZE_TOKENS
+from trainer_core.modeling.forwards.kernels import CHUNK_SIZE_TOKENS
+from trainer_core.modeling.forwards.pairs import kto_inputs, pair_logprobs, pair_rewards
+from trainer_core.modeling.forwards.token import masked_nll_sum, padded_sequence_logprobs
 from trainer_core.objectives.dpo import LENGTH_NORMALISED, REFERENCE_FREE, PairLogprobs, preference_loss
 from trainer_core.objectives.kto import PER_LABEL_METRICS, kto_loss
-from trainer_core.objectives.logprobs import sequence_logprobs, shift_mask
 from trainer_core.objectives.reward import bradley_terry_loss
 from trainer_core.training.loop import BatchSource, Objective, StepOutput
 
@@ -88,7 +83,7 @@ def eval_batches(source: BatchSource, max_batches: int):
 class SFTObjective(Objective):
     """Masked next-token NLL; the count unit is a completion token.
 
-    The loss sum comes from :func:`~trainer_core.modeling.forward.masked_nll_sum` (the LM head on
+    The loss sum comes from :func:`~trainer_core.modeling.forwards.token.masked_nll_sum` (the LM head on
     completion positions only, in chunks or Liger's fused kernel), equal to
     ``sft_loss(masked_token_logprobs(...), mask)``.
 
@@ -140,11 +135,6 @@ def num_tokens(batch: dict[str, Tensor], prefix: str) -> int:
     return int(batch["attention_mask"].sum())
 
 
-def num_pairs(batch: dict[str, Tensor]) -> int:
-    """Preference pairs in a host or device batch, padded or packed (its shapes only: no sync)."""
-    return batch["last_token_index"].shape[0] // 2 if is_packed(batch) else batch["chosen_input_ids"].shape[0]
-
-
 def causal_source(
     rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True, max_tokens: int | None = None
 ):
@@ -164,38 +154,6 @@ def pair_source(
     lengths = np.maximum(chosen, rejected) if max_tokens is None else chosen + rejected
     collate = collate or partial(collate_pairs if max_tokens is None else collate_pairs_packed, pad_id=pad_id)
     return batch_source(rows, lengths, collate, micro_batch_size, seed, device, shuffle=shuffle, max_tokens=max_tokens)
-
-
-def concat_pairs(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """Stack chosen over rejected for one forward pass.
-
-    Args:
-        batch: ``chosen_*`` and ``rejected_*`` tensors, each [B, T] with a common T.
-
-    Returns:
-        (input_ids, attention_mask, loss_mask), each [2B, T]; rows [:B] are chosen.
-    """
-    return tuple(torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "attention_mask", "loss_mask"))
-
-
-def pair_rewards(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """Rewards of chosen and rejected completions, each [B] float32, from one forward of the
-    concatenated [2B, T] pairs or of a packed [1, S] batch, in the model's parameterisation
-    (:func:`~trainer_core.modeling.forward.sequence_rewards`: a scalar head, or the implicit
-    reward ``beta / |y| * log pi(y | x)``)."""
-    pairs = num_pairs(batch)
-    beta = implicit_reward_beta(model)
-    if not is_packed(batch):
-        input_ids, attention_mask, loss_mask = concat_pairs(batch)
-        rewards = sequence_rewards(model, input_ids, attention_mask, loss_mask, batch.get("counted_index"))
-    elif beta is None:
-        rewards = packed_sequence_scores(model, batch["input_ids"], batch["position_ids"], batch["last_token_index"])
-    else:
-        chosen, rejected = pair_logprobs(model, batch)
-        counted = batch["loss_mask"][0, 1:].float()  # as pair_logprobs sums: each sequence's tokens after its first
-        lengths = torch.zeros(2 * pairs, device=counted.device).index_add(0, batch["sequence_ids"][0, 1:], counted)
-        rewards = beta * torch.cat([chosen, rejected]) / lengths.clamp(min=1)
-    return rewards[:pairs], rewards[pairs:]
 
 
 class RewardObjective(Objective):
@@ -239,42 +197,6 @@ def evaluate_pairs(objective, model: nn.Module, source: BatchSource, max_batches
     return {k: v / max(totals[per[k]] if k in per else count, 1) for k, v in totals.items()}
 
 
-def pair_logprobs(
-    model: nn.Module, batch: dict[str, Tensor], chunk_size: int = CHUNK_SIZE_TOKENS
-) -> tuple[Tensor, Tensor]:
-    """Summed completion log-probs of chosen and rejected, each [B] float32, from one forward of the
-    concatenated [2B, T] pairs or of a packed [1, S] batch (summed per sequence by ``sequence_ids``).
-
-    ``model`` is an HF causal LM, plain or wrapped by a backend; its LM head runs on completion
-    positions only, ``chunk_size`` tokens at a time (:func:`~trainer_core.modeling.forward.masked_token_logprobs`).
-    """
-    pairs = num_pairs(batch)
-    if is_packed(batch):
-        loss_mask = batch["loss_mask"]
-        token_logprobs = masked_token_logprobs(
-            model, batch["input_ids"], None, loss_mask, chunk_size=chunk_size, position_ids=batch["position_ids"],
-            counted_index=batch.get("counted_index"),
-        )  # [1, S - 1], 0 where not counted (each sequence's first token included)
-        logprobs = torch.zeros(2 * pairs, dtype=token_logprobs.dtype, device=token_logprobs.device)
-        logprobs = logprobs.index_add(0, batch["sequence_ids"][0, 1:], token_logprobs[0])
-    else:
-        logprobs = padded_sequence_logprobs(model, *concat_pairs(batch), batch.get("counted_index"), chunk_size)
-    return logprobs[:pairs], logprobs[pairs:]
-
-
-def padded_sequence_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, counted_index: Tensor | None,
-    chunk_size: int = CHUNK_SIZE_TOKENS,
-) -> Tensor:
-    """Summed log-probs [B] float32 of the counted tokens of each padded [B, T] row, the LM head
-    on counted positions only (:func:`~trainer_core.modeling.forward.masked_token_logprobs`;
-    ``counted_index`` the collated batch's, or None)."""
-    token_logprobs = masked_token_logprobs(
-        model, input_ids, attention_mask, loss_mask, chunk_size=chunk_size, counted_index=counted_index
-    )
-    return sequence_logprobs(token_logprobs, shift_mask(loss_mask))
-
-
 def collate_with_reference(rows: list[dict], pad_id: int, packed: bool = False) -> dict[str, Tensor]:
     """:func:`collate_pairs` (``packed``: :func:`collate_pairs_packed`) plus ``chosen_lengths`` /
     ``rejected_lengths`` [B] float32 (completion tokens whose log-probs are summed) and, when the
@@ -312,7 +234,7 @@ class DPOObjective(_OfflinePreferenceObjective):
         eval_source: unshuffled held-out pairs, with their reference log-probs unless the loss
             is reference-free.
         eval_max_batches: cap on evaluated micro-batches.
-        chunk_size: tokens per chunk of the LM head (:func:`pair_logprobs`).
+        chunk_size: tokens per chunk of the LM head (:func:`~trainer_core.modeling.forwards.pairs.pair_logprobs`).
         loss_type: ``dpo.loss_type`` (``sigmoid``: DPO).
         label_smoothing: cDPO / rDPO / SimPO label smoothing.
         gamma: SimPO's target margin.
@@ -358,22 +280,6 @@ class DPOObjective(_OfflinePreferenceObjective):
         return StepOutput(loss_sum=losses.sum(), metric_sums=sums)
 
 
-def completion_logprobs(model: nn.Module, batch: dict[str, Tensor], prefix: str = "",
-                        chunk_size: int = CHUNK_SIZE_TOKENS) -> Tensor:
-    """:func:`padded_sequence_logprobs` of ``batch``'s ``<prefix>input_ids``, ``<prefix>attention_mask``,
-    ``<prefix>loss_mask`` and ``<prefix>counted_index``: [B] float32."""
-    keys = ("input_ids", "attention_mask", "loss_mask")
-    return padded_sequence_logprobs(
-        model, *(batch[f"{prefix}{k}"] for k in keys), batch.get(f"{prefix}counted_index"), chunk_size
-    )
-
-
-def kto_logprobs(model: nn.Module, batch: dict[str, Tensor], chunk_size: int = CHUNK_SIZE_TOKENS) -> tuple[Tensor, Tensor]:
-    """Summed log-probs of a :func:`~trainer_core.data.batching.collate_kto` batch's completions
-    and of its KL sequences' completions, each [B] float32 (two forwards)."""
-    return completion_logprobs(model, batch, "", chunk_size), completion_logprobs(model, batch, "kl_", chunk_size)
-
-
 class KTOObjective(_OfflinePreferenceObjective):
     """The KTO loss (:func:`~trainer_core.objectives.kto.kto_loss`); the count unit is an example.
 
@@ -414,8 +320,8 @@ class KTOObjective(_OfflinePreferenceObjective):
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         with torch.no_grad():
-            kl_logps = completion_logprobs(model, batch, "kl_", self.chunk_size)
-        logps = completion_logprobs(model, batch, "", self.chunk_size)
+            kl_logps = padded_sequence_logprobs(model, *kto_inputs(batch, "kl_"), self.chunk_size)
+        logps = padded_sequence_logprobs(model, *kto_inputs(batch, ""), self.chunk_size)
         kl = (kl_logps - batch["ref_kl_logprobs"]).mean()
         if self.mean_over_ranks is not None:
             kl = self.mean_over_ranks(kl)
@@ -431,47 +337,6 @@ def kto_source(rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, 
     lengths = np.maximum(row_lengths(rows, "input_ids"), row_lengths(rows, "kl_input_ids"))
     return batch_source(rows, lengths, partial(collate_kto, pad_id=pad_id), micro_batch_size, seed, device,
                         shuffle=shuffle)
-
-
-def _pair_length(row: dict) -> int:
-    return len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
-
-
-def _kto_length(row: dict) -> int:
-    return len(row["input_ids"]) + len(row["kl_input_ids"])
-
-
-@torch.no_grad()
-def reference_logprobs(
-    model: nn.Module, rows: list[dict], pad_id: int, batch_size: int, device, chunk_size: int = CHUNK_SIZE_TOKENS,
-    *, kind: str = "pairs",
-) -> list[list[float]]:
-    """Summed completion log-probs under ``model`` for each row, in row order: [chosen, rejected]
-    of preference pairs (``kind="pairs"``, :func:`pair_logprobs`) or [completion, KL completion]
-    of KTO examples (``kind="kto"``, :func:`kto_logprobs`).
-
-    ``model`` is the frozen reference, plain or as ``Backend.prepare_frozen`` placed it (an
-    FSDP2 module, a ZeRO-3 engine); its LM head runs on completion positions only, in chunks
-    of ``chunk_size`` tokens. Rows are batched in length order to limit padding; results are
-    put back in row order.
-
-    Raises:
-        ValueError: an unknown ``kind``.
-    """
-    if kind not in ("pairs", "kto"):
-        raise ValueError(f"unknown reference log-prob kind {kind!r} (pairs or kto)")
-    collate, forward, length = (
-        (collate_pairs, pair_logprobs, _pair_length) if kind == "pairs" else (collate_kto, kto_logprobs, _kto_length)
-    )
-    order = sorted(range(len(rows)), key=lambda i: length(rows[i]))
-    out: list[list[float]] = [[0.0, 0.0] for _ in rows]
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        batch = {k: v.to(device) for k, v in collate([rows[i] for i in idx], pad_id).items()}
-        first, second = forward(model, batch, chunk_size)
-        for i, a, b in zip(idx, first.tolist(), second.tolist()):
-            out[i] = [a, b]
-    return out
 
 
 def rows_used(source: BatchSource, num_micro_batches: int) -> list[int]:

@@ -223,7 +223,7 @@ def micro_batch_rows(lengths: Tensor, size: int | None) -> list[Tensor]:
     """The rows of each forward micro-batch: longest first, cut into micro-batches of ``size`` rows.
 
     Each micro-batch is cut to its own longest prompt and longest completion
-    (:meth:`~trainer_core.training.rl.rollout.Completions.trimmed`), so rows of like length go
+    (:meth:`~trainer_core.modeling.forwards.completion.Completions.trimmed`), so rows of like length go
     together (like verl's sequence balancing, but within a rank). Ties keep their order; the sort
     is deterministic, so a resumed run cuts as an uninterrupted one.
 

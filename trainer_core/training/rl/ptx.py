@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from trainer_core.backends.base import Backend
 from trainer_core.data.batching import collate_prompts_left, pad_sequences
 from trainer_core.errors import ConfigError
-from trainer_core.training.rl.rollout import Completions, policy_forward
+from trainer_core.modeling.forwards.completion import Completions, completion_forward
 
 
 @dataclass
@@ -60,7 +60,8 @@ def split_demonstration(row: dict) -> tuple[list[int], list[int], list[int]]:
 
 
 def collate_demonstrations(rows: Sequence[dict], pad_id: int, device: torch.device | str) -> PtxBatch:
-    """Batch prepared SFT rows for :func:`~trainer_core.training.rl.rollout.policy_forward` (see :class:`PtxBatch`).
+    """Batch prepared SFT rows for :func:`~trainer_core.modeling.forwards.completion.completion_forward`
+    (see :class:`PtxBatch`).
 
     Raises:
         ConfigError: a row without a completion (:func:`split_demonstration`).
@@ -150,7 +151,7 @@ def ptx_backward(model: nn.Module, backend: Backend, batch: PtxBatch, ptx_coef: 
     with_values = backend.unwrap(model).value_head is not None
     with backend.grad_sync(model, is_last_micro_batch=True):
         with backend.autocast():
-            out = policy_forward(model, batch, temperature=1.0, with_values=with_values, padding_free=padding_free)
+            out = completion_forward(model, batch, temperature=1.0, with_values=with_values, padding_free=padding_free)
             loss = ptx_nll(out.logprobs, batch.completion_mask, backend.world_size)
             objective = ptx_coef * loss + (0.0 * out.values.sum() if with_values else 0.0)
         backend.backward(model, objective)

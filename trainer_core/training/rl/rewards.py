@@ -281,7 +281,7 @@ class RewardModelReward:
 
     Args:
         model: a frozen reward model: a sequence classifier with one label, or an implicit
-            reward model (a causal LM; :func:`~trainer_core.modeling.forward.sequence_rewards`).
+            reward model (a causal LM; :func:`~trainer_core.modeling.forwards.rewards.sequence_rewards`).
         tokenizer: renders prompt + completion with the chat template.
         data: max lengths used to encode (as in training the reward model).
         batch_size: sequences per forward.

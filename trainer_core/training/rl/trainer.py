@@ -9,7 +9,7 @@ One iteration (``global_step`` counts iterations, as ``max_steps`` does), on eve
    (:mod:`trainer_core.generation.engines`, ``generation.engine``; with DAPO's dynamic sampling, more rounds
    until enough groups carry a signal), score them, and compute the rollout log-probs (and
    values), the reference log-probs (chunked LM head, ``forward_micro_batch_size`` rows per
-   forward: :mod:`trainer_core.training.rl.rollout`), the difference from the engine's log-probs (truncated
+   forward: :mod:`trainer_core.modeling.forwards.completion`), the difference from the engine's log-probs (truncated
    importance weights with ``importance_sampling_cap``) and the advantages without gradients
    (PPO and REINFORCE++ whiten with statistics summed over ranks);
 3. ``ppo_epochs`` passes over the rollout batch, each rank cutting its rows into
@@ -22,7 +22,7 @@ One iteration (``global_step`` counts iterations, as ``max_steps`` does), on eve
    rank's sequences and tokens with the iteration's time split (rank 0 prints them), checkpoint
    every ``save_every`` iterations.
 
-The trainable :class:`~trainer_core.training.rl.rollout.PolicyAndValue` goes through ``Backend.wrap`` and
+The trainable :class:`~trainer_core.modeling.forwards.completion.PolicyAndValue` goes through ``Backend.wrap`` and
 ``setup_optimizer`` whole (TRL's ``PolicyAndValueWrapper``: one optimizer over policy and value
 head). Gradient-free forwards call the unwrapped module (a DDP forward broadcasts buffers, a
 collective). Under a sharded backend (``Backend.sharded_forward``: FSDP2, ZeRO-3) every forward
@@ -63,6 +63,7 @@ from trainer_core.config import RLStageConfig
 from trainer_core.data.batching import collate_prompts_left
 from trainer_core.generation.completions import check_generation_engine
 from trainer_core.generation.engines import GenerationEngine, build_engine
+from trainer_core.modeling.forwards.completion import Completions, PolicyAndValue, PolicyForward, completion_forward
 from trainer_core.modeling.lora import adapter_disabled
 from trainer_core.objectives.ppo import AdaptiveKLController, FixedKLController
 from trainer_core.training.guard import check_finite_metrics, check_finite_tensors, finite_only, step_is_finite
@@ -77,9 +78,7 @@ from trainer_core.training.rl.dataset_completions import check_dataset_rows, dat
 from trainer_core.training.rl.environments import Environment, ToolSession
 from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward, ptx_batch
 from trainer_core.training.rl.rewards import PromptItem, RewardFunction
-from trainer_core.training.rl.rollout import (
-    Completions, PolicyAndValue, PolicyForward, RolloutBatch, completion_forward, masked_row, policy_forward,
-)
+from trainer_core.training.rl.rollout import RolloutBatch, masked_row
 from trainer_core.training.rl.state_files import (  # noqa: F401 (RL_CHECKPOINT_LAYOUT: also the loop's)
     RL_CHECKPOINT_LAYOUT, layout_problem, load_rl_state_files, rl_state_files,
 )
@@ -238,7 +237,7 @@ class RLTrainer:
         return concat_rounds(kept, self.tokenizer.pad_token_id), first, stats
 
     def _forward_rows(self, fn: Callable[..., PolicyForward], model: nn.Module, sample: SampledRound) -> PolicyForward:
-        """``fn(model, completions)`` (:func:`policy_forward`-like) over ``sample``'s rows,
+        """``fn(model, completions)`` (:func:`completion_forward`-like) over ``sample``'s rows,
         ``forward_micro_batch_size`` at a time, rows of like length together (:func:`micro_batch_rows`)."""
         g = sample.generated
         whole = Completions(sample.prompt_ids, sample.prompt_mask, g.completion_ids, g.policy_mask,
@@ -279,14 +278,12 @@ class RLTrainer:
             with timer.phase("logprobs"):
                 out = self._forward_rows(partial(self.forward), self.module, sample)
             ref = None
+            ref_fn = partial(completion_forward, temperature=temperature, padding_free=cfg.padding_free)
             if self.reference is not None:
                 with timer.phase("reference"):
-                    ref_fn = partial(completion_forward, temperature=temperature, padding_free=cfg.padding_free)
                     ref = self._forward_rows(ref_fn, self.reference, sample).logprobs
             elif self.reference_is_disabled_adapter:
                 with timer.phase("reference"), adapter_disabled(self.module):
-                    ref_fn = partial(policy_forward, temperature=temperature, with_values=False,
-                                     padding_free=cfg.padding_free)
                     ref = self._forward_rows(ref_fn, self.module, sample).logprobs
         batch = RolloutBatch(
             prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask,
@@ -312,11 +309,11 @@ class RLTrainer:
     # ----- update ------------------------------------------------------------------
 
     def forward(self, model: nn.Module, batch: Completions) -> PolicyForward:
-        """:func:`~trainer_core.training.rl.rollout.policy_forward` of ``batch`` under ``self.model``
+        """:func:`~trainer_core.modeling.forwards.completion.completion_forward` of ``batch`` under ``self.model``
         (training, through the backend's wrapper) or ``self.module`` (no gradients)."""
         temperature = self.cfg.generation.temperature
-        return policy_forward(model, batch, temperature=temperature, with_values=self.value_head is not None,
-                              padding_free=self.cfg.padding_free)
+        return completion_forward(model, batch, temperature=temperature, with_values=self.value_head is not None,
+                                  padding_free=self.cfg.padding_free)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """``ppo_epochs`` x ``num_mini_batches`` optimizer steps on the rollout batch; mean metrics.

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from trainer_core.modeling.forwards.completion import Completions, PolicyForward, TeacherTarget, completion_forward
 from trainer_core.training.rl.batches import MiniBatchCounts
-from trainer_core.training.rl.rollout import Completions, PolicyForward, RolloutBatch, TeacherTarget, policy_forward
+from trainer_core.training.rl.rollout import RolloutBatch
 
 AllReduceSum = Callable[[Tensor], Tensor]
 """The sum of a tensor over the data-parallel ranks (``Backend.all_reduce_sum``)."""
@@ -42,11 +43,11 @@ class UpdateForwards:
     padding_free: bool
 
     def policy(self, part: Completions, teacher: TeacherTarget | None = None) -> PolicyForward:
-        """:func:`~trainer_core.training.rl.rollout.policy_forward` of ``part`` through :attr:`model`
+        """:func:`~trainer_core.modeling.forwards.completion.completion_forward` of ``part`` through :attr:`model`
         (with gradients): log-probs and entropies [N, T], values [N, T] with a value head, and with
         ``teacher`` the per-token divergences to it."""
-        return policy_forward(self.model, part, temperature=self.temperature, with_values=self.with_values,
-                              teacher=teacher, padding_free=self.padding_free)
+        return completion_forward(self.model, part, temperature=self.temperature, with_values=self.with_values,
+                                  teacher=teacher, padding_free=self.padding_free)
 
 
 class Algorithm(abc.ABC):

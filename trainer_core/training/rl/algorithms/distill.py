@@ -18,12 +18,13 @@ from __future__ import annotations
 from torch import Tensor
 
 from trainer_core.config import DistillConfig
-from trainer_core.modeling.forward import frozen_head
+from trainer_core.modeling.forwards.completion import PolicyForward, TeacherTarget, completion_hidden
+from trainer_core.modeling.forwards.heads import frozen_head
 from trainer_core.objectives.grpo import grpo_loss
 from trainer_core.objectives.grpo_family import token_mean
 from trainer_core.training.rl.algorithms.base import AllReduceSum, Algorithm, UpdateForwards
 from trainer_core.training.rl.batches import MiniBatchCounts, masked_sum, policy_metric_sums
-from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch, TeacherTarget, completion_hidden
+from trainer_core.training.rl.rollout import RolloutBatch
 
 GKD_BETA = 0.5
 """``distill.beta`` when unset: GKD's default (TRL's ``GKDConfig.beta``)."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 from torch import Tensor
 
 from trainer_core.config import GRPOConfig
+from trainer_core.modeling.forwards.completion import PolicyForward
 from trainer_core.objectives.grpo import grpo_loss
 from trainer_core.objectives.grpo_family import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, dapo_overlong_penalty
 from trainer_core.training.rl.algorithms.base import AllReduceSum, Algorithm
 from trainer_core.training.rl.batches import MiniBatchCounts, masked_sum, policy_metric_sums
-from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
+from trainer_core.training.rl.rollout import RolloutBatch
 
 
 def grpo_estimator(cfg: GRPOConfig) -> str:

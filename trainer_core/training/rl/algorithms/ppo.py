@@ -10,11 +10,12 @@ from __future__ import annotations
 from torch import Tensor
 
 from trainer_core.config import PPOConfig
+from trainer_core.modeling.forwards.completion import PolicyForward
 from trainer_core.objectives.ppo import KL_ESTIMATORS, clipped_policy_loss, clipped_value_loss, gae, \
     penalized_rewards, whiten
 from trainer_core.training.rl.algorithms.base import AllReduceSum, Algorithm
 from trainer_core.training.rl.batches import MiniBatchCounts, masked_sum, policy_metric_sums
-from trainer_core.training.rl.rollout import PolicyForward, RolloutBatch
+from trainer_core.training.rl.rollout import RolloutBatch
 
 
 class PPOAlgorithm(Algorithm):

@@ -1,4 +1,5 @@
-"""Log-probabilities of target tokens through the output projection, a chunk of tokens at a time.
+"""The LM head's kernels: what an output projection gives the target tokens (log-probabilities,
+entropies, the summed NLL, a distillation divergence), a chunk of tokens at a time.
 
 The LM head maps N hidden states to [N, V] logits; at N = 2.5k tokens and V = 152k words those
 logits and their log-softmax take ~1.5 GB each in float32. Here the projection and the
@@ -7,8 +8,8 @@ chunk's logits instead of keeping them: the extra memory of forward and backward
 O(chunk_size x V), and nothing larger than [N] float32 is saved for the backward (besides the
 hidden states and the weight, which exist anyway).
 
-Shape legend: N tokens (the counted positions of a batch, flattened), H hidden, V vocabulary,
-C chunk (``chunk_size`` tokens or fewer).
+Shape legend: N tokens (the counted positions of a batch, flattened), H hidden (Hs a student's,
+Ht a teacher's), V vocabulary, C chunk (``chunk_size`` tokens or fewer).
 
 Sources: torchtune's chunked output loss (``CEWithChunkedOutputLoss``, and
 ``LinearCrossEntropyLoss``, which also chunks the output projection) and Liger-Kernel's fused
@@ -20,6 +21,12 @@ evaluation forward pays for them too. This one recomputes in the backward, as Li
 ``reduction="none"`` path does, so a forward under ``torch.no_grad`` costs one projection.
 On CUDA with ``liger-kernel`` installed (the ``gpu`` extra), the summed NLL of SFT uses Liger's
 Triton kernel instead (:data:`NLL_SUM_KERNELS`).
+
+:func:`chunked_generalized_jsd` (on-policy distillation) projects a student's and a teacher's
+hidden states through their two heads the same way, a chunk at a time, and compares the two
+distributions with :func:`~trainer_core.objectives.distill.generalized_jsd`; its backward
+recomputes each chunk (activation checkpointing). Student and teacher may differ in hidden size;
+they share the vocabulary.
 """
 
 from __future__ import annotations
@@ -32,9 +39,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
+
+from trainer_core.objectives.distill import generalized_jsd
+
 
 CHUNK_SIZE_TOKENS = 1024
 """Default chunk: at V = 152k its float32 logits take 0.62 GB (the backward holds about two such)."""
+
+
+HeadFn = Callable[[Tensor, Tensor, "Tensor | None", Tensor, int], Tensor]
+"""(hidden [N, H], weight [V, H], bias [V] | None, targets [N] long, chunk_size) -> a tensor."""
 
 
 def _compute_dtype(weight: Tensor) -> torch.dtype:
@@ -285,9 +300,7 @@ def liger_nll_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: 
     return liger_fused_linear_cross_entropy(hidden, weight, targets, bias=bias, reduction="sum").float()
 
 
-NllSum = Callable[[Tensor, Tensor, "Tensor | None", Tensor, int], Tensor]
-
-NLL_SUM_KERNELS: dict[str, NllSum] = {"torch": chunked_nll_sum, "liger": liger_nll_sum}
+NLL_SUM_KERNELS: dict[str, HeadFn] = {"torch": chunked_nll_sum, "liger": liger_nll_sum}
 """Implementations of the summed next-token NLL through the LM head, by name (:func:`nll_sum_kernel`)."""
 
 
@@ -300,3 +313,66 @@ def liger_available() -> bool:
 def nll_sum_kernel(device: torch.device) -> str:
     """The :data:`NLL_SUM_KERNELS` entry for ``device``: ``liger`` on CUDA when installed, else ``torch``."""
     return "liger" if device.type == "cuda" and liger_available() else "torch"
+
+
+def _chunk_jsd(student_hidden: Tensor, student_weight: Tensor, student_bias: Tensor | None, teacher_hidden: Tensor,
+               teacher_weight: Tensor, teacher_bias: Tensor | None, beta: float, temperature: float) -> Tensor:
+    """[C] divergences of one chunk: both heads applied, then
+    :func:`~trainer_core.objectives.distill.generalized_jsd`."""
+    student_logits = F.linear(student_hidden.to(student_weight.dtype), student_weight, student_bias)
+    with torch.no_grad():
+        teacher_logits = F.linear(teacher_hidden.to(teacher_weight.dtype), teacher_weight, teacher_bias)
+    return generalized_jsd(student_logits, teacher_logits, beta, temperature)
+
+
+def chunked_generalized_jsd(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    student_bias: Tensor | None,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    teacher_bias: Tensor | None,
+    beta: float,
+    temperature: float = 1.0,
+    chunk_size: int = CHUNK_SIZE_TOKENS,
+) -> Tensor:
+    """:func:`~trainer_core.objectives.distill.generalized_jsd` of ``student_hidden @ student_weight.T
+    (+ bias)`` against the teacher's logits, ``chunk_size`` tokens at a time; gradients reach the student's hidden states and head,
+    never the teacher's (its logits are computed without gradients).
+
+    Args:
+        student_hidden: [N, Hs] the student's final hidden states at the counted positions.
+        student_weight: [V, Hs] its output projection (``lm_head.weight``); ``student_bias`` [V] or None.
+        teacher_hidden: [N, Ht] the teacher's, at the same positions (no gradient needed).
+        teacher_weight: [V, Ht] its output projection; ``teacher_bias`` [V] or None.
+        beta: the mixing coefficient (0 forward KL, 1 reverse KL).
+        temperature: divides both logits.
+        chunk_size: tokens per chunk (>= 1).
+
+    Returns:
+        [N] float32 divergences, equal to ``generalized_jsd`` of the full [N, V] logits (within
+        float32 rounding).
+
+    Raises:
+        ValueError: the two sides' token counts or vocabularies differ, or ``chunk_size`` < 1
+            (and :func:`~trainer_core.objectives.distill.generalized_jsd`'s errors).
+    """
+    if student_hidden.shape[0] != teacher_hidden.shape[0]:
+        raise ValueError(f"chunked_generalized_jsd: {student_hidden.shape[0]} student positions against "
+                         f"{teacher_hidden.shape[0]} teacher positions")
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(f"chunked_generalized_jsd: the student's vocabulary has {student_weight.shape[0]} words, "
+                         f"the teacher's {teacher_weight.shape[0]} (they must share a tokenizer)")
+    if chunk_size < 1:
+        raise ValueError(f"chunked_generalized_jsd: chunk_size must be >= 1, got {chunk_size}")
+    teacher_hidden = teacher_hidden.detach()
+    chunks = []
+    for start in range(0, student_hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        args = (student_hidden[rows], student_weight, student_bias, teacher_hidden[rows], teacher_weight.detach(),
+                None if teacher_bias is None else teacher_bias.detach(), beta, temperature)
+        needs_grad = torch.is_grad_enabled() and (student_hidden.requires_grad or student_weight.requires_grad)
+        chunks.append(checkpoint(_chunk_jsd, *args, use_reentrant=False) if needs_grad else _chunk_jsd(*args))
+    if not chunks:
+        return student_hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(chunks)
