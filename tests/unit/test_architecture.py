@@ -39,6 +39,22 @@ def test_import_contracts_are_kept():
     assert "Contracts: 6 kept, 0 broken." in result.stdout
 
 
+def ruff_format_check(*paths: Path | str) -> subprocess.CompletedProcess:
+    """``ruff format --check`` (the dev extra's ruff, the settings of pyproject.toml's ``[tool.ruff]``)."""
+    ruff = Path(sys.executable).parent / "ruff"
+    return subprocess.run([str(ruff), "format", "--check", *map(str, paths)], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_the_tree_is_formatted(tmp_path):
+    """Every Python file of the checkout is as ``ruff format`` writes it (``make format`` does it),
+    and the check fails on a file that is not."""
+    result = ruff_format_check(".")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    loose = tmp_path / "loose.py"
+    loose.write_text("x = {  'a':1 }\n")
+    assert ruff_format_check(loose).returncode == 1
+
+
 def test_a_broken_layer_is_reported(tmp_path):
     """The contracts can fail: with ``trainer_core.registry`` declared above ``trainer_core.config``
     (which imports it), the floors contract is broken."""

@@ -328,6 +328,18 @@ def adapter_base_model(path: str) -> str:
     return base
 
 
+def _live_names(saved: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A PEFT adapter file's tensors under the names they have in a model the adapter is injected
+    into (``base_model.model.`` dropped, ``lora_A.weight`` -> ``lora_A.<adapter>.weight``)."""
+    live = {}
+    for key, value in saved.items():
+        name = key.removeprefix(_PEFT_PREFIX)
+        for part in ("lora_A", "lora_B"):
+            name = name.replace(f".{part}.weight", f".{part}.{ADAPTER_NAME}.weight")
+        live[name] = value
+    return live
+
+
 def attach_adapter(model: nn.Module, path: str, trainable: bool, seed: int = 0) -> nn.Module:
     """Inject the adapter saved in the local directory ``path`` (PEFT format) into the plain
     ``model`` and load its weights; returns ``model``.
@@ -357,13 +369,7 @@ def attach_adapter(model: nn.Module, path: str, trainable: bool, seed: int = 0) 
     inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     model.posttrain_lora = config
     weights_path = os.path.join(path, ADAPTER_WEIGHTS)
-    saved_weights = safetensors.torch.load_file(weights_path)
-    live = {}
-    for key, value in saved_weights.items():
-        name = key.removeprefix(_PEFT_PREFIX)
-        for part in ("lora_A", "lora_B"):
-            name = name.replace(f".{part}.weight", f".{part}.{ADAPTER_NAME}.weight")
-        live[name] = value
+    live = _live_names(safetensors.torch.load_file(weights_path))
     own = dict(model.named_parameters())
     adapters = {n for n in own if is_adapter(n)}
     missing, unexpected = sorted(adapters - set(live)), sorted(set(live) - set(own))
