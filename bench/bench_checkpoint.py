@@ -91,7 +91,8 @@ def start_moto(port: int) -> subprocess.Popen:
     """
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -159,13 +160,15 @@ class FileBytes:
         self.files[per_rank_path(name, 0) if sharing is Sharing.PER_RANK else name] = data
 
 
-def snapshot(backend: SingleDeviceBackend, model: Any, optimizer: Any, scheduler: Any,
-             progress: TrainProgress) -> StagedWriter:
+def snapshot(
+    backend: SingleDeviceBackend, model: Any, optimizer: Any, scheduler: Any, progress: TrainProgress
+) -> StagedWriter:
     """``put_train_state`` into a ``StagedWriter``: the state as bytes in host memory, no I/O
     (what an asynchronous save does in step)."""
     staged = StagedWriter()
-    put_train_state(staged, backend=backend, model=model, optimizer=optimizer, scheduler=scheduler,
-                    progress=progress, files={})
+    put_train_state(
+        staged, backend=backend, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, files={}
+    )
     return staged
 
 
@@ -180,8 +183,14 @@ def throughput(bucket: str, rounds: int) -> dict[str, Any]:
     files = plain.files
     size_mb = sum(len(b) for b in files.values()) / MB
     fs, _ = storage.url_to_fs(f"s3://{bucket}")
-    fields = {"stage": "sft", "run_id": "bench", "config_hash": "bench", "backend": backend.name,
-              "world_size": backend.world_size, "extra": {"checkpoint_format": backend.checkpoint_format}}
+    fields = {
+        "stage": "sft",
+        "run_id": "bench",
+        "config_hash": "bench",
+        "backend": backend.name,
+        "world_size": backend.world_size,
+        "extra": {"checkpoint_format": backend.checkpoint_format},
+    }
     fresh = build_model(seed=1)
     fresh_opt = build_optimizer(fresh, train_cfg())
     fresh_sched = build_scheduler(fresh_opt, train_cfg())
@@ -189,8 +198,13 @@ def throughput(bucket: str, rounds: int) -> dict[str, Any]:
     def save(uri: str) -> None:
         out = RankWriter(uri, backend)
         staged.replay(out)
-        out.commit(kind="checkpoint", global_step=progress.global_step, consumed_samples=progress.consumed_samples,
-                   consumed_tokens=progress.consumed_tokens, **fields)
+        out.commit(
+            kind="checkpoint",
+            global_step=progress.global_step,
+            consumed_samples=progress.consumed_samples,
+            consumed_tokens=progress.consumed_tokens,
+            **fields,
+        )
 
     def project_save(i: int) -> dict[str, float]:
         uri = f"s3://{bucket}/project/{i}/checkpoints/step-00000001"
@@ -204,16 +218,21 @@ def throughput(bucket: str, rounds: int) -> dict[str, Any]:
         found: list = []
         verify_s = timed(lambda: found.append(find_latest(ckpts)))
         uri, manifest = found[0]
-        restore_s = timed(lambda: load_checkpoint_state(uri, manifest, backend=backend, model=fresh,
-                                                        optimizer=fresh_opt, scheduler=fresh_sched))
+        restore_s = timed(
+            lambda: load_checkpoint_state(
+                uri, manifest, backend=backend, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched
+            )
+        )
         return {"load_s": verify_s + restore_s, "find_latest_s": verify_s, "load_checkpoint_state_s": restore_s}
 
     def plain_load(i: int) -> dict[str, float]:
         return {"load_s": timed(lambda: [fs.cat_file(f"{bucket}/plain/{i}/{n}") for n in files])}
 
     out: dict[str, Any] = {"checkpoint_mb": size_mb, "files": {n: len(b) for n, b in files.items()}}
-    for op, sides in (("save", {"project": project_save, "plain_s3fs": plain_save}),
-                      ("load", {"project": project_load, "plain_s3fs": plain_load})):
+    for op, sides in (
+        ("save", {"project": project_save, "plain_s3fs": plain_save}),
+        ("load", {"project": project_load, "plain_s3fs": plain_load}),
+    ):
         results: dict[str, list[dict]] = {name: [] for name in sides}
         for i in range(rounds):
             for name in list(sides) if i % 2 == 0 else list(sides)[::-1]:
@@ -223,8 +242,11 @@ def throughput(bucket: str, rounds: int) -> dict[str, Any]:
                 results[name].append({**result, **load})
         for name, rounds_ in results.items():
             best = min(rounds_, key=lambda r: r[f"{op}_s"])
-            out[f"{op}_{name}"] = {**best, "mb_per_s": size_mb / best[f"{op}_s"],
-                                   "rounds_s": [r[f"{op}_s"] for r in rounds_]}
+            out[f"{op}_{name}"] = {
+                **best,
+                "mb_per_s": size_mb / best[f"{op}_s"],
+                "rounds_s": [r[f"{op}_s"] for r in rounds_],
+            }
         out[f"{op}_ratio"] = out[f"{op}_project"]["mb_per_s"] / out[f"{op}_plain_s3fs"]["mb_per_s"]
     out["snapshot_s"] = {"best": min(snapshot_s), "rounds": snapshot_s}
     # Restoring does what a plain read does, plus hashing and deserialising: parts of the load.
@@ -265,9 +287,14 @@ def run_loop(bucket: str, mode: str, args: argparse.Namespace, tag: str) -> dict
     steps, save_every = args.steps, args.save_every
     backend = build_backend(BackendConfig(device="cpu"))
     cfg = train_cfg(
-        max_steps=steps, warmup_steps=2, eval_every=10**6, eval_max_batches=1, log_every=1,
+        max_steps=steps,
+        warmup_steps=2,
+        eval_every=10**6,
+        eval_max_batches=1,
+        log_every=1,
         micro_batch_size=args.loop_batch,
-        save_every=save_every if mode != "none" else steps + 1, async_save=mode == "async",
+        save_every=save_every if mode != "none" else steps + 1,
+        async_save=mode == "async",
     )
     device = backend.device
     train = causal_source(synthetic_rows(512, args.loop_tokens, 0), 0, cfg.micro_batch_size, 0, device)
@@ -370,12 +397,16 @@ def print_throughput(tp: dict[str, Any]) -> None:
 
 def print_stall(stall: dict[str, Any], steps: int, save_every: int) -> None:
     print(f"\nTraining-step stall, {steps} steps, checkpoint every {save_every} (best round; seconds)")
-    print(f"{'mode':<8} {'normal step':>12} {'after a save':>13} {'stall':>8} {'logged stall':>13} {'saves':>6} "
-          f"{'steps wall':>11} {'vs none':>8} {'others CPU':>11}")
+    print(
+        f"{'mode':<8} {'normal step':>12} {'after a save':>13} {'stall':>8} {'logged stall':>13} {'saves':>6} "
+        f"{'steps wall':>11} {'vs none':>8} {'others CPU':>11}"
+    )
     for mode, r in stall.items():
-        print(f"{mode:<8} {r['normal_step_s']:>12.3f} {r['after_save_step_s']:>13.3f} {r['stall_s']:>8.3f} "
-              f"{r['logged_stall_s']:>13.3f} {r['num_saves']:>6d} {r['timed_steps_wall_s']:>11.2f} "
-              f"{r['wall_excess_over_none_s']:>+8.2f} {r.get('others_cpu_share', float('nan')):>10.0%}")
+        print(
+            f"{mode:<8} {r['normal_step_s']:>12.3f} {r['after_save_step_s']:>13.3f} {r['stall_s']:>8.3f} "
+            f"{r['logged_stall_s']:>13.3f} {r['num_saves']:>6d} {r['timed_steps_wall_s']:>11.2f} "
+            f"{r['wall_excess_over_none_s']:>+8.2f} {r.get('others_cpu_share', float('nan')):>10.0%}"
+        )
 
 
 def main() -> None:
@@ -402,8 +433,13 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=30)
     print_report(tp, stall, args.steps, args.save_every)
-    env = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-           "loadavg_1m_5m_15m_at_end": os.getloadavg(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    env = {
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_1m_5m_15m_at_end": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     name = "checkpoint" if args.only is None else f"checkpoint-{args.only}"
     path = write_result(name, {"throughput": tp, "step_stall": stall, "args": vars(args), "environment": env})
     print(f"\nwrote {path}")

@@ -73,8 +73,9 @@ def seconds_per_call(workload: str, repeats: int, policy: str | None) -> float:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
-    out = subprocess.run([sys.executable, "-c", WORKLOAD, workload, str(repeats)], env=env,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", WORKLOAD, workload, str(repeats)], env=env, check=True, capture_output=True, text=True
+    ).stdout
     return float(out.strip().splitlines()[-1])
 
 
@@ -86,9 +87,15 @@ def measure(workloads: list[str], repeats: int, busy: int, loads: list[str]) -> 
             for workload in workloads:
                 default = seconds_per_call(workload, repeats, None)
                 passive = seconds_per_call(workload, repeats, "PASSIVE")
-                rows.append({"workload": workload, "load": f"{load} ({len(spinners)} busy loops)",
-                             "default_s": round(default, 3), "passive_s": round(passive, 3),
-                             "default_over_passive": round(default / passive, 2)})
+                rows.append(
+                    {
+                        "workload": workload,
+                        "load": f"{load} ({len(spinners)} busy loops)",
+                        "default_s": round(default, 3),
+                        "passive_s": round(passive, 3),
+                        "default_over_passive": round(default / passive, 2),
+                    }
+                )
                 print(rows[-1], flush=True)
         finally:
             for spinner in spinners:
@@ -109,12 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(args.workloads, args.repeats, args.busy, args.loads)
     print(f"{'workload':<16} {'load':<20} {'default s':>10} {'passive s':>10} {'ratio':>6}")
     for row in rows:
-        print(f"{row['workload']:<16} {row['load']:<20} {row['default_s']:>10.3f} {row['passive_s']:>10.3f} "
-              f"{row['default_over_passive']:>6.2f}")
+        print(
+            f"{row['workload']:<16} {row['load']:<20} {row['default_s']:>10.3f} {row['passive_s']:>10.3f} "
+            f"{row['default_over_passive']:>6.2f}"
+        )
     out = Path(".bench") / "cpu_threads.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-                               "torch": torch.__version__, "rows": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "cpus": os.cpu_count(),
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

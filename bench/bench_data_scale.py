@@ -137,8 +137,14 @@ def run_process(spec_path: Path, code_root: Path, env: dict[str, str], log_path:
     ticks, children = cpu_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "trainer_core.run", str(spec_path)], cwd=code_root, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer_core.run", str(spec_path)],
+            cwd=code_root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         monitor = TreeMonitor(proc.pid)
         monitor.start()
         assert proc.stdout is not None
@@ -185,11 +191,21 @@ def _others_share(before: tuple[int, int] | None, after: tuple[int, int] | None,
 
 
 def _config(root: Path, sft_uri: Path, num_proc: int, steps: int):
-    return load_config(str(REPO_ROOT / "configs" / "gsm8k-hh.yaml"), overrides={
-        "storage.root": str(root), "data.sft.uri": str(sft_uri), "data.preference.uri": str(HH_PAIRS),
-        "data.num_proc": num_proc, "tracking.log_models": False, "sft.max_steps": steps,
-        "sft.eval_every": 10**6, "sft.save_every": 10**6, "sft.log_every": 1, "sft.eval_max_batches": 2,
-    })
+    return load_config(
+        str(REPO_ROOT / "configs" / "gsm8k-hh.yaml"),
+        overrides={
+            "storage.root": str(root),
+            "data.sft.uri": str(sft_uri),
+            "data.preference.uri": str(HH_PAIRS),
+            "data.num_proc": num_proc,
+            "tracking.log_models": False,
+            "sft.max_steps": steps,
+            "sft.eval_every": 10**6,
+            "sft.save_every": 10**6,
+            "sft.log_every": 1,
+            "sft.eval_max_batches": 2,
+        },
+    )
 
 
 def _write_spec(spec, path: Path) -> Path:
@@ -202,8 +218,9 @@ def _write_spec(spec, path: Path) -> Path:
     return path
 
 
-def bench_rows(num_rows: int, num_procs: list[int], steps: int, work: Path, code_root: Path, env: dict,
-               sft_cache: list[str]) -> list[dict]:
+def bench_rows(
+    num_rows: int, num_procs: list[int], steps: int, work: Path, code_root: Path, env: dict, sft_cache: list[str]
+) -> list[dict]:
     """prepare_data at each num_proc, then SFT once per ``sft_cache`` state (``cold``: the Arrow
     cache emptied first, ``warm``: as the previous run left it), on ``num_rows`` rows; one result
     per process."""
@@ -214,19 +231,29 @@ def bench_rows(num_rows: int, num_procs: list[int], steps: int, work: Path, code
         run_id = f"rows{num_rows}-np{num_proc}"
         config = _config(work, sft_uri, num_proc, steps)
         spec = build_spec(config, "prepare_data", run_id, {})
-        r = run_process(_write_spec(spec, work / f"{run_id}-prepare.json"), code_root, env, work / f"{run_id}-prepare.log")
+        r = run_process(
+            _write_spec(spec, work / f"{run_id}-prepare.json"), code_root, env, work / f"{run_id}-prepare.log"
+        )
         final = StageLayout(spec.output_uri).final
         manifest = read_manifest(final)
         files[num_proc] = {f.path: f.sha256 for f in manifest.files}
-        results.append({"rows": num_rows, "process": "prepare_data", "num_proc": num_proc,
-                        "train_rows": int(manifest.metrics["num_sft_train"]), **r})
+        results.append(
+            {
+                "rows": num_rows,
+                "process": "prepare_data",
+                "num_proc": num_proc,
+                "train_rows": int(manifest.metrics["num_sft_train"]),
+                **r,
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
         data_uri = final
     identical = len({json.dumps(f, sort_keys=True) for f in files.values()}) == 1
     for r in results:
         r["outputs_identical_across_num_proc"] = identical
-    spec = build_spec(_config(work, sft_uri, num_procs[-1], steps), "sft", f"rows{num_rows}",
-                      {"data": data_uri, "model": "init"})
+    spec = build_spec(
+        _config(work, sft_uri, num_procs[-1], steps), "sft", f"rows{num_rows}", {"data": data_uri, "model": "init"}
+    )
     spec_path = _write_spec(spec, work / f"rows{num_rows}-sft.json")
     for cache in sft_cache:
         if cache == "cold":  # the first reader on a machine converts the split to the Arrow cache
@@ -240,15 +267,21 @@ def bench_rows(num_rows: int, num_procs: list[int], steps: int, work: Path, code
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'rows':>9} {'process':<22} {'np':>2} {'wall s':>7} {'CPU s':>6} {'main':>6} {'workers':>7} "
-          f"{'1st step':>8} {'peak RSS':>8} {'anon':>5} {'wk RSS':>6} {'others':>6}")
+    print(
+        f"\n{'rows':>9} {'process':<22} {'np':>2} {'wall s':>7} {'CPU s':>6} {'main':>6} {'workers':>7} "
+        f"{'1st step':>8} {'peak RSS':>8} {'anon':>5} {'wk RSS':>6} {'others':>6}"
+    )
     for r in results:
         first = "-" if r["first_step_s"] is None else f"{r['first_step_s']:.1f}"
-        print(f"{r['rows']:>9,} {r['process']:<22} {r['num_proc'] or '-':>2} {r['wall_s']:>7.1f} {r['cpu_s']:>6.1f} "
-              f"{r['main_cpu_s']:>6.1f} {r['workers_cpu_s']:>7.1f} {first:>8} {r['peak_rss_mb']:>8.0f} "
-              f"{r['peak_anon_mb']:>5.0f} {r['worker_peak_rss_mb']:>6.0f} {r['others_cpu_share'] or 0:>6.0%}")
-    print("(seconds; memory in MB; CPU s: the process and its children; main / workers: sampled per process; "
-          "wk RSS: the largest child's peak; others: the CPU share other processes took meanwhile)")
+        print(
+            f"{r['rows']:>9,} {r['process']:<22} {r['num_proc'] or '-':>2} {r['wall_s']:>7.1f} {r['cpu_s']:>6.1f} "
+            f"{r['main_cpu_s']:>6.1f} {r['workers_cpu_s']:>7.1f} {first:>8} {r['peak_rss_mb']:>8.0f} "
+            f"{r['peak_anon_mb']:>5.0f} {r['worker_peak_rss_mb']:>6.0f} {r['others_cpu_share'] or 0:>6.0%}"
+        )
+    print(
+        "(seconds; memory in MB; CPU s: the process and its children; main / workers: sampled per process; "
+        "wk RSS: the largest child's peak; others: the CPU share other processes took meanwhile)"
+    )
 
 
 def main() -> None:
@@ -256,8 +289,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--num-proc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--sft-cache", nargs="+", choices=["cold", "warm"], default=["cold", "warm"],
-                        help="SFT runs per row count: with the Arrow cache emptied first (cold) or kept (warm)")
+    parser.add_argument(
+        "--sft-cache",
+        nargs="+",
+        choices=["cold", "warm"],
+        default=["cold", "warm"],
+        help="SFT runs per row count: with the Arrow cache emptied first (cold) or kept (warm)",
+    )
     parser.add_argument("--code-root", type=Path, default=REPO_ROOT, help="checkout whose code the processes run")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a fresh temporary directory")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (outputs, logs, specs)")
@@ -266,18 +304,25 @@ def main() -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="posttrain-bench-data-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "AWS_"))}
-    env.update(PYTHONPATH=str(args.code_root), PYTHONUNBUFFERED="1", TQDM_DISABLE="1",
-               TMPDIR=str(work / "tmp"))  # the Arrow cache and prepare_data's staging: removed with the work dir
+    env.update(
+        PYTHONPATH=str(args.code_root), PYTHONUNBUFFERED="1", TQDM_DISABLE="1", TMPDIR=str(work / "tmp")
+    )  # the Arrow cache and prepare_data's staging: removed with the work dir
     (work / "tmp").mkdir(exist_ok=True)
     results = []
     try:
         for num_rows in args.rows:
-            results += bench_rows(num_rows, args.num_proc, args.steps, work, args.code_root.resolve(), env, args.sft_cache)
+            results += bench_rows(
+                num_rows, args.num_proc, args.steps, work, args.code_root.resolve(), env, args.sft_cache
+            )
     finally:
         print_table(results)
         args.out.parent.mkdir(exist_ok=True)
-        meta = {"code_root": str(args.code_root), "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                "loadavg_at_end": os.getloadavg()}
+        meta = {
+            "code_root": str(args.code_root),
+            "cpu_count": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "loadavg_at_end": os.getloadavg(),
+        }
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
         print(f"\nwrote {args.out}")
         if not args.keep:

@@ -49,8 +49,16 @@ def run_project(w: Workload, warmup: int, steps: int, round_index: int = 0) -> d
     with its reference pass timed on its own."""
     reference: dict[str, float] = {}
     with patched(reference_stage, "reference_logprobs", timed_reference(reference)):
-        result = run_probed(w, "dpo", {"model": w.model_dir, "reference": w.model_dir}, DPOObjective,
-                            lambda b: int(b["chosen_input_ids"].shape[0]), warmup, steps, round_index)
+        result = run_probed(
+            w,
+            "dpo",
+            {"model": w.model_dir, "reference": w.model_dir},
+            DPOObjective,
+            lambda b: int(b["chosen_input_ids"].shape[0]),
+            warmup,
+            steps,
+            round_index,
+        )
     return {**result, **reference}
 
 
@@ -58,16 +66,23 @@ def trl_rows(w: Workload) -> tuple[list[dict], list[tuple[int, int]]]:
     """The project's prepared train pairs as TRL conversational preference examples, with the
     project's (chosen, rejected) sequence lengths (for the equality check)."""
     rows = load_split(w.data_uri, "preference/train")
-    examples = [{"prompt": json.loads(r["messages_json"]),
-                 "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                 "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows]
+    examples = [
+        {
+            "prompt": json.loads(r["messages_json"]),
+            "chosen": [{"role": "assistant", "content": r["chosen"]}],
+            "rejected": [{"role": "assistant", "content": r["rejected"]}],
+        }
+        for r in rows
+    ]
     return examples, [(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in rows]
 
 
 def same_lengths(dataset, lengths: list[tuple[int, int]]) -> bool:
     """True when TRL tokenised every pair to the project's chosen and rejected lengths."""
-    trl = [(len(p) + len(c), len(p) + len(r))
-           for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])]
+    trl = [
+        (len(p) + len(c), len(p) + len(r))
+        for p, c, r in zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"])
+    ]
     return sorted(trl) == sorted(lengths)
 
 
@@ -78,8 +93,18 @@ def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, precompu
 
     examples, lengths = trl_rows(w)
     reference: dict[str, float] = {}
-    config = DPOConfig(**trl_args(w, "dpo", warmup, steps, beta=w.config.dpo.beta, loss_type=["sigmoid"],
-                                  precompute_ref_log_probs=precompute, precompute_ref_batch_size=MICRO_BATCH_SIZE))
+    config = DPOConfig(
+        **trl_args(
+            w,
+            "dpo",
+            warmup,
+            steps,
+            beta=w.config.dpo.beta,
+            loss_type=["sigmoid"],
+            precompute_ref_log_probs=precompute,
+            precompute_ref_batch_size=MICRO_BATCH_SIZE,
+        )
+    )
 
     def timed_precompute(original):
         def _precompute_ref_logps(self, dataset, name, batch_size):
@@ -92,8 +117,9 @@ def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, precompu
         return _precompute_ref_logps
 
     with patched(DPOTrainer, "_precompute_ref_logps", timed_precompute):
-        result = time_trl(w, DPOTrainer, config, examples, warmup, steps,
-                          lambda dataset: same_lengths(dataset, lengths))
+        result = time_trl(
+            w, DPOTrainer, config, examples, warmup, steps, lambda dataset: same_lengths(dataset, lengths)
+        )
     return {**result, **reference, "precompute_ref_log_probs": precompute, "num_train_pairs": len(examples)}
 
 
@@ -102,27 +128,49 @@ def with_reference(result: dict[str, Any], num_pairs: int) -> dict[str, float]:
     (at the measured step rate) and over the timed steps alone."""
     ref_s = result.get("reference_s", 0.0)
     epoch_s = num_pairs / result["examples_per_s"] + ref_s
-    return {"pairs_per_s_incl_reference_epoch": num_pairs / epoch_s,
-            "pairs_per_s_incl_reference_timed_steps": result["examples"] / (result["wall_s"] + ref_s)}
+    return {
+        "pairs_per_s_incl_reference_epoch": num_pairs / epoch_s,
+        "pairs_per_s_incl_reference_timed_steps": result["examples"] / (result["wall_s"] + ref_s),
+    }
 
 
 def report_rows(project: dict[str, Any], trl: dict[str, Any], trl_online: dict[str, Any] | None) -> list[dict]:
     rows = [
-        ratio_row("DPO pairs/s (step wall clock, reference pass excluded)", project["examples_per_s"],
-                  trl["examples_per_s"]),
-        ratio_row("DPO pairs per CPU-second (load-robust)", project["examples"] / project["cpu_s"],
-                  trl["examples"] / trl["cpu_s"], None),
+        ratio_row(
+            "DPO pairs/s (step wall clock, reference pass excluded)", project["examples_per_s"], trl["examples_per_s"]
+        ),
+        ratio_row(
+            "DPO pairs per CPU-second (load-robust)",
+            project["examples"] / project["cpu_s"],
+            trl["examples"] / trl["cpu_s"],
+            None,
+        ),
         ratio_row("DPO train tokens/s (chosen + rejected)", project["tokens_per_s"], trl["tokens_per_s"], None),
-        ratio_row("DPO reference pass, pairs/s", project["reference_pairs"] / project["reference_s"],
-                  trl["reference_pairs"] / trl["reference_s"], None),
-        ratio_row("DPO pairs/s incl. reference pass, 1 epoch", project["pairs_per_s_incl_reference_epoch"],
-                  trl["pairs_per_s_incl_reference_epoch"]),
-        ratio_row("DPO pairs/s incl. reference pass, timed steps only",
-                  project["pairs_per_s_incl_reference_timed_steps"], trl["pairs_per_s_incl_reference_timed_steps"]),
+        ratio_row(
+            "DPO reference pass, pairs/s",
+            project["reference_pairs"] / project["reference_s"],
+            trl["reference_pairs"] / trl["reference_s"],
+            None,
+        ),
+        ratio_row(
+            "DPO pairs/s incl. reference pass, 1 epoch",
+            project["pairs_per_s_incl_reference_epoch"],
+            trl["pairs_per_s_incl_reference_epoch"],
+        ),
+        ratio_row(
+            "DPO pairs/s incl. reference pass, timed steps only",
+            project["pairs_per_s_incl_reference_timed_steps"],
+            trl["pairs_per_s_incl_reference_timed_steps"],
+        ),
     ]
     if trl_online is not None:
-        rows.append(ratio_row("DPO pairs/s vs TRL precompute_ref_log_probs=False", project["examples_per_s"],
-                              trl_online["examples_per_s"]))
+        rows.append(
+            ratio_row(
+                "DPO pairs/s vs TRL precompute_ref_log_probs=False",
+                project["examples_per_s"],
+                trl_online["examples_per_s"],
+            )
+        )
     return rows
 
 
@@ -131,8 +179,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sides = {"project": run_project, "trl": run_trl}
     if args.trl_online_reference:
         sides["trl_online"] = partial(run_trl, precompute=False)
-    w, results, prep_s = time_sides("dpo", args, sides, max_length=args.dpo_max_length, num_examples=args.dpo_pairs,
-                                    overrides={**stage_overrides("dpo", args.warmup, args.steps), "dpo.beta": 0.1})
+    w, results, prep_s = time_sides(
+        "dpo",
+        args,
+        sides,
+        max_length=args.dpo_max_length,
+        num_examples=args.dpo_pairs,
+        overrides={**stage_overrides("dpo", args.warmup, args.steps), "dpo.beta": 0.1},
+    )
     num_pairs = results["trl"][0]["num_train_pairs"]
     for side in results.values():
         for r in side:
@@ -140,16 +194,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     project, trl = (best_round(results[k], "examples_per_s") for k in ("project", "trl"))
     trl_online = best_round(results["trl_online"], "examples_per_s") if args.trl_online_reference else None
     title = report_title("DPO", w, args, batch_unit=" pairs", detail=f"{num_pairs} train pairs, ")
-    return write_report("dpo", title, report_rows(project, trl, trl_online),
-                        {"project": project, "trl": trl, "trl_online_reference": trl_online}, results,
-                        "examples_per_s", w, num_train_pairs=num_pairs, prepare_s=prep_s)
+    return write_report(
+        "dpo",
+        title,
+        report_rows(project, trl, trl_online),
+        {"project": project, "trl": trl, "trl_online_reference": trl_online},
+        results,
+        "examples_per_s",
+        w,
+        num_train_pairs=num_pairs,
+        prepare_s=prep_s,
+    )
 
 
 def add_dpo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dpo-max-length", type=int, default=256, help="max prompt + completion tokens per side")
     parser.add_argument("--dpo-pairs", type=int, default=280, help="pairs kept (train + 16 held out)")
-    parser.add_argument("--trl-online-reference", action="store_true",
-                        help="also time TRL with precompute_ref_log_probs=False (reference forward every step)")
+    parser.add_argument(
+        "--trl-online-reference",
+        action="store_true",
+        help="also time TRL with precompute_ref_log_probs=False (reference forward every step)",
+    )
 
 
 def main() -> None:

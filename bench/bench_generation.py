@@ -51,16 +51,28 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / ".bench"
 
 QWEN2_0_5B: dict[str, Any] = {
-    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-    "num_key_value_heads": 2, "vocab_size": 151_936, "max_position_embeddings": 32_768, "rope_theta": 1e6,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151_936,
+    "max_position_embeddings": 32_768,
+    "rope_theta": 1e6,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
 }
 """Qwen2.5-0.5B's architecture (as ``bench_gpu.QWEN2_0_5B``; not imported: that module pulls the
 whole stage machinery in)."""
 
 TINY_QWEN2: dict[str, Any] = {
-    **QWEN2_0_5B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "vocab_size": 4096, "max_position_embeddings": 2048,
+    **QWEN2_0_5B,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 4096,
+    "max_position_embeddings": 2048,
 }
 """``--tiny``: the same family at smoke-test size (CPU), as ``bench_gpu.TINY_QWEN2``."""
 
@@ -77,8 +89,9 @@ def build_model(sizes: dict[str, Any], device: torch.device, seed: int) -> torch
     """A seeded Qwen2 causal LM of ``sizes`` in eval mode: bf16 on CUDA, fp32 on CPU."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(**sizes, pad_token_id=PAD_ID, bos_token_id=EOS_ID, eos_token_id=EOS_ID,
-                         use_sliding_window=False)
+    config = Qwen2Config(
+        **sizes, pad_token_id=PAD_ID, bos_token_id=EOS_ID, eos_token_id=EOS_ID, use_sliding_window=False
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
@@ -86,8 +99,9 @@ def build_model(sizes: dict[str, Any], device: torch.device, seed: int) -> torch
     return model.to(dtype).eval()
 
 
-def make_prompts(num: int, min_tokens: int, max_tokens: int, vocab_size: int, seed: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def make_prompts(
+    num: int, min_tokens: int, max_tokens: int, vocab_size: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``num`` random-token prompts of lengths uniform in ``min_tokens..max_tokens``, left-padded:
     ([num, P] long ids, [num, P] float mask, 1 = real token)."""
     g = torch.Generator().manual_seed(seed)
@@ -105,8 +119,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def engine_call(name: str, model, device: torch.device, gen: RolloutGenerationConfig, keep_cache: bool,
-                seed: int) -> Callable[[torch.Tensor, torch.Tensor, int], int]:
+def engine_call(
+    name: str, model, device: torch.device, gen: RolloutGenerationConfig, keep_cache: bool, seed: int
+) -> Callable[[torch.Tensor, torch.Tensor, int], int]:
     """A call of side ``name`` as the RL loop makes it: (ids, mask, round) -> real generated tokens."""
     if name in ("hf", "static"):
         engine = build_engine(name, model, device=device, compile=None, sync=None)
@@ -126,17 +141,26 @@ def engine_call(name: str, model, device: torch.device, gen: RolloutGenerationCo
     def call_generate(ids: torch.Tensor, mask: torch.Tensor, round_index: int) -> int:
         torch.manual_seed(seed + round_index)
         out = model.generate(
-            input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=gen.temperature, top_p=gen.top_p,
-            top_k=0, max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.max_new_tokens, pad_token_id=PAD_ID,
-            eos_token_id=EOS_ID, **extra,
+            input_ids=ids,
+            attention_mask=mask.long(),
+            do_sample=True,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=0,
+            max_new_tokens=gen.max_new_tokens,
+            min_new_tokens=gen.max_new_tokens,
+            pad_token_id=PAD_ID,
+            eos_token_id=EOS_ID,
+            **extra,
         )
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
     return call_generate
 
 
-def time_side(name: str, call: Callable, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace,
-              device: torch.device) -> dict[str, Any]:
+def time_side(
+    name: str, call: Callable, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
     """Warm up, then time ``args.rounds`` calls; the best round's tokens/s with every round's."""
     gc.collect()
     if device.type == "cuda":
@@ -169,10 +193,15 @@ def ratio(results: dict[str, dict], num: str, den: str) -> float | None:
 def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -182,26 +211,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(NUM_THREADS)
     sizes = TINY_QWEN2 if args.tiny else QWEN2_0_5B
     model = build_model(sizes, device, args.seed)
-    ids, mask = make_prompts(args.num_prompts, args.min_prompt_tokens, args.max_prompt_tokens, sizes["vocab_size"],
-                             args.seed, device)
+    ids, mask = make_prompts(
+        args.num_prompts, args.min_prompt_tokens, args.max_prompt_tokens, sizes["vocab_size"], args.seed, device
+    )
     gen = RolloutGenerationConfig(max_new_tokens=args.new_tokens, temperature=1.0, top_p=1.0)
     results: dict[str, dict] = {}
     for name in args.engines:
-        results[name] = time_side(name, engine_call(name, model, device, gen, args.keep_cache, args.seed), ids, mask,
-                                  args, device)
+        results[name] = time_side(
+            name, engine_call(name, model, device, gen, args.keep_cache, args.seed), ids, mask, args, device
+        )
     ratios = {"static/hf": ratio(results, "static", "hf"), "static/generate": ratio(results, "static", "generate")}
-    print(f"Qwen2 {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {device}, "
-          f"{args.num_prompts} prompts ({args.min_prompt_tokens}-{args.max_prompt_tokens} tokens) x "
-          f"{args.new_tokens} new tokens, best of {args.rounds} after {args.warmup} warmup")
+    print(
+        f"Qwen2 {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {device}, "
+        f"{args.num_prompts} prompts ({args.min_prompt_tokens}-{args.max_prompt_tokens} tokens) x "
+        f"{args.new_tokens} new tokens, best of {args.rounds} after {args.warmup} warmup"
+    )
     for name, r in results.items():
         memory = "" if r["peak_memory_bytes"] is None else f", peak {r['peak_memory_bytes'] / 2**30:.2f} GiB"
         print(f"  {name:<16} {r['tokens_per_s']:>12.1f} tokens/s{memory}")
     for name, value in ratios.items():
         if value is not None:
             print(f"  ratio {name:<16} {value:>6.2f}x")
-    payload = {"benchmark": "generation", "engines": results, "ratios": ratios,
-               "model": {"architecture": "qwen2", **sizes, "dtype": str(next(model.parameters()).dtype)},
-               "prompt_tokens": int(mask.sum()), "settings": dict(vars(args)), "environment": environment(device)}
+    payload = {
+        "benchmark": "generation",
+        "engines": results,
+        "ratios": ratios,
+        "model": {"architecture": "qwen2", **sizes, "dtype": str(next(model.parameters()).dtype)},
+        "prompt_tokens": int(mask.sum()),
+        "settings": dict(vars(args)),
+        "environment": environment(device),
+    }
     out_dir = Path(args.results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "generation.json"
@@ -225,8 +264,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--results-dir", default=str(RESULTS_DIR), help="where generation.json is written")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    defaults = {"num_prompts": (4, 128), "new_tokens": (8, 256), "min_prompt_tokens": (4, 64),
-                "max_prompt_tokens": (12, 128), "warmup": (1, 2), "rounds": (1, 3)}
+    defaults = {
+        "num_prompts": (4, 128),
+        "new_tokens": (8, 256),
+        "min_prompt_tokens": (4, 64),
+        "max_prompt_tokens": (12, 128),
+        "warmup": (1, 2),
+        "rounds": (1, 3),
+    }
     for name, (tiny, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)

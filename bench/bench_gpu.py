@@ -65,15 +65,27 @@ from trainer_core.stages import reference as reference_stage
 from trainer_core.training.supervised import DPOObjective, SFTObjective
 
 QWEN2_0_5B: dict[str, Any] = {
-    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-    "num_key_value_heads": 2, "vocab_size": 151_936, "max_position_embeddings": 32_768, "rope_theta": 1e6,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151_936,
+    "max_position_embeddings": 32_768,
+    "rope_theta": 1e6,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
 }
 """Qwen2.5-0.5B's architecture (its ``config.json``), random init: 494M parameters."""
 
 TINY_QWEN2: dict[str, Any] = {
-    **QWEN2_0_5B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "vocab_size": 4096, "max_position_embeddings": 2048,
+    **QWEN2_0_5B,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 4096,
+    "max_position_embeddings": 2048,
 }
 """``--tiny``: the same family at smoke-test size (CPU)."""
 
@@ -93,8 +105,12 @@ class Case:
     packed: bool = False
 
 
-CASES = (Case("sft_mb16", "sft", 16), Case("sft_mb64", "sft", 64), Case("sft_budget", "sft", 16, packed=True),
-         Case("dpo_mb8", "dpo", 8))
+CASES = (
+    Case("sft_mb16", "sft", 16),
+    Case("sft_mb64", "sft", 64),
+    Case("sft_budget", "sft", 16, packed=True),
+    Case("dpo_mb8", "dpo", 8),
+)
 
 
 @dataclass(frozen=True)
@@ -161,14 +177,24 @@ def build_qwen2(model_dir: str, tokenizer: Any, sizes: dict[str, Any], device: t
     tokenizer's), save it in bf16 with ``tokenizer`` to ``model_dir``; returns its :class:`ModelInfo`."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(**{**sizes, "vocab_size": max(sizes["vocab_size"], len(tokenizer))},
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, use_sliding_window=False)
+    config = Qwen2Config(
+        **{**sizes, "vocab_size": max(sizes["vocab_size"], len(tokenizer))},
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_sliding_window=False,
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    info = ModelInfo(model_dir, count_parameters(model), matmul_params(model), config.num_hidden_layers,
-                     config.hidden_size, config.vocab_size)
+    info = ModelInfo(
+        model_dir,
+        count_parameters(model),
+        matmul_params(model),
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.vocab_size,
+    )
     model.to(torch.bfloat16).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     del model
@@ -188,12 +214,22 @@ def with_overrides(config: PipelineConfig, overrides: dict[str, Any]) -> Pipelin
 def prepare(stage: str, args: argparse.Namespace, device: torch.device) -> tuple[Workload, ModelInfo]:
     """The stage's data (``common.prepare_workload``) and the Qwen2 model both sides train."""
     num = args.sft_examples if stage == "sft" else args.dpo_pairs
-    w = prepare_workload(stage, synthetic=args.synthetic, max_length=args.max_length, num_examples=num,
-                         seed=args.seed, overrides=stage_overrides(stage, args.warmup, args.steps))
+    w = prepare_workload(
+        stage,
+        synthetic=args.synthetic,
+        max_length=args.max_length,
+        num_examples=num,
+        seed=args.seed,
+        overrides=stage_overrides(stage, args.warmup, args.steps),
+    )
     sizes = TINY_QWEN2 if args.tiny else QWEN2_0_5B
     info = build_qwen2(os.path.join(w.root, "qwen2"), load_tokenizer_from(w.data_uri), sizes, device, args.seed)
-    w = replace(w, config=with_overrides(w.config, {"model.name_or_path": info.model_dir}),
-                model_dir=info.model_dir, num_params=info.num_params)
+    w = replace(
+        w,
+        config=with_overrides(w.config, {"model.name_or_path": info.model_dir}),
+        model_dir=info.model_dir,
+        num_params=info.num_params,
+    )
     return w, info
 
 
@@ -207,10 +243,15 @@ def case_attn(case: Case, args: argparse.Namespace, device: torch.device) -> str
 def case_config(w: Workload, case: Case, args: argparse.Namespace, device: torch.device) -> PipelineConfig:
     """The project's stage config of ``case`` (micro-batch or token budget, precision, kernels)."""
     s = case.stage
-    out = {**stage_overrides(s, args.warmup, args.steps), f"{s}.micro_batch_size": case.micro_batch_size,
-           "backend.device": device.type, "backend.precision": "bf16-mixed" if device.type == "cuda" else "fp32",
-           "backend.compile": args.compile, "backend.activation_checkpointing": args.activation_checkpointing,
-           "model.attn_implementation": case_attn(case, args, device)}
+    out = {
+        **stage_overrides(s, args.warmup, args.steps),
+        f"{s}.micro_batch_size": case.micro_batch_size,
+        "backend.device": device.type,
+        "backend.precision": "bf16-mixed" if device.type == "cuda" else "fp32",
+        "backend.compile": args.compile,
+        "backend.activation_checkpointing": args.activation_checkpointing,
+        "model.attn_implementation": case_attn(case, args, device),
+    }
     if case.packed:
         out[f"{s}.max_tokens_per_micro_batch"] = args.max_tokens  # the field of issue 12's packing
     if s == "dpo":
@@ -285,27 +326,36 @@ def run_project(w: Workload, info: ModelInfo, case: Case, args, device, round_in
     log = SyncedStepLog(synchronize=device.type == "cuda")
     hooks = project_hooks(log, DPOObjective if dpo else SFTObjective, 2 if dpo else 1)
     inputs = {"model": w.model_dir, **({"reference": w.model_dir} if dpo else {})}
-    spec = stage_spec(replace(w, config=case_config(w, case, args, device)), case.stage, inputs,
-                      run_id=f"{case.name}-{round_index}")
+    spec = stage_spec(
+        replace(w, config=case_config(w, case, args, device)), case.stage, inputs, run_id=f"{case.name}-{round_index}"
+    )
     reference: dict[str, float] = {}
     free_device_memory(device)
     if args.compile:
         torch._dynamo.reset()
-    timing = patched(reference_stage, "reference_logprobs", timed_reference(reference)) if dpo else contextlib.nullcontext()
+    timing = (
+        patched(reference_stage, "reference_logprobs", timed_reference(reference)) if dpo else contextlib.nullcontext()
+    )
     try:
         with timing, step_profile(log, args, f"{case.name}_project"):
             total_s = run_stage_probed(spec, hooks)
     finally:
         shutil.rmtree(spec.output_uri, ignore_errors=True)
-    return {**measured(log, info, args), **reference, "stage_total_s": total_s,
-            "peak_memory_bytes": peak_memory_bytes(device)}
+    return {
+        **measured(log, info, args),
+        **reference,
+        "stage_total_s": total_s,
+        "peak_memory_bytes": peak_memory_bytes(device),
+    }
 
 
 def measured(log: SyncedStepLog, info: ModelInfo, args) -> dict[str, Any]:
     """``summarize_steps`` of the timed steps plus their model FLOP/s and MFU (see the module docstring)."""
     out = summarize_steps(log, args.warmup, args.steps)
     window = slice(args.warmup, args.warmup + args.steps)
-    flops = 6 * info.matmul_params * out["tokens"] + 6 * info.num_layers * info.hidden_size * sum(log.square_tokens[window])
+    flops = 6 * info.matmul_params * out["tokens"] + 6 * info.num_layers * info.hidden_size * sum(
+        log.square_tokens[window]
+    )
     out["model_flops_per_s"] = flops / out["wall_s"]
     out["mfu"] = out["model_flops_per_s"] / (args.peak_tflops * 1e12)
     out["mean_row_tokens_for_attention"] = sum(log.square_tokens[window]) / max(out["tokens"], 1)
@@ -319,8 +369,12 @@ def trl_config_kwargs(w: Workload, case: Case, args, device, liger: bool = False
     if liger:
         kwargs["use_liger_kernel"] = True
     cuda = device.type == "cuda"
-    kwargs.update(per_device_train_batch_size=1 if case.packed else case.micro_batch_size, use_cpu=not cuda, bf16=cuda,
-                  max_length=args.max_tokens if case.packed else w.max_length_tokens)
+    kwargs.update(
+        per_device_train_batch_size=1 if case.packed else case.micro_batch_size,
+        use_cpu=not cuda,
+        bf16=cuda,
+        max_length=args.max_tokens if case.packed else w.max_length_tokens,
+    )
     kwargs["output_dir"] = os.path.join(w.root, f"trl-{case.name}")
     return kwargs
 
@@ -341,12 +395,14 @@ def trl_model(w: Workload, case: Case, args, device):
     """The shared initial weights in fp32 (TRL's master weights under ``bf16=True``), the case's kernel."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(w.model_dir, dtype=torch.float32,
-                                                attn_implementation=case_attn(case, args, device))
+    return AutoModelForCausalLM.from_pretrained(
+        w.model_dir, dtype=torch.float32, attn_implementation=case_attn(case, args, device)
+    )
 
 
-def run_trl_sft(w: Workload, info: ModelInfo, case: Case, args, device, round_index: int = 0,
-                liger: bool = False) -> dict[str, Any]:
+def run_trl_sft(
+    w: Workload, info: ModelInfo, case: Case, args, device, round_index: int = 0, liger: bool = False
+) -> dict[str, Any]:
     """TRL's ``SFTTrainer`` on the same rows, tokenizer, weights and micro-batch (or packed budget)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -354,16 +410,26 @@ def run_trl_sft(w: Workload, info: ModelInfo, case: Case, args, device, round_in
     examples, lengths, completion_tokens = sft_trl_rows(w)
     log = SyncedStepLog(synchronize=device.type == "cuda")
     free_device_memory(device)
-    config = SFTConfig(**trl_config_kwargs(w, case, args, device, liger), packing=case.packed,
-                       completion_only_loss=True)
-    trainer = SFTTrainer(model=trl_model(w, case, args, device), args=config, train_dataset=Dataset.from_list(examples),
-                         processing_class=load_tokenizer_from(w.data_uri), callbacks=[step_timer(log)])
+    config = SFTConfig(
+        **trl_config_kwargs(w, case, args, device, liger), packing=case.packed, completion_only_loss=True
+    )
+    trainer = SFTTrainer(
+        model=trl_model(w, case, args, device),
+        args=config,
+        train_dataset=Dataset.from_list(examples),
+        processing_class=load_tokenizer_from(w.data_uri),
+        callbacks=[step_timer(log)],
+    )
     same = None if case.packed else sft_same_lengths(trainer.train_dataset, lengths, completion_tokens)
     probe_collator(trainer, log, 1)
     with step_profile(log, args, f"{case.name}_trl{'_liger' if liger else ''}"):
         trainer.train()
-    return {**measured(log, info, args), "peak_memory_bytes": peak_memory_bytes(device),
-            "packing": case.packed, "same_token_ids_as_project": same}
+    return {
+        **measured(log, info, args),
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "packing": case.packed,
+        "same_token_ids_as_project": same,
+    }
 
 
 def timed_trl_reference(record: dict[str, float]):
@@ -382,8 +448,9 @@ def timed_trl_reference(record: dict[str, float]):
     return make
 
 
-def run_trl_dpo(w: Workload, info: ModelInfo, case: Case, args, device, round_index: int = 0,
-                liger: bool = False) -> dict[str, Any]:
+def run_trl_dpo(
+    w: Workload, info: ModelInfo, case: Case, args, device, round_index: int = 0, liger: bool = False
+) -> dict[str, Any]:
     """TRL's ``DPOTrainer`` (sigmoid, beta 0.1, precomputed reference log-probs) on the same pairs."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -391,24 +458,38 @@ def run_trl_dpo(w: Workload, info: ModelInfo, case: Case, args, device, round_in
     examples, _ = dpo_trl_rows(w)
     log, reference = SyncedStepLog(synchronize=device.type == "cuda"), {}
     free_device_memory(device)
-    config = DPOConfig(**trl_config_kwargs(w, case, args, device, liger), beta=0.1, loss_type=["sigmoid"],
-                       precompute_ref_log_probs=True, precompute_ref_batch_size=case.micro_batch_size)
+    config = DPOConfig(
+        **trl_config_kwargs(w, case, args, device, liger),
+        beta=0.1,
+        loss_type=["sigmoid"],
+        precompute_ref_log_probs=True,
+        precompute_ref_batch_size=case.micro_batch_size,
+    )
     with patched(DPOTrainer, "_precompute_ref_logps", timed_trl_reference(reference)):
-        trainer = DPOTrainer(model=trl_model(w, case, args, device), args=config,
-                             train_dataset=Dataset.from_list(examples), processing_class=load_tokenizer_from(w.data_uri),
-                             callbacks=[step_timer(log)])
+        trainer = DPOTrainer(
+            model=trl_model(w, case, args, device),
+            args=config,
+            train_dataset=Dataset.from_list(examples),
+            processing_class=load_tokenizer_from(w.data_uri),
+            callbacks=[step_timer(log)],
+        )
     probe_collator(trainer, log, 2)
     with step_profile(log, args, f"{case.name}_trl{'_liger' if liger else ''}"):
         trainer.train()
-    return {**measured(log, info, args), **reference, "peak_memory_bytes": peak_memory_bytes(device),
-            "num_train_pairs": len(examples)}
+    return {
+        **measured(log, info, args),
+        **reference,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "num_train_pairs": len(examples),
+    }
 
 
 # --- report -------------------------------------------------------------------------------------
 
 
-def row(metric: str, project: float, trl: float | None, target: str | None = None,
-        met: bool | None = None) -> dict[str, Any]:
+def row(
+    metric: str, project: float, trl: float | None, target: str | None = None, met: bool | None = None
+) -> dict[str, Any]:
     """One line of the table; ``trl`` None (``--no-trl``) gives NaN and no ratio."""
     trl_value = float("nan") if trl is None else trl
     ratio = project / trl_value if trl_value and not math.isnan(trl_value) else float("nan")
@@ -427,15 +508,35 @@ def case_rows(case: Case, result: dict[str, Any], budget: int, peer: str = "trl"
     speed = row(f"{label} {unit}", p[key], t[key] if have else None, f">= {SPEED_TARGET:g}x TRL")
     speed["met"] = speed["ratio"] >= SPEED_TARGET if have else None
     mfu_target = case.packed
-    out = [speed, row(f"{label} MFU", p["mfu"], t["mfu"] if have else None, f">= {MFU_TARGET:.0%}" if mfu_target else None,
-                      p["mfu"] >= MFU_TARGET if mfu_target else None)]
+    out = [
+        speed,
+        row(
+            f"{label} MFU",
+            p["mfu"],
+            t["mfu"] if have else None,
+            f">= {MFU_TARGET:.0%}" if mfu_target else None,
+            p["mfu"] >= MFU_TARGET if mfu_target else None,
+        ),
+    ]
     if case.stage == "dpo" and have:
-        out.append(row(f"{label} pairs/s incl. reference pass, 1 epoch", p["pairs_per_s_incl_reference_epoch"],
-                       t["pairs_per_s_incl_reference_epoch"]))
+        out.append(
+            row(
+                f"{label} pairs/s incl. reference pass, 1 epoch",
+                p["pairs_per_s_incl_reference_epoch"],
+                t["pairs_per_s_incl_reference_epoch"],
+            )
+        )
     if p["peak_memory_bytes"] is not None:
         tm = t["peak_memory_bytes"] / 2**30 if have else None
-        out.append(row(f"{label} peak memory GiB", p["peak_memory_bytes"] / 2**30, tm, "<= TRL",
-                       p["peak_memory_bytes"] <= t["peak_memory_bytes"] if have else None))
+        out.append(
+            row(
+                f"{label} peak memory GiB",
+                p["peak_memory_bytes"] / 2**30,
+                tm,
+                "<= TRL",
+                p["peak_memory_bytes"] <= t["peak_memory_bytes"] if have else None,
+            )
+        )
     return out
 
 
@@ -486,8 +587,10 @@ def run_stage_cases(stage: str, cases: list[Case], args, device) -> tuple[dict[s
                 trl = run_trl_dpo if stage == "dpo" else run_trl_sft
                 runs["trl"] = lambda i, c=case, f=trl: f(w, info, c, args, device, i)
                 if args.trl_liger:
-                    runs["trl_liger"] = guarded(lambda i, c=case, f=trl: f(w, info, c, args, device, i, liger=True),
-                                                "examples_per_s" if stage == "dpo" else "tokens_per_s")
+                    runs["trl_liger"] = guarded(
+                        lambda i, c=case, f=trl: f(w, info, c, args, device, i, liger=True),
+                        "examples_per_s" if stage == "dpo" else "tokens_per_s",
+                    )
             results = alternate(args.rounds, runs)
             key = "examples_per_s" if stage == "dpo" else "tokens_per_s"
             best = {side: best_round(results[side], key) for side in results}
@@ -495,16 +598,29 @@ def run_stage_cases(stage: str, cases: list[Case], args, device) -> tuple[dict[s
                 for side in best.values():
                     if "error" not in side:
                         side.update(with_reference(side, best["trl"]["num_train_pairs"]))
-            settings = {"micro_batch_size": case.micro_batch_size, "max_tokens_per_micro_batch": args.max_tokens
-                        if case.packed else None, "attn_implementation": case_attn(case, args, device),
-                        "trl_per_device_train_batch_size": 1 if case.packed else case.micro_batch_size,
-                        "trl_packing": case.packed, "max_length_tokens": w.max_length_tokens}
-            out[case.name] = {"settings": settings, "project": best["project"], "trl": best.get("trl"),
-                              "trl_liger": best.get("trl_liger")}
-            print(f"case {case.name}: " + ", ".join(
-                f"{side} {r.get(key, float('nan')):.4g} {'pairs' if stage == 'dpo' else 'tokens'}/s, mfu "
-                f"{r.get('mfu', float('nan')):.3f}, peak {(r.get('peak_memory_bytes') or 0) / 2**30:.2f} GiB"
-                for side, r in best.items()), flush=True)
+            settings = {
+                "micro_batch_size": case.micro_batch_size,
+                "max_tokens_per_micro_batch": args.max_tokens if case.packed else None,
+                "attn_implementation": case_attn(case, args, device),
+                "trl_per_device_train_batch_size": 1 if case.packed else case.micro_batch_size,
+                "trl_packing": case.packed,
+                "max_length_tokens": w.max_length_tokens,
+            }
+            out[case.name] = {
+                "settings": settings,
+                "project": best["project"],
+                "trl": best.get("trl"),
+                "trl_liger": best.get("trl_liger"),
+            }
+            print(
+                f"case {case.name}: "
+                + ", ".join(
+                    f"{side} {r.get(key, float('nan')):.4g} {'pairs' if stage == 'dpo' else 'tokens'}/s, mfu "
+                    f"{r.get('mfu', float('nan')):.3f}, peak {(r.get('peak_memory_bytes') or 0) / 2**30:.2f} GiB"
+                    for side, r in best.items()
+                ),
+                flush=True,
+            )
     finally:
         cleanup(w)
     return out, info
@@ -530,12 +646,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cases.update(done)
     peers = ["trl", "trl_liger"] if args.trl_liger else ["trl"]
     rows = [r for c in selected for peer in peers for r in case_rows(c, cases[c.name], args.max_tokens, peer)]
-    print_rows(f"Qwen2 {info.num_params / 1e6:.1f}M params ({info.matmul_params / 1e6:.1f}M in matmuls), {device}, "
-               f"{args.steps} timed steps after {args.warmup}, peak {args.peak_tflops:g} TFLOP/s, "
-               f"data {'synthetic' if args.synthetic else 'files'}", rows)
-    payload = {"benchmark": "gpu", "rows": rows, "cases": cases,
-               "model": {"architecture": "qwen2", **(TINY_QWEN2 if args.tiny else QWEN2_0_5B), **vars(info)},
-               "settings": dict(vars(args)), "environment": environment_facts(device)}
+    print_rows(
+        f"Qwen2 {info.num_params / 1e6:.1f}M params ({info.matmul_params / 1e6:.1f}M in matmuls), {device}, "
+        f"{args.steps} timed steps after {args.warmup}, peak {args.peak_tflops:g} TFLOP/s, "
+        f"data {'synthetic' if args.synthetic else 'files'}",
+        rows,
+    )
+    payload = {
+        "benchmark": "gpu",
+        "rows": rows,
+        "cases": cases,
+        "model": {"architecture": "qwen2", **(TINY_QWEN2 if args.tiny else QWEN2_0_5B), **vars(info)},
+        "settings": dict(vars(args)),
+        "environment": environment_facts(device),
+    }
     print(f"wrote {write_result('gpu', payload)}")
     return payload
 
@@ -549,8 +673,9 @@ def device_parser(description: str, tiny_help: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_sized(p: argparse.ArgumentParser, argv: list[str] | None,
-                defaults: dict[str, tuple[Any, Any]]) -> argparse.Namespace:
+def parse_sized(
+    p: argparse.ArgumentParser, argv: list[str] | None, defaults: dict[str, tuple[Any, Any]]
+) -> argparse.Namespace:
     """Parse ``argv``; each option named in ``defaults`` that was not given (None) takes the first
     of its (tiny, full) values with ``--tiny``, the second without."""
     args = p.parse_args(argv)
@@ -580,8 +705,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="the device's dense bf16 peak, for MFU")
     p.add_argument("--no-trl", action="store_true", help="time the project only (TRL not installed)")
     p.add_argument("--trl-liger", action="store_true", help="also TRL with use_liger_kernel (its fastest kernels)")
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="profile this many steps of each side after the warmup (its times are then not comparable)")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="profile this many steps of each side after the warmup (its times are then not comparable)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return parse_sized(p, argv, {"max_tokens": (1024, 16384), "sft_examples": (400, 4000), "dpo_pairs": (200, 1000)})
 

@@ -81,14 +81,28 @@ def grpo_overrides(args: argparse.Namespace, device: torch.device) -> dict[str, 
     """The project's GRPO settings of this workload (see the module docstring)."""
     cuda = device.type == "cuda"
     return {
-        "backend.name": "single", "backend.device": device.type, "backend.precision": "bf16-mixed" if cuda else "fp32",
-        "backend.compile": False, "model.dtype": "float32", "grpo.max_steps": args.iterations,
-        "grpo.prompts_per_rollout": args.prompts, "grpo.group_size": args.group, "grpo.num_mini_batches": MINI_BATCHES,
-        "grpo.forward_micro_batch_size": args.micro_batch_size, "grpo.learning_rate": 1e-6, "grpo.kl_coef": 0.0,
-        "grpo.warmup_steps": 0, "grpo.min_lr_ratio": 1.0,
-        "grpo.generation.max_new_tokens": args.new_tokens, "grpo.generation.temperature": 1.0,
-        "grpo.generation.top_p": 1.0, "grpo.generation.engine": args.engine, "grpo.save_every": 10**6,
-        "grpo.reward.kind": "verifier", "grpo.reward.format_bonus": FORMAT_BONUS, "grpo.ptx_coef": 0.0,
+        "backend.name": "single",
+        "backend.device": device.type,
+        "backend.precision": "bf16-mixed" if cuda else "fp32",
+        "backend.compile": False,
+        "model.dtype": "float32",
+        "grpo.max_steps": args.iterations,
+        "grpo.prompts_per_rollout": args.prompts,
+        "grpo.group_size": args.group,
+        "grpo.num_mini_batches": MINI_BATCHES,
+        "grpo.forward_micro_batch_size": args.micro_batch_size,
+        "grpo.learning_rate": 1e-6,
+        "grpo.kl_coef": 0.0,
+        "grpo.warmup_steps": 0,
+        "grpo.min_lr_ratio": 1.0,
+        "grpo.generation.max_new_tokens": args.new_tokens,
+        "grpo.generation.temperature": 1.0,
+        "grpo.generation.top_p": 1.0,
+        "grpo.generation.engine": args.engine,
+        "grpo.save_every": 10**6,
+        "grpo.reward.kind": "verifier",
+        "grpo.reward.format_bonus": FORMAT_BONUS,
+        "grpo.ptx_coef": 0.0,
     }
 
 
@@ -99,9 +113,13 @@ def summarize(iterations: list[dict[str, float]], skip: int) -> dict[str, Any]:
     wall = sum(i["wall_s"] for i in timed)
     tokens = sum(i["completion_tokens"] for i in timed)
     return {
-        "timed_iterations": len(timed), "iteration_s": wall / len(timed), "completion_tokens": tokens / len(timed),
-        "tokens_per_s": tokens / wall, "rollout_s": statistics.fmean(i["rollout_s"] for i in timed),
-        "update_s": statistics.fmean(i["wall_s"] - i["rollout_s"] for i in timed), "iterations": iterations,
+        "timed_iterations": len(timed),
+        "iteration_s": wall / len(timed),
+        "completion_tokens": tokens / len(timed),
+        "tokens_per_s": tokens / wall,
+        "rollout_s": statistics.fmean(i["rollout_s"] for i in timed),
+        "update_s": statistics.fmean(i["wall_s"] - i["rollout_s"] for i in timed),
+        "iterations": iterations,
     }
 
 
@@ -119,17 +137,22 @@ def run_project(w, args, device: torch.device) -> dict[str, Any]:
             metrics = original(self)
             sync(device)
             split = {k: v for k, v in metrics.items() if k.startswith("time/")}
-            record.append({"wall_s": time.perf_counter() - start,
-                           "completion_tokens": self.progress.consumed_tokens - tokens_before,
-                           "rollout_s": sum(split.get(f"time/{k}_s", 0.0) for k in ("generation", "reward", "logprobs")),
-                           **split})
+            record.append(
+                {
+                    "wall_s": time.perf_counter() - start,
+                    "completion_tokens": self.progress.consumed_tokens - tokens_before,
+                    "rollout_s": sum(split.get(f"time/{k}_s", 0.0) for k in ("generation", "reward", "logprobs")),
+                    **split,
+                }
+            )
             return metrics
 
         return iteration
 
     config = with_overrides(w.config, grpo_overrides(args, device))
-    spec = stage_spec(replace(w, config=config), "grpo",
-                      {"model": w.model_dir, "reference": w.model_dir}, run_id="grpo-bench")
+    spec = stage_spec(
+        replace(w, config=config), "grpo", {"model": w.model_dir, "reference": w.model_dir}, run_id="grpo-bench"
+    )
     free_device_memory(device)
     try:
         with patched(RLTrainer, "iteration", timed):
@@ -148,14 +171,18 @@ def trl_prompts(w, num: int) -> list[dict[str, str]]:
     tokenizer = load_tokenizer_from(w.data_uri)
     split = load_split(w.data_uri, "sft/train")
     rows = [split[i] for i in split.nonnull_indices("answer").tolist()[:num]]
-    return [{"prompt": tokenizer.decode(prompt_ids(tokenizer, messages_of(r), w.config.data)), "answer": r["answer"]}
-            for r in rows]
+    return [
+        {"prompt": tokenizer.decode(prompt_ids(tokenizer, messages_of(r), w.config.data)), "answer": r["answer"]}
+        for r in rows
+    ]
 
 
 def verifier(prompts, completions, answer, **kwargs) -> list[float]:
     """The project's verifier reward for TRL (``reward_funcs``): exact match plus the format bonus."""
-    return [float(is_correct(c, a)) + (FORMAT_BONUS if has_answer_line(c) else 0.0)
-            for c, a in zip(completions, answer, strict=True)]
+    return [
+        float(is_correct(c, a)) + (FORMAT_BONUS if has_answer_line(c) else 0.0)
+        for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 def run_trl(w, args, device: torch.device) -> dict[str, Any]:
@@ -174,8 +201,13 @@ def run_trl(w, args, device: torch.device) -> dict[str, Any]:
             start = time.perf_counter()
             out = original(self, inputs)
             sync(device)
-            rollouts.append({"start_s": start, "rollout_s": time.perf_counter() - start,
-                             "completion_tokens": float(out["completion_mask"].sum())})
+            rollouts.append(
+                {
+                    "start_s": start,
+                    "rollout_s": time.perf_counter() - start,
+                    "completion_tokens": float(out["completion_mask"].sum()),
+                }
+            )
             return out
 
         return _generate_and_score_completions
@@ -186,26 +218,49 @@ def run_trl(w, args, device: torch.device) -> dict[str, Any]:
             step_ends.append(time.perf_counter())
 
     config = GRPOConfig(
-        output_dir=os.path.join(w.root, "trl-grpo"), per_device_train_batch_size=args.micro_batch_size,
+        output_dir=os.path.join(w.root, "trl-grpo"),
+        per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.prompts * args.group // MINI_BATCHES // args.micro_batch_size,
-        generation_batch_size=args.prompts * args.group, num_generations=args.group,
-        max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0, learning_rate=1e-6, beta=0.0,
-        num_iterations=1, max_steps=args.iterations * MINI_BATCHES, lr_scheduler_type="constant", warmup_steps=0,
-        bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False, logging_steps=10**6, save_strategy="no",
-        report_to=[], seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
+        generation_batch_size=args.prompts * args.group,
+        num_generations=args.group,
+        max_completion_length=args.new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        learning_rate=1e-6,
+        beta=0.0,
+        num_iterations=1,
+        max_steps=args.iterations * MINI_BATCHES,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=False,
+        logging_steps=10**6,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     model = AutoModelForCausalLM.from_pretrained(w.model_dir, dtype=torch.float32)
     dataset = Dataset.from_list(trl_prompts(w, max(args.prompts * (args.iterations + 1), 64)))
     free_device_memory(device)
     with patched(GRPOTrainer, "_generate_and_score_completions", timed):
-        trainer = GRPOTrainer(model=model, reward_funcs=verifier, args=config, train_dataset=dataset,
-                              processing_class=load_tokenizer_from(w.data_uri), callbacks=[StepEnd()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=verifier,
+            args=config,
+            train_dataset=dataset,
+            processing_class=load_tokenizer_from(w.data_uri),
+            callbacks=[StepEnd()],
+        )
         trainer.train()
     iterations = []
     for i, r in enumerate(rollouts):
         end = step_ends[(i + 1) * MINI_BATCHES - 1] if len(step_ends) >= (i + 1) * MINI_BATCHES else math.nan
-        iterations.append({"wall_s": end - r["start_s"], "completion_tokens": r["completion_tokens"],
-                           "rollout_s": r["rollout_s"]})
+        iterations.append(
+            {"wall_s": end - r["start_s"], "completion_tokens": r["completion_tokens"], "rollout_s": r["rollout_s"]}
+        )
     return {**summarize(iterations, args.skip), "peak_memory_bytes": peak_memory_bytes(device)}
 
 
@@ -217,16 +272,24 @@ def report_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     p, t = result["project"], result.get("trl")
     have = t is not None
     get = lambda side, key: side[key] if side is not None else None  # noqa: E731
-    speed = row("GRPO iteration completion tokens/s", p["tokens_per_s"], get(t, "tokens_per_s"),
-                f">= {THROUGHPUT_TARGET:g}x TRL")
+    speed = row(
+        "GRPO iteration completion tokens/s",
+        p["tokens_per_s"],
+        get(t, "tokens_per_s"),
+        f">= {THROUGHPUT_TARGET:g}x TRL",
+    )
     speed["met"] = speed["ratio"] >= THROUGHPUT_TARGET if have else None
-    rows = [speed, row("iteration s", p["iteration_s"], get(t, "iteration_s")),
-            row("rollout s (generation, reward, log-probs)", p["rollout_s"], get(t, "rollout_s")),
-            row("update s (the rest of the iteration)", p["update_s"], get(t, "update_s")),
-            row("completion tokens an iteration", p["completion_tokens"], get(t, "completion_tokens"))]
+    rows = [
+        speed,
+        row("iteration s", p["iteration_s"], get(t, "iteration_s")),
+        row("rollout s (generation, reward, log-probs)", p["rollout_s"], get(t, "rollout_s")),
+        row("update s (the rest of the iteration)", p["update_s"], get(t, "update_s")),
+        row("completion tokens an iteration", p["completion_tokens"], get(t, "completion_tokens")),
+    ]
     if p["peak_memory_bytes"] is not None:
-        rows.append(row("peak memory GiB", p["peak_memory_bytes"] / 2**30,
-                        t["peak_memory_bytes"] / 2**30 if have else None))
+        rows.append(
+            row("peak memory GiB", p["peak_memory_bytes"] / 2**30, t["peak_memory_bytes"] / 2**30 if have else None)
+        )
     return rows
 
 
@@ -238,8 +301,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.data_dir:
         common.GSM8K = Path(args.data_dir) / "gsm8k" / "train.jsonl"
     common.RESULTS_DIR = Path(args.results_dir)
-    prep = argparse.Namespace(sft_examples=max(4 * args.prompts * args.iterations, 200), synthetic=args.synthetic,
-                              max_length=args.max_length, seed=args.seed, warmup=1, steps=1, tiny=args.tiny)
+    prep = argparse.Namespace(
+        sft_examples=max(4 * args.prompts * args.iterations, 200),
+        synthetic=args.synthetic,
+        max_length=args.max_length,
+        seed=args.seed,
+        warmup=1,
+        steps=1,
+        tiny=args.tiny,
+    )
     w, info = prepare("sft", prep, device)
     try:
         result = {"project": run_project(w, args, device)}
@@ -247,10 +317,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         cleanup(w)
     rows = report_rows(result)
-    print_rows(f"GRPO {args.prompts} x {args.group} x {args.new_tokens}, Qwen2 {info.num_params / 1e6:.1f}M params, "
-               f"{device}, engine {args.engine}, iterations {args.iterations} ({args.skip} untimed)", rows)
-    payload = {"benchmark": "grpo_gpu", "rows": rows, "result": result, "settings": dict(vars(args)),
-               "model": vars(info), "environment": environment_facts(device)}
+    print_rows(
+        f"GRPO {args.prompts} x {args.group} x {args.new_tokens}, Qwen2 {info.num_params / 1e6:.1f}M params, "
+        f"{device}, engine {args.engine}, iterations {args.iterations} ({args.skip} untimed)",
+        rows,
+    )
+    payload = {
+        "benchmark": "grpo_gpu",
+        "rows": rows,
+        "result": result,
+        "settings": dict(vars(args)),
+        "model": vars(info),
+        "environment": environment_facts(device),
+    }
     print(f"wrote {write_result('grpo_gpu', payload)}")
     return payload
 
@@ -270,11 +349,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=512, help="longest SFT row kept when preparing the prompts")
     p.add_argument("--no-trl", action="store_true", help="time the project only (TRL not installed)")
     p.add_argument("--seed", type=int, default=0)
-    args = parse_sized(p, argv, {"prompts": (2, 16), "group": (2, 8), "new_tokens": (8, 256),
-                                 "micro_batch_size": (1, 16)})
+    args = parse_sized(
+        p, argv, {"prompts": (2, 16), "group": (2, 8), "new_tokens": (8, 256), "micro_batch_size": (1, 16)}
+    )
     if args.prompts * args.group % (MINI_BATCHES * args.micro_batch_size):
-        p.error(f"--prompts x --group ({args.prompts * args.group}) must split into {MINI_BATCHES} mini-batches of "
-                f"--micro-batch-size multiples")
+        p.error(
+            f"--prompts x --group ({args.prompts * args.group}) must split into {MINI_BATCHES} mini-batches of "
+            f"--micro-batch-size multiples"
+        )
     return args
 
 

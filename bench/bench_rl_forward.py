@@ -70,7 +70,9 @@ def make_batch(args: argparse.Namespace, vocab: int, device: torch.device) -> Co
     completion_mask = (torch.arange(c_max) < c_len[:, None]).float()
     prompt_ids = torch.randint(2, vocab, (args.rows, p_max), generator=gen) * prompt_mask
     completion_ids = torch.randint(2, vocab, (args.rows, c_max), generator=gen) * completion_mask.long()
-    return Completions(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device))
+    return Completions(
+        prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), completion_mask.to(device)
+    )
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -100,8 +102,9 @@ def timed(fn, device: torch.device, repeats: int, warmup: int) -> float:
 
 def select(batch: Completions, rows: torch.Tensor) -> Completions:
     """The rows ``rows`` of ``batch`` at its full width (the forward trims them)."""
-    return Completions(batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
-                       batch.completion_mask[rows])
+    return Completions(
+        batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], batch.completion_mask[rows]
+    )
 
 
 def padding_share(batch: Completions, groups: list[torch.Tensor]) -> float:
@@ -114,8 +117,9 @@ def padding_share(batch: Completions, groups: list[torch.Tensor]) -> float:
     return 1 - real / total
 
 
-def measure(model: PolicyAndValue, batch: Completions, groups: list[torch.Tensor], padding_free: bool, args,
-            device) -> dict[str, Any]:
+def measure(
+    model: PolicyAndValue, batch: Completions, groups: list[torch.Tensor], padding_free: bool, args, device
+) -> dict[str, Any]:
     """Seconds of the log-probs forwards and of the update's forwards and backwards over the
     micro-batches ``groups``, the update's peak memory (CUDA) and the log-probs [N, T], for one layout."""
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -126,8 +130,9 @@ def measure(model: PolicyAndValue, batch: Completions, groups: list[torch.Tensor
         out = torch.zeros(batch.completion_mask.shape, device=device)
         with torch.no_grad(), autocast:
             for rows, part in zip(groups, parts):
-                out[rows] = completion_forward(model, part, temperature=1.0, with_values=False,
-                                               padding_free=padding_free).logprobs.float()
+                out[rows] = completion_forward(
+                    model, part, temperature=1.0, with_values=False, padding_free=padding_free
+                ).logprobs.float()
         return out
 
     def update() -> None:
@@ -146,8 +151,9 @@ def measure(model: PolicyAndValue, batch: Completions, groups: list[torch.Tensor
     return result
 
 
-def best_of_rounds(model: PolicyAndValue, batch: Completions, layouts: dict[str, tuple[list[torch.Tensor], bool]],
-                   args, device) -> dict[str, dict[str, Any]]:
+def best_of_rounds(
+    model: PolicyAndValue, batch: Completions, layouts: dict[str, tuple[list[torch.Tensor], bool]], args, device
+) -> dict[str, dict[str, Any]]:
     """:func:`measure` of each layout (``name -> (micro-batches, padding_free)``) in ``--rounds``
     rounds, the order reversed every other round; each phase's fastest round is kept."""
     best: dict[str, dict[str, Any]] = {}
@@ -162,11 +168,14 @@ def best_of_rounds(model: PolicyAndValue, batch: Completions, layouts: dict[str,
 
 def compare(label: str, first: dict[str, Any], second: dict[str, Any], real_tokens: int) -> list[dict[str, Any]]:
     """Table rows: throughput of both phases and the update's peak memory, ``first`` against ``second``."""
-    rows = [row(f"{label} log-probs tokens/s", real_tokens / first["logprobs_s"], real_tokens / second["logprobs_s"]),
-            row(f"{label} update tokens/s", real_tokens / first["update_s"], real_tokens / second["update_s"])]
+    rows = [
+        row(f"{label} log-probs tokens/s", real_tokens / first["logprobs_s"], real_tokens / second["logprobs_s"]),
+        row(f"{label} update tokens/s", real_tokens / first["update_s"], real_tokens / second["update_s"]),
+    ]
     if first["peak_memory_bytes"] is not None:
-        rows.append(row(f"{label} update peak GiB", first["peak_memory_bytes"] / 2**30,
-                        second["peak_memory_bytes"] / 2**30))
+        rows.append(
+            row(f"{label} update peak GiB", first["peak_memory_bytes"] / 2**30, second["peak_memory_bytes"] / 2**30)
+        )
     return rows
 
 
@@ -183,11 +192,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = batch.prompt_mask.sum(1) + batch.completion_mask.sum(1)
     grouped = micro_batch_rows(lengths, args.micro_batch_size)
     in_order = list(torch.arange(args.rows, device=device).split(args.micro_batch_size))
-    padding = {"longest_first": padding_share(batch, grouped), "row_order": padding_share(batch, in_order),
-               "whole_batch": padding_share(batch, [torch.arange(args.rows, device=device)])}
+    padding = {
+        "longest_first": padding_share(batch, grouped),
+        "row_order": padding_share(batch, in_order),
+        "whole_batch": padding_share(batch, [torch.arange(args.rows, device=device)]),
+    }
     rows, results = [], {"padding_share": padding}
-    payload = {"benchmark": "rl_forward", "rows": rows, "result": results, "settings": dict(vars(args)),
-               "real_tokens": real, "environment": environment_facts(device), "complete": False}
+    payload = {
+        "benchmark": "rl_forward",
+        "rows": rows,
+        "result": results,
+        "settings": dict(vars(args)),
+        "real_tokens": real,
+        "environment": environment_facts(device),
+        "complete": False,
+    }
     for attn in attention_implementations(device):
         policy.set_attn_implementation(attn)
         layouts = {"padded": (grouped, False), "padding_free": (grouped, True)}
@@ -200,16 +219,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{attn}: {results[attn]['error']}")
             continue
         diff = float((best["padding_free"]["logprobs"] - best["padded"]["logprobs"]).abs().max())
-        results[attn] = {**{k: {n: v for n, v in r.items() if n != "logprobs"} for k, r in best.items()},
-                         "max_abs_logprob_diff": diff}
+        results[attn] = {
+            **{k: {n: v for n, v in r.items() if n != "logprobs"} for k, r in best.items()},
+            "max_abs_logprob_diff": diff,
+        }
         rows += compare(f"{attn}: padding-free | padded", best["padding_free"], best["padded"], real)
         if "padded_row_order" in best:
-            rows += compare(f"{attn}: padded, longest first | row order", best["padded"], best["padded_row_order"], real)
+            rows += compare(
+                f"{attn}: padded, longest first | row order", best["padded"], best["padded_row_order"], real
+            )
         write_result("rl_forward", payload)  # what is measured so far survives a time limit that cuts the rest
-    print_rows(f"RL forwards, {args.rows} rows in micro-batches of {args.micro_batch_size}, prompts "
-               f"{args.prompt_tokens}, completions {args.completion_tokens} tokens, {real} real; padding: "
-               f"{padding['longest_first']:.0%} longest first, {padding['row_order']:.0%} in row order, "
-               f"{padding['whole_batch']:.0%} whole batch; {device}; columns: the first layout named, the second", rows)
+    print_rows(
+        f"RL forwards, {args.rows} rows in micro-batches of {args.micro_batch_size}, prompts "
+        f"{args.prompt_tokens}, completions {args.completion_tokens} tokens, {real} real; padding: "
+        f"{padding['longest_first']:.0%} longest first, {padding['row_order']:.0%} in row order, "
+        f"{padding['whole_batch']:.0%} whole batch; {device}; columns: the first layout named, the second",
+        rows,
+    )
     for attn, r in results.items():
         if "max_abs_logprob_diff" in r:
             print(f"{attn}: largest |log-prob difference| padding-free vs padded {r['max_abs_logprob_diff']:.3g}")
@@ -223,15 +249,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=None, help="sequences in the rollout (128; --tiny 16)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="rows a forward (16; --tiny 4)")
     p.add_argument("--prompt-tokens", type=int, nargs=2, default=[60, 200], metavar=("MIN", "MAX"))
-    p.add_argument("--completion-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                   help="completion lengths (32 256; --tiny 8 32)")
+    p.add_argument(
+        "--completion-tokens",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="completion lengths (32 256; --tiny 8 32)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed calls per phase (10; --tiny 2)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before them")
     p.add_argument("--rounds", type=int, default=2, help="rounds over the layouts, the order reversed every other one")
     p.add_argument("--results-dir", default=str(common.RESULTS_DIR), help="where rl_forward.json is written")
     p.add_argument("--seed", type=int, default=0)
-    return parse_sized(p, argv, {"rows": (16, 128), "micro_batch_size": (4, 16), "completion_tokens": ([8, 32], [32, 256]),
-                                 "repeats": (2, 10)})
+    return parse_sized(
+        p,
+        argv,
+        {"rows": (16, 128), "micro_batch_size": (4, 16), "completion_tokens": ([8, 32], [32, 256]), "repeats": (2, 10)},
+    )
 
 
 if __name__ == "__main__":

@@ -41,9 +41,15 @@ def stage_overrides(stage: str, warmup: int, steps: int) -> dict[str, Any]:
     accumulation, one log line per step, evaluation only before step 1 and after the last
     (one micro-batch), no step checkpoints."""
     total = warmup + steps
-    return {f"{stage}.max_steps": total, f"{stage}.micro_batch_size": MICRO_BATCH_SIZE,
-            f"{stage}.grad_accum_steps": 1, f"{stage}.eval_every": total, f"{stage}.eval_max_batches": 1,
-            f"{stage}.save_every": 10**9, f"{stage}.log_every": 1}
+    return {
+        f"{stage}.max_steps": total,
+        f"{stage}.micro_batch_size": MICRO_BATCH_SIZE,
+        f"{stage}.grad_accum_steps": 1,
+        f"{stage}.eval_every": total,
+        f"{stage}.eval_max_batches": 1,
+        f"{stage}.save_every": 10**9,
+        f"{stage}.log_every": 1,
+    }
 
 
 def stamp_step_ends(log: StepLog) -> tuple[type, str, Callable]:
@@ -108,8 +114,16 @@ def run_stage_probed(spec: StageSpec, hooks) -> float:
     return time.perf_counter() - t0
 
 
-def run_probed(w: Workload, stage: str, inputs: dict[str, str], objective: type,
-               count_examples: Callable[[dict], int], warmup: int, steps: int, round_index: int) -> dict[str, Any]:
+def run_probed(
+    w: Workload,
+    stage: str,
+    inputs: dict[str, str],
+    objective: type,
+    count_examples: Callable[[dict], int],
+    warmup: int,
+    steps: int,
+    round_index: int,
+) -> dict[str, Any]:
     """The project's ``stage`` of the workload on ``inputs``, in this process, probed by
     :func:`probe_stage` (``count_examples`` of each training batch): the summary of its timed
     steps (:func:`common.summarize_steps`) and its wall seconds, ``stage_total_s``."""
@@ -121,16 +135,26 @@ def run_probed(w: Workload, stage: str, inputs: dict[str, str], objective: type,
 
 def run_project(w: Workload, warmup: int, steps: int, round_index: int = 0) -> dict[str, Any]:
     """The project's SFT stage, in this process; per-step times from the loop's metric printer."""
-    return run_probed(w, "sft", {"model": w.model_dir}, SFTObjective, lambda b: int(b["input_ids"].shape[0]),
-                      warmup, steps, round_index)
+    return run_probed(
+        w,
+        "sft",
+        {"model": w.model_dir},
+        SFTObjective,
+        lambda b: int(b["input_ids"].shape[0]),
+        warmup,
+        steps,
+        round_index,
+    )
 
 
 def trl_rows(w: Workload) -> tuple[list[dict], list[int], list[int]]:
     """The project's prepared train rows as TRL conversational prompt-completion examples,
     with the project's sequence and completion token counts (for the equality check)."""
     rows = load_split(w.data_uri, "sft/train")
-    examples = [{"prompt": json.loads(r["messages_json"]),
-                 "completion": [{"role": "assistant", "content": r["completion"]}]} for r in rows]
+    examples = [
+        {"prompt": json.loads(r["messages_json"]), "completion": [{"role": "assistant", "content": r["completion"]}]}
+        for r in rows
+    ]
     return examples, [len(r["input_ids"]) for r in rows], [sum(r["loss_mask"]) for r in rows]
 
 
@@ -140,13 +164,30 @@ def trl_args(w: Workload, stage: str, warmup: int, steps: int, **extra) -> dict[
     no gradient checkpointing (TRL's default is on: it trades speed for memory)."""
     cfg = getattr(w.config, stage)
     return dict(
-        output_dir=os.path.join(w.root, f"trl-{stage}"), max_steps=warmup + steps,
-        per_device_train_batch_size=MICRO_BATCH_SIZE, gradient_accumulation_steps=1,
-        learning_rate=cfg.learning_rate, lr_scheduler_type="cosine", warmup_steps=cfg.warmup_steps,
-        weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1],
-        max_grad_norm=cfg.max_grad_norm or 0.0, logging_steps=10**6, save_strategy="no", eval_strategy="no",
-        report_to=[], dataloader_num_workers=0, bf16=False, fp16=False, gradient_checkpointing=False,
-        use_cpu=True, seed=w.config.seed, disable_tqdm=True, max_length=w.max_length_tokens, **extra,
+        output_dir=os.path.join(w.root, f"trl-{stage}"),
+        max_steps=warmup + steps,
+        per_device_train_batch_size=MICRO_BATCH_SIZE,
+        gradient_accumulation_steps=1,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_betas[0],
+        adam_beta2=cfg.adam_betas[1],
+        max_grad_norm=cfg.max_grad_norm or 0.0,
+        logging_steps=10**6,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        seed=w.config.seed,
+        disable_tqdm=True,
+        max_length=w.max_length_tokens,
+        **extra,
     )
 
 
@@ -185,8 +226,15 @@ def count_collated(trainer, log: StepLog, examples_per_row: int = 1) -> None:
     trainer.data_collator = counting
 
 
-def time_trl(w: Workload, trainer_class: type, config: Any, examples: list[dict], warmup: int, steps: int,
-             same_ids: Callable[[Any], bool | None]) -> dict[str, Any]:
+def time_trl(
+    w: Workload,
+    trainer_class: type,
+    config: Any,
+    examples: list[dict],
+    warmup: int,
+    steps: int,
+    same_ids: Callable[[Any], bool | None],
+) -> dict[str, Any]:
     """Build TRL's ``trainer_class`` with ``config`` on ``examples`` from the workload's tokenizer
     and initial weights (fp32), then train it, timing each step (:func:`step_timer`) and counting
     each collated batch (:func:`count_collated`).
@@ -203,15 +251,24 @@ def time_trl(w: Workload, trainer_class: type, config: Any, examples: list[dict]
     tokenizer = load_tokenizer_from(w.data_uri)
     model = AutoModelForCausalLM.from_pretrained(w.model_dir, dtype="float32")
     t0 = time.perf_counter()
-    trainer = trainer_class(model=model, args=config, train_dataset=Dataset.from_list(examples),
-                            processing_class=tokenizer, callbacks=[step_timer(log)])
+    trainer = trainer_class(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_list(examples),
+        processing_class=tokenizer,
+        callbacks=[step_timer(log)],
+    )
     init_s = time.perf_counter() - t0
     same = same_ids(trainer.train_dataset)
     count_collated(trainer, log)
     t0 = time.perf_counter()
     trainer.train()
-    return {**summarize_steps(log, warmup, steps), "init_s": init_s, "train_total_s": time.perf_counter() - t0,
-            "same_token_ids_as_project": same}
+    return {
+        **summarize_steps(log, warmup, steps),
+        "init_s": init_s,
+        "train_total_s": time.perf_counter() - t0,
+        "same_token_ids_as_project": same,
+    }
 
 
 def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, packing: bool = False) -> dict[str, Any]:
@@ -220,8 +277,15 @@ def run_trl(w: Workload, warmup: int, steps: int, round_index: int = 0, packing:
 
     examples, lengths, completion_tokens = trl_rows(w)
     config = SFTConfig(**trl_args(w, "sft", warmup, steps, packing=packing, completion_only_loss=True))
-    result = time_trl(w, SFTTrainer, config, examples, warmup, steps,
-                      lambda dataset: None if packing else same_lengths(dataset, lengths, completion_tokens))
+    result = time_trl(
+        w,
+        SFTTrainer,
+        config,
+        examples,
+        warmup,
+        steps,
+        lambda dataset: None if packing else same_lengths(dataset, lengths, completion_tokens),
+    )
     return {**result, "packing": packing}
 
 
@@ -235,15 +299,18 @@ def same_lengths(dataset, lengths: list[int], completion_tokens: list[int]) -> b
 def report_rows(project: dict[str, Any], trl: dict[str, Any], trl_packed: dict[str, Any] | None) -> list[dict]:
     rows = [
         ratio_row("SFT train tokens/s (step wall clock)", project["tokens_per_s"], trl["tokens_per_s"]),
-        ratio_row("SFT train tokens per CPU-second (load-robust)", project["tokens_per_cpu_s"],
-                  trl["tokens_per_cpu_s"], None),
+        ratio_row(
+            "SFT train tokens per CPU-second (load-robust)", project["tokens_per_cpu_s"], trl["tokens_per_cpu_s"], None
+        ),
         ratio_row("SFT examples/s (step wall clock)", project["examples_per_s"], trl["examples_per_s"], None),
-        ratio_row("SFT median step ms (lower is better)", 1e3 * project["median_step_s"],
-                  1e3 * trl["median_step_s"], None),
+        ratio_row(
+            "SFT median step ms (lower is better)", 1e3 * project["median_step_s"], 1e3 * trl["median_step_s"], None
+        ),
     ]
     if trl_packed is not None:
-        rows.append(ratio_row("SFT train tokens/s vs TRL packing=True", project["tokens_per_s"],
-                              trl_packed["tokens_per_s"]))
+        rows.append(
+            ratio_row("SFT train tokens/s vs TRL packing=True", project["tokens_per_s"], trl_packed["tokens_per_s"])
+        )
     return rows
 
 
@@ -252,17 +319,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per trainer")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (>= 1)")
     parser.add_argument("--synthetic", action="store_true", help="generated arithmetic task instead of the files")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="runs per side, alternating the order; the best round of each side is reported")
-    parser.add_argument("--quiet-wait-s", type=float, default=30.0,
-                        help="before each run, wait up to this long for other processes to leave the CPUs idle")
-    parser.add_argument("--nice", type=int, default=0,
-                        help="scheduling priority of the benchmark process (e.g. -10 on a shared machine; needs root)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs per side, alternating the order; the best round of each side is reported",
+    )
+    parser.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=30.0,
+        help="before each run, wait up to this long for other processes to leave the CPUs idle",
+    )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="scheduling priority of the benchmark process (e.g. -10 on a shared machine; needs root)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
-def parse_args(description: str, add_own_arguments: Callable[[argparse.ArgumentParser], None],
-               argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(
+    description: str, add_own_arguments: Callable[[argparse.ArgumentParser], None], argv: list[str] | None = None
+) -> argparse.Namespace:
     """A speed benchmark's command line: the shared arguments (:func:`add_arguments`) and its own."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
@@ -275,13 +355,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sides = {"project": run_project, "trl": run_trl}
     if args.trl_packing:
         sides["trl_packing"] = partial(run_trl, packing=True)
-    w, results, prep_s = time_sides("sft", args, sides, max_length=args.sft_max_length, num_examples=args.sft_examples,
-                                    overrides=stage_overrides("sft", args.warmup, args.steps))
+    w, results, prep_s = time_sides(
+        "sft",
+        args,
+        sides,
+        max_length=args.sft_max_length,
+        num_examples=args.sft_examples,
+        overrides=stage_overrides("sft", args.warmup, args.steps),
+    )
     project, trl = (best_round(results[k], "tokens_per_s") for k in ("project", "trl"))
     trl_packed = best_round(results["trl_packing"], "tokens_per_s") if args.trl_packing else None
-    return write_report("sft", report_title("SFT", w, args), report_rows(project, trl, trl_packed),
-                        {"project": project, "trl": trl, "trl_packing": trl_packed}, results, "tokens_per_s", w,
-                        examples=args.sft_examples, prepare_s=prep_s)
+    return write_report(
+        "sft",
+        report_title("SFT", w, args),
+        report_rows(project, trl, trl_packed),
+        {"project": project, "trl": trl, "trl_packing": trl_packed},
+        results,
+        "tokens_per_s",
+        w,
+        examples=args.sft_examples,
+        prepare_s=prep_s,
+    )
 
 
 def add_sft_arguments(parser: argparse.ArgumentParser) -> None:

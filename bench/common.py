@@ -159,8 +159,9 @@ def _full_lengths(kind: str, record: dict, fmt: str, tokenizer: Any) -> list[int
     return [len(encode_chat(tokenizer, ex["messages"], c, big, big - 1)["input_ids"]) for c in completions]
 
 
-def fitting_records(kind: str, records: list[dict], fmt: str, tokenizer: Any, max_length: int,
-                    limit: int) -> list[dict]:
+def fitting_records(
+    kind: str, records: list[dict], fmt: str, tokenizer: Any, max_length: int, limit: int
+) -> list[dict]:
     """The first ``limit`` records whose every sequence fits in ``max_length`` tokens untruncated."""
     kept = []
     for record in records:
@@ -193,15 +194,22 @@ def _run_prepare(config: PipelineConfig, run_id: str) -> str:
 def _data_overrides(kind: str, uri: str | None, fmt: str, max_length: int) -> dict[str, Any]:
     source = "data.sft" if kind == "sft" else "data.preference"
     other = "data.preference" if kind == "sft" else "data.sft"
-    out = {f"{source}.uri": uri, f"{source}.format": fmt, "data.max_eval_rows": 16,
-           "data.max_length_tokens": max_length, "data.max_prompt_length_tokens": max_length - 1,
-           "data.synthetic.num_problems": 64, "data.synthetic.num_pairs": 64}
+    out = {
+        f"{source}.uri": uri,
+        f"{source}.format": fmt,
+        "data.max_eval_rows": 16,
+        "data.max_length_tokens": max_length,
+        "data.max_prompt_length_tokens": max_length - 1,
+        "data.synthetic.num_problems": 64,
+        "data.synthetic.num_pairs": 64,
+    }
     out[f"{other}.uri"] = None  # the unused data set: a small synthetic one
     return out
 
 
-def prepare_workload(kind: str, *, synthetic: bool, max_length: int, num_examples: int, seed: int,
-                     overrides: dict[str, Any]) -> Workload:
+def prepare_workload(
+    kind: str, *, synthetic: bool, max_length: int, num_examples: int, seed: int, overrides: dict[str, Any]
+) -> Workload:
     """Prepare the data twice with the project's ``prepare_data`` and build the shared model.
 
     Pass 1 trains the tokenizer on all records (``model.init``: tokenizer trained on the data).
@@ -222,8 +230,13 @@ def prepare_workload(kind: str, *, synthetic: bool, max_length: int, num_example
     tmp_jsonl = os.path.join(root, f"{kind}.jsonl")
     _write_jsonl(tmp_jsonl, records)
     common = {"seed": seed, "storage.root": root, "tokenizer.vocab_size": VOCAB_SIZE, "backend.device": "cpu"}
-    first = _config({**common, **_data_overrides(kind, tmp_jsonl, fmt, 2048),
-                     **{f"model.init.{k}": v for k, v in MODEL_INIT.items()}})
+    first = _config(
+        {
+            **common,
+            **_data_overrides(kind, tmp_jsonl, fmt, 2048),
+            **{f"model.init.{k}": v for k, v in MODEL_INIT.items()},
+        }
+    )
     tokenizer = load_tokenizer_from(_run_prepare(first, "tokenizer"))
     kept = fitting_records(kind, records, fmt, tokenizer, max_length, num_examples)
     _write_jsonl(tmp_jsonl, kept)
@@ -231,12 +244,26 @@ def prepare_workload(kind: str, *, synthetic: bool, max_length: int, num_example
     model = load_causal_lm("init", first.model, tokenizer, seed)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    second = _config({**common, **_data_overrides(kind, tmp_jsonl, fmt, max_length), **overrides,
-                      "model.init": None, "model.name_or_path": model_dir})
+    second = _config(
+        {
+            **common,
+            **_data_overrides(kind, tmp_jsonl, fmt, max_length),
+            **overrides,
+            "model.init": None,
+            "model.name_or_path": model_dir,
+        }
+    )
     configure(second.storage)
-    return Workload(kind=kind, root=root, config=second, data_uri=_run_prepare(second, "bench"),
-                    model_dir=model_dir, max_length_tokens=max_length, num_params=count_parameters(model),
-                    source=source)
+    return Workload(
+        kind=kind,
+        root=root,
+        config=second,
+        data_uri=_run_prepare(second, "bench"),
+        model_dir=model_dir,
+        max_length_tokens=max_length,
+        num_params=count_parameters(model),
+        source=source,
+    )
 
 
 def cleanup(workload: Workload) -> None:
@@ -290,8 +317,10 @@ def summarize_steps(log: StepLog, warmup: int, steps: int) -> dict[str, float]:
     if warmup < 1:
         raise RuntimeError("need at least 1 warmup step: a timed step starts when the previous one ends")
     if len(log.ends_s) < warmup + steps or len(log.tokens) < warmup + steps:
-        raise RuntimeError(f"asked for {warmup}+{steps} steps, the trainer logged {len(log.ends_s)} step ends "
-                           f"and {len(log.tokens)} token counts")
+        raise RuntimeError(
+            f"asked for {warmup}+{steps} steps, the trainer logged {len(log.ends_s)} step ends "
+            f"and {len(log.tokens)} token counts"
+        )
     window = slice(warmup, warmup + steps)
     wall_s = log.ends_s[warmup + steps - 1] - log.ends_s[warmup - 1]
     step_s = [b - a for a, b in zip(log.ends_s[warmup - 1 : warmup + steps - 1], log.ends_s[window])]
@@ -379,9 +408,15 @@ def best_round(results: list[dict], key: str) -> dict:
     return {**top, f"rounds_{key}": [r[key] for r in results]}
 
 
-def time_sides(kind: str, args: argparse.Namespace, sides: dict[str, Callable[..., dict[str, Any]]], *,
-               max_length: int, num_examples: int,
-               overrides: dict[str, Any]) -> tuple[Workload, dict[str, list[dict]], float]:
+def time_sides(
+    kind: str,
+    args: argparse.Namespace,
+    sides: dict[str, Callable[..., dict[str, Any]]],
+    *,
+    max_length: int,
+    num_examples: int,
+    overrides: dict[str, Any],
+) -> tuple[Workload, dict[str, list[dict]], float]:
     """A speed benchmark's measurement: set the process up (``args.nice``, :func:`set_threads`,
     :func:`quiet_libraries`), prepare the ``kind`` workload (:func:`prepare_workload`), then run
     every side ``side(workload, args.warmup, args.steps, round_index)`` for ``args.rounds``
@@ -396,8 +431,14 @@ def time_sides(kind: str, args: argparse.Namespace, sides: dict[str, Callable[..
     set_threads()
     quiet_libraries()
     t0 = time.perf_counter()
-    w = prepare_workload(kind, synthetic=args.synthetic, max_length=max_length, num_examples=num_examples,
-                         seed=args.seed, overrides=overrides)
+    w = prepare_workload(
+        kind,
+        synthetic=args.synthetic,
+        max_length=max_length,
+        num_examples=num_examples,
+        seed=args.seed,
+        overrides=overrides,
+    )
     try:
         prep_s = time.perf_counter() - t0
         runs = {name: functools.partial(side, w, args.warmup, args.steps) for name, side in sides.items()}
@@ -432,8 +473,14 @@ def captured_stdout(keep_lines: int = 20) -> Iterator[list[str]]:
 def ratio_row(metric: str, project: float, trl: float, target: float | None = TARGET_RATIO) -> dict[str, Any]:
     """One line of the report; ``met`` is None for rows without a target."""
     ratio = project / trl if trl else float("nan")
-    return {"metric": metric, "project": project, "trl": trl, "ratio": ratio, "target": target,
-            "met": None if target is None else ratio >= target}
+    return {
+        "metric": metric,
+        "project": project,
+        "trl": trl,
+        "ratio": ratio,
+        "target": target,
+        "met": None if target is None else ratio >= target,
+    }
 
 
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
@@ -504,13 +551,23 @@ def report_title(stage: str, w: Workload, args: argparse.Namespace, batch_unit: 
     """The heading of a speed benchmark's table: the stage, the model's size, the micro-batch
     (``batch_unit``: what it counts, when not rows), the max length, ``detail``, the timed steps,
     the rounds and the data."""
-    return (f"{stage}, {w.num_params / 1e6:.2f}M-param Llama, batch {MICRO_BATCH_SIZE}{batch_unit}, max_length "
-            f"{w.max_length_tokens}, {detail}{args.steps} timed steps after {args.warmup} warmup, best of "
-            f"{args.rounds} rounds, data {w.source}")
+    return (
+        f"{stage}, {w.num_params / 1e6:.2f}M-param Llama, batch {MICRO_BATCH_SIZE}{batch_unit}, max_length "
+        f"{w.max_length_tokens}, {detail}{args.steps} timed steps after {args.warmup} warmup, best of "
+        f"{args.rounds} rounds, data {w.source}"
+    )
 
 
-def write_report(name: str, title: str, rows: list[dict[str, Any]], best: dict[str, dict | None],
-                 results: dict[str, list[dict]], key: str, w: Workload, **workload_facts: Any) -> dict[str, Any]:
+def write_report(
+    name: str,
+    title: str,
+    rows: list[dict[str, Any]],
+    best: dict[str, dict | None],
+    results: dict[str, list[dict]],
+    key: str,
+    w: Workload,
+    **workload_facts: Any,
+) -> dict[str, Any]:
     """Print the report (the table of ``rows`` under ``title``, then each side's ``key`` per round)
     and write it as ``.bench/<name>.json``: the rows, the best round of each side (``best``),
     every round, the workload's facts (with ``workload_facts``) and the environment.
@@ -519,10 +576,20 @@ def write_report(name: str, title: str, rows: list[dict[str, Any]], best: dict[s
         That payload.
     """
     print_table(title, rows)
-    payload = {"benchmark": name, "rows": rows, **best, "all_rounds": results,
-               "workload": {"source": w.source, "num_params": w.num_params, "max_length": w.max_length_tokens,
-                            "micro_batch_size": MICRO_BATCH_SIZE, **workload_facts},
-               "environment": environment()}
+    payload = {
+        "benchmark": name,
+        "rows": rows,
+        **best,
+        "all_rounds": results,
+        "workload": {
+            "source": w.source,
+            "num_params": w.num_params,
+            "max_length": w.max_length_tokens,
+            "micro_batch_size": MICRO_BATCH_SIZE,
+            **workload_facts,
+        },
+        "environment": environment(),
+    }
     print_rounds(results, key)
     print(f"wrote {write_result(name, payload)}")
     return payload

@@ -45,8 +45,13 @@ def machine_kind() -> dict[str, str]:
     cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
     flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
     simd = " ".join(sorted(f for f in set(flags) if f.startswith(SIMD_FLAGS)))
-    return {"cpu": cpu, "simd": simd, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": str(torch.get_num_threads()), "torch": torch.__version__}
+    return {
+        "cpu": cpu,
+        "simd": simd,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+    }
 
 
 def run_numbers(summary_path: Path) -> dict:
@@ -64,8 +69,11 @@ def run_numbers(summary_path: Path) -> dict:
     if summary.get("status") != "completed":
         raise ValueError(f"{summary_path}: the run's status is {summary.get('status')!r}, not 'completed'")
     headline = summary.get("headline", {})
-    return {"name": config.get("name"), "seed": config.get("seed"),
-            "exact_match": {p: headline[f"{p}/exact_match"] for p in POLICIES if f"{p}/exact_match" in headline}}
+    return {
+        "name": config.get("name"),
+        "seed": config.get("seed"),
+        "exact_match": {p: headline[f"{p}/exact_match"] for p in POLICIES if f"{p}/exact_match" in headline},
+    }
 
 
 def compare(record: dict, numbers: dict, machine: dict[str, str]) -> tuple[int, str]:
@@ -73,16 +81,27 @@ def compare(record: dict, numbers: dict, machine: dict[str, str]) -> tuple[int, 
     if (numbers["name"], numbers["seed"]) != ("demo", 0):
         return 0, f"not the demo at seed 0 (name {numbers['name']!r}, seed {numbers['seed']}): nothing to compare"
     if machine != record["machine"]:
-        return 0, (f"this machine ({machine}) is not the record's kind ({record['machine']}): its numbers differ "
-                   "from the record's by their float kernels, so nothing is judged")
-    rows = [f"{p}: recorded {record['exact_match'].get(p)}, now {numbers['exact_match'].get(p)}"
-            for p in POLICIES if record["exact_match"].get(p) != numbers["exact_match"].get(p)]
+        return 0, (
+            f"this machine ({machine}) is not the record's kind ({record['machine']}): its numbers differ "
+            "from the record's by their float kernels, so nothing is judged"
+        )
+    rows = [
+        f"{p}: recorded {record['exact_match'].get(p)}, now {numbers['exact_match'].get(p)}"
+        for p in POLICIES
+        if record["exact_match"].get(p) != numbers["exact_match"].get(p)
+    ]
     if not rows:
         return 0, f"the demo's seed-0 exact match equals the record (commit {record['commit']}): " + ", ".join(
-            f"{p} {numbers['exact_match'][p]}" for p in POLICIES if p in numbers["exact_match"])
-    return 1, ("the demo's seed-0 numbers moved from the record (commit " + record["commit"] + "): " + "; ".join(rows)
-               + ". Re-measure the three seeds (bench/rl_learning.py), update docs/benchmarks and re-record "
-               "(bench/demo_check.py SUMMARY --update)")
+            f"{p} {numbers['exact_match'][p]}" for p in POLICIES if p in numbers["exact_match"]
+        )
+    return 1, (
+        "the demo's seed-0 numbers moved from the record (commit "
+        + record["commit"]
+        + "): "
+        + "; ".join(rows)
+        + ". Re-measure the three seeds (bench/rl_learning.py), update docs/benchmarks and re-record "
+        "(bench/demo_check.py SUMMARY --update)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.update:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                check=False).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or "unknown"
+        )
         record = {"commit": commit, "machine": machine_kind(), "exact_match": numbers["exact_match"]}
         args.record.write_text(json.dumps(record, indent=2) + "\n")
         print(f"recorded {args.record}: {record}")

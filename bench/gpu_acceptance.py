@@ -67,28 +67,90 @@ def pieces(part: str, args: argparse.Namespace) -> list[Piece]:
     common += ["--synthetic"] if args.synthetic else []
     common += ["--data-dir", args.data_dir] if args.data_dir else []
     trl = ["--no-trl"] if args.no_trl else ["--trl-liger"] if cuda else []
-    steps = ["--steps", "2", "--warmup", "1"] if args.tiny else ["--steps", "10", "--warmup", "3", "--sft-examples", "2000",
-                                                                 "--dpo-pairs", "200"]
+    steps = (
+        ["--steps", "2", "--warmup", "1"]
+        if args.tiny
+        else ["--steps", "10", "--warmup", "3", "--sft-examples", "2000", "--dpo-pairs", "200"]
+    )
     pytest = [py, "-m", "pytest", "-m", "gpu", "-s", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rA"]
     if part == "A":
         out = [Piece("supervised", [py, str(BENCH / "bench_gpu.py"), *common, *steps, *trl], 300, "gpu.json")]
         if cuda:
-            out.append(Piece("supervised-profile", [py, str(BENCH / "bench_gpu.py"), *common, "--steps", "4", "--warmup",
-                                                    "3", "--profile-steps", "3", "--sft-examples", "1000", "--cases",
-                                                    "sft_mb16", "sft_budget", *trl], 150, "gpu.json"))
-            out.append(Piece("supervised-compile", [py, str(BENCH / "bench_gpu.py"), *common, *steps, "--no-trl", "--cases",
-                                                    "sft_budget", "--compile", "--warmup", "4"], 150, "gpu.json"))
+            out.append(
+                Piece(
+                    "supervised-profile",
+                    [
+                        py,
+                        str(BENCH / "bench_gpu.py"),
+                        *common,
+                        "--steps",
+                        "4",
+                        "--warmup",
+                        "3",
+                        "--profile-steps",
+                        "3",
+                        "--sft-examples",
+                        "1000",
+                        "--cases",
+                        "sft_mb16",
+                        "sft_budget",
+                        *trl,
+                    ],
+                    150,
+                    "gpu.json",
+                )
+            )
+            out.append(
+                Piece(
+                    "supervised-compile",
+                    [
+                        py,
+                        str(BENCH / "bench_gpu.py"),
+                        *common,
+                        *steps,
+                        "--no-trl",
+                        "--cases",
+                        "sft_budget",
+                        "--compile",
+                        "--warmup",
+                        "4",
+                    ],
+                    150,
+                    "gpu.json",
+                )
+            )
         return out
-    out = [Piece("grpo", [py, str(BENCH / "bench_grpo_gpu.py"), *common, *(["--no-trl"] if args.no_trl else [])], 270,
-                 "grpo_gpu.json")]
+    out = [
+        Piece(
+            "grpo",
+            [py, str(BENCH / "bench_grpo_gpu.py"), *common, *(["--no-trl"] if args.no_trl else [])],
+            270,
+            "grpo_gpu.json",
+        )
+    ]
     if cuda:
         out.append(Piece("lora-memory", [*pytest, str(REPO / "tests" / "gpu" / "test_lora_memory.py")], 160))
         out.append(Piece("engines", [*pytest, str(REPO / "tests" / "unit" / "test_engines.py")], 100))
         if args.with_8b:
             out.append(Piece("llama3-8b", [*pytest, str(REPO / "tests" / "gpu" / "test_8b_fits.py")], 590))
     quick = ["--repeats", "3", "--warmup", "1", "--rounds", "1"] if cuda else []
-    out.append(Piece("rl-forward", [py, str(BENCH / "bench_rl_forward.py"), "--device", args.device, "--results-dir",
-                                    args.results_dir, *(["--tiny"] if args.tiny else []), *quick], 120, "rl_forward.json"))
+    out.append(
+        Piece(
+            "rl-forward",
+            [
+                py,
+                str(BENCH / "bench_rl_forward.py"),
+                "--device",
+                args.device,
+                "--results-dir",
+                args.results_dir,
+                *(["--tiny"] if args.tiny else []),
+                *quick,
+            ],
+            120,
+            "rl_forward.json",
+        )
+    )
     return out
 
 
@@ -98,33 +160,49 @@ def run_piece(piece: Piece, left_s: float, results_dir: Path) -> None:
     exit status, for a piece that writes as it goes) and output tail."""
     limit = max(1, int(min(piece.cap_s, left_s)))
     start = time.perf_counter()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    }
     try:
         done = subprocess.run(piece.argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit, check=False)
         rc, output = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
         rc = 124
-        output = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "") + \
-            ((e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or "")
+        output = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "") + (
+            (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        )
     (results_dir / f"{piece.name}.log").write_text(output)
     payload = None
     if piece.result_json and (results_dir / piece.result_json).exists():
         kept = results_dir / f"{piece.name}.{piece.result_json}"
         (results_dir / piece.result_json).replace(kept)
         payload = json.loads(kept.read_text())  # a piece cut by its limit keeps what it wrote before
-    piece.outcome = {"name": piece.name, "argv": piece.argv, "rc": rc, "limit_s": limit,
-                     "wall_s": round(time.perf_counter() - start, 1), "result": payload,
-                     "tests": pytest_outcomes(output) if "pytest" in piece.argv else None,
-                     "tail": output.splitlines()[-40:]}
+    piece.outcome = {
+        "name": piece.name,
+        "argv": piece.argv,
+        "rc": rc,
+        "limit_s": limit,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "result": payload,
+        "tests": pytest_outcomes(output) if "pytest" in piece.argv else None,
+        "tail": output.splitlines()[-40:],
+    }
 
 
 def pytest_outcomes(output: str) -> dict[str, str]:
     """``test id -> PASSED / FAILED / SKIPPED / ERROR`` from pytest's ``-rA`` summary, and the
     lines the tests printed that name a GiB or tokens/s (their measurements)."""
     out = {m.group(2): m.group(1) for m in re.finditer(r"^(PASSED|FAILED|SKIPPED|ERROR) (\S+)", output, re.M)}
-    out.update({f"printed {i}": line.strip() for i, line in enumerate(
-        ln for ln in output.splitlines() if re.search(r"GiB|tokens/s", ln) and not ln.startswith(("E ", ">")))})
+    out.update(
+        {
+            f"printed {i}": line.strip()
+            for i, line in enumerate(
+                ln for ln in output.splitlines() if re.search(r"GiB|tokens/s", ln) and not ln.startswith(("E ", ">"))
+            )
+        }
+    )
     return out
 
 
@@ -134,8 +212,12 @@ def table(outcomes: list[dict[str, Any]]) -> list[str]:
     for o in outcomes:
         lines.append(f"-- {o['name']}: exit {o['rc']} in {o['wall_s']} s (limit {o['limit_s']} s)")
         for r in (o["result"] or {}).get("rows", []):
-            target = "-" if r["target"] is None else f"{r['target']} " + {True: "ok", False: "MISSED", None: "?"}[r["met"]]
-            lines.append(f"{r['metric'][:66]:<66} {r['project']:>12.4g} {r['trl']:>12.4g} {r['ratio']:>6.2f}x  {target}")
+            target = (
+                "-" if r["target"] is None else f"{r['target']} " + {True: "ok", False: "MISSED", None: "?"}[r["met"]]
+            )
+            lines.append(
+                f"{r['metric'][:66]:<66} {r['project']:>12.4g} {r['trl']:>12.4g} {r['ratio']:>6.2f}x  {target}"
+            )
         for test, outcome in (o["tests"] or {}).items():
             lines.append(f"   {outcome}" if test.startswith("printed") else f"   {outcome:<8} {test}")
     return lines
@@ -160,17 +242,35 @@ def run(args: argparse.Namespace) -> int:
         for piece in pieces(part, args):
             left = args.budget_s - (time.perf_counter() - start)
             if left < 20:
-                outcomes.append({"name": piece.name, "argv": piece.argv, "rc": None, "limit_s": 0, "wall_s": 0,
-                                 "result": None, "tests": None, "tail": ["not run: the part's budget was spent"]})
+                outcomes.append(
+                    {
+                        "name": piece.name,
+                        "argv": piece.argv,
+                        "rc": None,
+                        "limit_s": 0,
+                        "wall_s": 0,
+                        "result": None,
+                        "tests": None,
+                        "tail": ["not run: the part's budget was spent"],
+                    }
+                )
                 continue
             run_piece(piece, left, results_dir)
             outcomes.append(piece.outcome)
         status |= int(any(o["rc"] != 0 for o in outcomes))
         lines = table(outcomes)
-        print(f"\nGPU acceptance, part {part} ({args.device}{', tiny' if args.tiny else ''}), "
-              f"{time.perf_counter() - start:.0f} s\n" + "\n".join(lines))
-        payload = {"part": part, "commit": git_commit(), "settings": dict(vars(args)), "pieces": outcomes,
-                   "table": lines, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        print(
+            f"\nGPU acceptance, part {part} ({args.device}{', tiny' if args.tiny else ''}), "
+            f"{time.perf_counter() - start:.0f} s\n" + "\n".join(lines)
+        )
+        payload = {
+            "part": part,
+            "commit": git_commit(),
+            "settings": dict(vars(args)),
+            "pieces": outcomes,
+            "table": lines,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
         path = results_dir / f"gpu_acceptance_{part}.json"
         path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         print(f"wrote {path}")

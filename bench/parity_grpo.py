@@ -100,10 +100,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps (= rollouts) of each run")
-    parser.add_argument("--loss", choices=sorted(LOSSES), default="dapo",
-                        help=f"TRL's loss_type (the project's loss_aggregation: {LOSSES})")
-    parser.add_argument("--kl-coef", type=float, default=0.0,
-                        help="beta = kl_coef (k3; TRL without its ratio factor, use_bias_correction_kl=False)")
+    parser.add_argument(
+        "--loss",
+        choices=sorted(LOSSES),
+        default="dapo",
+        help=f"TRL's loss_type (the project's loss_aggregation: {LOSSES})",
+    )
+    parser.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.0,
+        help="beta = kl_coef (k3; TRL without its ratio factor, use_bias_correction_kl=False)",
+    )
     parser.add_argument("--work-dir", default=str(REPO / ".bench" / "parity-grpo"))
     return parser.parse_args(argv)
 
@@ -121,10 +129,23 @@ def prompt_text(ids: list[int]) -> str:
 def stage_config(steps: int, loss: str = "dapo", kl_coef: float = 0.0) -> GRPOConfig:
     """The project's GRPO config of a run (module docstring); ``loss``: TRL's name of the aggregation."""
     return GRPOConfig(
-        max_steps=steps, learning_rate=LEARNING_RATE, warmup_steps=2, min_lr_ratio=0.1, weight_decay=0.0,
-        group_size=GROUP_SIZE, prompts_per_rollout=PROMPTS_PER_STEP, ppo_epochs=1, num_mini_batches=1,
-        advantage_estimator="grpo", scale_rewards=True, loss_aggregation=LOSSES[loss], kl_coef=kl_coef,
-        kl_estimator="k3", clip_eps=0.2, save_every=10 * steps, async_save=False,
+        max_steps=steps,
+        learning_rate=LEARNING_RATE,
+        warmup_steps=2,
+        min_lr_ratio=0.1,
+        weight_decay=0.0,
+        group_size=GROUP_SIZE,
+        prompts_per_rollout=PROMPTS_PER_STEP,
+        ppo_epochs=1,
+        num_mini_batches=1,
+        advantage_estimator="grpo",
+        scale_rewards=True,
+        loss_aggregation=LOSSES[loss],
+        kl_coef=kl_coef,
+        kl_estimator="k3",
+        clip_eps=0.2,
+        save_every=10 * steps,
+        async_save=False,
         generation={"temperature": 1.0, "top_p": 1.0, "max_new_tokens": MAX_NEW_TOKENS},
     )
 
@@ -149,8 +170,12 @@ def run_project(setup: Setup, seed: int) -> list[float]:
     cfg = setup.cfg
     backend = build_backend(BackendConfig(name="single", device="cpu", precision="fp32"))
     logged: dict[int, dict[str, float]] = {}
-    session = CheckpointSession(str(setup.work / f"project-{seed}"), backend, asynchronous=False,
-                                metrics=MetricsBuffer(printer=lambda m, step: logged.setdefault(step, {}).update(m)))
+    session = CheckpointSession(
+        str(setup.work / f"project-{seed}"),
+        backend,
+        asynchronous=False,
+        metrics=MetricsBuffer(printer=lambda m, step: logged.setdefault(step, {}).update(m)),
+    )
 
     def reward(items, texts):
         return torch.tensor([reward_of_ids([int(w[1:]) for w in t.split()]) for t in texts])
@@ -158,9 +183,18 @@ def run_project(setup: Setup, seed: int) -> list[float]:
     items = [PromptItem([{"role": "user", "content": prompt_text(p)}], p, None) for p in setup.prompts]
     reference = copy.deepcopy(setup.initial).eval() if cfg.kl_coef > 0 else None
     torch.manual_seed(seed)
-    trainer = RLTrainer(backend=backend, tokenizer=word_tokenizer(), cfg=cfg, algo=GRPOAlgorithm(cfg),
-                        model=backend.wrap(PolicyAndValue(copy.deepcopy(setup.initial))), reference=reference,
-                        reward_fn=reward, prompts=items, seed=seed, session=session)
+    trainer = RLTrainer(
+        backend=backend,
+        tokenizer=word_tokenizer(),
+        cfg=cfg,
+        algo=GRPOAlgorithm(cfg),
+        model=backend.wrap(PolicyAndValue(copy.deepcopy(setup.initial))),
+        reference=reference,
+        reward_fn=reward,
+        prompts=items,
+        seed=seed,
+        session=session,
+    )
     trainer.run()
     return [float(logged[s]["reward_mean"]) for s in range(1, cfg.max_steps + 1)]
 
@@ -176,17 +210,33 @@ def run_trl(setup: Setup, seed: int) -> list[float]:
     def reward(prompts, completions, completion_ids, **kwargs):
         return [reward_of_ids(ids) for ids in completion_ids]
 
-    settings = {**trl_settings(cfg, setup.work / f"trl-{seed}"), "seed": seed, "per_device_train_batch_size":
-                PROMPTS_PER_STEP * GROUP_SIZE, "max_grad_norm": cfg.max_grad_norm}
-    args = trl.GRPOConfig(**settings, num_generations=GROUP_SIZE, steps_per_generation=1, num_iterations=1,
-                          max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
-                          beta=cfg.kl_coef, use_bias_correction_kl=False, loss_type=setup.loss,
-                          scale_rewards="group", epsilon=cfg.clip_eps)
+    settings = {
+        **trl_settings(cfg, setup.work / f"trl-{seed}"),
+        "seed": seed,
+        "per_device_train_batch_size": PROMPTS_PER_STEP * GROUP_SIZE,
+        "max_grad_norm": cfg.max_grad_norm,
+    }
+    args = trl.GRPOConfig(
+        **settings,
+        num_generations=GROUP_SIZE,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=MAX_NEW_TOKENS,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=cfg.kl_coef,
+        use_bias_correction_kl=False,
+        loss_type=setup.loss,
+        scale_rewards="group",
+        epsilon=cfg.clip_eps,
+    )
     model = copy.deepcopy(setup.initial)
     model.config._name_or_path = str(setup.initial_dir)  # TRL's reference (beta > 0) is loaded from here
     dataset = datasets.Dataset.from_list([{"prompt": prompt_text(p)} for p in setup.prompts])
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
-                              processing_class=word_tokenizer())
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=word_tokenizer()
+    )
     trainer.remove_callback(PrinterCallback)  # the per-step log lines (disable_tqdm's printer)
     trainer.train()
     by_step = {int(h["step"]): h for h in trainer.state.log_history if "reward" in h}
@@ -205,8 +255,16 @@ def compare(ours: list[list[float]], theirs: list[list[float]]) -> list[dict[str
     for k, (a, b) in enumerate(zip(zip(*map(tenths, ours)), zip(*map(tenths, theirs)))):
         se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
         diff = statistics.fmean(a) - statistics.fmean(b)
-        rows.append({"tenth": k + 1, "project": statistics.fmean(a), "trl": statistics.fmean(b), "diff": diff,
-                     "se": se, "agree": abs(diff) <= 2 * se})
+        rows.append(
+            {
+                "tenth": k + 1,
+                "project": statistics.fmean(a),
+                "trl": statistics.fmean(b),
+                "diff": diff,
+                "se": se,
+                "agree": abs(diff) <= 2 * se,
+            }
+        )
     return rows
 
 
@@ -215,8 +273,9 @@ def agreements(ours: list[list[float]], theirs: list[list[float]]) -> int:
     return sum(bool(r["agree"]) for r in compare(ours, theirs))
 
 
-def group_control(curves: dict[str, list[list[float]]], size: int = 3, draws: int = 2000,
-                  seed: int = 0) -> dict[str, float]:
+def group_control(
+    curves: dict[str, list[list[float]]], size: int = 3, draws: int = 2000, seed: int = 0
+) -> dict[str, float]:
     """The ``size``-seed criterion's own false-alarm rate, from an A/A control.
 
     Each draw takes ``2 x size`` distinct seeds, the first ``size`` for one set of curves and the
@@ -271,22 +330,29 @@ def report(curves: dict[str, list[list[float]]], seconds: dict[str, float]) -> d
     print("\n| tenth | project mean reward | TRL mean reward | difference | 2 x s.e. | agree |")
     print("| ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
-        print(f"| {r['tenth']} | {r['project']:.3f} | {r['trl']:.3f} | {r['diff']:+.3f} | {2 * r['se']:.3f} | "
-              f"{'yes' if r['agree'] else 'NO'} |")
+        print(
+            f"| {r['tenth']} | {r['project']:.3f} | {r['trl']:.3f} | {r['diff']:+.3f} | {2 * r['se']:.3f} | "
+            f"{'yes' if r['agree'] else 'NO'} |"
+        )
     for side, side_curves in curves.items():
         gains = [tenths(c)[-1] - tenths(c)[0] for c in side_curves]
-        print(f"{side}: gain first -> last tenth, mean over seeds {statistics.fmean(gains):+.3f} "
-              f"(min {min(gains):+.3f})")
-    print(f"agree at {sum(r['agree'] for r in rows)} of 10 tenths; CPU seconds: "
-          + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
+        print(
+            f"{side}: gain first -> last tenth, mean over seeds {statistics.fmean(gains):+.3f} (min {min(gains):+.3f})"
+        )
+    print(
+        f"agree at {sum(r['agree'] for r in rows)} of 10 tenths; CPU seconds: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items())
+    )
     control: dict[str, dict[str, float]] = {}
     n = min(len(c) for c in curves.values())
     for size in sorted({3, n // 2}):
         if size < 3 or n < 2 * size:
             continue
         control[str(size)] = judged = group_control(curves, size)
-        print(f"A/A control, {size}-seed comparisons on disjoint seeds (2000 draws): share agreeing at all 10 "
-              "tenths, mean tenths agreeing")
+        print(
+            f"A/A control, {size}-seed comparisons on disjoint seeds (2000 draws): share agreeing at all 10 "
+            "tenths, mean tenths agreeing"
+        )
         for name in ("project_vs_trl", "project_vs_project", "trl_vs_trl"):
             print(f"  {name}: {judged[name + '/all_10']:.3f}, {judged[name + '/mean']:.2f}")
     return {"tenths": rows, "control": control}
@@ -304,12 +370,26 @@ def main(argv: list[str] | None = None) -> int:
             start = time.process_time()
             curves[side].append(run(setup, seed))
             seconds[side] += time.process_time() - start
-            print(f"seed {seed} {side}: {time.process_time() - start:.0f} s CPU; reward by tenth "
-                  + " ".join(f"{v:.3f}" for v in tenths(curves[side][-1])), flush=True)
+            print(
+                f"seed {seed} {side}: {time.process_time() - start:.0f} s CPU; reward by tenth "
+                + " ".join(f"{v:.3f}" for v in tenths(curves[side][-1])),
+                flush=True,
+            )
     judged = report(curves, seconds)
-    (setup.work / "parity_grpo.json").write_text(json.dumps(
-        {"seeds": args.seeds, "steps": args.steps, "loss": args.loss, "kl_coef": args.kl_coef, "curves": curves,
-         **judged, "cpu_seconds": seconds}, indent=1))
+    (setup.work / "parity_grpo.json").write_text(
+        json.dumps(
+            {
+                "seeds": args.seeds,
+                "steps": args.steps,
+                "loss": args.loss,
+                "kl_coef": args.kl_coef,
+                "curves": curves,
+                **judged,
+                "cpu_seconds": seconds,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

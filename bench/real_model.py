@@ -43,8 +43,13 @@ def table(summary: dict, rows: list[dict]) -> tuple[str, float, float]:
     stages = summary["stages"]
     lines = ["| stage | wall time (s) |", "| --- | ---: |"]
     lines += [f"| {name} | {entry.get('wall_s', 0.0):.0f} |" for name, entry in stages.items()]
-    lines += ["", f"Held-out problems: {len(rows)}", "",
-              "| policy | exact match (SE) | paired gain (SE) |", "| --- | ---: | ---: |"]
+    lines += [
+        "",
+        f"Held-out problems: {len(rows)}",
+        "",
+        "| policy | exact match (SE) | paired gain (SE) |",
+        "| --- | ---: | ---: |",
+    ]
     verdicts = {p: [bool(r[f"{p}_correct"]) for r in rows] for p in POLICIES if f"{p}_correct" in rows[0]}
     sft_gain, sft_se = float("nan"), float("nan")
     for name, hits in verdicts.items():

@@ -46,10 +46,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", default=str(REPO / ".bench" / "rl-learning"))
     parser.add_argument("--window", type=int, default=5, help="iterations in the first and last windows")
     parser.add_argument("--reuse", action="store_true", help="judge an existing finished run of a seed")
-    parser.add_argument("--judge", nargs="+", choices=sorted(CURVES), default=list(CURVES),
-                        help="the RL stages to judge (e.g. grpo alone, with --set 'stages=[prepare_data,sft,grpo,evaluate]')")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra config override (repeatable)")
+    parser.add_argument(
+        "--judge",
+        nargs="+",
+        choices=sorted(CURVES),
+        default=list(CURVES),
+        help="the RL stages to judge (e.g. grpo alone, with --set 'stages=[prepare_data,sft,grpo,evaluate]')",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override (repeatable)",
+    )
     return parser.parse_args(argv)
 
 
@@ -65,8 +76,13 @@ def window_gain(values: list[float], window: int) -> dict[str, float | bool]:
     first, last = values[:window], values[-window:]
     gain = statistics.fmean(last) - statistics.fmean(first)
     se = math.sqrt(statistics.variance(first) / window + statistics.variance(last) / window)
-    return {"first": statistics.fmean(first), "last": statistics.fmean(last), "gain": gain, "se": se,
-            "learns": gain > 2 * se}
+    return {
+        "first": statistics.fmean(first),
+        "last": statistics.fmean(last),
+        "gain": gain,
+        "se": se,
+        "learns": gain > 2 * se,
+    }
 
 
 def _summary_path(root: Path) -> Path | None:
@@ -77,8 +93,15 @@ def _summary_path(root: Path) -> Path | None:
 def _run_demo(config: str, seed: int, root: Path, overrides: list[str]) -> tuple[Path, float]:
     """Run the pipeline for ``seed`` under ``root``; (summary.json path, wall seconds)."""
     root.mkdir(parents=True, exist_ok=True)
-    command = [str(Path(sys.executable).parent / "posttrain"), "run", config, "--set", f"seed={seed}",
-               "--set", f"storage.root={root}"]
+    command = [
+        str(Path(sys.executable).parent / "posttrain"),
+        "run",
+        config,
+        "--set",
+        f"seed={seed}",
+        "--set",
+        f"storage.root={root}",
+    ]
     for item in overrides:
         command += ["--set", item]
     start = time.perf_counter()
@@ -159,24 +182,41 @@ def main(argv: list[str] | None = None) -> int:
         summary = json.loads(summary_path.read_text())
         histories = _histories(root, args.judge)
         evaluate = summary.get("stages", {}).get("evaluate", {}).get("metrics", {})
-        row = {"seed": seed, "wall_s": seconds, "exact_match": _exact_match(summary),
-               "vs_sft": policy_gains(evaluate), "accuracy": _accuracies(summary)}
+        row = {
+            "seed": seed,
+            "wall_s": seconds,
+            "exact_match": _exact_match(summary),
+            "vs_sft": policy_gains(evaluate),
+            "accuracy": _accuracies(summary),
+        }
         for stage, values in histories.items():
             row[stage] = {**window_gain(values, args.window), "values": values}
         rows.append(row)
         em = row["exact_match"]
-        print(f"seed {seed}: {seconds:.0f} s; " + "; ".join(
-            f"{curve if curve not in CURVES else f'{curve} {CURVES[curve]}'} first {row[curve]['first']:.4f} "
-            f"last {row[curve]['last']:.4f} gain {row[curve]['gain']:+.4f} (2 SE {2 * row[curve]['se']:.4f}: "
-            f"{'learns' if row[curve]['learns'] else 'NOT shown'})" for curve in histories
-        ) + f"; exact match {json.dumps(em, sort_keys=True)}", flush=True)
-        print(f"seed {seed}: vs SFT " + "; ".join(
-            f"{policy} {g['gain']:+.4f} (SE {g['se']:.4f}: {'holds' if g['holds'] else 'WORSE'})"
-            for policy, g in sorted(row["vs_sft"].items())
-        ) + f"; accuracy {json.dumps(row['accuracy'], sort_keys=True)}", flush=True)
+        print(
+            f"seed {seed}: {seconds:.0f} s; "
+            + "; ".join(
+                f"{curve if curve not in CURVES else f'{curve} {CURVES[curve]}'} first {row[curve]['first']:.4f} "
+                f"last {row[curve]['last']:.4f} gain {row[curve]['gain']:+.4f} (2 SE {2 * row[curve]['se']:.4f}: "
+                f"{'learns' if row[curve]['learns'] else 'NOT shown'})"
+                for curve in histories
+            )
+            + f"; exact match {json.dumps(em, sort_keys=True)}",
+            flush=True,
+        )
+        print(
+            f"seed {seed}: vs SFT "
+            + "; ".join(
+                f"{policy} {g['gain']:+.4f} (SE {g['se']:.4f}: {'holds' if g['holds'] else 'WORSE'})"
+                for policy, g in sorted(row["vs_sft"].items())
+            )
+            + f"; accuracy {json.dumps(row['accuracy'], sort_keys=True)}",
+            flush=True,
+        )
     work.mkdir(parents=True, exist_ok=True)
-    (work / "rl_learning.json").write_text(json.dumps({"config": args.config, "window": args.window,
-                                                       "overrides": args.overrides, "seeds": rows}, indent=2))
+    (work / "rl_learning.json").write_text(
+        json.dumps({"config": args.config, "window": args.window, "overrides": args.overrides, "seeds": rows}, indent=2)
+    )
     print(f"wrote {work / 'rl_learning.json'}")
     return 0
 

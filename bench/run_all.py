@@ -31,8 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: run(args) for name, run in benches.items() if args.only in (None, name)}
     targets = [row for r in results.values() for row in r["rows"] if row["target"] is not None]
     print_table("Targets (project / TRL >= 2x)", targets)
-    path = write_result("results", {"args": vars(args), "targets": targets, "environment": environment(),
-                                    **{name: r for name, r in results.items()}})
+    path = write_result(
+        "results",
+        {
+            "args": vars(args),
+            "targets": targets,
+            "environment": environment(),
+            **{name: r for name, r in results.items()},
+        },
+    )
     print(f"wrote {path}")
     return 0
 

@@ -161,8 +161,10 @@ def deployment_parameters(flow: Flow, entry: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"deployment {entry['name']!r}: the flow takes no parameter(s) {unknown}")
     hidden = sorted(set(params) & set(UI_HIDDEN_PARAMETERS))
     if hidden:
-        raise ConfigError(f"deployment {entry['name']!r}: parameter(s) {hidden} are for Python callers; "
-                          "use config_uri, settings and overrides")
+        raise ConfigError(
+            f"deployment {entry['name']!r}: parameter(s) {hidden} are for Python callers; "
+            "use config_uri, settings and overrides"
+        )
     uri = params.get("config_uri")
     if uri and "://" not in uri and not os.path.isabs(uri):
         job_variables = (entry.get("work_pool") or {}).get("job_variables") or {}
@@ -327,8 +329,10 @@ def _check_api() -> None:
     with get_client(sync_client=True) as client:
         unreachable = client.api_healthcheck()
     if unreachable is not None:
-        _fail(f"no Prefect API answers at {url} (PREFECT_API_URL): {type(unreachable).__name__}: {unreachable}. "
-              "Start a server (prefect server start) or point PREFECT_API_URL at one")
+        _fail(
+            f"no Prefect API answers at {url} (PREFECT_API_URL): {type(unreachable).__name__}: {unreachable}. "
+            "Start a server (prefect server start) or point PREFECT_API_URL at one"
+        )
 
 
 def deploy(
@@ -354,7 +358,9 @@ def deploy(
         pools, limits = used_resources(spec, entries)
         flows = {e["entrypoint"]: load_flow_from_entrypoint(e["entrypoint"]) for e in entries}
         deployments = [
-            build_deployment(flows[e["entrypoint"]], e, enable_schedule, deployment_parameters(flows[e["entrypoint"]], e))
+            build_deployment(
+                flows[e["entrypoint"]], e, enable_schedule, deployment_parameters(flows[e["entrypoint"]], e)
+            )
             for e in entries
         ]
     except ConfigError as e:
@@ -370,7 +376,9 @@ def deploy(
         deployment_id = deployment.apply()
         active = [s.active for s in deployment.schedules or []]
         schedules = f", schedules {'active' if all(active) else 'inactive'}" if active else ""
-        typer.echo(f"deployment {deployment.flow_name}/{deployment.name}: {deployment_id} "
-                   f"(pool {deployment.work_pool_name}{schedules})")
+        typer.echo(
+            f"deployment {deployment.flow_name}/{deployment.name}: {deployment_id} "
+            f"(pool {deployment.work_pool_name}{schedules})"
+        )
     for name in (n for n, declared in pools.items() if declared["type"] == "process"):
         typer.echo(f"run them with a worker: prefect worker start --pool {name}")

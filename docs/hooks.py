@@ -20,7 +20,7 @@ def on_config(config):
         out = []
         for item in items:
             if isinstance(item, dict):
-                (title, value), = item.items()
+                ((title, value),) = item.items()
                 if value == _INDEX:
                     item = {title: [{"Overview": _INDEX}, *sections]}
                 elif isinstance(value, list):

@@ -12,8 +12,20 @@ import argparse
 import torch
 
 from trainer_core import (
-    CheckpointSession, MetricsBuffer, Objective, StepOutput, TrainLoop, build_backend, build_trainer, causal_source,
-    collate_causal, load_causal_lm, load_config, load_split, load_tokenizer_from, shift_mask,
+    CheckpointSession,
+    MetricsBuffer,
+    Objective,
+    StepOutput,
+    TrainLoop,
+    build_backend,
+    build_trainer,
+    causal_source,
+    collate_causal,
+    load_causal_lm,
+    load_config,
+    load_split,
+    load_tokenizer_from,
+    shift_mask,
 )
 
 
@@ -36,8 +48,11 @@ class LabelSmoothedSFT(Objective):
 
     def step(self, model, batch) -> StepOutput:
         nll, losses, mask = self._losses(model, batch)
-        return StepOutput(loss_sum=(losses * mask).sum(), num_tokens=int(batch["attention_mask"].sum()),
-                          metric_sums={"nll": (nll * mask).sum().detach()})
+        return StepOutput(
+            loss_sum=(losses * mask).sum(),
+            num_tokens=int(batch["attention_mask"].sum()),
+            metric_sums={"nll": (nll * mask).sum().detach()},
+        )
 
     def evaluate(self, model) -> dict[str, float]:
         nll, _, mask = self._losses(model, self.held_out)
@@ -52,15 +67,32 @@ config = load_config("examples/dpo.yaml", overrides={"storage.root": args.out_ro
 prepare = build_trainer(config, "prepare_data", run_id="objective-example")
 prepare.run()  # tokenised splits and the tokenizer, committed under prepare.final_uri
 tokenizer, cfg, backend = load_tokenizer_from(prepare.final_uri), config.sft, build_backend(config.backend)
-train = causal_source(load_split(prepare.final_uri, "sft/train"), tokenizer.pad_token_id, cfg.micro_batch_size,
-                      seed=0, device=backend.device)
+train = causal_source(
+    load_split(prepare.final_uri, "sft/train"),
+    tokenizer.pad_token_id,
+    cfg.micro_batch_size,
+    seed=0,
+    device=backend.device,
+)
 held_out = collate_causal(load_split(prepare.final_uri, "sft/eval")[:32], tokenizer.pad_token_id)
 model = backend.wrap(load_causal_lm("init", config.model, tokenizer, seed=0))
-session = CheckpointSession(f"{args.out_root}/label-smoothing/checkpoints", backend, fingerprint=f"eps={args.epsilon}",
-                            metrics=MetricsBuffer(printer=lambda metrics, step: print(f"step {step}: {metrics}")))
-loop = TrainLoop(model=model, backend=backend, objective=LabelSmoothedSFT(args.epsilon, held_out), batches=train,
-                 cfg=cfg, session=session)
+session = CheckpointSession(
+    f"{args.out_root}/label-smoothing/checkpoints",
+    backend,
+    fingerprint=f"eps={args.epsilon}",
+    metrics=MetricsBuffer(printer=lambda metrics, step: print(f"step {step}: {metrics}")),
+)
+loop = TrainLoop(
+    model=model,
+    backend=backend,
+    objective=LabelSmoothedSFT(args.epsilon, held_out),
+    batches=train,
+    cfg=cfg,
+    session=session,
+)
 print(f"resumed: {loop.resume()}")
 progress = loop.run()
-print(f"global_step {progress.global_step}: eval/loss {progress.history['eval/loss']:.4f} "
-      f"(first {progress.history['first/eval/loss']:.4f})")
+print(
+    f"global_step {progress.global_step}: eval/loss {progress.history['eval/loss']:.4f} "
+    f"(first {progress.history['first/eval/loss']:.4f})"
+)

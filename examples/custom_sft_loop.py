@@ -13,8 +13,18 @@ import random
 import torch
 
 from trainer_core import (
-    ArtifactWriter, build_optimizer, build_scheduler, collate_causal, encode_chat, load_causal_lm,
-    masked_token_logprobs, read_manifest, save_pretrained_to, sft_loss, shift_mask, train_tokenizer,
+    ArtifactWriter,
+    build_optimizer,
+    build_scheduler,
+    collate_causal,
+    encode_chat,
+    load_causal_lm,
+    masked_token_logprobs,
+    read_manifest,
+    save_pretrained_to,
+    sft_loss,
+    shift_mask,
+    train_tokenizer,
 )
 from trainer_core.config import ModelConfig, ModelInit, SFTConfig
 
@@ -27,10 +37,13 @@ rng = random.Random(0)
 pairs = [(a, b) for a in range(30) for b in range(30)]
 chats = [([{"role": "user", "content": f"What is {a} + {b}?"}], f"{a} + {b} = {a + b}") for a, b in pairs]
 tokenizer = train_tokenizer([f"{m[0]['content']} {c}" for m, c in chats], vocab_size=320, min_frequency=2)
-rows = [encode_chat(tokenizer, messages, completion, max_length=64, max_prompt_length=32) for messages, completion in chats]
+rows = [
+    encode_chat(tokenizer, messages, completion, max_length=64, max_prompt_length=32) for messages, completion in chats
+]
 
-model = load_causal_lm("init", ModelConfig(init=ModelInit(hidden_size=32, intermediate_size=64, num_hidden_layers=2)),
-                       tokenizer, seed=0)
+model = load_causal_lm(
+    "init", ModelConfig(init=ModelInit(hidden_size=32, intermediate_size=64, num_hidden_layers=2)), tokenizer, seed=0
+)
 cfg = SFTConfig(max_steps=args.steps, learning_rate=3e-3, warmup_steps=4)
 optimizer = build_optimizer(model, cfg)
 scheduler = build_scheduler(optimizer, cfg)
@@ -50,7 +63,8 @@ for step in range(1, cfg.max_steps + 1):
 
 writer = ArtifactWriter(args.out_dir, overwrite=True)
 save_pretrained_to(writer, model, tokenizer)  # an HF model directory: safetensors, config, tokenizer
-writer.commit(kind="final", stage="custom-sft", run_id="example", global_step=cfg.max_steps,
-              metrics={"train/loss": loss.item()})
+writer.commit(
+    kind="final", stage="custom-sft", run_id="example", global_step=cfg.max_steps, metrics={"train/loss": loss.item()}
+)
 manifest = read_manifest(args.out_dir)
 print(f"committed {len(manifest.files)} files at global_step {manifest.global_step}")

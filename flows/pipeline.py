@@ -172,30 +172,51 @@ def _write_summary(run: PipelineRun, summary: dict[str, Any], log: Any, failed: 
             if error is None:
                 raise
             raise error from e
-        log.warning("run %s: summary %s not written: %s", run.run_id, run.layout.summary,
-                    error if error is not None else f"{type(e).__name__}: {e}")
+        log.warning(
+            "run %s: summary %s not written: %s",
+            run.run_id,
+            run.layout.summary,
+            error if error is not None else f"{type(e).__name__}: {e}",
+        )
         return None
 
 
-def _start(cfg: PipelineConfig, run_id: str, layout: RunLayout, log: Any,
-           sweep: SweepPoint | None) -> tuple[PipelineRun, dict[str, Any]]:
+def _start(
+    cfg: PipelineConfig, run_id: str, layout: RunLayout, log: Any, sweep: SweepPoint | None
+) -> tuple[PipelineRun, dict[str, Any]]:
     """Record the run's config (the fields changed since its last start, logged) and open its
     MLflow parent run: the run's record and those changes."""
     changes = save_run_config(cfg, layout)
     if changes:
-        log.info("run %s re-planned: %d config field(s) changed since its last start: %s", run_id, len(changes),
-                 "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()))
+        log.info(
+            "run %s re-planned: %d config field(s) changed since its last start: %s",
+            run_id,
+            len(changes),
+            "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()),
+        )
     tracking_uri = resolve_tracking_uri(cfg)
     flow_run_url = prefect_flow_run.ui_url
-    parent = start_pipeline_run(cfg, run_id, tracking_uri=tracking_uri, flow_run_url=flow_run_url,
-                                parent_run_id=sweep.mlflow_run_id if sweep else None)
-    run = PipelineRun(run_id=run_id, config=cfg, tracking_uri=tracking_uri, flow_run_url=flow_run_url,
-                      parent_mlflow_run_id=parent, sweep=sweep)
+    parent = start_pipeline_run(
+        cfg,
+        run_id,
+        tracking_uri=tracking_uri,
+        flow_run_url=flow_run_url,
+        parent_run_id=sweep.mlflow_run_id if sweep else None,
+    )
+    run = PipelineRun(
+        run_id=run_id,
+        config=cfg,
+        tracking_uri=tracking_uri,
+        flow_run_url=flow_run_url,
+        parent_mlflow_run_id=parent,
+        sweep=sweep,
+    )
     return run, changes
 
 
-def _release(run: PipelineRun, graph: StageGraphRun, summary: dict[str, Any],
-             log: Any) -> tuple[str | None, Exception | None]:
+def _release(
+    run: PipelineRun, graph: StageGraphRun, summary: dict[str, Any], log: Any
+) -> tuple[str | None, Exception | None]:
     """Log the headline metrics to MLflow and, for a run outside a sweep whose stages all
     succeeded, judge the gates and release (``summary["release"]``): the gate failure's message
     and the error met, each None if none (the summary is written before either is raised)."""
@@ -212,13 +233,25 @@ def _release(run: PipelineRun, graph: StageGraphRun, summary: dict[str, Any],
     return gate_failure, release_error
 
 
-def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, PlannedStage], log: Any,
-         sweep: SweepPoint | None = None) -> dict[str, Any]:
+def _run(
+    cfg: PipelineConfig,
+    run_id: str,
+    layout: RunLayout,
+    plan: dict[str, PlannedStage],
+    log: Any,
+    sweep: SweepPoint | None = None,
+) -> dict[str, Any]:
     """The flow's body once it holds the run's lease: record the config, run the graph, summarise."""
     run, changes = _start(cfg, run_id, layout, log, sweep)
     bound = max_parallel_stages(cfg)
-    log.info("run %s: stages %s (at most %s at once), MLflow %s (run %s)", run_id, cfg.stages,
-             bound or "unbounded", run.tracking_uri, run.parent_mlflow_run_id)
+    log.info(
+        "run %s: stages %s (at most %s at once), MLflow %s (run %s)",
+        run_id,
+        cfg.stages,
+        bound or "unbounded",
+        run.tracking_uri,
+        run.parent_mlflow_run_id,
+    )
     graph = StageGraphRun(plan, run, bound, log)
     try:
         graph.run()
@@ -236,8 +269,9 @@ def _run(cfg: PipelineConfig, run_id: str, layout: RunLayout, plan: dict[str, Pl
     if gate_failure or release_error:
         summary["status"] = "gate_failed" if gate_failure else "failed"
     summary["summary_uri"] = _write_summary(run, summary, log, failed=bool(graph.failures))
-    finish_pipeline_run(run.parent_mlflow_run_id, "FAILED" if gate_failure else summary["status"],
-                        tracking_uri=run.tracking_uri)
+    finish_pipeline_run(
+        run.parent_mlflow_run_id, "FAILED" if gate_failure else summary["status"], tracking_uri=run.tracking_uri
+    )
     log.info("run %s %s; summary %s", run_id, summary["status"], summary["summary_uri"] or "not written")
     if graph.failures:
         raise graph.failures[0]

@@ -63,7 +63,8 @@ class DataSettings(_Section):
         None, title="SFT data", description="SFT data URI. Empty: the config file's (the synthetic task if none)."
     )
     preference_uri: str | None = Field(
-        None, title="Preference data",
+        None,
+        title="Preference data",
         description="Preference pairs URI (chosen and rejected). Empty: the config file's (synthetic if none).",
     )
 
@@ -300,9 +301,11 @@ def refuse_conflicts(from_settings: dict[str, Any], overrides: dict[str, Any], f
         ConfigError: naming each such key with both values.
     """
     flat = flat_overrides(overrides)
-    clashes = [f"overrides sets {key}={flat[key]!r} but settings set it to {value!r} (the config file has "
-               f"{_value_at(file_data, key)!r})"
-               for key, value in from_settings.items()
-               if key in flat and flat[key] != value and _value_at(file_data, key) != value]
+    clashes = [
+        f"overrides sets {key}={flat[key]!r} but settings set it to {value!r} (the config file has "
+        f"{_value_at(file_data, key)!r})"
+        for key, value in from_settings.items()
+        if key in flat and flat[key] != value and _value_at(file_data, key) != value
+    ]
     if clashes:
         raise ConfigError("; ".join(clashes) + ": set each in one place (the form's field, or overrides)")

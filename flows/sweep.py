@@ -43,7 +43,15 @@ from tasks.report.views import figure_png, png_markdown
 from tasks.results import PipelineRun, StageResult, SweepPoint
 from tasks.runs import check_run_id, new_run_id
 from tasks.sweep import (
-    SweepFailed, expand_grid, forget_board, owners, point_config, point_run_id, stage_keys, sweep_board, sweep_grid,
+    SweepFailed,
+    expand_grid,
+    forget_board,
+    owners,
+    point_config,
+    point_run_id,
+    stage_keys,
+    sweep_board,
+    sweep_grid,
 )
 from trainer_core import storage
 from trainer_core.config import PipelineConfig, config_value
@@ -83,7 +91,11 @@ def _run_points(plan: list[tuple[str, PipelineConfig, SweepPoint]], at_once: int
     while waiting or running:
         while waiting and len(running) < at_once:
             run_id, config, point = waiting.pop(0)
-            running[sweep_point.with_options(task_run_name=run_id).submit(config, run_id, point)] = (run_id, config, point)
+            running[sweep_point.with_options(task_run_name=run_id).submit(config, run_id, point)] = (
+                run_id,
+                config,
+                point,
+            )
         try:
             done = next(as_completed(list(running)))
         except BaseException:  # interrupted: stop every point's trainers, let the points record it
@@ -103,8 +115,14 @@ def _run_points(plan: list[tuple[str, PipelineConfig, SweepPoint]], at_once: int
     return [outcomes[run_id] for run_id, _, _ in plan]
 
 
-def _release_points(config: PipelineConfig, plan: list[tuple[str, PipelineConfig, SweepPoint]],
-                    outcomes: list[dict[str, Any]], best: str, tracking_uri: str, log: Any) -> dict[str, Any]:
+def _release_points(
+    config: PipelineConfig,
+    plan: list[tuple[str, PipelineConfig, SweepPoint]],
+    outcomes: list[dict[str, Any]],
+    best: str,
+    tracking_uri: str,
+    log: Any,
+) -> dict[str, Any]:
     """Release the best point as a single run is released (gates, registry, both UIs), then, with
     ``sweep.register_others``, each other completed point as a candidate."""
     released: dict[str, Any] = {}
@@ -113,9 +131,13 @@ def _release_points(config: PipelineConfig, plan: list[tuple[str, PipelineConfig
     configs = {run_id: cfg for run_id, cfg, _ in plan}
     for run_id in order:
         summary = by_id[run_id]["summary"]
-        run = PipelineRun(run_id=run_id, config=configs[run_id], tracking_uri=tracking_uri,
-                          parent_mlflow_run_id=summary["mlflow"]["parent_run_id"],
-                          flow_run_url=prefect_flow_run.ui_url)
+        run = PipelineRun(
+            run_id=run_id,
+            config=configs[run_id],
+            tracking_uri=tracking_uri,
+            parent_mlflow_run_id=summary["mlflow"]["parent_run_id"],
+            flow_run_url=prefect_flow_run.ui_url,
+        )
         results = {s: StageResult.model_validate({**e, "stage": s}) for s, e in summary["stages"].items()}
         outcome = release(run, results, summary["headline"], candidate_only=run_id != best)
         if run_id == best:
@@ -133,8 +155,11 @@ def _publish(sweep_id: str, mlflow_run_id: str, comparison: dict[str, Any], trac
     markdown = comparison_markdown(sweep_id, comparison)
     fig = comparison_figure(comparison)
     png = figure_png(fig) if fig is not None else None
-    create_markdown_artifact(markdown + (f"\n\n{png_markdown(png, 'sweep comparison')}" if png else ""),
-                             key="sweep-comparison", description=f"sweep {sweep_id}: points compared")
+    create_markdown_artifact(
+        markdown + (f"\n\n{png_markdown(png, 'sweep comparison')}" if png else ""),
+        key="sweep-comparison",
+        description=f"sweep {sweep_id}: points compared",
+    )
     client = MlflowClient(tracking_uri)
     client.log_dict(mlflow_run_id, comparison, "sweep/comparison.json")
     if fig is not None:
@@ -143,23 +168,39 @@ def _publish(sweep_id: str, mlflow_run_id: str, comparison: dict[str, Any], trac
     if comparison["best"] is not None:
         client.set_tag(mlflow_run_id, "posttrain.sweep.best", comparison["best"])
         best = next(r for r in comparison["rows"] if r["run_id"] == comparison["best"])
-        metrics = {f"best/{comparison['metric']}": best["value"], "best/gain": comparison["gain"],
-                   "best/gain_se": comparison["gain_se"]}
-        tracking.log_pipeline_metrics(mlflow_run_id, {k: v for k, v in metrics.items() if v is not None},
-                                      tracking_uri=tracking_uri)
+        metrics = {
+            f"best/{comparison['metric']}": best["value"],
+            "best/gain": comparison["gain"],
+            "best/gain_se": comparison["gain_se"],
+        }
+        tracking.log_pipeline_metrics(
+            mlflow_run_id, {k: v for k, v in metrics.items() if v is not None}, tracking_uri=tracking_uri
+        )
 
 
-def _plan(cfg: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]],
-          mlflow_run_id: str | None) -> list[tuple[str, PipelineConfig, SweepPoint]]:
+def _plan(
+    cfg: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]], mlflow_run_id: str | None
+) -> list[tuple[str, PipelineConfig, SweepPoint]]:
     """Each point's run id, config and :class:`SweepPoint` (the stages other points train for it)."""
     configs = [point_config(cfg, values) for values in expand_grid(grid)]
     points = [{key: config_value(c, key) for key in grid} for c in configs]  # as the config reads them: 3e-5 -> 3e-05
     run_ids = [point_run_id(sweep_id, values) for values in points]
     keys = [stage_keys(c, RunLayout(c.storage.root, r)) for c, r in zip(configs, run_ids, strict=True)]
     shared = owners(run_ids, keys)
-    return [(r, c, SweepPoint(sweep_id=sweep_id, values=v, shared_from=s, mlflow_run_id=mlflow_run_id,
-                              launch_group=prefect_flow_run.id))
-            for r, c, v, s in zip(run_ids, configs, points, shared, strict=True)]
+    return [
+        (
+            r,
+            c,
+            SweepPoint(
+                sweep_id=sweep_id,
+                values=v,
+                shared_from=s,
+                mlflow_run_id=mlflow_run_id,
+                launch_group=prefect_flow_run.id,
+            ),
+        )
+        for r, c, v, s in zip(run_ids, configs, points, shared, strict=True)
+    ]
 
 
 @flow(name="post-training-sweep", flow_run_name=sweep_run_name)
@@ -202,12 +243,18 @@ def post_training_sweep(
     storage.configure(cfg.storage)
     tracking_uri = tracking.resolve_tracking_uri(cfg)
     plan = _plan(cfg, sweep_id, grid, None)  # refuses a bad grid before anything is written
-    mlflow_run_id = tracking.start_sweep_run(cfg, sweep_id, grid, tracking_uri=tracking_uri,
-                                             flow_run_url=prefect_flow_run.ui_url)
+    mlflow_run_id = tracking.start_sweep_run(
+        cfg, sweep_id, grid, tracking_uri=tracking_uri, flow_run_url=prefect_flow_run.ui_url
+    )
     plan = [(r, c, p.model_copy(update={"mlflow_run_id": mlflow_run_id})) for r, c, p in plan]
     shared = sum(len(p.shared_from) for _, _, p in plan)
-    log.info("sweep %s: %d points; %d stages to train, %d adopted from another point", sweep_id, len(plan),
-             sum(len(c.stages) for _, c, _ in plan) - shared, shared)
+    log.info(
+        "sweep %s: %d points; %d stages to train, %d adopted from another point",
+        sweep_id,
+        len(plan),
+        sum(len(c.stages) for _, c, _ in plan) - shared,
+        shared,
+    )
     try:
         outcomes = _run_points(plan, _points_at_once(cfg, len(plan)), log)
     finally:
@@ -216,9 +263,16 @@ def post_training_sweep(
     return _conclude(cfg, sweep_id, grid, plan, outcomes, mlflow_run_id, tracking_uri, log)
 
 
-def _conclude(cfg: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]],
-              plan: list[tuple[str, PipelineConfig, SweepPoint]], outcomes: list[dict[str, Any]],
-              mlflow_run_id: str, tracking_uri: str, log: Any) -> dict[str, Any]:
+def _conclude(
+    cfg: PipelineConfig,
+    sweep_id: str,
+    grid: dict[str, list[Any]],
+    plan: list[tuple[str, PipelineConfig, SweepPoint]],
+    outcomes: list[dict[str, Any]],
+    mlflow_run_id: str,
+    tracking_uri: str,
+    log: Any,
+) -> dict[str, Any]:
     """Compare the points, show it, release the best when every point completed, write and
     return the sweep's summary (see :func:`post_training_sweep`)."""
     metric = cfg.sweep.metric or f"{registered_stage_of(cfg) or 'sft'}/exact_match"
@@ -228,16 +282,31 @@ def _conclude(cfg: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]],
     released = None
     if not failed and comparison["best"] is not None:
         released = _release_points(cfg, plan, outcomes, comparison["best"], tracking_uri, log)
-    summary = {"sweep_id": sweep_id, "grid": grid, "status": "failed" if failed else "completed",
-               "points": [{"run_id": o["run_id"], "values": o["values"], "error": o["error"],
-                           "status": (o["summary"] or {}).get("status", "failed")} for o in outcomes],
-               "comparison": comparison, "release": released, "mlflow_run_id": mlflow_run_id}
+    summary = {
+        "sweep_id": sweep_id,
+        "grid": grid,
+        "status": "failed" if failed else "completed",
+        "points": [
+            {
+                "run_id": o["run_id"],
+                "values": o["values"],
+                "error": o["error"],
+                "status": (o["summary"] or {}).get("status", "failed"),
+            }
+            for o in outcomes
+        ],
+        "comparison": comparison,
+        "release": released,
+        "mlflow_run_id": mlflow_run_id,
+    }
     summary["summary_uri"] = join_uri(cfg.storage.root, "sweeps", sweep_id, "summary.json")
     storage.write_json(summary["summary_uri"], summary)
     tracking.finish_pipeline_run(mlflow_run_id, "FAILED" if failed else "completed", tracking_uri=tracking_uri)
     log.info("sweep %s %s; summary %s", sweep_id, summary["status"], summary["summary_uri"])
     if failed:
-        raise SweepFailed(f"sweep {sweep_id}: {len(failed)} of {len(outcomes)} points did not complete (nothing "
-                          "released; run the same sweep id again to resume them): "
-                          + "; ".join(f"{o['run_id']}: {o['error'] or o['summary'].get('status')}" for o in failed))
+        raise SweepFailed(
+            f"sweep {sweep_id}: {len(failed)} of {len(outcomes)} points did not complete (nothing "
+            "released; run the same sweep id again to resume them): "
+            + "; ".join(f"{o['run_id']}: {o['error'] or o['summary'].get('status')}" for o in failed)
+        )
     return summary

@@ -51,8 +51,12 @@ EXIT_PORT_IN_USE = 3
 """The server process's exit code when it could not start (uvicorn's ``STARTUP_FAILURE``; mostly
 its port taken between its choice and the bind: the CLI tries another)."""
 
-_SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
-               "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+_SERVER_ENV = {
+    "PREFECT_UI_ENABLED": "0",
+    "PREFECT__SERVER_EPHEMERAL": "1",
+    "PREFECT__SERVER_FINAL": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
 """What Prefect's own temporary server runs with (``SubprocessASGIServer``, Prefect 3.8), and no
 telemetry (offline, it logged an error at every start)."""
 
@@ -131,13 +135,16 @@ def _wait_healthy(process: subprocess.Popen, api_url: str, timeout_s: float) -> 
                 pass
             if (waited := int((now - start) // PROGRESS_EVERY_S)) > said:
                 said = waited
-                _say(f"waiting for the temporary Prefect API, {waited * PROGRESS_EVERY_S:g} s (up to {timeout_s:g} s) ...")
+                _say(
+                    f"waiting for the temporary Prefect API, {waited * PROGRESS_EVERY_S:g} s (up to {timeout_s:g} s) ..."
+                )
             time.sleep(0.1)
     process.kill()
     process.wait()
     raise TemporaryServerError(
         f"the temporary Prefect API server did not answer on {api_url} within {timeout_s:g} s "
-        "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); set PREFECT_API_URL to a running Prefect server")
+        "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); set PREFECT_API_URL to a running Prefect server"
+    )
 
 
 def start_temporary_api_server(attempts: int = 3) -> TemporaryApiServer:
@@ -162,11 +169,16 @@ def start_temporary_api_server(attempts: int = 3) -> TemporaryApiServer:
     timeout_s = startup_timeout_s(settings)
     for _ in range(attempts):
         port = _free_port()
-        process = subprocess.Popen([sys.executable, "-m", "posttrain.api_server", "--port", str(port),
-                                    "--watch-pid", str(os.getpid())], env=env, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "posttrain.api_server", "--port", str(port), "--watch-pid", str(os.getpid())],
+            env=env,
+            start_new_session=True,
+        )
         server = TemporaryApiServer(process, port)
-        _say(f"Starting temporary Prefect API server on {server.api_url} (stopped when this run ends; set "
-             "PREFECT_API_URL to use a running server instead)")
+        _say(
+            f"Starting temporary Prefect API server on {server.api_url} (stopped when this run ends; set "
+            "PREFECT_API_URL to use a running server instead)"
+        )
         code = _wait_healthy(process, server.api_url, timeout_s)
         if code is None:
             atexit.register(server.stop)
@@ -174,10 +186,14 @@ def start_temporary_api_server(attempts: int = 3) -> TemporaryApiServer:
             refresh_global_settings_context()
             return server
         if code != EXIT_PORT_IN_USE:
-            raise TemporaryServerError(f"the temporary Prefect API server exited with code {code} before answering "
-                                       f"on {server.api_url}; its error is above")
-    raise TemporaryServerError(f"the temporary Prefect API server did not start in {attempts} attempts (exit code "
-                               f"{EXIT_PORT_IN_USE}: its port was taken, or its startup failed; its error is above)")
+            raise TemporaryServerError(
+                f"the temporary Prefect API server exited with code {code} before answering "
+                f"on {server.api_url}; its error is above"
+            )
+    raise TemporaryServerError(
+        f"the temporary Prefect API server did not start in {attempts} attempts (exit code "
+        f"{EXIT_PORT_IN_USE}: its port was taken, or its startup failed; its error is above)"
+    )
 
 
 def needs_temporary_server() -> bool:
@@ -216,8 +232,10 @@ def prepare_database() -> None:
     path = _sqlite_path(settings.server.database.connection_url.get_secret_value())
     new = path is not None and (not path.exists() or path.stat().st_size == 0)
     if new:
-        _say(f"Creating Prefect's database {path} (the first start of PREFECT_HOME {settings.home}; "
-             "later runs reuse it) ...")
+        _say(
+            f"Creating Prefect's database {path} (the first start of PREFECT_HOME {settings.home}; "
+            "later runs reuse it) ..."
+        )
     start = time.monotonic()
 
     async def migrate() -> None:  # in a loop of its own: its engine is disposed with it
@@ -237,8 +255,16 @@ def serve(port: int, watch_pid: int, poll_s: float = WATCH_POLL_S) -> int:
     (:func:`prepare_database`), while the watchdog already runs."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config("prefect.server.api.server:create_app", factory=True, host="127.0.0.1",
-                                           port=port, log_level="error", lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            "prefect.server.api.server:create_app",
+            factory=True,
+            host="127.0.0.1",
+            port=port,
+            log_level="error",
+            lifespan="on",
+        )
+    )
     parent = os.getppid()
 
     def watch() -> None:

@@ -259,9 +259,11 @@ def _run_pipeline(cfg: PipelineConfig, run_id: str) -> None:
         written = _summary_bytes(layout.summary, retry=False) not in (None, before)  # this run wrote it
         if isinstance(e, KeyboardInterrupt) or _received:
             signum = _received[0] if _received else signal.SIGINT
-            _err.print(f"error: pipeline interrupted by {signal.Signals(signum).name}"
-                       + (f"; resume it with: posttrain resume {run_id} --root {cfg.storage.root}" if written else ""),
-                       style="red")
+            _err.print(
+                f"error: pipeline interrupted by {signal.Signals(signum).name}"
+                + (f"; resume it with: posttrain resume {run_id} --root {cfg.storage.root}" if written else ""),
+                style="red",
+            )
             if written:
                 typer.echo(layout.summary)
             raise typer.Exit(128 + signum) from None
@@ -302,7 +304,9 @@ def parse_grid(items: list[str] | None) -> dict[str, list[Any]]:
         if not sep or not key.strip() or not raw.strip():
             raise ConfigError(f"--grid {item!r}: expected key.path=value1,value2,...")
         try:
-            values = yaml.safe_load(raw) if raw.lstrip().startswith("[") else [yaml.safe_load(v) for v in raw.split(",")]
+            values = (
+                yaml.safe_load(raw) if raw.lstrip().startswith("[") else [yaml.safe_load(v) for v in raw.split(",")]
+            )
         except yaml.YAMLError as e:
             raise ConfigError(f"--grid {item!r}: not YAML: {e}") from None
         grid[key.strip()] = values if isinstance(values, list) else [values]
@@ -312,12 +316,19 @@ def parse_grid(items: list[str] | None) -> dict[str, list[Any]]:
 @app.command()
 def sweep(
     config: ConfigArg = DEFAULT_CONFIG,
-    grid: Annotated[list[str] | None, typer.Option(
-        "--grid", "-g", help="A swept key and its values: key.path=v1,v2 (YAML values). Repeatable: one point "
-        "per combination. Added to the config's sweep.grid.")] = None,
+    grid: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--grid",
+            "-g",
+            help="A swept key and its values: key.path=v1,v2 (YAML values). Repeatable: one point "
+            "per combination. Added to the config's sweep.grid.",
+        ),
+    ] = None,
     overrides: SetOpt = None,
-    sweep_id: Annotated[str | None, typer.Option("--sweep-id", help="Sweep id; reuse one to resume it or "
-                                                 "to add points.")] = None,
+    sweep_id: Annotated[
+        str | None, typer.Option("--sweep-id", help="Sweep id; reuse one to resume it or to add points.")
+    ] = None,
 ) -> None:
     """Run one pipeline per grid point (the stages they share once), compare the points and
     release the best; the last stdout line is the sweep's summary.json URI."""
@@ -353,8 +364,11 @@ def _run_sweep(cfg: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]]) -
     except BaseException as e:  # noqa: BLE001 - reported with the exit code of the taxonomy
         if isinstance(e, KeyboardInterrupt) or _received:
             signum = _received[0] if _received else signal.SIGINT
-            _err.print(f"error: sweep interrupted by {signal.Signals(signum).name}; resume it with: posttrain sweep "
-                       f"CONFIG --sweep-id {sweep_id} (and the same --grid)", style="red")
+            _err.print(
+                f"error: sweep interrupted by {signal.Signals(signum).name}; resume it with: posttrain sweep "
+                f"CONFIG --sweep-id {sweep_id} (and the same --grid)",
+                style="red",
+            )
             raise typer.Exit(128 + signum) from None
         raise _fail(f"sweep failed: {_headline(e)}", exit_code_of(e)) from None
     finally:

@@ -29,8 +29,14 @@ from trainer_core.config import PipelineConfig
 REFERENCE_DIR = "reference/config"
 """Where the pages go in the docs site."""
 
-_CONSTRAINTS = ((Ge, "ge", ">="), (Gt, "gt", ">"), (Le, "le", "<="), (Lt, "lt", "<"), (MinLen, "min_length", "min length"),
-                (MaxLen, "max_length", "max length"))
+_CONSTRAINTS = (
+    (Ge, "ge", ">="),
+    (Gt, "gt", ">"),
+    (Le, "le", "<="),
+    (Lt, "lt", "<"),
+    (MinLen, "min_length", "min length"),
+    (MaxLen, "max_length", "max length"),
+)
 
 
 def _models_in(annotation: Any) -> list[tuple[str, type[BaseModel]]]:
@@ -114,8 +120,10 @@ def _cell(text: str) -> str:
 def _table(rows: list[tuple[str, FieldInfo]]) -> list[str]:
     lines = ["| field | type | default | constraints | description |", "| --- | --- | --- | --- | --- |"]
     for path, field in rows:
-        lines.append(f"| `{path}` | `{_cell(type_name(field.annotation))}` | `{_cell(_default(field))}` | "
-                     f"{_cell(_constraints(field))} | {_cell(field.description or '')} |")
+        lines.append(
+            f"| `{path}` | `{_cell(type_name(field.annotation))}` | `{_cell(_default(field))}` | "
+            f"{_cell(_constraints(field))} | {_cell(field.description or '')} |"
+        )
     return lines
 
 
@@ -132,16 +140,35 @@ def config_reference_pages() -> dict[str, str]:
         sections.append(name)
         model = found[0][1]
         doc = (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-        lines = [f"# `{name}`", "", field.description or "", "", doc, "",
-                 f"Set any field in YAML under `{name}:`, or on the command line with `--set {name}.<field>=<value>`.",
-                 "", *_table(_rows(model, f"{name}."))]
+        lines = [
+            f"# `{name}`",
+            "",
+            field.description or "",
+            "",
+            doc,
+            "",
+            f"Set any field in YAML under `{name}:`, or on the command line with `--set {name}.<field>=<value>`.",
+            "",
+            *_table(_rows(model, f"{name}.")),
+        ]
         pages[f"{REFERENCE_DIR}/{name}.md"] = "\n".join(lines) + "\n"
-    index = ["# Configuration reference", "",
-             "Every field of the pipeline's configuration (`trainer_core.config.PipelineConfig`), generated from "
-             "the pydantic models when the site is built: its dotted path, type, default, constraints and "
-             "description. A YAML config sets them by nesting; `posttrain run --set key.path=value` (the value "
-             "read as YAML) overrides one; `posttrain validate CONFIG` prints a resolved config.", "",
-             "## Top-level fields", "", *_table(top), "", "## Sections", ""]
-    index += [f"- [`{name}`]({name}.md): {_cell(PipelineConfig.model_fields[name].description or '')}" for name in sections]
+    index = [
+        "# Configuration reference",
+        "",
+        "Every field of the pipeline's configuration (`trainer_core.config.PipelineConfig`), generated from "
+        "the pydantic models when the site is built: its dotted path, type, default, constraints and "
+        "description. A YAML config sets them by nesting; `posttrain run --set key.path=value` (the value "
+        "read as YAML) overrides one; `posttrain validate CONFIG` prints a resolved config.",
+        "",
+        "## Top-level fields",
+        "",
+        *_table(top),
+        "",
+        "## Sections",
+        "",
+    ]
+    index += [
+        f"- [`{name}`]({name}.md): {_cell(PipelineConfig.model_fields[name].description or '')}" for name in sections
+    ]
     pages[f"{REFERENCE_DIR}/index.md"] = "\n".join(index) + "\n"
     return pages

@@ -54,10 +54,15 @@ class PlainConsoleHandler(PrefectConsoleHandler):
             record = logging.makeLogRecord(record.__dict__)
             record.msg, record.args = f"{text.split(':', 1)[0]}: {outage}", None
             record.exc_info = record.exc_text = None
-        elif isinstance(error, EXPLAINED) or any(name.__name__ in text for name in (StageFailed, *StageFailed.__subclasses__())):
+        elif isinstance(error, EXPLAINED) or any(
+            name.__name__ in text for name in (StageFailed, *StageFailed.__subclasses__())
+        ):
             record = logging.makeLogRecord(record.__dict__)
             first = text.split("\n", 1)[0]
-            record.msg, record.args = (first[:_MAX_CHARS] + (" [...]" if len(first) > _MAX_CHARS or "\n" in text else "")), None
+            record.msg, record.args = (
+                (first[:_MAX_CHARS] + (" [...]" if len(first) > _MAX_CHARS or "\n" in text else "")),
+                None,
+            )
             record.exc_info = record.exc_text = None
         super().emit(record)
 

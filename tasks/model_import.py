@@ -54,8 +54,9 @@ def import_base_model(config: PipelineConfig, run_id: str, log: Any) -> Pipeline
         if result.returncode == 2:
             raise ConfigError(f"model.name_or_path: {trainer_error(result.tail) or chr(10).join(result.tail[-5:])}")
         raise_for_result(result, IMPORT_TASK)
-        uri = next(line.removeprefix(IMPORTED_LINE).strip() for line in reversed(result.tail)
-                   if line.startswith(IMPORTED_LINE))
+        uri = next(
+            line.removeprefix(IMPORTED_LINE).strip() for line in reversed(result.tail) if line.startswith(IMPORTED_LINE)
+        )
     log.info("model.name_or_path %s: the imported directory %s", source, uri)
     out = config.model_copy(deep=True)
     out.model.name_or_path = uri

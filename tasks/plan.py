@@ -65,8 +65,12 @@ def _check_reward_model(config: PipelineConfig, stage: str, inputs: dict[str, st
     parts = f"kind {reward.kind!r}" + (f", weights {reward.kind_weights()}" if reward.kind == "weighted" else "")
     what = f"{stage}.reward ({parts}) reads a trained reward model"
     if reward.reward_model_from or "reward_model" in available:  # one exists, and the stage reads none
-        raise ConfigError(f"{what}, and the {stage} stage takes none: choose a {stage}.reward.kind without "
-                          "reward_model (verifier, math_verify, function, or 'weighted' with weights that omit it)")
-    raise ConfigError(f"{what}, and none is available: add the reward_model stage to stages, set "
-                      f"{stage}.reward.reward_model_from to a trained reward model, or choose a {stage}.reward.kind "
-                      "without reward_model (e.g. verifier)")
+        raise ConfigError(
+            f"{what}, and the {stage} stage takes none: choose a {stage}.reward.kind without "
+            "reward_model (verifier, math_verify, function, or 'weighted' with weights that omit it)"
+        )
+    raise ConfigError(
+        f"{what}, and none is available: add the reward_model stage to stages, set "
+        f"{stage}.reward.reward_model_from to a trained reward model, or choose a {stage}.reward.kind "
+        "without reward_model (e.g. verifier)"
+    )

@@ -130,8 +130,10 @@ def check_gguf(field: str, source: str) -> None:
         ConfigError: naming the field, the file and what is wrong with it.
     """
     if field != "model.name_or_path":
-        raise ConfigError(f"{field} {source!r} is a GGUF file: only model.name_or_path is imported from GGUF; "
-                          "point this field at an HF model directory")
+        raise ConfigError(
+            f"{field} {source!r} is a GGUF file: only model.name_or_path is imported from GGUF; "
+            "point this field at an HF model directory"
+        )
     if "://" in source and not source.startswith(("file://", PACKAGE_SCHEME)):
         _check_exists(field, source, source, "does not exist")
         return

@@ -24,7 +24,8 @@ from trainer_core.storage import RunLayout, join_uri
 log = logging.getLogger(__name__)
 
 RL_SECTIONS = frozenset(
-    name for name, field in PipelineConfig.model_fields.items()
+    name
+    for name, field in PipelineConfig.model_fields.items()
     if isinstance(field.annotation, type) and issubclass(field.annotation, RLStageConfig)
 )
 """The config sections of the online RL stages (ppo, grpo, distill)."""
@@ -100,8 +101,12 @@ def load_run_config(root: str, run_id: str) -> dict[str, Any]:
         if name in RL_SECTIONS and isinstance(section, dict):
             data[name], dropped = without_supervised_loop_fields(section)
             if dropped:
-                log.info("run %s: %s.{%s} dropped from its saved config (the RL stages do not have them)",
-                         run_id, name, ",".join(dropped))
+                log.info(
+                    "run %s: %s.{%s} dropped from its saved config (the RL stages do not have them)",
+                    run_id,
+                    name,
+                    ",".join(dropped),
+                )
     return data
 
 
@@ -123,7 +128,7 @@ def _rebased(value: Any, old: str, new: str) -> Any:
     for prefix in _LOCAL_PREFIXES if local else ("",):
         head = prefix + old.rstrip("/")
         if value == head or value.startswith(head + "/"):
-            return prefix + new.rstrip("/") + value[len(head):]
+            return prefix + new.rstrip("/") + value[len(head) :]
     return value
 
 
@@ -157,8 +162,10 @@ def resume_config(root: str, run_id: str, overrides: list[str] | None = None) ->
         moved["storage"] = {**(moved.get("storage") or {}), "root": root}
     config = resolve_local_root(load_config(base=moved, overrides=list(overrides or [])))
     if config.storage.root.rstrip("/") != root.rstrip("/"):
-        raise ConfigError(f"storage.root={config.storage.root!r}: resume writes the run where it was found "
-                          f"(--root {root}); to resume it elsewhere copy the run there and pass that --root")
+        raise ConfigError(
+            f"storage.root={config.storage.root!r}: resume writes the run where it was found "
+            f"(--root {root}); to resume it elsewhere copy the run there and pass that --root"
+        )
     return config, config_changes(saved, moved)
 
 
@@ -176,7 +183,12 @@ def completed_result(layout: RunLayout, stage: str, fingerprint: str) -> StageRe
     except (FileNotFoundError, ValueError):
         return None
     if manifest.config_hash != fingerprint:
-        log.info("stage %s: committed output has fingerprint %s, expected %s: re-running", stage, manifest.config_hash, fingerprint)
+        log.info(
+            "stage %s: committed output has fingerprint %s, expected %s: re-running",
+            stage,
+            manifest.config_hash,
+            fingerprint,
+        )
         return None
     return StageResult(
         stage=stage,
@@ -260,5 +272,6 @@ def check_run_id(run_id: str) -> str:
 
 def run_lease(config: PipelineConfig, layout: RunLayout) -> StageLease:
     """The writer lease of a whole pipeline run (``<run>/lease.json``): one live run or resume per run id."""
-    return StageLease(layout.uri, ttl_s=config.launch.lease_ttl_s,
-                      what="another posttrain run or resume of this run id is live")
+    return StageLease(
+        layout.uri, ttl_s=config.launch.lease_ttl_s, what="another posttrain run or resume of this run id is live"
+    )

@@ -78,8 +78,9 @@ def _stage_run_id(run: PipelineRun, stage: str, fingerprint: str) -> str:
             if tags.get(tracking.TAG_PARENT) == run.parent_mlflow_run_id and tags.get(TAG_FINGERPRINT) == fingerprint:
                 client.update_run(previous, status="RUNNING")
                 return previous
-    run_id = tracking.start_stage_run(run.config, run.parent_mlflow_run_id, stage, tracking_uri=run.tracking_uri,
-                                      flow_run_url=run.flow_run_url)
+    run_id = tracking.start_stage_run(
+        run.config, run.parent_mlflow_run_id, stage, tracking_uri=run.tracking_uri, flow_run_url=run.flow_run_url
+    )
     client.set_tag(run_id, TAG_FINGERPRINT, fingerprint)
     return run_id
 
@@ -105,8 +106,13 @@ def _spec_config_and_env(config: PipelineConfig) -> tuple[PipelineConfig, dict[s
     flow's, with :data:`QUIET_PROGRESS_ENV` and :data:`SHARED_CPU_ENV` as defaults and the config's
     S3 endpoint, region and keys (``storage.process_env``; the trainer reads its spec from the
     storage root before it reads the config in it)."""
-    env = {**QUIET_PROGRESS_ENV, **SHARED_CPU_ENV, **os.environ, "PYTHONUNBUFFERED": "1",
-           **storage.process_env(config.storage)}
+    env = {
+        **QUIET_PROGRESS_ENV,
+        **SHARED_CPU_ENV,
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        **storage.process_env(config.storage),
+    }
     safe = config.model_copy(deep=True)
     safe.storage.access_key_id = None
     safe.storage.secret_access_key = None
@@ -171,8 +177,9 @@ def _curves(stage: str, mlflow_run_id: str, tracking_uri: str, log: Any) -> byte
         return None
 
 
-def _model_logger(stage: str, spec_uri: str, env: dict[str, str], config: PipelineConfig, log: Any,
-                  group: str) -> Callable[[], None]:
+def _model_logger(
+    stage: str, spec_uri: str, env: dict[str, str], config: PipelineConfig, log: Any, group: str
+) -> Callable[[], None]:
     """What logs a committed stage's final model into its MLflow run when its trainer did not:
     ``python -m trainer_core.mlflow_model <spec-uri>`` (loading a model needs torch, which the
     flow process never imports), launched like a trainer (own process group, killed on abort).
@@ -199,8 +206,9 @@ def _report(
     model URI (None when it logs no model)."""
     tracking_uri = run.tracking_uri
     manifest = read_manifest(output)
-    model_uri = mlflow_models.stage_model_uri(stage, run.config, mlflow_run_id, tracking_uri=tracking_uri,
-                                              log_missing=log_missing)
+    model_uri = mlflow_models.stage_model_uri(
+        stage, run.config, mlflow_run_id, tracking_uri=tracking_uri, log_missing=log_missing
+    )
     curves_png = _curves(stage, mlflow_run_id, tracking_uri, log)
     tracking.finish_stage_run(mlflow_run_id, manifest, output, "FINISHED", tracking_uri=tracking_uri)
     mlflow_run = mlflow_run_markdown(run.config, tracking_uri, mlflow_run_id)
@@ -275,8 +283,14 @@ def _run_stage(stage: str, run: PipelineRun, inputs: dict[str, str]) -> StageRes
         if progress is not None:
             progress.complete()
         output = layout.final(stage)
-        manifest, model_uri = _report(stage, run, output, spec.mlflow_run_id, log,
-                                      _model_logger(stage, spec_uri, env, config, log, run.launch_group))
+        manifest, model_uri = _report(
+            stage,
+            run,
+            output,
+            spec.mlflow_run_id,
+            log,
+            _model_logger(stage, spec_uri, env, config, log, run.launch_group),
+        )
     except BaseException:
         _mark_failed(spec.mlflow_run_id, run.tracking_uri, log)
         raise
@@ -304,7 +318,11 @@ def _write_spec(spec: StageSpec, run: PipelineRun, spec_uri: str, spec_config: P
         (tasks/k8s/job.py; it holds no slots here), or None on one node.
     """
     config, stage = run.config, spec.stage
-    job = trainer_job(config, stage, run.run_id, spec_uri, run.tracking_uri) if config.backend_for(stage).nnodes > 1 else None
+    job = (
+        trainer_job(config, stage, run.run_id, spec_uri, run.tracking_uri)
+        if config.backend_for(stage).nnodes > 1
+        else None
+    )
     if job is not None:
         spec_config = pin_rendezvous(spec_config, stage, job.rdzv_endpoint)
     spec = spec.model_copy(update={"mlflow_run_id": _stage_run_id(run, stage, spec.fingerprint)})
@@ -320,13 +338,19 @@ def _reuse(reused: StageResult, run: PipelineRun, spec_uri: str, env: dict[str, 
     log.info("stage %s: committed output %s matches its config and inputs; not re-run", stage, reused.output_uri)
     if not reused.mlflow_run_id:
         return reused
-    model_uri = mlflow_models.stage_model_uri(stage, config, reused.mlflow_run_id, tracking_uri=run.tracking_uri,
-                                              log_missing=_model_logger(stage, spec_uri, env, config, log, run.launch_group))
+    model_uri = mlflow_models.stage_model_uri(
+        stage,
+        config,
+        reused.mlflow_run_id,
+        tracking_uri=run.tracking_uri,
+        log_missing=_model_logger(stage, spec_uri, env, config, log, run.launch_group),
+    )
     return reused.model_copy(update={"model_uri": model_uri})
 
 
-def _launch_trainer(stage: str, run: PipelineRun, spec_uri: str, env: dict[str, str], job: Any,
-                    progress: StageProgress | None, log: Any) -> tuple[LaunchResult, datetime, datetime]:
+def _launch_trainer(
+    stage: str, run: PipelineRun, spec_uri: str, env: dict[str, str], job: Any, progress: StageProgress | None, log: Any
+) -> tuple[LaunchResult, datetime, datetime]:
     """Run the stage's trainer to its end: as the Kubernetes Job ``job`` when there is one, else as
     a local process holding the stage's GPU slots; its output lines feed ``progress``.
 
@@ -340,12 +364,14 @@ def _launch_trainer(stage: str, run: PipelineRun, spec_uri: str, env: dict[str, 
         started_at = utc_now()
         on_line = progress.on_line if progress is not None else None
         if job is not None:
-            result = run_trainer_job(job, log=log, timeout_s=config.launch.timeout_s, group=run.launch_group,
-                                     on_line=on_line)
+            result = run_trainer_job(
+                job, log=log, timeout_s=config.launch.timeout_s, group=run.launch_group, on_line=on_line
+            )
         else:
             cmd = trainer_command(spec_uri, config.backend_for(stage), rdzv_id=f"{run.run_id}-{stage}")
-            result = launch_stage_process(cmd, env=env, log=log, timeout_s=config.launch.timeout_s,
-                                          group=run.launch_group, on_line=on_line)
+            result = launch_stage_process(
+                cmd, env=env, log=log, timeout_s=config.launch.timeout_s, group=run.launch_group, on_line=on_line
+            )
         return result, started_at, utc_now()
 
 

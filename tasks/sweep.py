@@ -211,11 +211,18 @@ def adopt(run: PipelineRun, stage: str, fingerprint: str, log: Any) -> StageResu
     log.info("stage %s: shared with point %s of sweep %s; waiting for it", stage, owner, run.sweep.sweep_id)
     result = sweep_board(run.sweep.sweep_id).wait(owner, stage, run.launch_group)
     if result.status != "completed" or not result.output_uri:
-        raise SharedStageFailed(f"stage {stage} is shared with point {owner} of sweep {run.sweep.sweep_id}, where it "
-                                f"ended {result.status}: {result.error or result.skipped_because or ''}".rstrip(": "))
+        raise SharedStageFailed(
+            f"stage {stage} is shared with point {owner} of sweep {run.sweep.sweep_id}, where it "
+            f"ended {result.status}: {result.error or result.skipped_because or ''}".rstrip(": ")
+        )
     if result.fingerprint != fingerprint:
-        log.warning("stage %s: point %s's output has fingerprint %s, this run needs %s: running it here", stage,
-                    owner, result.fingerprint, fingerprint)
+        log.warning(
+            "stage %s: point %s's output has fingerprint %s, this run needs %s: running it here",
+            stage,
+            owner,
+            result.fingerprint,
+            fingerprint,
+        )
         return None
     target = run.layout.final(stage)
     if target != result.output_uri:

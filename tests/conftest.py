@@ -133,4 +133,3 @@ def storage_root(request: pytest.FixtureRequest, tmp_path) -> str:
         return str(tmp_path / "root")
     bucket = make_bucket(request.getfixturevalue("s3_server"))
     return f"s3://{bucket}/root"
-

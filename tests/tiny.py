@@ -97,6 +97,7 @@ def tiny_demo(**overrides: object) -> dict[str, object]:
 def as_sets(overrides: dict[str, object]) -> list[str]:
     """``overrides`` as the CLI's arguments: ``["--set", "key=value", ...]`` (mappings, lists,
     booleans and None written as JSON, which the CLI reads as YAML)."""
+
     def text(value: object) -> str:
         return json.dumps(value) if value is None or isinstance(value, (dict, list, bool)) else str(value)
 
@@ -124,7 +125,15 @@ def tiny_llama(tokenizer, **attn: str):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn).eval()

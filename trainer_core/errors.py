@@ -114,8 +114,10 @@ def _storage_unavailable(exc: BaseException, prefix: str) -> StorageUnavailable 
     if not isinstance(url, str):
         return None
     parts = urlsplit(url)
-    return StorageUnavailable(f"{prefix}the S3 endpoint {parts.scheme}://{parts.netloc} did not answer: {url} "
-                              f"({type(exc).__name__}); {advice}")
+    return StorageUnavailable(
+        f"{prefix}the S3 endpoint {parts.scheme}://{parts.netloc} did not answer: {url} "
+        f"({type(exc).__name__}); {advice}"
+    )
 
 
 def _is_botocore_connection_error(exc: BaseException) -> bool:
@@ -157,17 +159,24 @@ def classify(exc: BaseException, *, where: str = "") -> PosttrainError | None:
         return exc
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         # a write() on an open file names none: say where this process writes files
-        path = exc.filename or (f"a file (under storage.root, or the temporary directory {tempfile.gettempdir()} "
-                                "that TMPDIR names)")
-        return ResourceError(f"{prefix}disk full (or quota exceeded) writing {path}: free space there, or point "
-                             "storage.root (and TMPDIR) at a larger volume")
+        path = exc.filename or (
+            f"a file (under storage.root, or the temporary directory {tempfile.gettempdir()} that TMPDIR names)"
+        )
+        return ResourceError(
+            f"{prefix}disk full (or quota exceeded) writing {path}: free space there, or point "
+            "storage.root (and TMPDIR) at a larger volume"
+        )
     if _is_oom(exc):
-        return ResourceError(f"{prefix}out of memory ({type(exc).__name__}: {str(exc)[:300]}); lower the stage's "
-                             "micro_batch_size (keep the global batch with grad_accum_steps or global_batch_size), "
-                             "max_length_tokens, or the generation batch size")
+        return ResourceError(
+            f"{prefix}out of memory ({type(exc).__name__}: {str(exc)[:300]}); lower the stage's "
+            "micro_batch_size (keep the global batch with grad_accum_steps or global_batch_size), "
+            "max_length_tokens, or the generation batch size"
+        )
     if isinstance(exc, PermissionError):
         return ConfigError(f"{prefix}permission denied: {exc.filename or exc}")
     if _is_no_credentials(exc):
-        return ConfigError(f"{prefix}no S3 credentials ({type(exc).__name__}): set storage.access_key_id and "
-                           "storage.secret_access_key, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        return ConfigError(
+            f"{prefix}no S3 credentials ({type(exc).__name__}): set storage.access_key_id and "
+            "storage.secret_access_key, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        )
     return _storage_unavailable(exc, prefix)

@@ -121,8 +121,10 @@ def _local_model_dir(model_dir_uri: str) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="posttrain-model-") as tmp:
         path = os.path.abspath(local) if local is not None else storage.download_dir(model_dir_uri, tmp)
         if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
-            raise FileNotFoundError(f"not a Hugging Face model directory (no config.json) nor a PEFT adapter "
-                                    f"(no adapter_config.json): {model_dir_uri}")
+            raise FileNotFoundError(
+                f"not a Hugging Face model directory (no config.json) nor a PEFT adapter "
+                f"(no adapter_config.json): {model_dir_uri}"
+            )
         yield path
 
 
@@ -208,8 +210,12 @@ def log_transformers_model(
         components = _load_components(local, task)
         tags = {**{k: v for k, v in run.data.tags.items() if k.startswith("posttrain.")}, TAG_OUTPUT_URI: model_dir_uri}
         logged = client.create_logged_model(
-            run.info.experiment_id, name=artifact_path, source_run_id=run_id,
-            tags=tags, params=dict(run.data.params), model_type=task,
+            run.info.experiment_id,
+            name=artifact_path,
+            source_run_id=run_id,
+            tags=tags,
+            params=dict(run.data.params),
+            model_type=task,
         )
         try:
             _save_logged_model(client, logged, run_id, components, task=task, tmp=tmp, step=step)
@@ -237,8 +243,9 @@ def _load_components(local: str, task: str) -> dict[str, Any]:
         }
 
 
-def _save_logged_model(client: MlflowClient, logged: Any, run_id: str, components: dict[str, Any], *, task: str,
-                       tmp: str, step: int | None) -> None:
+def _save_logged_model(
+    client: MlflowClient, logged: Any, run_id: str, components: dict[str, Any], *, task: str, tmp: str, step: int | None
+) -> None:
     """Make the LoggedModel ``logged`` an output of ``run_id`` and save ``components`` as its
     artifacts (through ``tmp``); with ``step``, link the run's metrics at that step to it."""
     import mlflow.transformers
@@ -247,8 +254,9 @@ def _save_logged_model(client: MlflowClient, logged: Any, run_id: str, component
     from trainer_core.modeling.models import without_absent_integrations
 
     client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=step or 0)])
-    mlflow_model = Model(artifact_path=logged.artifact_location, model_uuid=logged.model_id, run_id=run_id,
-                         model_id=logged.model_id)
+    mlflow_model = Model(
+        artifact_path=logged.artifact_location, model_uuid=logged.model_id, run_id=run_id, model_id=logged.model_id
+    )
     path = os.path.join(tmp, "model")
     with without_absent_integrations(), _no_hub_lookup_warnings():  # a plain local model
         mlflow.transformers.save_model(
@@ -283,9 +291,14 @@ def ensure_stage_model(spec: StageSpec, step: int | None = None) -> str | None:
         return found
     from trainer_core.storage import StageLayout
 
-    return log_transformers_model(spec.mlflow_run_id, StageLayout(spec.output_uri).final,
-                                  task=model_task(spec.stage), tracking_uri=spec.tracking_uri,
-                                  artifact_path=stage_model_name(spec.stage), step=step)
+    return log_transformers_model(
+        spec.mlflow_run_id,
+        StageLayout(spec.output_uri).final,
+        task=model_task(spec.stage),
+        tracking_uri=spec.tracking_uri,
+        artifact_path=stage_model_name(spec.stage),
+        step=step,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

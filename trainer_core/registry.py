@@ -192,11 +192,16 @@ def _distill_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, 
     cfg = config.distill
     teacher = cfg.teacher_from or outputs.get("teacher")
     if not teacher:
-        raise ConfigError("distill.teacher_from: the distill stage needs a teacher model (an HF model directory or "
-                          "URI sharing the student's tokenizer, e.g. another run's stages/sft/final), or the teacher "
-                          "stage in stages")
-    return {"data": outputs.require("prepare_data"), "model": _start(cfg.init_from, config, outputs),
-            "reference": teacher}
+        raise ConfigError(
+            "distill.teacher_from: the distill stage needs a teacher model (an HF model directory or "
+            "URI sharing the student's tokenizer, e.g. another run's stages/sft/final), or the teacher "
+            "stage in stages"
+        )
+    return {
+        "data": outputs.require("prepare_data"),
+        "model": _start(cfg.init_from, config, outputs),
+        "reference": teacher,
+    }
 
 
 def _evaluate_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str, str]:
@@ -213,33 +218,118 @@ def _evaluate_inputs(config: PipelineConfig, outputs: StageOutputs) -> dict[str,
 
 STAGES: tuple[StageDef, ...] = (
     StageDef(
-        "prepare_data", "trainer_core.stages.prepare_data", "data", False, "data", lambda config, outputs: {},
+        "prepare_data",
+        "trainer_core.stages.prepare_data",
+        "data",
+        False,
+        "data",
+        lambda config, outputs: {},
         description="read, split and tokenise the data sets; train the tokenizer for a model built from config",
     ),
-    StageDef("pretrain", "trainer_core.stages.pretrain", "pretrain", True, "policy", _pretrain_inputs,
-             description="continued pretraining: next-token loss on every token of packed raw text", default=False),
-    StageDef("sft", "trainer_core.stages.sft", "sft", True, "policy", _sft_inputs,
-             description="supervised fine-tuning on completion tokens"),
-    StageDef("teacher", "trainer_core.stages.teacher", "teacher", True, "policy", _teacher_inputs,
-             description="SFT of a distillation teacher: its own (wider) model on the SFT data", default=False),
-    StageDef("reward_model", "trainer_core.stages.reward_model", "reward_model", True, "reward_model",
-             _reward_model_inputs, description="Bradley-Terry reward model on preference pairs"),
-    StageDef("score", "trainer_core.stages.score", "score", False, "table", _score_inputs,
-             description="sample the policy on held-out prompts; verify and reward-score the completions"),
-    StageDef("dpo", "trainer_core.stages.dpo", "dpo", True, "policy", _offline_preference_inputs("dpo"),
-             description="direct preference optimisation against a frozen reference"),
-    StageDef("kto", "trainer_core.stages.kto", "kto", True, "policy", _offline_preference_inputs("kto"),
-             description="Kahneman-Tversky optimisation on unpaired desirable/undesirable examples", default=False),
-    StageDef("ppo", "trainer_core.stages.ppo", "ppo", True, "policy", _rl_inputs("ppo"),
-             description="online PPO with a value head, GAE and a KL penalty"),
-    StageDef("grpo", "trainer_core.stages.grpo", "grpo", True, "policy", _rl_inputs("grpo"),
-             description="online GRPO with group-relative advantages"),
-    StageDef("distill", "trainer_core.stages.distill", "distill", True, "policy", _distill_inputs,
-             description="on-policy distillation: the student's samples, the teacher's per-token reverse KL",
-             default=False),
-    StageDef("evaluate", "trainer_core.stages.evaluate", "evaluate", False, "metrics", _evaluate_inputs,
-             fingerprint_fields=("dpo.beta",),
-             description="held-out loss, accuracy, exact match and win rates of every trained model"),
+    StageDef(
+        "pretrain",
+        "trainer_core.stages.pretrain",
+        "pretrain",
+        True,
+        "policy",
+        _pretrain_inputs,
+        description="continued pretraining: next-token loss on every token of packed raw text",
+        default=False,
+    ),
+    StageDef(
+        "sft",
+        "trainer_core.stages.sft",
+        "sft",
+        True,
+        "policy",
+        _sft_inputs,
+        description="supervised fine-tuning on completion tokens",
+    ),
+    StageDef(
+        "teacher",
+        "trainer_core.stages.teacher",
+        "teacher",
+        True,
+        "policy",
+        _teacher_inputs,
+        description="SFT of a distillation teacher: its own (wider) model on the SFT data",
+        default=False,
+    ),
+    StageDef(
+        "reward_model",
+        "trainer_core.stages.reward_model",
+        "reward_model",
+        True,
+        "reward_model",
+        _reward_model_inputs,
+        description="Bradley-Terry reward model on preference pairs",
+    ),
+    StageDef(
+        "score",
+        "trainer_core.stages.score",
+        "score",
+        False,
+        "table",
+        _score_inputs,
+        description="sample the policy on held-out prompts; verify and reward-score the completions",
+    ),
+    StageDef(
+        "dpo",
+        "trainer_core.stages.dpo",
+        "dpo",
+        True,
+        "policy",
+        _offline_preference_inputs("dpo"),
+        description="direct preference optimisation against a frozen reference",
+    ),
+    StageDef(
+        "kto",
+        "trainer_core.stages.kto",
+        "kto",
+        True,
+        "policy",
+        _offline_preference_inputs("kto"),
+        description="Kahneman-Tversky optimisation on unpaired desirable/undesirable examples",
+        default=False,
+    ),
+    StageDef(
+        "ppo",
+        "trainer_core.stages.ppo",
+        "ppo",
+        True,
+        "policy",
+        _rl_inputs("ppo"),
+        description="online PPO with a value head, GAE and a KL penalty",
+    ),
+    StageDef(
+        "grpo",
+        "trainer_core.stages.grpo",
+        "grpo",
+        True,
+        "policy",
+        _rl_inputs("grpo"),
+        description="online GRPO with group-relative advantages",
+    ),
+    StageDef(
+        "distill",
+        "trainer_core.stages.distill",
+        "distill",
+        True,
+        "policy",
+        _distill_inputs,
+        description="on-policy distillation: the student's samples, the teacher's per-token reverse KL",
+        default=False,
+    ),
+    StageDef(
+        "evaluate",
+        "trainer_core.stages.evaluate",
+        "evaluate",
+        False,
+        "metrics",
+        _evaluate_inputs,
+        fingerprint_fields=("dpo.beta",),
+        description="held-out loss, accuracy, exact match and win rates of every trained model",
+    ),
 )
 """Every stage, in pipeline order (a topological order of the inputs above)."""
 

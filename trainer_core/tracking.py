@@ -163,8 +163,9 @@ class MetricLogger:
             return
         try:
             columns = list(dict.fromkeys(k for row in rows for k in row))
-            self._client.log_table(self.run_id, data={c: [row.get(c) for row in rows] for c in columns},
-                                   artifact_file=artifact_file)
+            self._client.log_table(
+                self.run_id, data={c: [row.get(c) for row in rows] for c in columns}, artifact_file=artifact_file
+            )
         except Exception as e:  # noqa: BLE001
             logger.warning("MLflow log_table(%s) failed: %s", artifact_file, e)
 
@@ -223,4 +224,3 @@ def logged_model_uri(client: Any, run_id: str, name: str = MODEL_NAME) -> str | 
     )
     ready = [m for m in found if m.status == LoggedModelStatus.READY]
     return f"models:/{ready[0].model_id}" if ready else None
-

@@ -64,8 +64,9 @@ class KubeApi:
                         namespace = f.read().strip()
             else:
                 path = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
-                loader = await config.load_kube_config(config_file=path, client_configuration=configuration,
-                                                       persist_config=False)
+                loader = await config.load_kube_config(
+                    config_file=path, client_configuration=configuration, persist_config=False
+                )
                 context = (loader.current_context or {}).get("context") or {}
                 namespace = namespace or context.get("namespace")
         except (ConfigException, OSError) as e:
@@ -78,16 +79,29 @@ class KubeApi:
     async def __aexit__(self, *exc: object) -> None:
         await self.client.close()
 
-    async def _request(self, method: str, path: str, what: str, *, query: dict[str, Any] | None = None,
-                       body: Any = None, stream: bool = False) -> Any:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        *,
+        query: dict[str, Any] | None = None,
+        body: Any = None,
+        stream: bool = False,
+    ) -> Any:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(sock_connect=30, sock_read=None) if stream else _REQUEST_TIMEOUT_S
         try:
             resp = await self.client.call_api(
-                path, method, query_params=[(k, v) for k, v in (query or {}).items() if v is not None],
+                path,
+                method,
+                query_params=[(k, v) for k, v in (query or {}).items() if v is not None],
                 header_params={"Accept": "application/json", "Content-Type": "application/json"},
-                body=body, auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout,
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=timeout,
             )
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise KubeError(what, 0, f"{type(e).__name__}: {e}") from None
@@ -133,8 +147,13 @@ class KubeApi:
         """Delete with foreground propagation (dependents first); False when there was none."""
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Foreground"}
         try:
-            await self._json("DELETE", self._path(kind, name), f"delete {kind} {name}", body=body,
-                             query={"propagationPolicy": "Foreground"})
+            await self._json(
+                "DELETE",
+                self._path(kind, name),
+                f"delete {kind} {name}",
+                body=body,
+                query={"propagationPolicy": "Foreground"},
+            )
         except KubeError as e:
             if e.status == 404:
                 return False
@@ -143,13 +162,19 @@ class KubeApi:
 
     async def pods(self, job: str) -> list[dict[str, Any]]:
         """The pods of Job ``job`` (by the label the template's pods carry)."""
-        found = await self._json("GET", self._path("pod"), f"list pods of {job}", query={"labelSelector": f"{LABEL_JOB}={job}"})
+        found = await self._json(
+            "GET", self._path("pod"), f"list pods of {job}", query={"labelSelector": f"{LABEL_JOB}={job}"}
+        )
         return found.get("items") or []
 
     async def log_tail(self, pod: str, lines: int) -> list[str]:
         """The last ``lines`` lines of ``pod``'s trainer container."""
-        resp = await self._request("GET", self._path("pod", pod) + "/log", f"read the log of {pod}",
-                                   query={"container": CONTAINER, "tailLines": lines})
+        resp = await self._request(
+            "GET",
+            self._path("pod", pod) + "/log",
+            f"read the log of {pod}",
+            query={"container": CONTAINER, "tailLines": lines},
+        )
         try:
             return (await resp.read()).decode(errors="replace").splitlines()
         finally:
@@ -162,9 +187,13 @@ class KubeApi:
         Raises:
             KubeError: the connection broke (status 0) or the API answered an error.
         """
-        resp = await self._request("GET", self._path("pod", pod) + "/log", f"follow the log of {pod}", stream=True,
-                                   query={"container": CONTAINER, "follow": "true", "timestamps": "true",
-                                          "sinceSeconds": since_s})
+        resp = await self._request(
+            "GET",
+            self._path("pod", pod) + "/log",
+            f"follow the log of {pod}",
+            stream=True,
+            query={"container": CONTAINER, "follow": "true", "timestamps": "true", "sinceSeconds": since_s},
+        )
         import aiohttp
 
         buffer = b""

@@ -144,16 +144,22 @@ class _Run:
         previous = await self.api.get("job", self.job.name)
         if previous is None and await self.api.get("service", self.job.name) is None:
             return
-        self.log.info("deleting the earlier attempt's Job %s/%s (and its Service) before the new one",
-                      self.api.namespace, self.job.name)
+        self.log.info(
+            "deleting the earlier attempt's Job %s/%s (and its Service) before the new one",
+            self.api.namespace,
+            self.job.name,
+        )
         await self.remove()
         deadline = time.monotonic() + self.settings.delete_timeout_s
         while await self.api.get("job", self.job.name) is not None or await self.api.get("service", self.job.name):
             if abort is not None and abort.is_set():
                 raise LaunchAborted("the stage's flow run was interrupted; nothing submitted")
             if time.monotonic() > deadline:
-                raise StageFailed(f"stage {self.job.stage!r}: the earlier Job {self.job.name} is still being deleted "
-                                  f"after {self.settings.delete_timeout_s:.0f} s", 1)
+                raise StageFailed(
+                    f"stage {self.job.stage!r}: the earlier Job {self.job.name} is still being deleted "
+                    f"after {self.settings.delete_timeout_s:.0f} s",
+                    1,
+                )
             await asyncio.sleep(min(self.settings.poll_interval_s, 1.0))
 
     async def submit(self, timeout_s: float | None) -> None:
@@ -165,7 +171,8 @@ class _Run:
         meta = (self.flow_pod or {}).get("metadata", {})
         if meta.get("uid") and meta.get("name"):
             manifests.job["metadata"]["ownerReferences"] = [
-                {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}]
+                {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}
+            ]
         created = await self.api.create("job", manifests.job)
         owner = {"apiVersion": "batch/v1", "kind": "Job", "name": self.job.name, "uid": created["metadata"]["uid"]}
         for kind, body in (("service", manifests.service), ("secret", manifests.secret)):
@@ -173,8 +180,15 @@ class _Run:
                 body["metadata"]["ownerReferences"] = [owner]
                 await self.api.create(kind, body)
         backend = self.job.backend
-        self.log.info("stage %s: Job %s/%s submitted: %d pod(s) x %d rank(s), rendezvous %s", self.job.stage,
-                      self.api.namespace, self.job.name, backend.nnodes, backend.nproc_per_node, self.job.rdzv_endpoint)
+        self.log.info(
+            "stage %s: Job %s/%s submitted: %d pod(s) x %d rank(s), rendezvous %s",
+            self.job.stage,
+            self.api.namespace,
+            self.job.name,
+            backend.nnodes,
+            backend.nproc_per_node,
+            self.job.rdzv_endpoint,
+        )
 
     async def watch(self, deadline: float | None, abort: Any) -> tuple[str, str, JobView]:
         """Poll until the Job ends: ``(state, message, view)``, state one of succeeded, failed,
@@ -202,12 +216,18 @@ class _Run:
                         api_down_since = api_down_since or now
                         self.log.info("reading Job %s: %s (retrying)", self.job.name, e)
                         if now - api_down_since > self.settings.api_retry_s:
-                            raise StageFailed(f"stage {self.job.stage!r}: lost the Kubernetes API for "
-                                              f"{now - api_down_since:.0f} s while watching Job {self.job.name}: {e}", 1) from e
+                            raise StageFailed(
+                                f"stage {self.job.stage!r}: lost the Kubernetes API for "
+                                f"{now - api_down_since:.0f} s while watching Job {self.job.name}: {e}",
+                                1,
+                            ) from e
                         continue
                     if view.job is None:
-                        raise StageFailed(f"stage {self.job.stage!r}: Job {self.api.namespace}/{self.job.name} was "
-                                          "deleted while it ran (not by this flow)", 1)
+                        raise StageFailed(
+                            f"stage {self.job.stage!r}: Job {self.api.namespace}/{self.job.name} was "
+                            "deleted while it ran (not by this flow)",
+                            1,
+                        )
                     if (stuck := observe(view, self.settings, now, self.log)) is not None:
                         return "stuck", f"node rank {stuck[0]} cannot start: {stuck[1]}", view
                     if (ended := job_state(view)) is not None:
@@ -221,9 +241,14 @@ class _Run:
 
     def result(self, returncode: int, timed_out: bool = False) -> LaunchResult:
         """Node 0's streamed output as a launch result."""
-        return LaunchResult(returncode=returncode, tail=list(self.out.tail), wall_s=time.monotonic() - self.start,
-                            timed_out=timed_out, rank_tails={r: list(t) for r, t in sorted(self.out.rank_tails.items())},
-                            launcher_lines=list(self.out.launcher_lines))
+        return LaunchResult(
+            returncode=returncode,
+            tail=list(self.out.tail),
+            wall_s=time.monotonic() - self.start,
+            timed_out=timed_out,
+            rank_tails={r: list(t) for r, t in sorted(self.out.rank_tails.items())},
+            launcher_lines=list(self.out.launcher_lines),
+        )
 
 
 async def _failure(run: _Run, view: JobView, state: str, message: str) -> StageFailed:
@@ -231,7 +256,9 @@ async def _failure(run: _Run, view: JobView, state: str, message: str) -> StageF
     failed pods' log tails and name the blamed pod (see :func:`~tasks.k8s.status.blamed_pod`)."""
     stage, where = run.job.stage, f"Job {run.api.namespace}/{run.job.name}"
     if state == "stuck":
-        return BadStageInput(f"stage {stage!r}: {where}: {message} for {run.settings.stuck_after_s:.0f} s", EXIT_BAD_INPUT)
+        return BadStageInput(
+            f"stage {stage!r}: {where}: {message} for {run.settings.stuck_after_s:.0f} s", EXIT_BAD_INPUT
+        )
     if state in ("timeout", "deadline"):
         try:
             raise_for_result(run.result(-9, timed_out=True), stage)
@@ -251,15 +278,24 @@ async def _failure(run: _Run, view: JobView, state: str, message: str) -> StageF
             results[rank] = pod_result(lines, (terminated(pod) or {}).get("exitCode", 1), run.tail_lines)
     rank = blamed_pod(view.pods, results)
     if rank is None:
-        return StageFailed(f"stage {stage!r}: {where} failed ({message}) with no failed pod; node 0's last output:\n"
-                           + "\n".join(run.out.tail), 1, list(run.out.tail))
+        return StageFailed(
+            f"stage {stage!r}: {where} failed ({message}) with no failed pod; node 0's last output:\n"
+            + "\n".join(run.out.tail),
+            1,
+            list(run.out.tail),
+        )
     pod, result = view.pods[rank], results[rank]
     others = [f"node rank {r} {describe_end(p)}" for r, p in sorted(view.pods.items()) if r != rank and failed(p)]
-    head = (f"stage {stage!r} failed on node rank {rank} of {run.job.backend.nnodes}: pod {pod['metadata']['name']} "
-            f"({where}) {describe_end(pod)}" + (f"; also: {'; '.join(others)}" if others else ""))
+    head = (
+        f"stage {stage!r} failed on node rank {rank} of {run.job.backend.nnodes}: pod {pod['metadata']['name']} "
+        f"({where}) {describe_end(pod)}" + (f"; also: {'; '.join(others)}" if others else "")
+    )
     if (terminated(pod) or {}).get("reason") == "OOMKilled":
-        return StageResourceError(f"{head}: out of host memory; raise {_ENV_MEMORY}\n\n" + "\n".join(result.tail[-20:]),
-                                  result.returncode, result.tail)
+        return StageResourceError(
+            f"{head}: out of host memory; raise {_ENV_MEMORY}\n\n" + "\n".join(result.tail[-20:]),
+            result.returncode,
+            result.tail,
+        )
     try:
         raise_for_result(result, stage)
     except StageFailed as e:
@@ -267,8 +303,15 @@ async def _failure(run: _Run, view: JobView, state: str, message: str) -> StageF
     return StageFailed(f"{head}\n\n" + "\n".join(result.tail[-20:]), result.returncode or 1, result.tail)
 
 
-async def _run_job(job: TrainerJob, settings: JobSettings, log: LineLogger, timeout_s: float | None, abort: Any,
-                   on_line: Callable[[str], None] | None, tail_lines: int) -> LaunchResult:
+async def _run_job(
+    job: TrainerJob,
+    settings: JobSettings,
+    log: LineLogger,
+    timeout_s: float | None,
+    abort: Any,
+    on_line: Callable[[str], None] | None,
+    tail_lines: int,
+) -> LaunchResult:
     """:func:`run_trainer_job`'s work, in its event loop: replace, submit, watch, report, clean up."""
     start = time.monotonic()
     async with await KubeApi.connect(settings) as api:
@@ -278,7 +321,9 @@ async def _run_job(job: TrainerJob, settings: JobSettings, log: LineLogger, time
                 flow_pod = await api.get("pod", settings.flow_pod)
                 settings = settings.inherit(flow_pod)
             except (KubeError, BadStageInput) as e:
-                log.info("flow-run pod %s not read (%s); trainer pods take the template's defaults", settings.flow_pod, e)
+                log.info(
+                    "flow-run pod %s not read (%s); trainer pods take the template's defaults", settings.flow_pod, e
+                )
         run = _Run(api, job, settings, log, Output(log, tail_lines, on_line), start, tail_lines, flow_pod)
         await run.replace_previous(abort)
         kept = False
@@ -294,7 +339,13 @@ async def _run_job(job: TrainerJob, settings: JobSettings, log: LineLogger, time
         finally:
             if not kept:
                 deleted = await run.remove()
-                log.info("stage %s: deleted %s %s/%s", job.stage, " + ".join(deleted) or "nothing of", api.namespace, job.name)
+                log.info(
+                    "stage %s: deleted %s %s/%s",
+                    job.stage,
+                    " + ".join(deleted) or "nothing of",
+                    api.namespace,
+                    job.name,
+                )
         raise error
 
 

@@ -75,35 +75,53 @@ class JobSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    namespace: str | None = Field(None, description="Namespace; default: the flow-run pod's, else the kubeconfig "
-                                  "context's, else 'posttrain'.")
+    namespace: str | None = Field(
+        None, description="Namespace; default: the flow-run pod's, else the kubeconfig context's, else 'posttrain'."
+    )
     image: str | None = Field(None, description="Trainer image; default: the flow-run pod's image (the same code).")
     image_pull_policy: str | None = Field(None, description="Image pull policy; default: the flow-run pod's.")
     image_pull_secrets: list[str] | None = Field(None, description="Image pull secrets; default: the flow-run pod's.")
-    service_account: str | None = Field(None, description="Service account; default: the flow-run pod's, else "
-                                        "the template's (posttrain-worker).")
-    secrets: list[str] | None = Field(None, description="Secrets whose keys become the trainers' environment "
-                                      "(S3, MLflow, HF credentials); default: the flow-run pod's envFrom, else the "
-                                      "template's (posttrain-s3, optional posttrain-env).")
-    env_from: list[dict[str, Any]] | None = Field(None, description="envFrom entries, used when `secrets` is unset; "
-                                                  "default: the flow-run pod's (see inherit).")
-    node_selector: dict[str, str] | None = Field(None, description="Node selector; default: the template's (GPU nodes).")
+    service_account: str | None = Field(
+        None, description="Service account; default: the flow-run pod's, else the template's (posttrain-worker)."
+    )
+    secrets: list[str] | None = Field(
+        None,
+        description="Secrets whose keys become the trainers' environment "
+        "(S3, MLflow, HF credentials); default: the flow-run pod's envFrom, else the "
+        "template's (posttrain-s3, optional posttrain-env).",
+    )
+    env_from: list[dict[str, Any]] | None = Field(
+        None, description="envFrom entries, used when `secrets` is unset; default: the flow-run pod's (see inherit)."
+    )
+    node_selector: dict[str, str] | None = Field(
+        None, description="Node selector; default: the template's (GPU nodes)."
+    )
     tolerations: list[dict[str, Any]] | None = Field(None, description="Tolerations; default: the template's.")
     gpu_resource: str = Field("nvidia.com/gpu", description="Extended resource requested per rank (none on cpu).")
     cpu_request: str | None = Field(None, description="CPU request per pod (e.g. '32'); default: none.")
     memory_request: str | None = Field(None, description="Memory request per pod (e.g. '256Gi'); default: none.")
     memory_limit: str | None = Field(None, description="Memory limit per pod; default: none.")
     shm_size: str | None = Field(None, description="/dev/shm size limit; default: the template's.")
-    ttl_after_finished_s: int | None = Field(None, ge=0, description="Seconds a finished Job (and its Service) "
-                                             "stays for inspection; default: the template's.")
+    ttl_after_finished_s: int | None = Field(
+        None,
+        ge=0,
+        description="Seconds a finished Job (and its Service) stays for inspection; default: the template's.",
+    )
     poll_interval_s: float = Field(5.0, gt=0, description="Seconds between status reads of the Job and its pods.")
-    stuck_after_s: float = Field(300.0, gt=0, description="Seconds a pod may fail to start (image pull, missing "
-                                 "secret) before the stage fails; an unschedulable pod waits for the timeout.")
+    stuck_after_s: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds a pod may fail to start (image pull, missing "
+        "secret) before the stage fails; an unschedulable pod waits for the timeout.",
+    )
     api_retry_s: float = Field(300.0, gt=0, description="Seconds of consecutive API errors tolerated while watching.")
     delete_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for a previous attempt's Job to go.")
     log_tail_lines: int = Field(200, ge=1, description="Lines of a failed pod's log read for the failure report.")
-    flow_pod: str | None = Field(None, description="The flow-run pod whose image, service account and secrets are "
-                                 "the defaults; default: $HOSTNAME when running in a cluster.")
+    flow_pod: str | None = Field(
+        None,
+        description="The flow-run pod whose image, service account and secrets are "
+        "the defaults; default: $HOSTNAME when running in a cluster.",
+    )
     template: str | None = Field(None, description="Template path; default: infra/k8s/multinode-trainer.yaml.")
 
     @classmethod
@@ -263,8 +281,14 @@ def _refuse(stage: str, why: str) -> BadStageInput:
     return BadStageInput(f"stage {stage!r} (backend.nnodes > 1, a Kubernetes Job): {why}", EXIT_BAD_INPUT)
 
 
-def trainer_job(config: PipelineConfig, stage: str, run_id: str, spec_uri: str, tracking_uri: str | None,
-                settings: JobSettings | None = None) -> TrainerJob:
+def trainer_job(
+    config: PipelineConfig,
+    stage: str,
+    run_id: str,
+    spec_uri: str,
+    tracking_uri: str | None,
+    settings: JobSettings | None = None,
+) -> TrainerJob:
     """Plan the Job of a multi-node stage, refusing what its pods could not run.
 
     Args:
@@ -286,11 +310,17 @@ def trainer_job(config: PipelineConfig, stage: str, run_id: str, spec_uri: str, 
     """
     protocol, _ = fsspec.core.split_protocol(config.storage.root)
     if protocol in _LOCAL_PROTOCOLS:
-        raise _refuse(stage, f"storage.root {config.storage.root!r} is local to the flow process; the pods read the "
-                             "spec and write checkpoints there: use shared object storage (storage.root=s3://...)")
+        raise _refuse(
+            stage,
+            f"storage.root {config.storage.root!r} is local to the flow process; the pods read the "
+            "spec and write checkpoints there: use shared object storage (storage.root=s3://...)",
+        )
     if urlsplit(tracking_uri or "").scheme in _LOCAL_TRACKING:
-        raise _refuse(stage, f"MLflow tracking URI {tracking_uri!r} is a local store the pods cannot reach: use a "
-                             "tracking server (tracking.tracking_uri or MLFLOW_TRACKING_URI=http://...)")
+        raise _refuse(
+            stage,
+            f"MLflow tracking URI {tracking_uri!r} is a local store the pods cannot reach: use a "
+            "tracking server (tracking.tracking_uri or MLFLOW_TRACKING_URI=http://...)",
+        )
     try:
         port = rendezvous_port(settings or JobSettings.from_env())
     except ConfigError as e:
@@ -314,7 +344,9 @@ class Manifests:
     secret: dict[str, Any] | None
 
 
-def trainer_manifests(job: TrainerJob, settings: JobSettings, namespace: str, timeout_s: float | None = None) -> Manifests:
+def trainer_manifests(
+    job: TrainerJob, settings: JobSettings, namespace: str, timeout_s: float | None = None
+) -> Manifests:
     """The template rendered for ``job`` with ``settings`` applied (resolve them first with
     :meth:`JobSettings.inherit`).
 
@@ -327,8 +359,14 @@ def trainer_manifests(job: TrainerJob, settings: JobSettings, namespace: str, ti
     """
     if not settings.image:
         raise ConfigError(f"no image for the trainer Job: set {ENV_PREFIX}IMAGE (the flow's own image when in a pod)")
-    values = {"NAME": job.name, "NAMESPACE": namespace, "NNODES": job.backend.nnodes,
-              "NPROC_PER_NODE": job.backend.nproc_per_node, "IMAGE": settings.image, "SPEC_URI": job.spec_uri}
+    values = {
+        "NAME": job.name,
+        "NAMESPACE": namespace,
+        "NNODES": job.backend.nnodes,
+        "NPROC_PER_NODE": job.backend.nproc_per_node,
+        "IMAGE": settings.image,
+        "SPEC_URI": job.spec_uri,
+    }
     service, manifest = render_template(values, _template_text(settings))
     labels = {LABEL_STAGE: re.sub(r"[^a-z0-9]+", "-", job.stage.lower()), LABEL_JOB: job.name}
     annotations = {ANNOTATION_RUN: job.run_id, ANNOTATION_SPEC: job.spec_uri}
@@ -344,9 +382,13 @@ def trainer_manifests(job: TrainerJob, settings: JobSettings, namespace: str, ti
     _apply_pod_settings(pod, settings, job.backend)
     secret = None
     if job.secret_env:
-        secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                  "metadata": {"name": job.name, "namespace": namespace, "labels": dict(labels)},
-                  "stringData": dict(job.secret_env)}
+        secret = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "Opaque",
+            "metadata": {"name": job.name, "namespace": namespace, "labels": dict(labels)},
+            "stringData": dict(job.secret_env),
+        }
         _container(pod).setdefault("envFrom", []).append({"secretRef": {"name": job.name}})
     return Manifests(service, manifest, secret)
 
@@ -374,8 +416,11 @@ def _apply_pod_settings(pod: dict[str, Any], settings: JobSettings, backend: Bac
         if gpus:
             section[settings.gpu_resource] = gpus
         resources[kind] = section
-    for kind, key, value in (("requests", "cpu", settings.cpu_request), ("requests", "memory", settings.memory_request),
-                             ("limits", "memory", settings.memory_limit)):
+    for kind, key, value in (
+        ("requests", "cpu", settings.cpu_request),
+        ("requests", "memory", settings.memory_request),
+        ("limits", "memory", settings.memory_limit),
+    ):
         if value:
             resources[kind][key] = value
     container.pop("resources", None)

@@ -27,7 +27,9 @@ _SIGTERM_EXIT = 143
 def pod_index(pod: dict[str, Any]) -> int:
     """The pod's completion index (its node rank); -1 without one."""
     meta = pod.get("metadata", {})
-    return int((meta.get("annotations") or {}).get(INDEX_ANNOTATION) or (meta.get("labels") or {}).get(INDEX_ANNOTATION, -1))
+    return int(
+        (meta.get("annotations") or {}).get(INDEX_ANNOTATION) or (meta.get("labels") or {}).get(INDEX_ANNOTATION, -1)
+    )
 
 
 def container_state(pod: dict[str, Any]) -> dict[str, Any]:
@@ -82,16 +84,25 @@ class JobView:
 
 def job_finished(job: dict[str, Any] | None) -> bool:
     """Whether Kubernetes considers the Job ended (condition Complete or Failed): its pods are stopped."""
-    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
-               for c in (job or {}).get("status", {}).get("conditions") or [])
+    return any(
+        c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+        for c in (job or {}).get("status", {}).get("conditions") or []
+    )
 
 
 def job_state(view: JobView) -> tuple[str, str] | None:
     """``("succeeded" | "failed" | "deadline", message)`` once the Job has ended, else None."""
-    conditions = {c.get("type"): c for c in (view.job or {}).get("status", {}).get("conditions") or []
-                  if c.get("status") == "True"}
-    for kind, state in (("Complete", "succeeded"), ("SuccessCriteriaMet", "succeeded"), ("Failed", "failed"),
-                        ("FailureTarget", "failed")):
+    conditions = {
+        c.get("type"): c
+        for c in (view.job or {}).get("status", {}).get("conditions") or []
+        if c.get("status") == "True"
+    }
+    for kind, state in (
+        ("Complete", "succeeded"),
+        ("SuccessCriteriaMet", "succeeded"),
+        ("Failed", "failed"),
+        ("FailureTarget", "failed"),
+    ):
         if kind in conditions:
             reason = conditions[kind].get("reason") or ""
             state = "deadline" if reason == "DeadlineExceeded" else state
@@ -115,7 +126,10 @@ def observe(view: JobView, settings: JobSettings, now: float, log: LineLogger) -
             log.info("pod %s (node rank %d): %s", name, rank, phase)
             view.phases[name] = phase
         for condition in status.get("conditions") or []:
-            if condition.get("reason") == "Unschedulable" and (text := f"{name}: {condition.get('message')}") not in view.said:
+            if (
+                condition.get("reason") == "Unschedulable"
+                and (text := f"{name}: {condition.get('message')}") not in view.said
+            ):
                 view.said.add(text)
                 warn("pod %s (node rank %d) waits for a node: %s", name, rank, condition.get("message"))
         waiting = container_state(pod).get("waiting") or {}
@@ -123,7 +137,13 @@ def observe(view: JobView, settings: JobSettings, now: float, log: LineLogger) -
             since = view.blocked_since.setdefault(name, now)
             if (text := f"{name}: {waiting['reason']}") not in view.said:
                 view.said.add(text)
-                warn("pod %s (node rank %d) cannot start: %s: %s", name, rank, waiting["reason"], waiting.get("message", ""))
+                warn(
+                    "pod %s (node rank %d) cannot start: %s: %s",
+                    name,
+                    rank,
+                    waiting["reason"],
+                    waiting.get("message", ""),
+                )
             if now - since >= settings.stuck_after_s:
                 return rank, f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
         else:
@@ -144,8 +164,14 @@ def pod_result(lines: list[str], returncode: int, tail_lines: int) -> LaunchResu
     out = Output(Quiet(), tail_lines)
     for line in lines:
         out.add(line)
-    return LaunchResult(returncode=returncode, tail=list(out.tail), wall_s=0.0, timed_out=False,
-                        rank_tails={r: list(t) for r, t in out.rank_tails.items()}, launcher_lines=list(out.launcher_lines))
+    return LaunchResult(
+        returncode=returncode,
+        tail=list(out.tail),
+        wall_s=0.0,
+        timed_out=False,
+        rank_tails={r: list(t) for r, t in out.rank_tails.items()},
+        launcher_lines=list(out.launcher_lines),
+    )
 
 
 def blamed_pod(pods: dict[int, dict[str, Any]], results: dict[int, LaunchResult]) -> int | None:
@@ -164,8 +190,10 @@ def blamed_pod(pods: dict[int, dict[str, Any]], results: dict[int, LaunchResult]
     Returns:
         The node rank, or None when no pod failed.
     """
-    ended = sorted((r for r, p in pods.items() if failed(p)),
-                   key=lambda r: ((terminated(pods[r]) or {}).get("finishedAt") or "~", r))
+    ended = sorted(
+        (r for r, p in pods.items() if failed(p)),
+        key=lambda r: ((terminated(pods[r]) or {}).get("finishedAt") or "~", r),
+    )
     if not ended:
         return None
     bad = [r for r in ended if (terminated(pods[r]) or {}).get("exitCode") == EXIT_BAD_INPUT]

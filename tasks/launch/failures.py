@@ -80,9 +80,7 @@ class StageFailed(RuntimeError):
         ended_at: When it ended, UTC (likewise).
     """
 
-    def __init__(
-        self, message: str, returncode: int, tail: list[str] | None = None, rank: int | None = None
-    ) -> None:
+    def __init__(self, message: str, returncode: int, tail: list[str] | None = None, rank: int | None = None) -> None:
         super().__init__(message)
         self.returncode = returncode
         self.tail = list(tail or [])

@@ -51,7 +51,12 @@ from typing import IO, Any, Protocol
 from tasks.launch.aborts import abort_event, abort_launches, forget_launch_group
 from tasks.launch.commands import trainer_command
 from tasks.launch.failures import (
-    BadStageInput, LaunchAborted, LaunchResult, StageFailed, raise_for_result, retry_condition,
+    BadStageInput,
+    LaunchAborted,
+    LaunchResult,
+    StageFailed,
+    raise_for_result,
+    retry_condition,
 )
 from trainer_core.config import BackendConfig
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
@@ -381,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         with the job, or a rank that exited with 2; 1 for any other failure (storage errors
         included).
     """
-    parser = argparse.ArgumentParser(prog="python -m tasks.launch.process", description="Run one node's share of a stage.")
+    parser = argparse.ArgumentParser(
+        prog="python -m tasks.launch.process", description="Run one node's share of a stage."
+    )
     parser.add_argument("spec_uri", help="URI of the stage's StageSpec JSON.")
     parser.add_argument("--node-rank", type=int, required=True, help="This node's rank in [0, nnodes).")
     parser.add_argument("--nnodes", type=int, help="The job's node count (checked against the spec).")

@@ -125,14 +125,29 @@ def _gain_result(
         version = champion.version
         name, against = f"{policy}_vs_champion/{metric}_gain", f"{k:g} SE (champion v{version})"
         if champion_samples is None:
-            return GateResult(name, ">", None, None, against, True,
-                              note=f"not compared (champion v{version} was registered without its sample table)")
+            return GateResult(
+                name,
+                ">",
+                None,
+                None,
+                against,
+                True,
+                note=f"not compared (champion v{version} was registered without its sample table)",
+            )
         column = sample_column(metric)
-        baseline, other = paired_verdicts(champion_samples.rows, f"{champion_samples.stage}_{column}", samples or [],
-                                          f"{policy}_{column}")
+        baseline, other = paired_verdicts(
+            champion_samples.rows, f"{champion_samples.stage}_{column}", samples or [], f"{policy}_{column}"
+        )
         if not baseline:
-            return GateResult(name, ">", None, None, against, False,
-                              note=f"missing (no held-out problem with a value in both this run and champion v{version})")
+            return GateResult(
+                name,
+                ">",
+                None,
+                None,
+                against,
+                False,
+                note=f"missing (no held-out problem with a value in both this run and champion v{version})",
+            )
         gain, se = paired_gain(baseline, other)
     else:
         name, against = f"{policy}_vs_sft/{metric}_gain", f"{k:g} SE"

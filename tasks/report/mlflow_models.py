@@ -99,9 +99,7 @@ def _link_model_version(client: MlflowClient, model_id: str, name: str, version:
         client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([*versions, entry])})
 
 
-def register_model_version(
-    name: str, model_uri: str, *, run_id: str, tags: dict[str, str], tracking_uri: str
-) -> str:
+def register_model_version(name: str, model_uri: str, *, run_id: str, tags: dict[str, str], tracking_uri: str) -> str:
     """Register ``model_uri`` as a new version of the registered model ``name``.
 
     The registered model is created when missing (another pipeline creating it at the same

@@ -103,8 +103,9 @@ def _version_tags(run: PipelineRun, stage: str, results: dict[str, StageResult])
     return tags
 
 
-def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[str, float],
-            candidate_only: bool = False) -> dict[str, Any]:
+def release(
+    run: PipelineRun, results: dict[str, StageResult], headline: dict[str, float], candidate_only: bool = False
+) -> dict[str, Any]:
     """Judge the gates of a completed run and register its final policy.
 
     Args:
@@ -135,7 +136,10 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
     failure = gate_failure_message(gates)
     judged = all(g.judged for g in gates)
     outcome: dict[str, Any] = {
-        "gates": [g.as_dict() for g in gates], "passed": failure is None, "judged": judged, "failure": failure,
+        "gates": [g.as_dict() for g in gates],
+        "passed": failure is None,
+        "judged": judged,
+        "failure": failure,
         "registered_model": None,
     }
     stage = registered_stage(run)
@@ -143,34 +147,50 @@ def release(run: PipelineRun, results: dict[str, StageResult], headline: dict[st
         return outcome
     if not judged and not config.tracking.registered_stage:
         unjudged = ", ".join(g.metric for g in gates if not g.judged)
-        outcome["not_registered"] = (f"the run leaves out the stage of gate(s) {unjudged}, so its {stage} model "
-                                     "could not become the champion; set tracking.registered_stage to register it "
-                                     "as a candidate anyway")
+        outcome["not_registered"] = (
+            f"the run leaves out the stage of gate(s) {unjudged}, so its {stage} model "
+            "could not become the champion; set tracking.registered_stage to register it "
+            "as a candidate anyway"
+        )
         return outcome
     result = results[stage]
     model_uri = result.model_uri or mlflow_models.run_model_uri(result.mlflow_run_id, stage_model_name(stage))
     version = mlflow_models.register_model_version(
-        name, model_uri, run_id=result.mlflow_run_id, tags=_version_tags(run, stage, results),
+        name,
+        model_uri,
+        run_id=result.mlflow_run_id,
+        tags=_version_tags(run, stage, results),
         tracking_uri=run.tracking_uri,
     )
     alias = CHAMPION if failure is None and judged and not candidate_only else CANDIDATE
     mlflow_models.set_model_alias(name, alias, version, tracking_uri=run.tracking_uri)
     outcome["registered_model"] = {
-        "name": name, "version": version, "alias": alias, "stage": stage, "model_uri": model_uri,
+        "name": name,
+        "version": version,
+        "alias": alias,
+        "stage": stage,
+        "model_uri": model_uri,
         "previous_champion": champion.version if champion else None,
     }
     return outcome
 
 
-def _judge(run: PipelineRun, results: dict[str, StageResult], headline: dict[str, float],
-           champion: Any) -> list[GateResult]:
+def _judge(
+    run: PipelineRun, results: dict[str, StageResult], headline: dict[str, float], champion: Any
+) -> list[GateResult]:
     """The run's gates judged on ``headline``, against ``champion`` (the registered champion
     version, or None), with both sides' held-out samples where a champion has them (paired gates)."""
     config = run.config
     champion_samples = _champion_samples(run, champion) if champion is not None else None
     samples = read_sample_tables(_samples_uri(results)) if champion_samples is not None else None
-    return check_gates(config.evaluate.gates, headline, champion, list(config.stages),
-                       samples=samples, champion_samples=champion_samples)
+    return check_gates(
+        config.evaluate.gates,
+        headline,
+        champion,
+        list(config.stages),
+        samples=samples,
+        champion_samples=champion_samples,
+    )
 
 
 TAG_RELEASE = "posttrain.release"
@@ -214,15 +234,19 @@ def release_markdown(run_id: str, outcome: dict[str, Any]) -> str:
         stays = f"; the champion stays version {previous}" if previous else "; there is no champion yet"
         lead = {
             "champion": f"**Champion**: {what} is now `@champion`"
-                        + (f" (was version {previous})" if previous else " (the first)") + ".",
+            + (f" (was version {previous})" if previous else " (the first)")
+            + ".",
             "gate-failed": f"**Gate failed**: {what} is registered as `@candidate`{stays}.",
             "candidate": f"**Candidate**: {what} is registered as `@candidate`{stays}: "
-                         "a gate could not be judged (its stage is not in this run).",
+            "a gate could not be judged (its stage is not in this run).",
         }[kind]
     else:
         why = outcome.get("not_registered") or "`tracking.registered_model_name` not set or no policy trained"
-        lead = (f"**Gate failed** (run `{run_id}`); no model registered ({why})." if kind == "gate-failed" else
-                f"No model registered for run `{run_id}` ({why}).")
+        lead = (
+            f"**Gate failed** (run `{run_id}`); no model registered ({why})."
+            if kind == "gate-failed"
+            else f"No model registered for run `{run_id}` ({why})."
+        )
     lines = [lead, ""]
     if outcome["failure"]:
         lines += [f"Why: {outcome['failure']}", ""]
@@ -263,14 +287,17 @@ def publish_release(run: PipelineRun, outcome: dict[str, Any], log: Any) -> None
     if outcome["failure"]:
         gate_tags[TAG_GATE_FAILURE] = outcome["failure"][:5000]
     steps = {
-        "Prefect artifact": lambda: create_markdown_artifact(markdown, key="release",
-                                                             description=f"{run.run_id}: {kind}"),
+        "Prefect artifact": lambda: create_markdown_artifact(
+            markdown, key="release", description=f"{run.run_id}: {kind}"
+        ),
         "Prefect event": lambda: emit_event(
             event=f"posttrain.release.{kind}",
             resource={"prefect.resource.id": f"posttrain.run.{run.run_id}", "prefect.resource.name": run.run_id},
             related=[{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}]
-            if flow_run.id else None,
-            payload=outcome),
+            if flow_run.id
+            else None,
+            payload=outcome,
+        ),
         "MLflow parent run": lambda: _tag_parent_run(run, {TAG_RELEASE: kind, **gate_tags}, markdown),
     }
     if outcome["failure"] and flow_run.id:

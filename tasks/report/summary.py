@@ -28,7 +28,12 @@ COLUMNS: dict[str, dict[str, str]] = {
     "dpo": {"train_loss": "train/loss", "eval_loss": "eval/loss", "accuracy": "eval/rewards/accuracies"},
     "kto": {"train_loss": "train/loss", "eval_loss": "eval/loss", "kl": "eval/kl"},
     "ppo": {"train_loss": "train/loss", "reward": "reward_mean", "kl": "objective/kl", "accuracy": "verifier_accuracy"},
-    "grpo": {"train_loss": "train/loss", "reward": "reward_mean", "kl": "objective/kl", "accuracy": "verifier_accuracy"},
+    "grpo": {
+        "train_loss": "train/loss",
+        "reward": "reward_mean",
+        "kl": "objective/kl",
+        "accuracy": "verifier_accuracy",
+    },
     "score": {"reward": "reward_mean", "accuracy": "verifier_accuracy"},
 }
 """Stage -> table column -> the key of its final metric (its manifest's ``metrics``: the last
@@ -48,8 +53,18 @@ held-out numbers replace the training stage's own ``eval_loss`` / ``accuracy`` i
 evaluate measures the final model on more held-out data."""
 
 TABLE_COLUMNS: tuple[str, ...] = (
-    "stage", "status", "wall_s", "train_loss", "eval_loss", "accuracy", "reward", "kl", "exact_match",
-    "win_rate_vs_sft", "mlflow_run", "output_uri",
+    "stage",
+    "status",
+    "wall_s",
+    "train_loss",
+    "eval_loss",
+    "accuracy",
+    "reward",
+    "kl",
+    "exact_match",
+    "win_rate_vs_sft",
+    "mlflow_run",
+    "output_uri",
 )
 """The table's columns, in order (a stage without a metric has an empty cell)."""
 
@@ -167,9 +182,13 @@ def summary_rows(summary: dict[str, Any], ui_url: str | None = None, experiment_
         metrics = entry.get("metrics") or {}
         row = dict.fromkeys(TABLE_COLUMNS)
         wall_s = entry.get("wall_s")
-        row.update(stage=name, status=_status_cell(entry), wall_s=round(wall_s, 1) if wall_s is not None else None,
-                   mlflow_run=_run_cell(entry.get("mlflow_run_id"), ui_url, experiment_id),
-                   output_uri=entry.get("output_uri"))
+        row.update(
+            stage=name,
+            status=_status_cell(entry),
+            wall_s=round(wall_s, 1) if wall_s is not None else None,
+            mlflow_run=_run_cell(entry.get("mlflow_run_id"), ui_url, experiment_id),
+            output_uri=entry.get("output_uri"),
+        )
         row.update({col: _number(metrics[key]) for col, key in COLUMNS.get(name, {}).items() if key in metrics})
         rows[name] = row
     for key, value in (summary["stages"].get(EVALUATE_STAGE, {}).get("metrics") or {}).items():
@@ -203,8 +222,10 @@ def summary_markdown(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str
         lines += [release_markdown(summary["run_id"], release).split("\n", 1)[0], ""]
     elif release.get("error"):
         lines += [f"Release failed: {release['error']}", ""]
-    lines += ["| " + " | ".join(c.replace("_", " ") for c in TABLE_COLUMNS) + " |",
-              "| " + " | ".join("---" for _ in TABLE_COLUMNS) + " |"]
+    lines += [
+        "| " + " | ".join(c.replace("_", " ") for c in TABLE_COLUMNS) + " |",
+        "| " + " | ".join("---" for _ in TABLE_COLUMNS) + " |",
+    ]
     lines += ["| " + " | ".join(_cell(c, row.get(c)) for c in TABLE_COLUMNS) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -216,6 +237,7 @@ def write_summary(run: PipelineRun, summary: dict[str, Any]) -> str:
     storage.write_json(uri, summary)
     ui_url = mlflow_ui_url(run.config, run.tracking_uri)
     rows = summary_rows(summary, ui_url, _experiment_id(run, ui_url))
-    create_markdown_artifact(summary_markdown(summary, rows), key="pipeline-summary",
-                             description=f"{summary['run_id']}: {summary['status']}")
+    create_markdown_artifact(
+        summary_markdown(summary, rows), key="pipeline-summary", description=f"{summary['run_id']}: {summary['status']}"
+    )
     return uri

@@ -58,12 +58,25 @@ def compare(points: list[dict[str, Any]], metric: str) -> dict[str, Any]:
         headline = (point.get("summary") or {}).get("headline") or {}
         value, se = headline.get(metric), headline.get(f"{metric}_se")
         status = (point.get("summary") or {}).get("status") or "failed"
-        rows.append({"run_id": point["run_id"], "values": point["values"], "status": status,
-                     "value": value if value is not None and math.isfinite(value) else None, "se": se,
-                     "error": point.get("error")})
+        rows.append(
+            {
+                "run_id": point["run_id"],
+                "values": point["values"],
+                "status": status,
+                "value": value if value is not None and math.isfinite(value) else None,
+                "se": se,
+                "error": point.get("error"),
+            }
+        )
     ranked = sorted((r for r in rows if r["value"] is not None), key=lambda r: -r["value"])
-    out: dict[str, Any] = {"metric": metric, "rows": rows, "best": None, "runner_up": None, "gain": None,
-                           "gain_se": None}
+    out: dict[str, Any] = {
+        "metric": metric,
+        "rows": rows,
+        "best": None,
+        "runner_up": None,
+        "gain": None,
+        "gain_se": None,
+    }
     if ranked:
         out["best"] = ranked[0]["run_id"]
     if len(ranked) > 1:
@@ -91,17 +104,27 @@ def comparison_markdown(sweep_id: str, comparison: dict[str, Any]) -> str:
         lead = f"Sweep `{sweep_id}`: best `{metric}` at {_values_cell(values)} (run `{best}`)"
         if comparison["runner_up"] is not None:
             se = comparison["gain_se"]
-            noise = (f" ± {se:.3g} (paired SE; {'beyond' if comparison['gain'] > 2 * se else 'within'} 2 SE)"
-                     if se is not None else " (no per-problem values to pair)")
+            noise = (
+                f" ± {se:.3g} (paired SE; {'beyond' if comparison['gain'] > 2 * se else 'within'} 2 SE)"
+                if se is not None
+                else " (no per-problem values to pair)"
+            )
             lead += f", {comparison['gain']:+.4g}{noise} over run `{comparison['runner_up']}`"
         lead += "."
     keys = list(comparison["rows"][0]["values"]) if comparison["rows"] else []
-    lines = [lead, "", "| " + " | ".join([*keys, "run", "status", metric]) + " |",
-             "| " + " | ".join(["---:"] * len(keys) + ["---", "---", "---:"]) + " |"]
+    lines = [
+        lead,
+        "",
+        "| " + " | ".join([*keys, "run", "status", metric]) + " |",
+        "| " + " | ".join(["---:"] * len(keys) + ["---", "---", "---:"]) + " |",
+    ]
     for row in comparison["rows"]:
         value = "-" if row["value"] is None else f"{row['value']:.4g}" + (" **best**" if row["run_id"] == best else "")
-        lines.append("| " + " | ".join([*(str(row["values"][k]) for k in keys), f"`{row['run_id']}`",
-                                         row["status"], value]) + " |")
+        lines.append(
+            "| "
+            + " | ".join([*(str(row["values"][k]) for k in keys), f"`{row['run_id']}`", row["status"], value])
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -117,12 +140,22 @@ def comparison_figure(comparison: dict[str, Any]) -> Figure | None:
     first = keys[0] if keys else None
     groups: dict[str, list[dict]] = {}
     for row in rows:
-        label = _values_cell({k: v for k, v in row["values"].items() if k != first}) if len(keys) > 1 else comparison["metric"]
+        label = (
+            _values_cell({k: v for k, v in row["values"].items() if k != first})
+            if len(keys) > 1
+            else comparison["metric"]
+        )
         groups.setdefault(label, []).append(row)
     for label, members in groups.items():
         xs = [str(r["values"][first]) if first else r["run_id"] for r in members]
-        ax.errorbar(xs, [r["value"] for r in members], yerr=[r["se"] or 0.0 for r in members], marker="o",
-                    capsize=3, label=label)
+        ax.errorbar(
+            xs,
+            [r["value"] for r in members],
+            yerr=[r["se"] or 0.0 for r in members],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
     ax.set_xlabel(first or "point")
     ax.set_ylabel(comparison["metric"])
     if len(groups) > 1:

@@ -132,8 +132,9 @@ def open_store(tracking_uri: str) -> MlflowClient:
             client.search_experiments(max_results=1)
             client.search_registered_models(max_results=1)
         except Exception as e:  # noqa: BLE001 - any store failure, named by its URI
-            raise RuntimeError(f"the MLflow store {tracking_uri} (tracking.tracking_uri) could not be opened: "
-                               f"{type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"the MLflow store {tracking_uri} (tracking.tracking_uri) could not be opened: {type(e).__name__}: {e}"
+            ) from e
     return client
 
 
@@ -238,8 +239,12 @@ def rehome_copied_store(tracking_uri: str, storage_root: str) -> dict[str, str]:
                 )
     for old in moved:
         _forget_artifact_repos(old)
-        log.info("MLflow store %s: artifacts of %s are now those under %s (the store was copied with its "
-                 "storage root)", tracking_uri, old, artifact_root)
+        log.info(
+            "MLflow store %s: artifacts of %s are now those under %s (the store was copied with its storage root)",
+            tracking_uri,
+            old,
+            artifact_root,
+        )
     return moved
 
 
@@ -300,7 +305,11 @@ def _log_params(client: MlflowClient, run_id: str, params: dict[str, str]) -> No
 
 
 def start_pipeline_run(
-    config: PipelineConfig, run_id: str, *, tracking_uri: str, flow_run_url: str | None = None,
+    config: PipelineConfig,
+    run_id: str,
+    *,
+    tracking_uri: str,
+    flow_run_url: str | None = None,
     parent_run_id: str | None = None,
 ) -> str:
     """Create the parent MLflow run of one pipeline run, or reopen it when the run id is resumed.
@@ -349,8 +358,14 @@ TAG_SWEEP_ID = "posttrain.sweep_id"
 """Tag of a sweep's MLflow run (``flows/sweep.py``); its points' runs are nested under it."""
 
 
-def start_sweep_run(config: PipelineConfig, sweep_id: str, grid: dict[str, list[Any]], *, tracking_uri: str,
-                    flow_run_url: str | None = None) -> str:
+def start_sweep_run(
+    config: PipelineConfig,
+    sweep_id: str,
+    grid: dict[str, list[Any]],
+    *,
+    tracking_uri: str,
+    flow_run_url: str | None = None,
+) -> str:
     """Create the MLflow run of a sweep (run name and tag :data:`TAG_SWEEP_ID` the sweep id, each
     grid key's values as the tag ``posttrain.grid.<key>``), or reopen it when the sweep id is run
     again (its grid tags replaced: a grid may grow).
@@ -370,7 +385,10 @@ def start_sweep_run(config: PipelineConfig, sweep_id: str, grid: dict[str, list[
     else:
         tags = {TAG_SWEEP_ID: sweep_id, "posttrain.name": config.name}
         run_id = client.create_run(experiment_id, tags=tags, run_name=sweep_id).info.run_id
-    tags = {**_flow_run_tags(flow_run_url), **{f"posttrain.grid.{k}": json.dumps(v, default=str) for k, v in grid.items()}}
+    tags = {
+        **_flow_run_tags(flow_run_url),
+        **{f"posttrain.grid.{k}": json.dumps(v, default=str) for k, v in grid.items()},
+    }
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     return run_id
@@ -413,9 +431,7 @@ def start_stage_run(
     return run.info.run_id
 
 
-def finish_stage_run(
-    run_id: str, manifest: Any, output_uri: str | None, status: str, *, tracking_uri: str
-) -> None:
+def finish_stage_run(run_id: str, manifest: Any, output_uri: str | None, status: str, *, tracking_uri: str) -> None:
     """Log a stage's outcome and terminate its MLflow run.
 
     The manifest becomes the artifact ``manifests/<kind>.json``. A training stage's manifest
@@ -447,9 +463,7 @@ def finish_stage_run(
     client.set_terminated(run_id, status=status)
 
 
-def log_pipeline_metrics(
-    parent_run_id: str, metrics: dict[str, float], *, tracking_uri: str, step: int = 0
-) -> None:
+def log_pipeline_metrics(parent_run_id: str, metrics: dict[str, float], *, tracking_uri: str, step: int = 0) -> None:
     """Log the pipeline's headline metrics (e.g. evaluate's) on its parent run.
 
     Names are sanitised with :func:`trainer_core.tracking.sanitize_metric_name`; NaN and

@@ -109,12 +109,17 @@ CURVES: dict[str, tuple[Panel, ...]] = {
     "sft": (_LOSS,),
     "reward_model": (_LOSS, Panel("pairwise accuracy", ("train/accuracy", "eval/accuracy"))),
     "dpo": (_LOSS, Panel("implicit reward accuracy", ("train/rewards/accuracies", "eval/rewards/accuracies"))),
-    "kto": (_LOSS, Panel("implied reward", ("train/rewards/chosen", "train/rewards/rejected")),
-            Panel("KL estimate", ("train/kl",))),
+    "kto": (
+        _LOSS,
+        Panel("implied reward", ("train/rewards/chosen", "train/rewards/rejected")),
+        Panel("KL estimate", ("train/kl",)),
+    ),
     "ppo": (Panel("reward", ("reward_mean", "objective/rlhf_reward")), Panel("KL to reference", ("objective/kl",))),
     "grpo": (Panel("reward", ("reward_mean", "verifier_accuracy")), Panel("KL to reference", ("objective/kl",))),
-    "distill": (Panel("divergence from the teacher", ("distill/reverse_kl_avg", "distill/jsd_avg")),
-                Panel("reward (logged)", ("reward_mean",))),
+    "distill": (
+        Panel("divergence from the teacher", ("distill/reverse_kl_avg", "distill/jsd_avg")),
+        Panel("reward (logged)", ("reward_mean",)),
+    ),
 }
 """Stage -> the panels of its curves image (the metric names the trainer logs: ``training/loop.py``
 for pretrain, SFT, reward model, DPO and KTO, ``training/rl/trainer.py`` for PPO, GRPO and distill). Other stages have none."""
@@ -309,6 +314,7 @@ class StageProgress:
         except Exception as e:  # noqa: BLE001 - progress is decoration: never fail the stage for it
             if not self._warned:
                 self._warned = True
-                self.log.warning("stage %s: progress artifact %s not updated: %s: %s", self.stage, self.key,
-                                 type(e).__name__, e)
+                self.log.warning(
+                    "stage %s: progress artifact %s not updated: %s: %s", self.stage, self.key, type(e).__name__, e
+                )
             return None

@@ -46,8 +46,9 @@ DEMO_RUN_SETS: dict[str, object] = {
     "reward_model.log_every": 1,
     "dpo.log_every": 1,
     # one gate, judged twice: a threshold and the champion (none yet; later runs pass it within 1.0)
-    "evaluate.gates": [{"metric": "grpo/exact_match", "op": ">=", "threshold": 0.0, "vs_champion": True,
-                        "tolerance": 1.0}],
+    "evaluate.gates": [
+        {"metric": "grpo/exact_match", "op": ">=", "threshold": 0.0, "vs_champion": True, "tolerance": 1.0}
+    ],
 }
 """What the shared demo run sets over :data:`~tests.tiny.TINY_DEMO`."""
 

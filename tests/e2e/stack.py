@@ -80,17 +80,40 @@ def server_stack(tmp: Path) -> Iterator[dict]:
         MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
     )
     procs = {
-        "prefect": start([str(BIN_DIR / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                          str(prefect_port)], env, tmp / "prefect-server.log", tmp),
-        "mlflow": start([str(BIN_DIR / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
-                         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db"],
-                        env, tmp / "mlflow-server.log", tmp),
+        "prefect": start(
+            [str(BIN_DIR / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+            env,
+            tmp / "prefect-server.log",
+            tmp,
+        ),
+        "mlflow": start(
+            [
+                str(BIN_DIR / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(mlflow_port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{tmp}/mlflow.db",
+            ],
+            env,
+            tmp / "mlflow-server.log",
+            tmp,
+        ),
     }
     try:
         wait_healthy(f"http://127.0.0.1:{prefect_port}/api/health", procs["prefect"], tmp / "prefect-server.log")
         wait_healthy(f"http://127.0.0.1:{mlflow_port}/health", procs["mlflow"], tmp / "mlflow-server.log")
-        yield {"env": env, "tmp": tmp, "api_url": env["PREFECT_API_URL"], "ui": f"http://127.0.0.1:{prefect_port}",
-               "mlflow": f"http://127.0.0.1:{mlflow_port}"}
+        yield {
+            "env": env,
+            "tmp": tmp,
+            "api_url": env["PREFECT_API_URL"],
+            "ui": f"http://127.0.0.1:{prefect_port}",
+            "mlflow": f"http://127.0.0.1:{mlflow_port}",
+        }
     finally:
         for proc in procs.values():
             stop(proc)
@@ -98,16 +121,27 @@ def server_stack(tmp: Path) -> Iterator[dict]:
 
 def posttrain(stack: dict, *args: str, env: dict | None = None) -> str:
     """``python -m posttrain *args`` against the stack (``env`` added to its environment); its stdout."""
-    result = subprocess.run([sys.executable, "-m", "posttrain", *args], env={**stack["env"], **(env or {})}, check=False,
-                            cwd=stack["tmp"], capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain", *args],
+        env={**stack["env"], **(env or {})},
+        check=False,
+        cwd=stack["tmp"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
 
 def start_worker(stack: dict, log_path: Path, pool: str = "posttrain-local") -> subprocess.Popen:
     """A process worker of ``pool`` polling every second, in its own process group (``stop`` it)."""
-    return start([str(BIN_DIR / "prefect"), "worker", "start", "--pool", pool],
-                 {**stack["env"], "PREFECT_WORKER_QUERY_SECONDS": "1"}, log_path, stack["tmp"])
+    return start(
+        [str(BIN_DIR / "prefect"), "worker", "start", "--pool", pool],
+        {**stack["env"], "PREFECT_WORKER_QUERY_SECONDS": "1"},
+        log_path,
+        stack["tmp"],
+    )
 
 
 @contextmanager
@@ -117,8 +151,13 @@ def client(stack: dict) -> Iterator[SyncPrefectClient]:
         yield api
 
 
-def run_cli(prefect_api: str, tmp: Path, config: str, sets: dict[str, object], run_id: str = "demo-cli",
-            ) -> tuple[list[str], dict, list[str]]:
+def run_cli(
+    prefect_api: str,
+    tmp: Path,
+    config: str,
+    sets: dict[str, object],
+    run_id: str = "demo-cli",
+) -> tuple[list[str], dict, list[str]]:
     """``posttrain run configs/<config>`` as a user runs it (a child process, against the Prefect API
     ``prefect_api``, its MLflow store the default SQLite file under the storage root) with
     :data:`~tests.tiny.TINY_DEMO` and ``sets`` as ``--set`` overrides, writing under ``tmp/out``.
@@ -127,12 +166,25 @@ def run_cli(prefect_api: str, tmp: Path, config: str, sets: dict[str, object], r
     checking that the run and every stage of it completed and that its last stdout line names the
     summary."""
     root = tmp / "out"
-    args = [str(PROJECT_DIR / "configs" / config), "--run-id", run_id, "--set", f"storage.root={root}",
-            *as_sets(tiny_demo(**sets))]
+    args = [
+        str(PROJECT_DIR / "configs" / config),
+        "--run-id",
+        run_id,
+        "--set",
+        f"storage.root={root}",
+        *as_sets(tiny_demo(**sets)),
+    ]
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    result = subprocess.run([sys.executable, "-m", "posttrain", "run", *args], cwd=tmp, env=env,
-                            capture_output=True, text=True, timeout=600, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain", "run", *args],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-5000:]
     lines = result.stdout.strip().splitlines()
     assert lines[0] == f"run id: {run_id}"

@@ -21,8 +21,10 @@ from posttrain.api_server import DEFAULT_STARTUP_TIMEOUT_S, startup_timeout_s
 
 REPO = Path(__file__).resolve().parents[2]
 
-START = ("import time; t = time.monotonic(); from posttrain.api_server import start_temporary_api_server; "
-         "s = start_temporary_api_server(); print(f'up after {time.monotonic() - t:.1f} s'); s.stop()")
+START = (
+    "import time; t = time.monotonic(); from posttrain.api_server import start_temporary_api_server; "
+    "s = start_temporary_api_server(); print(f'up after {time.monotonic() - t:.1f} s'); s.stop()"
+)
 """What ``posttrain run`` does first without ``PREFECT_API_URL``, as a process of its own."""
 
 
@@ -36,8 +38,10 @@ def server_env(home: Path, **extra: str) -> dict[str, str]:
 def both_cores_busy() -> Iterator[None]:
     """Two processes that spin (each stops by itself after 240 s) while the block runs."""
     spin = "import time\nend = time.monotonic() + 240\nwhile time.monotonic() < end:\n    pass"
-    spinners = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for _ in range(2)]
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(2)
+    ]
     try:
         yield
     finally:
@@ -59,8 +63,15 @@ def test_the_wait_is_the_measured_default_unless_the_user_set_one(monkeypatch):
 def test_a_first_start_comes_up_while_both_cores_are_busy(tmp_path):
     home = tmp_path / "prefect-home"
     with both_cores_busy():
-        started = subprocess.run([sys.executable, "-c", START], cwd=REPO, env=server_env(home), capture_output=True,
-                                 text=True, timeout=DEFAULT_STARTUP_TIMEOUT_S + 60, check=False)
+        started = subprocess.run(
+            [sys.executable, "-c", START],
+            cwd=REPO,
+            env=server_env(home),
+            capture_output=True,
+            text=True,
+            timeout=DEFAULT_STARTUP_TIMEOUT_S + 60,
+            check=False,
+        )
     print(started.stdout, started.stderr[-2000:])
     assert started.returncode == 0, started.stderr[-3000:]
     assert f"Creating Prefect's database {home / 'prefect.db'} (the first start of PREFECT_HOME" in started.stderr
@@ -69,8 +80,15 @@ def test_a_first_start_comes_up_while_both_cores_are_busy(tmp_path):
 
     # With a wait of the user's own that is too short for any start, it stops at that wait and
     # names the setting.
-    short = subprocess.run([sys.executable, "-c", START], cwd=REPO, capture_output=True, text=True, timeout=120,
-                           env=server_env(home, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1"), check=False)
+    short = subprocess.run(
+        [sys.executable, "-c", START],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=server_env(home, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1"),
+        check=False,
+    )
     assert short.returncode != 0
     assert "did not answer on http://127.0.0.1:" in short.stderr and "within 1 s" in short.stderr, short.stderr[-2000:]
     assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in short.stderr

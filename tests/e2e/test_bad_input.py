@@ -34,7 +34,12 @@ def posttrain_run(api_url: str, *args: str, timeout_s: float = 240) -> subproces
     env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.run(
         [sys.executable, "-m", "posttrain", "run", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
     )
 
 
@@ -55,11 +60,18 @@ def task_runs_of(run_id: str) -> list[tuple[str, int]]:
 def run_with_sft_file(api_url: str, root: Path, run_id: str, sft_file: Path) -> subprocess.CompletedProcess:
     """The shipped gsm8k-hh config with the SFT data replaced by ``sft_file`` (read first)."""
     return posttrain_run(
-        api_url, str(CONFIG), "--run-id", run_id,
-        "--set", f"storage.root={root}",
-        "--set", f"data.sft.uri={sft_file}",
-        "--set", "launch.retries=2",
-        "--set", "launch.retry_delay_s=0",
+        api_url,
+        str(CONFIG),
+        "--run-id",
+        run_id,
+        "--set",
+        f"storage.root={root}",
+        "--set",
+        f"data.sft.uri={sft_file}",
+        "--set",
+        "launch.retries=2",
+        "--set",
+        "launch.retry_delay_s=0",
     )
 
 

@@ -26,10 +26,21 @@ EXTENDED_STAGES = ["prepare_data", "pretrain", "sft", "teacher", "reward_model",
 """demo-extended.yaml's stages with the reward model (trained from SFT, committed for evaluate)
 added."""
 TINY_TEACHER: dict[str, object] = {
-    "teacher.max_steps": 4, "teacher.eval_every": 2, "teacher.save_every": 2,
-    "teacher.model_init": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-                           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256},
-    "distill.max_steps": 2, "distill.prompts_per_rollout": 2, "distill.num_mini_batches": 1, "distill.save_every": 2,
+    "teacher.max_steps": 4,
+    "teacher.eval_every": 2,
+    "teacher.save_every": 2,
+    "teacher.model_init": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    },
+    "distill.max_steps": 2,
+    "distill.prompts_per_rollout": 2,
+    "distill.num_mini_batches": 1,
+    "distill.save_every": 2,
     "distill.generation.max_new_tokens": 8,
 }
 """The teacher (twice the tiny student's width) and the distillation at tiny sizes."""
@@ -45,8 +56,13 @@ MIXED: dict[str, object] = {
     "reward_model.backend": {"name": "deepspeed", "zero_stage": 3, **TWO_RANKS},
     "dpo.lora.enabled": True,
 }
-MIXED_BACKENDS = {"pretrain": ("fsdp2", 2), "sft": ("deepspeed", 2), "reward_model": ("deepspeed", 2),
-                  "dpo": ("single", 1), "kto": ("single", 1)}
+MIXED_BACKENDS = {
+    "pretrain": ("fsdp2", 2),
+    "sft": ("deepspeed", 2),
+    "reward_model": ("deepspeed", 2),
+    "dpo": ("single", 1),
+    "kto": ("single", 1),
+}
 """Stage -> (backend, world size) its manifest records in the mixed run."""
 
 
@@ -86,15 +102,22 @@ def test_demo_config_through_the_cli(demo_run):
     evaluated = demo_run.summary["stages"]["evaluate"]["metrics"]
     for policy in ("sft", "dpo", "ppo", "grpo"):
         one, four, avg = (evaluated[f"{policy}/{m}"] for m in ("pass_at_1", "pass_at_4", "avg_at_4"))
-        assert one == pytest.approx(avg, abs=1e-9) and 0 <= one <= four <= 1 and evaluated[f"{policy}/pass_at_4_se"] >= 0
+        assert (
+            one == pytest.approx(avg, abs=1e-9) and 0 <= one <= four <= 1 and evaluated[f"{policy}/pass_at_4_se"] >= 0
+        )
     # ... each problem's estimates are in the sample table, and the paired gains over SFT read them
-    samples = [json.loads(line) for line in (Path(demo_run.summary["stages"]["evaluate"]["output_uri"])
-                                              / "samples.jsonl").read_text().splitlines()]
+    samples = [
+        json.loads(line)
+        for line in (Path(demo_run.summary["stages"]["evaluate"]["output_uri"]) / "samples.jsonl")
+        .read_text()
+        .splitlines()
+    ]
     sampled = [row for row in samples if "sft_pass_at_4" in row]
     assert sampled
     for policy in ("sft", "grpo"):
         assert evaluated[f"{policy}/pass_at_4"] == pytest.approx(
-            sum(row[f"{policy}_pass_at_4"] for row in sampled) / len(sampled), abs=1e-9)
+            sum(row[f"{policy}_pass_at_4"] for row in sampled) / len(sampled), abs=1e-9
+        )
     # lm-eval's held-out task: the harness's own scoring of each policy, and its results JSON kept
     final = Path(demo_run.summary["stages"]["evaluate"]["output_uri"])
     for policy in ("sft", "dpo", "ppo", "grpo"):
@@ -109,7 +132,9 @@ def test_demo_config_through_the_cli(demo_run):
     metric = "lm_eval/posttrain_heldout/exact_match_flexible_extract"
     assert len(harness) == len(samples)
     for policy in ("sft", "grpo"):
-        assert evaluated[f"{policy}/{metric}"] == pytest.approx(sum(r[f"{policy}_{metric}"] for r in harness) / len(harness))
+        assert evaluated[f"{policy}/{metric}"] == pytest.approx(
+            sum(r[f"{policy}_{metric}"] for r in harness) / len(harness)
+        )
     gain = evaluated[f"grpo/{metric}"] - evaluated[f"sft/{metric}"]
     assert evaluated[f"grpo_vs_sft/{metric}_gain"] == pytest.approx(gain, abs=1e-9)
     assert evaluated[f"grpo_vs_sft/{metric}_gain_se"] >= 0
@@ -144,8 +169,16 @@ def test_demo_extended_config_with_a_backend_a_stage_through_the_cli(prefect_api
     torchrun), DPO (LoRA, merged on commit) and KTO from SFT, a wider teacher distilled into SFT
     (:data:`TINY_TEACHER`), and evaluate comparing the six policies, in one run; each stage loads
     the model the previous backend committed."""
-    sets = {"stages": EXTENDED_STAGES, "pretrain.max_steps": 4, "pretrain.eval_every": 2, "pretrain.save_every": 2,
-            "kto.max_steps": 2, "kto.grad_accum_steps": 1, **TINY_TEACHER, **MIXED}
+    sets = {
+        "stages": EXTENDED_STAGES,
+        "pretrain.max_steps": 4,
+        "pretrain.eval_every": 2,
+        "pretrain.save_every": 2,
+        "kto.max_steps": 2,
+        "kto.grad_accum_steps": 1,
+        **TINY_TEACHER,
+        **MIXED,
+    }
     _, summary, _ = run_cli(prefect_api, tmp_path, "demo-extended.yaml", sets)
     stages = summary["stages"]
     assert set(stages) == set(EXTENDED_STAGES)

@@ -57,7 +57,10 @@ def test_deploy_registers_typed_deployments(stack, deployed):
         assert api.read_work_pool("posttrain-gpu").type == "kubernetes"
         assert api.read_global_concurrency_limit_by_name(GPU_LIMIT).limit == 1
     assert demo.work_pool_name == "posttrain-local" and demo.entrypoint == "flows.pipeline.post_training_pipeline"
-    assert demo.job_variables == {"working_dir": str(PROJECT_DIR), "env": {"POSTTRAIN_MLFLOW_UI_URL": "http://127.0.0.1:5000"}}
+    assert demo.job_variables == {
+        "working_dir": str(PROJECT_DIR),
+        "env": {"POSTTRAIN_MLFLOW_UI_URL": "http://127.0.0.1:5000"},
+    }
     assert demo.enforce_parameter_schema and {"posttrain", "demo"} <= set(demo.tags)
     # The Custom run form: config_uri, the short typed settings opened on demo.yaml's values, an
     # overrides example, run_id; the whole-config parameter is for Python callers only.
@@ -86,7 +89,13 @@ def test_deploy_registers_typed_deployments(stack, deployed):
     assert not any("PipelineConfig" in name or name.endswith("Config") for name in schema["definitions"])
     # The sweep's form: the same config, settings and overrides, its grid, and a sweep id.
     assert sweep.parameters["grid"] == {"dpo.beta": [0.05, 0.1, 0.2]}
-    assert list(sweep.parameter_openapi_schema["properties"]) == ["config_uri", "grid", "settings", "overrides", "sweep_id"]
+    assert list(sweep.parameter_openapi_schema["properties"]) == [
+        "config_uri",
+        "grid",
+        "settings",
+        "overrides",
+        "sweep_id",
+    ]
     [schedule] = nightly.schedules
     assert schedule.schedule.cron == "0 2 * * *" and schedule.active is False
 
@@ -110,8 +119,10 @@ def slot_intervals(api: SyncPrefectClient, flow_run_id) -> list[tuple[float, flo
         while page is None or len(page) == 200:
             page = api.read_logs(of_run, limit=200, offset=len(logs))
             logs += page
-        marks = {kind: [log.timestamp.timestamp() for log in logs if f"{kind} 1 slot(s) of concurrency" in log.message]
-                 for kind in ("holding", "releasing")}
+        marks = {
+            kind: [log.timestamp.timestamp() for log in logs if f"{kind} 1 slot(s) of concurrency" in log.message]
+            for kind in ("holding", "releasing")
+        }
         if (marks["holding"] and len(marks["holding"]) == len(marks["releasing"])) or time.monotonic() > deadline:
             return list(zip(marks["holding"], marks["releasing"], strict=True))
         time.sleep(1)
@@ -129,12 +140,17 @@ def test_runs_from_the_api(stack, deployed):
             with pytest.raises(PrefectHTTPStatusError, match=r"settings\.sft\.learning_rate") as refused:
                 api.create_flow_run_from_deployment(demo.id, parameters={"settings": bad_settings})
             assert refused.value.response.status_code == 409
-            good = [api.create_flow_run_from_deployment(
-                demo.id, parameters={"overrides": override_items(tiny_demo(tmp / name, stack["mlflow"]))},
-                job_variables=gpu_env)
-                for name in ("a", "b")]
+            good = [
+                api.create_flow_run_from_deployment(
+                    demo.id,
+                    parameters={"overrides": override_items(tiny_demo(tmp / name, stack["mlflow"]))},
+                    job_variables=gpu_env,
+                )
+                for name in ("a", "b")
+            ]
             bad = api.create_flow_run_from_deployment(
-                demo.id, parameters={"overrides": [f"storage.root={tmp / 'bad'}", "sft.learning_rate=-1"]})
+                demo.id, parameters={"overrides": [f"storage.root={tmp / 'bad'}", "sft.learning_rate=-1"]}
+            )
             runs = wait_final(api, [r.id for r in (*good, bad)], worker_log)
 
             failed = runs[bad.id]
@@ -152,11 +168,15 @@ def test_runs_from_the_api(stack, deployed):
                 assert summary["status"] == "completed" and list(summary["stages"]) == ["prepare_data", "sft"]
                 tasks = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
                 assert sorted(t.name for t in tasks) == ["prepare_data", "sft"]
-                [artifact] = api.read_artifacts(artifact_filter=ArtifactFilter(
-                    key=ArtifactFilterKey(any_=["sft-metrics"]), flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+                [artifact] = api.read_artifacts(
+                    artifact_filter=ArtifactFilter(
+                        key=ArtifactFilterKey(any_=["sft-metrics"]), flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])
+                    )
+                )
                 mlflow_run_id = summary["stages"]["sft"]["mlflow_run_id"]
-                assert re.search(rf"\]\({re.escape(stack['mlflow'])}/#/experiments/\d+/runs/{mlflow_run_id}\)",
-                                 artifact.data), artifact.data
+                assert re.search(
+                    rf"\]\({re.escape(stack['mlflow'])}/#/experiments/\d+/runs/{mlflow_run_id}\)", artifact.data
+                ), artifact.data
 
             (a_start, a_end), (b_start, b_end) = (slot_intervals(api, r.id)[0] for r in good)
             assert a_end <= b_start or b_end <= a_start, "two pipelines held the one GPU slot at once"

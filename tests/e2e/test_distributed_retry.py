@@ -99,5 +99,7 @@ def test_one_rank_killed_fails_the_attempt_and_the_retry_resumes(prefect_api, tm
 
     manifest = json.loads((Path(sft["output_uri"]) / MANIFEST_NAME).read_text())
     assert (manifest["backend"], manifest["world_size"]) == ("fsdp2", 2)
-    history = MlflowClient(state.result()["mlflow"]["tracking_uri"]).get_metric_history(sft["mlflow_run_id"], "train/loss")
+    history = MlflowClient(state.result()["mlflow"]["tracking_uri"]).get_metric_history(
+        sft["mlflow_run_id"], "train/loss"
+    )
     assert dict(sorted(Counter(m.step for m in history).items())) == {s: 1 for s in range(1, MAX_STEPS + 1)}

@@ -46,8 +46,15 @@ def cli_env(api_url: str | None) -> dict[str, str]:
 
 
 def posttrain(api_url: str | None, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "posttrain", *args], cwd=REPO, env=cli_env(api_url),
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain", *args],
+        cwd=REPO,
+        env=cli_env(api_url),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
 
 
 def launch_marked(pid: int) -> bool:
@@ -87,10 +94,31 @@ def sft_run(root: Path, run_id: str) -> Iterator[subprocess.Popen]:
     """A demo run of prepare_data and a long SFT, with its own temporary Prefect API server, in
     its own process group (as in a terminal); yields the CLI's process once the SFT trainer
     holds its stage's lease. The group is SIGKILLed afterwards if the CLI still runs."""
-    args = [sys.executable, "-m", "posttrain", "run", str(DEMO_CONFIG), "--run-id", run_id, *SMALL,
-            "--set", f"storage.root={root}", "--set", "stages=prepare_data,sft", "--set", "sft.max_steps=5000"]
-    cli = subprocess.Popen(args, cwd=REPO, env=cli_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)
+    args = [
+        sys.executable,
+        "-m",
+        "posttrain",
+        "run",
+        str(DEMO_CONFIG),
+        "--run-id",
+        run_id,
+        *SMALL,
+        "--set",
+        f"storage.root={root}",
+        "--set",
+        "stages=prepare_data,sft",
+        "--set",
+        "sft.max_steps=5000",
+    ]
+    cli = subprocess.Popen(
+        args,
+        cwd=REPO,
+        env=cli_env(None),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for(root / "runs" / run_id / "stages" / "sft" / "lease.json")
         yield cli
@@ -133,8 +161,20 @@ def test_sigterm_to_the_group_stops_everything_and_a_second_run_of_the_id_is_ref
         config_before = (root / "runs" / run_id / "config.json").read_text()
 
         t0 = time.monotonic()
-        second = posttrain(None, "run", str(DEMO_CONFIG), "--run-id", run_id, *SMALL, "--set", f"storage.root={root}",
-                           "--set", "stages=prepare_data,sft", "--set", "sft.learning_rate=0.5")
+        second = posttrain(
+            None,
+            "run",
+            str(DEMO_CONFIG),
+            "--run-id",
+            run_id,
+            *SMALL,
+            "--set",
+            f"storage.root={root}",
+            "--set",
+            "stages=prepare_data,sft",
+            "--set",
+            "sft.learning_rate=0.5",
+        )
         print(f"second run refused after {time.monotonic() - t0:.1f}s")
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"{root / 'runs' / run_id / 'lease.json'} is held by" in second.stderr
@@ -189,9 +229,26 @@ def test_after_sigkill_of_the_cli_the_trainer_stops_within_seconds(tmp_path):
 @pytest.mark.slow
 def test_a_diverging_stage_commits_nothing_and_exits_2(prefect_api, tmp_path):
     root = tmp_path / "out"
-    result = posttrain(prefect_api, "run", str(DEMO_CONFIG), "--run-id", "nan", *SMALL, "--set", f"storage.root={root}",
-                       "--set", "stages=prepare_data,sft", "--set", "sft.learning_rate=1e6",
-                       "--set", "sft.warmup_steps=0", "--set", "sft.save_every=1", "--set", "sft.max_steps=10")
+    result = posttrain(
+        prefect_api,
+        "run",
+        str(DEMO_CONFIG),
+        "--run-id",
+        "nan",
+        *SMALL,
+        "--set",
+        f"storage.root={root}",
+        "--set",
+        "stages=prepare_data,sft",
+        "--set",
+        "sft.learning_rate=1e6",
+        "--set",
+        "sft.warmup_steps=0",
+        "--set",
+        "sft.save_every=1",
+        "--set",
+        "sft.max_steps=10",
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     message = result.stderr.split("error: pipeline failed:", 1)[1]
     assert "stage sft: non-finite" in message and "at global_step" in message and "Traceback" not in result.stderr
@@ -208,9 +265,19 @@ def test_a_file_line_location_reaches_the_console_as_written(prefect_api, tmp_pa
     good = {"question": "Ann has 2 apples and buys 3. How many now?", "answer": "2+3=<<2+3=5>>5\n#### 5"}
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps(good) + "\n" for _ in range(99)) + '{"question": oops}\n')
-    result = posttrain(prefect_api, "run", str(REPO / "configs" / "gsm8k-hh.yaml"), "--run-id", "emoji",
-                       "--set", f"storage.root={tmp_path / 'out'}", "--set", f"data.sft.uri={sft}",
-                       "--set", "launch.retries=2")
+    result = posttrain(
+        prefect_api,
+        "run",
+        str(REPO / "configs" / "gsm8k-hh.yaml"),
+        "--run-id",
+        "emoji",
+        "--set",
+        f"storage.root={tmp_path / 'out'}",
+        "--set",
+        f"data.sft.uri={sft}",
+        "--set",
+        "launch.retries=2",
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"{sft}:100: invalid JSON" in result.stderr.split("error: pipeline failed:", 1)[1]
     assert "\U0001f4af" not in result.stdout + result.stderr
@@ -242,9 +309,20 @@ def test_a_model_needing_remote_code_names_the_field(prefect_api, tmp_path):
     auto_map = {"AutoConfig": "configuration_x.XConfig", "AutoTokenizer": ["tokenization_x.XTokenizer", None]}
     (model / "config.json").write_text(json.dumps({"model_type": "remote_only", "auto_map": auto_map}))
     (model / "tokenizer_config.json").write_text(json.dumps({"auto_map": auto_map, "tokenizer_class": "XTokenizer"}))
-    result = posttrain(prefect_api, "run", str(DEMO_CONFIG), "--run-id", "remote", *SMALL,
-                       "--set", f"storage.root={tmp_path / 'out'}", "--set", "stages=prepare_data",
-                       "--set", f"model={{name_or_path: {model}}}")
+    result = posttrain(
+        prefect_api,
+        "run",
+        str(DEMO_CONFIG),
+        "--run-id",
+        "remote",
+        *SMALL,
+        "--set",
+        f"storage.root={tmp_path / 'out'}",
+        "--set",
+        "stages=prepare_data",
+        "--set",
+        f"model={{name_or_path: {model}}}",
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "set model.trust_remote_code: true" in result.stderr.split("error: pipeline failed:", 1)[1]
 

@@ -46,7 +46,9 @@ def small_config(root, **extra):
 def flow_run_view(flow_run_id):
     with get_client(sync_client=True) as client:
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     return task_runs, {a.key: a for a in artifacts}
 
 
@@ -119,8 +121,16 @@ def test_cli_run_prints_summary_uri_last(prefect_api, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config_file = tmp_path / "c.yaml"
     config_file.write_text("name: cli\nstages: [prepare_data]\ndata: {synthetic: {num_problems: 40, num_pairs: 20}}\n")
-    args = ["run", str(config_file), "--set", f"storage.root={tmp_path / 'out'}", "--run-id", "cli-1",
-            "--set", "tokenizer.vocab_size=256"]
+    args = [
+        "run",
+        str(config_file),
+        "--set",
+        f"storage.root={tmp_path / 'out'}",
+        "--run-id",
+        "cli-1",
+        "--set",
+        "tokenizer.vocab_size=256",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     lines = result.stdout.strip().splitlines()
@@ -146,7 +156,11 @@ def test_stage_inputs_rules():
     assert stage_inputs(cfg, "score", out) == {"data": "D", "model": "S", "reward_model": "R"}
     assert stage_inputs(cfg, "dpo", out) == {"data": "D", "model": "S", "reference": "s3://b/ref"}
     assert stage_inputs(cfg, "evaluate", {**out, "dpo": "P"}) == {
-        "data": "D", "sft_model": "S", "reward_model": "R", "dpo_model": "P", "base_model": "init"
+        "data": "D",
+        "sft_model": "S",
+        "reward_model": "R",
+        "dpo_model": "P",
+        "base_model": "init",
     }
     named = load_config(overrides={"model": {"name_or_path": "Qwen/Qwen2.5-0.5B"}, "reward_model.init_from": "X"})
     assert stage_inputs(named, "reward_model", {"prepare_data": "D"}) == {"data": "D", "model": "X"}
@@ -203,5 +217,6 @@ def test_resolve_config_keeps_secrets_applies_overrides_and_validates(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("name: fromfile\n")
     assert resolve_config(None, str(path), {"seed": 3}).model_dump(include={"name", "seed"}) == {
-        "name": "fromfile", "seed": 3
+        "name": "fromfile",
+        "seed": 3,
     }

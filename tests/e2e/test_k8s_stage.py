@@ -45,22 +45,32 @@ FAILURE = [
 def kubelet(s3_endpoint: str, attempts: list[str]):
     """What the pods of each Job do: run their command (``--dry-run``), then fail (attempt 1) or
     commit the stage's final output as the trainers would (attempt 2)."""
+
     def run_pods(cluster: FakeCluster, name: str) -> None:
         attempts.append(name)
         cluster.start_pods(name)
         # the pods' environment: the Job's own Secret (the config's S3 endpoint), created just after
         # the Job (a kubelet starts the containers once it exists), over ours
         deadline = time.monotonic() + 30
-        while not (secret := next((o for o in cluster.created if o["kind"] == "Secret"
-                                   and o["metadata"]["name"] == name), None)):
+        while not (
+            secret := next(
+                (o for o in cluster.created if o["kind"] == "Secret" and o["metadata"]["name"] == name), None
+            )
+        ):
             assert time.monotonic() < deadline, f"no Secret {name}"
             time.sleep(0.05)
         assert secret["stringData"]["AWS_ENDPOINT_URL_S3"] == s3_endpoint
         env = {**os.environ, **secret["stringData"], "PYTHONUNBUFFERED": "1"}
         for index, pod in enumerate(cluster.pods(name)):
             command = [a.replace("$(NODE_RANK)", str(index)) for a in pod["spec"]["containers"][0]["command"]]
-            done = subprocess.run([sys.executable, *command[1:], "--dry-run"], cwd=PROJECT_DIR, env=env,
-                                  capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                [sys.executable, *command[1:], "--dry-run"],
+                cwd=PROJECT_DIR,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             cluster.log(name, index, *done.stdout.splitlines(), *done.stderr.splitlines())
             if done.returncode != 0:
                 cluster.exit(name, index, done.returncode)
@@ -74,9 +84,17 @@ def kubelet(s3_endpoint: str, attempts: list[str]):
         cluster.log(name, 0, "[default0]:[sft] step 3: train/loss=0.75")
         writer = ArtifactWriter(StageLayout(spec.output_uri).final, overwrite=True)
         writer.write_json("trainer_state.json", {"global_step": 3})
-        writer.commit(kind="final", stage=spec.stage, run_id=spec.run_id, global_step=3, world_size=4,
-                      backend="fsdp2", config_hash=spec.fingerprint, metrics=METRICS,
-                      extra={"mlflow_run_id": spec.mlflow_run_id})
+        writer.commit(
+            kind="final",
+            stage=spec.stage,
+            run_id=spec.run_id,
+            global_step=3,
+            world_size=4,
+            backend="fsdp2",
+            config_hash=spec.fingerprint,
+            metrics=METRICS,
+            extra={"mlflow_run_id": spec.mlflow_run_id},
+        )
         cluster.exit(name, 1, 0)
         cluster.exit(name, 0, 0)
 

@@ -53,15 +53,20 @@ def release_shown(prefect_api: str, flow_run_id, run_id: str, kind: str) -> str:
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    wanted = EventFilter(event=EventNameFilter(name=[f"posttrain.release.{kind}"]),
-                         resource=EventResourceFilter(id=[f"posttrain.run.{run_id}"]))
+    wanted = EventFilter(
+        event=EventNameFilter(name=[f"posttrain.release.{kind}"]),
+        resource=EventResourceFilter(id=[f"posttrain.run.{run_id}"]),
+    )
     with temporary_settings(updates={PREFECT_API_URL: prefect_api}), get_client(sync_client=True) as api:
         deadline = time.monotonic() + 30
         while not api.read_events(wanted, limit=50).events:  # this kind only: the run's resumes emit their own
             assert time.monotonic() < deadline, f"no posttrain.release.{kind} event of run {run_id}"
             time.sleep(0.5)
-        artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=["release"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = api.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["release"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
     assert len(artifacts) == 1, artifacts
     return artifacts[0].data
 
@@ -73,7 +78,12 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_
     release = summary["release"]
     assert release["passed"] and [g["against"] for g in release["gates"]] == ["threshold", "no champion yet"]
     registered = release["registered_model"]
-    assert (registered["name"], registered["version"], registered["alias"], registered["stage"]) == (MODEL, "1", "champion", "grpo")
+    assert (registered["name"], registered["version"], registered["alias"], registered["stage"]) == (
+        MODEL,
+        "1",
+        "champion",
+        "grpo",
+    )
 
     tracking_uri = summary["mlflow"]["tracking_uri"]
     client = MlflowClient(tracking_uri)
@@ -88,7 +98,9 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_
     assert policy.tokenizer is not None and policy.model.config.num_hidden_layers == 1
 
     parent = client.get_run(summary["mlflow"]["parent_run_id"])
-    assert {"grpo/exact_match", "dpo/exact_match", "sft/eval_loss", "reward_model/eval_accuracy"} <= set(parent.data.metrics)
+    assert {"grpo/exact_match", "dpo/exact_match", "sft/eval_loss", "reward_model/eval_accuracy"} <= set(
+        parent.data.metrics
+    )
     flow_run = flow_run_named(prefect_api, demo_run.run_id)
     assert parent.data.tags["prefect.flow_run_url"].endswith(f"/flow-runs/flow-run/{flow_run.id}")
     # The release, shown in both UIs: version 1 became the first champion, both gates passed.
@@ -99,16 +111,24 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_
     assert shown in parent.data.tags["mlflow.note.content"] and version.description == shown
     assert version.tags["posttrain.gates"] == "passed"
     samples = version.tags["posttrain.eval_samples_uri"]  # the verdicts a min_gain_se gate pairs with
-    assert samples == str(Path(summary["stages"]["evaluate"]["output_uri"]) / "samples.jsonl") and Path(samples).is_file()
+    assert (
+        samples == str(Path(summary["stages"]["evaluate"]["output_uri"]) / "samples.jsonl") and Path(samples).is_file()
+    )
     experiment = client.get_experiment(parent.info.experiment_id)
     assert experiment.tags.get("mlflow.experimentKind")
-    runs = {r.data.tags["posttrain.stage"]: r for r in client.search_runs(
-        [parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    runs = {
+        r.data.tags["posttrain.stage"]: r
+        for r in client.search_runs(
+            [parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+        )
+    }
     assert set(runs) == set(STAGES)
     logged = client.search_logged_models([parent.info.experiment_id])
     models = {(m.name, m.source_run_id) for m in logged}
-    assert {(f"{s}-{'reward' if s == 'reward_model' else 'policy'}", runs[s].info.run_id)
-            for s in ("sft", "reward_model", "dpo", "ppo", "grpo")} <= models  # named by stage and role
+    assert {
+        (f"{s}-{'reward' if s == 'reward_model' else 'policy'}", runs[s].info.run_id)
+        for s in ("sft", "reward_model", "dpo", "ppo", "grpo")
+    } <= models  # named by stage and role
     # configs/demo.yaml's reward model is implicit: a causal LM marked as one, logged as text generation.
     rm_dir = Path(summary["stages"]["reward_model"]["output_uri"])
     assert json.loads((rm_dir / "config.json").read_text())[IMPLICIT_REWARD_KEY] == {"beta": 2.0}
@@ -117,8 +137,9 @@ def test_registered_champion_gates_tables_and_curves(prefect_api, demo_run, tmp_
         assert "plots/curves.png" in [a.path for a in client.list_artifacts(runs[stage].info.run_id, "plots")], stage
         assert not [m for m in runs[stage].data.metrics if m.startswith("final/")], stage
         assert "prefect.flow_run_url" in runs[stage].data.tags
-    table = json.loads(Path(client.download_artifacts(runs["evaluate"].info.run_id, "eval/samples.json",
-                                                      str(tmp_path))).read_text())
+    table = json.loads(
+        Path(client.download_artifacts(runs["evaluate"].info.run_id, "eval/samples.json", str(tmp_path))).read_text()
+    )
     assert {"prompt", "answer", "sft", "dpo", "dpo_correct", "dpo_reward", "grpo"} <= set(table["columns"])
     assert len(table["data"]) == 2  # tests.tiny.TINY_DEMO: evaluate.num_problems
     # lm-eval's results JSON of every policy, an artifact of the evaluate run
@@ -198,11 +219,20 @@ def test_resumes_reuse_what_is_unchanged_and_a_failed_gate_keeps_the_champion(pr
     # as a candidate and the champion stays.
     # The same for a sampled metric: each sampled problem's pass@4, paired with the champion's table;
     # and for a harness metric: each example's score, paired with the champion's harness table.
-    failing = json.dumps([{"metric": "grpo/exact_match", "threshold": 2.0},
-                          {"metric": "grpo/exact_match", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0},
-                          {"metric": "grpo/pass_at_4", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0},
-                          {"metric": "grpo/lm_eval/posttrain_heldout/exact_match_flexible_extract", "threshold": 1.5,
-                           "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0}])
+    failing = json.dumps(
+        [
+            {"metric": "grpo/exact_match", "threshold": 2.0},
+            {"metric": "grpo/exact_match", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0},
+            {"metric": "grpo/pass_at_4", "vs_champion": True, "tolerance": 1.0, "min_gain_se": 1.0},
+            {
+                "metric": "grpo/lm_eval/posttrain_heldout/exact_match_flexible_extract",
+                "threshold": 1.5,
+                "vs_champion": True,
+                "tolerance": 1.0,
+                "min_gain_se": 1.0,
+            },
+        ]
+    )
     summary, _, stderr, _ = _resume(run_id, root, f"evaluate.gates={failing}", exit_code=EXIT_GATE_FAILED)
     assert "gate: grpo/exact_match" in stderr and "< threshold 2" in stderr
     assert "grpo/lm_eval/posttrain_heldout/exact_match_flexible_extract" in stderr and "< threshold 1.5" in stderr

@@ -121,8 +121,13 @@ def test_gsm8k_hh_pipeline_end_to_end(prefect_api, tmp_path, monkeypatch):
     assert sft["eval/loss"] < sft["first/eval/loss"], sft
 
     evaluation = stages["evaluate"]["metrics"]
-    for key in ("reward_model/eval_accuracy", "dpo/eval_reward_accuracy", "sft/exact_match", "dpo/exact_match",
-                "dpo_vs_sft/win_rate"):
+    for key in (
+        "reward_model/eval_accuracy",
+        "dpo/eval_reward_accuracy",
+        "sft/exact_match",
+        "dpo/exact_match",
+        "dpo_vs_sft/win_rate",
+    ):
         assert 0.0 <= evaluation[key] <= 1.0, (key, evaluation)
     assert evaluation["sft/eval_loss"] == pytest.approx(sft["eval/loss"], rel=1e-4)
     score = stages["score"]["metrics"]

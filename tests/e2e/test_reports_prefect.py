@@ -25,7 +25,9 @@ def artifacts_of(state) -> dict:
     """The flow run's artifacts by key, each key's latest version."""
     flow_run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     latest: dict = {}
     for artifact in sorted(found, key=lambda a: a.created):
         latest[artifact.key] = artifact
@@ -62,8 +64,13 @@ def _progress(artifact_id) -> float:
 def test_stage_report_embeds_curves_and_links_the_run(prefect_api, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    config = load_config(overrides={"storage.root": str(tmp_path / "out"), "tracking.ui_url": "http://mlflow.local:5000",
-                                    "tracking.log_models": False})  # the final directory here is no model
+    config = load_config(
+        overrides={
+            "storage.root": str(tmp_path / "out"),
+            "tracking.ui_url": "http://mlflow.local:5000",
+            "tracking.log_models": False,
+        }
+    )  # the final directory here is no model
     client = MlflowClient(uri)
     experiment_id = client.create_experiment("reports", artifact_location=str(tmp_path / "mlflow-artifacts"))
     parent = client.create_run(experiment_id).info.run_id
@@ -74,7 +81,9 @@ def test_stage_report_embeds_curves_and_links_the_run(prefect_api, tmp_path, mon
     output = str(tmp_path / "out" / "runs" / "r1" / "stages" / "sft" / "final")
     writer = ArtifactWriter(output)
     writer.write_bytes("config.json", b"{}")
-    writer.commit(kind="final", stage="sft", run_id="r1", global_step=20, metrics={"train/loss": 0.1, "eval/loss": 0.105})
+    writer.commit(
+        kind="final", stage="sft", run_id="r1", global_step=20, metrics={"train/loss": 0.1, "eval/loss": 0.105}
+    )
     run = PipelineRun(run_id="r1", config=config, tracking_uri=uri, parent_mlflow_run_id=parent)
 
     @flow
@@ -92,14 +101,27 @@ def test_stage_report_embeds_curves_and_links_the_run(prefect_api, tmp_path, mon
 
 def test_summary_artifact_is_a_markdown_table_of_the_metric_columns(prefect_api, tmp_path):
     config = load_config(overrides={"storage.root": str(tmp_path / "out"), "stages": ["prepare_data", "sft"]})
-    run = PipelineRun(run_id="r2", config=config, tracking_uri=f"sqlite:///{tmp_path}/unused.db", parent_mlflow_run_id="p")
+    run = PipelineRun(
+        run_id="r2", config=config, tracking_uri=f"sqlite:///{tmp_path}/unused.db", parent_mlflow_run_id="p"
+    )
     summary = {
-        "run_id": "r2", "status": "completed",
+        "run_id": "r2",
+        "status": "completed",
         "stages": {
-            "prepare_data": {"status": "completed", "wall_s": 3.0, "metrics": {"vocab_size": 256.0},
-                             "mlflow_run_id": "a" * 32, "output_uri": "/out/prepare_data/final"},
-            "sft": {"status": "completed", "wall_s": 30.0, "metrics": {"train/loss": 1.0, "eval/loss": 1.25},
-                    "mlflow_run_id": "b" * 32, "output_uri": "/out/sft/final"},
+            "prepare_data": {
+                "status": "completed",
+                "wall_s": 3.0,
+                "metrics": {"vocab_size": 256.0},
+                "mlflow_run_id": "a" * 32,
+                "output_uri": "/out/prepare_data/final",
+            },
+            "sft": {
+                "status": "completed",
+                "wall_s": 30.0,
+                "metrics": {"train/loss": 1.0, "eval/loss": 1.25},
+                "mlflow_run_id": "b" * 32,
+                "output_uri": "/out/sft/final",
+            },
         },
     }
 
@@ -112,8 +134,10 @@ def test_summary_artifact_is_a_markdown_table_of_the_metric_columns(prefect_api,
     markdown = artifacts_of(state)["pipeline-summary"].data.splitlines()
     assert markdown[0] == "**Run `r2`: completed**"
     header = "| " + " | ".join(c.replace("_", " ") for c in TABLE_COLUMNS) + " |"
-    assert markdown[2] == header == "| stage | status | wall s | train loss | eval loss | accuracy | reward | kl | " \
+    assert (
+        markdown[2] == header == "| stage | status | wall s | train loss | eval loss | accuracy | reward | kl | "
         "exact match | win rate vs sft | mlflow run | output uri |"
+    )
     # a sqlite store without tracking.ui_url: a bare run id, no link
     assert markdown[5] == f"| sft | completed | 30.0 | 1.0 | 1.25 |  |  |  |  |  | {'b' * 32} | `/out/sft/final` |"
     assert json.loads((tmp_path / "out" / "runs" / "r2" / "summary.json").read_text()) == summary

@@ -159,9 +159,7 @@ def task_log_lines(task_run_id, last_line: str, timeout_s: float = 30.0) -> list
         time.sleep(0.5)
 
 
-def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
-    prefect_api, tmp_path, single_thread_trainers
-):
+def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(prefect_api, tmp_path, single_thread_trainers):
     root, run_id = tmp_path / "out", "retry-sft"
     config = pipeline_config(root, ["prepare_data", "sft"])
     stage_dir = Path(RunLayout(str(root), run_id).stage("sft").output)
@@ -171,7 +169,13 @@ def test_sft_killed_after_a_checkpoint_is_retried_and_resumes_from_it(
     def uninterrupted_sft() -> StageSpec:
         """The same SFT run, never killed, on the flow's prepared data (the reference)."""
         wait_for(data_final / MANIFEST_NAME, 300, flow.done)
-        spec = build_spec(config, "sft", run_id, {"data": str(data_final), "model": "init"}, output_uri=str(tmp_path / "uninterrupted"))
+        spec = build_spec(
+            config,
+            "sft",
+            run_id,
+            {"data": str(data_final), "model": "init"},
+            output_uri=str(tmp_path / "uninterrupted"),
+        )
         run = run_stage(write_spec(spec, tmp_path / "uninterrupted.json"))
         assert run.returncode == 0, run.tail()
         return spec

@@ -62,17 +62,35 @@ def small_overrides(tmp_path: Path) -> dict:
         "data.max_eval_rows": 4,
         "data.max_length_tokens": 128,
         "data.max_prompt_length_tokens": 96,
-        "sft.max_steps": 2, "sft.micro_batch_size": 2, "sft.eval_every": 2, "sft.eval_max_batches": 1,
+        "sft.max_steps": 2,
+        "sft.micro_batch_size": 2,
+        "sft.eval_every": 2,
+        "sft.eval_max_batches": 1,
         "sft.save_every": 2,
-        "dpo.max_steps": 1, "dpo.micro_batch_size": 1, "dpo.grad_accum_steps": 1, "dpo.eval_every": 1,
-        "dpo.eval_max_batches": 1, "dpo.save_every": 1,
+        "dpo.max_steps": 1,
+        "dpo.micro_batch_size": 1,
+        "dpo.grad_accum_steps": 1,
+        "dpo.eval_every": 1,
+        "dpo.eval_max_batches": 1,
+        "dpo.save_every": 1,
         # The tied embeddings through both sharded backends at 2 gloo ranks: SFT on FSDP2, DPO on ZeRO-3.
-        "sft.backend.name": "fsdp2", "sft.backend.nproc_per_node": 2,
-        "dpo.backend.name": "deepspeed", "dpo.backend.zero_stage": 3, "dpo.backend.nproc_per_node": 2,
-        "grpo.max_steps": 1, "grpo.num_prompts": 2, "grpo.prompts_per_rollout": 2, "grpo.group_size": 2,
-        "grpo.num_mini_batches": 1, "grpo.save_every": 1, "grpo.generation.max_new_tokens": 16,
-        "evaluate.num_problems": 4, "evaluate.num_winrate_prompts": 2, "evaluate.eval_max_batches": 1,
-        "evaluate.generation.max_new_tokens": 32, "evaluate.generation.batch_size": 4,
+        "sft.backend.name": "fsdp2",
+        "sft.backend.nproc_per_node": 2,
+        "dpo.backend.name": "deepspeed",
+        "dpo.backend.zero_stage": 3,
+        "dpo.backend.nproc_per_node": 2,
+        "grpo.max_steps": 1,
+        "grpo.num_prompts": 2,
+        "grpo.prompts_per_rollout": 2,
+        "grpo.group_size": 2,
+        "grpo.num_mini_batches": 1,
+        "grpo.save_every": 1,
+        "grpo.generation.max_new_tokens": 16,
+        "evaluate.num_problems": 4,
+        "evaluate.num_winrate_prompts": 2,
+        "evaluate.eval_max_batches": 1,
+        "evaluate.generation.max_new_tokens": 32,
+        "evaluate.generation.batch_size": 4,
         "launch.retries": 0,
         "launch.timeout_s": 900,
     }
@@ -87,8 +105,12 @@ def smollm2_run(prefect_api, tmp_path_factory) -> dict:
     state = post_training_pipeline(config=config, run_id="smollm2-e2e", return_state=True)
     assert state.is_completed(), state.message
     imports = sorted((tmp_path / "out" / IMPORTS_DIR).iterdir())
-    return {"summary": state.result(), "config": config, "run_dir": tmp_path / "out" / "runs" / "smollm2-e2e",
-            "imports": imports}
+    return {
+        "summary": state.result(),
+        "config": config,
+        "run_dir": tmp_path / "out" / "runs" / "smollm2-e2e",
+        "imports": imports,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +168,9 @@ def test_the_benchmark_reads_the_run_as_evaluate_reported_it(smollm2_run):
     summary, rows = real_model.read_run(smollm2_run["run_dir"] / "summary.json")
     text, gain, se = real_model.table(summary, rows)
     evaluation = summary["stages"]["evaluate"]["metrics"]
-    assert (gain, se) == pytest.approx((evaluation["sft_vs_base/exact_match_gain"],
-                                        evaluation["sft_vs_base/exact_match_gain_se"]))
+    assert (gain, se) == pytest.approx(
+        (evaluation["sft_vs_base/exact_match_gain"], evaluation["sft_vs_base/exact_match_gain_se"])
+    )
     assert len(rows) == 4 and "| grpo |" in text and "| evaluate |" in text
 
 
@@ -159,9 +182,14 @@ def _chat_prompts(tokenizer, questions: list[str]) -> dict:
 def _greedy(engine, tokenizer, batch: dict, max_new_tokens: int = 24):
     gen = RolloutGenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     with torch.no_grad():
-        return engine.generate(batch["input_ids"], batch["attention_mask"].float(), gen,
-                               eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                               generator=torch.Generator().manual_seed(0))
+        return engine.generate(
+            batch["input_ids"],
+            batch["attention_mask"].float(),
+            gen,
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            generator=torch.Generator().manual_seed(0),
+        )
 
 
 def test_generation_stops_at_end_of_turn_and_the_engines_agree(smollm2):
@@ -178,7 +206,9 @@ def test_generation_stops_at_end_of_turn_and_the_engines_agree(smollm2):
     static = _greedy(StaticCacheEngine(model, "cpu"), tokenizer, batch)
     for row in range(len(QUESTIONS)):
         n = int(hf.completion_mask[row].sum())
-        assert n < 24 and int(hf.completion_ids[row, n - 1]) == tokenizer.eos_token_id, tokenizer.decode(hf.completion_ids[row])
+        assert n < 24 and int(hf.completion_ids[row, n - 1]) == tokenizer.eos_token_id, tokenizer.decode(
+            hf.completion_ids[row]
+        )
     assert torch.equal(static.completion_ids, hf.completion_ids)
     assert torch.equal(static.completion_mask, hf.completion_mask)
     assert (static.logprobs - hf.logprobs).abs().max() < 1e-4
@@ -225,8 +255,9 @@ def test_the_final_model_reloads_and_answers_as_evaluate_did(smollm2_run, smollm
     data_uri = smollm2_run["summary"]["stages"]["prepare_data"]["output_uri"]
     problems = load_split(data_uri, "eval_problems")[: config.evaluate.num_problems]
     prompts = [prompt_ids(tokenizer, messages_of(row), config.data) for row in problems]
-    answers = generate_completions(model, tokenizer, prompts, config.evaluate.generation, torch.device("cpu"),
-                                   config.seed)
+    answers = generate_completions(
+        model, tokenizer, prompts, config.evaluate.generation, torch.device("cpu"), config.seed
+    )
     samples_file = Path(smollm2_run["summary"]["stages"]["evaluate"]["output_uri"]) / "samples.jsonl"
     recorded = [json.loads(line)["grpo"] for line in samples_file.read_text().splitlines()]
     assert len(recorded) == 4 and answers == recorded
@@ -249,8 +280,11 @@ def test_tied_embeddings_are_saved_and_loaded_through_the_sharded_backends(smoll
     assert json.loads((Path(final) / "manifest.json").read_text())["world_size"] == 2
     checkpoints = Path(final).parent / "checkpoints"
     shards = {p.name for p in checkpoints.rglob("*") if p.is_file()}
-    per_rank = ({"__0_0.distcp", "__1_0.distcp"} if backend == "fsdp2"
-                else {"zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"})
+    per_rank = (
+        {"__0_0.distcp", "__1_0.distcp"}
+        if backend == "fsdp2"
+        else {"zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"}
+    )
     assert per_rank <= shards, sorted(shards)
     model, info = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
@@ -267,7 +301,15 @@ def test_lora_targets_are_found_by_name_in_the_real_blocks(smollm2):
     named targets adapt exactly those layers of all 30 blocks, and a name matching nothing is
     refused naming the field."""
     model, _ = smollm2
-    assert default_target_modules(model) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert default_target_modules(model) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
     adapted = apply_lora(copy.deepcopy(model), LoraConfig(enabled=True, rank=4, target_modules=["q_proj", "v_proj"]), 0)
     names = {name.rsplit(".lora_A", 1)[0] for name, _ in adapted.named_parameters() if ".lora_A." in name}
     assert len(names) == 60 and {n.rsplit(".", 1)[-1] for n in names} == {"q_proj", "v_proj"}

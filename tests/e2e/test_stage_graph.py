@@ -74,8 +74,13 @@ def test_independent_stages_overlap_with_two_slots_and_a_failure_skips_only_its_
     assert two["status"] == "completed", stages
     print(f"2 slots: dpo/grpo overlap {overlap_s(stages['dpo'], stages['grpo']):.1f}s")
     assert overlap_s(stages["dpo"], stages["grpo"]) > 0
-    for upstream, downstream in [("prepare_data", "sft"), ("sft", "dpo"), ("sft", "grpo"), ("dpo", "evaluate"),
-                                 ("grpo", "evaluate")]:
+    for upstream, downstream in [
+        ("prepare_data", "sft"),
+        ("sft", "dpo"),
+        ("sft", "grpo"),
+        ("dpo", "evaluate"),
+        ("grpo", "evaluate"),
+    ]:
         assert interval(stages[upstream])[1] <= interval(stages[downstream])[0], (upstream, downstream)
 
     # One slot, and a reference that passes the pre-flight check (its config.json exists) and fails

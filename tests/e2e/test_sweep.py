@@ -35,8 +35,14 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from tests.tiny import REPO, as_sets, tiny_demo
 
 MODEL = "sweep-policy"
-SETS = tiny_demo(**{"stages": "prepare_data,sft,dpo,grpo,evaluate", "evaluate.lm_eval": "null",
-                    "evaluate.pass_at_k": "null", "tracking.registered_model_name": MODEL})
+SETS = tiny_demo(
+    **{
+        "stages": "prepare_data,sft,dpo,grpo,evaluate",
+        "evaluate.lm_eval": "null",
+        "evaluate.pass_at_k": "null",
+        "tracking.registered_model_name": MODEL,
+    }
+)
 GRID = ["--grid", "dpo.beta=0.1,0.5", "--grid", "grpo.learning_rate=1e-5,3e-5"]
 COMMITTED = re.compile(r"Task run '(\w+)' - stage \w+ committed: global_step")
 """A stage whose trainer ran and committed (an adopted or reused stage logs no such line)."""
@@ -67,17 +73,37 @@ HALF = ["--grid", "dpo.beta=0.1", "--set", "grpo.learning_rate=1e-5"]
 
 
 def _command(root: Path, sweep_id: str, *grid: str) -> list[str]:
-    return [sys.executable, "-m", "posttrain", "sweep", str(REPO / "configs" / "demo.yaml"), "--sweep-id", sweep_id,
-            "--set", f"storage.root={root}", *as_sets(SETS), *(grid or GRID)]
+    return [
+        sys.executable,
+        "-m",
+        "posttrain",
+        "sweep",
+        str(REPO / "configs" / "demo.yaml"),
+        "--sweep-id",
+        sweep_id,
+        "--set",
+        f"storage.root={root}",
+        *as_sets(SETS),
+        *(grid or GRID),
+    ]
 
 
 def _sweep(root: Path, env: dict, sweep_id: str, *grid: str) -> Sweep:
-    result = subprocess.run(_command(root, sweep_id, *grid), cwd=root.parent, env=env, capture_output=True, text=True,
-                            timeout=600, check=False)
+    result = subprocess.run(
+        _command(root, sweep_id, *grid),
+        cwd=root.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
     summary = json.loads(Path(result.stdout.strip().splitlines()[-1]).read_text())
-    points = {json.dumps(p["values"], sort_keys=True): json.loads((root / "runs" / p["run_id"] / "summary.json").read_text())
-              for p in summary["points"]}
+    points = {
+        json.dumps(p["values"], sort_keys=True): json.loads((root / "runs" / p["run_id"] / "summary.json").read_text())
+        for p in summary["points"]
+    }
     return Sweep(result.stderr, summary, points)
 
 
@@ -85,8 +111,14 @@ def _kill_after_first_dpo(root: Path, env: dict) -> tuple[str, int]:
     """sw-b until its DPO committed, then SIGTERM to its process group; (output, exit code)."""
     log = root.parent / "sw-b.log"
     with log.open("w") as out:
-        cli = subprocess.Popen(_command(root, "sw-b", *HALF), cwd=root.parent, env=env, stdout=out, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+        cli = subprocess.Popen(
+            _command(root, "sw-b", *HALF),
+            cwd=root.parent,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 300
             while "Task run 'dpo' - stage dpo committed" not in log.read_text() and time.monotonic() < deadline:
@@ -116,8 +148,13 @@ def sweeps(prefect_api, tmp_path_factory) -> Sweeps:
 def test_shared_stages_run_once_and_each_point_is_a_whole_run(sweeps):
     summary = sweeps.first.summary
     assert summary["status"] == "completed" and len(summary["points"]) == 4
-    assert Counter(COMMITTED.findall(sweeps.first.log)) == {"prepare_data": 1, "sft": 1, "dpo": 2, "grpo": 2,
-                                                            "evaluate": 4}
+    assert Counter(COMMITTED.findall(sweeps.first.log)) == {
+        "prepare_data": 1,
+        "sft": 1,
+        "dpo": 2,
+        "grpo": 2,
+        "evaluate": 4,
+    }
     points = sweeps.first.points
     for point in points.values():
         assert point["status"] == "completed" and "release" not in point  # the sweep releases, not its points
@@ -142,15 +179,21 @@ def test_the_comparison_is_in_both_uis_and_the_best_point_is_registered(sweeps, 
     sweep_run = client.get_run(summary["mlflow_run_id"])
     assert sweep_run.data.tags["posttrain.sweep.best"] == comparison["best"]
     assert {a.path for a in client.list_artifacts(sweep_run.info.run_id, "sweep")} == {
-        "sweep/comparison.json", "sweep/comparison.png"}
-    children = client.search_runs([sweep_run.info.experiment_id],
-                                  filter_string=f"tags.`mlflow.parentRunId` = '{sweep_run.info.run_id}'")
+        "sweep/comparison.json",
+        "sweep/comparison.png",
+    }
+    children = client.search_runs(
+        [sweep_run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{sweep_run.info.run_id}'"
+    )
     assert {r.data.tags["posttrain.run_id"] for r in children} >= {p["run_id"] for p in summary["points"]}
     with temporary_settings(updates={PREFECT_API_URL: prefect_api}), get_client(sync_client=True) as api:
-        [flow_run] = api.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["sw-a"])),
-                                        limit=1)
-        artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=["sweep-comparison"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))
+        [flow_run] = api.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["sw-a"])), limit=1)
+        artifacts = api.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["sweep-comparison"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]),
+            )
+        )
     shown = artifacts[0].data
     assert "best `grpo/exact_match`" in shown and "data:image/png;base64," in shown
     assert all(f"`{p['run_id']}`" in shown for p in summary["points"])
@@ -158,7 +201,9 @@ def test_the_comparison_is_in_both_uis_and_the_best_point_is_registered(sweeps, 
 
 def test_a_killed_sweep_resumed_reaches_the_uninterrupted_result(sweeps):
     assert sweeps.killed_rc == 128 + signal.SIGTERM, sweeps.killed[-3000:]
-    assert "error: sweep interrupted by SIGTERM; resume it with: posttrain sweep CONFIG --sweep-id sw-b" in sweeps.killed
+    assert (
+        "error: sweep interrupted by SIGTERM; resume it with: posttrain sweep CONFIG --sweep-id sw-b" in sweeps.killed
+    )
     assert sweeps.resumed.summary["status"] == "completed"
     # prepare_data, SFT and DPO committed before the kill: reused, only what follows DPO runs
     assert Counter(COMMITTED.findall(sweeps.resumed.log)) == {"grpo": 1, "evaluate": 1}
@@ -168,7 +213,8 @@ def test_a_killed_sweep_resumed_reaches_the_uninterrupted_result(sweeps):
         twin = first[json.dumps({**json.loads(values), "grpo.learning_rate": 1e-05}, sort_keys=True)]
         assert point["headline"] == twin["headline"], values
         assert {s: e["fingerprint"] for s, e in point["stages"].items()} == {
-            s: e["fingerprint"] for s, e in twin["stages"].items()}
+            s: e["fingerprint"] for s, e in twin["stages"].items()
+        }
 
 
 def test_a_third_beta_runs_only_its_dpo_and_what_reads_it(sweeps):

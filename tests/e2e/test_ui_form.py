@@ -90,10 +90,18 @@ def demo_project(stack, tmp_path_factory) -> Path:
     to run there (its ./outputs and MLflow store land in it), its form opened on that file's values."""
     project = tmp_path_factory.mktemp("project")
     (project / "configs").mkdir()
-    write_tiny_demo(project / "configs" / "demo.yaml", stages=["prepare_data", "sft"],
-                    **{"tracking.tracking_uri": f"sqlite:///{stack['tmp']}/mlflow.db"})  # the MLflow server's store
-    out = posttrain(stack, "deploy", "--name", "demo",
-                    env={"POSTTRAIN_PROJECT_DIR": str(project), "POSTTRAIN_MLFLOW_UI_URL": stack["mlflow"]})
+    write_tiny_demo(
+        project / "configs" / "demo.yaml",
+        stages=["prepare_data", "sft"],
+        **{"tracking.tracking_uri": f"sqlite:///{stack['tmp']}/mlflow.db"},
+    )  # the MLflow server's store
+    out = posttrain(
+        stack,
+        "deploy",
+        "--name",
+        "demo",
+        env={"POSTTRAIN_PROJECT_DIR": str(project), "POSTTRAIN_MLFLOW_UI_URL": stack["mlflow"]},
+    )
     assert f"deployment {DEPLOYMENT}:" in out
     return project
 
@@ -120,9 +128,11 @@ def evidence(page, where: Path, worker_log: Path, server_log: Path) -> Iterator[
             shot = html = f"(not captured: {capture_error})"
         tail = worker_log.read_text()[-4000:] if worker_log.exists() else "(no worker log)"
         server = server_log.read_text()[-4000:] if server_log.exists() else "(no server log)"
-        raise AssertionError(f"{type(e).__name__}: {e}\npage {page.url}\nscreenshot {shot}\nhtml {html}\n"
-                             f"worker log tail ({worker_log}):\n{tail}\n"
-                             f"Prefect server log tail ({server_log}):\n{server}") from e
+        raise AssertionError(
+            f"{type(e).__name__}: {e}\npage {page.url}\nscreenshot {shot}\nhtml {html}\n"
+            f"worker log tail ({worker_log}):\n{tail}\n"
+            f"Prefect server log tail ({server_log}):\n{server}"
+        ) from e
 
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "images"
@@ -156,7 +166,9 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
     with client(stack) as api:
         deployment = api.read_deployment_by_name(DEPLOYMENT)
         earlier_runs = {r.id for r in runs_of(api, deployment.id)}
-    assert deployment.parameters["settings"] == demo_settings(demo_project), "the form does not open on the demo's values"
+    assert deployment.parameters["settings"] == demo_settings(demo_project), (
+        "the form does not open on the demo's values"
+    )
     worker = start_worker(stack, worker_log)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(UI_TIMEOUT_MS)
@@ -201,7 +213,8 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             assert response.json()["parameters"]["overrides"] == TYPED_OVERRIDES
             with client(stack) as api:  # beside it (the worker runs both): a run whose gate passes
                 passing_id = api.create_flow_run_from_deployment(
-                    deployment.id, parameters={"overrides": [f"evaluate.gates=[{PASSED_GATE}]"]}).id
+                    deployment.id, parameters={"overrides": [f"evaluate.gates=[{PASSED_GATE}]"]}
+                ).id
 
             with client(stack) as api:
                 run = wait_final(api, flow_run_id)
@@ -224,7 +237,8 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             page.goto(f"{ui}/v2/deployments/deployment/{deployment.id}")
             # the run's card: the nearest block around its link that holds a state badge
             card = page.get_by_role("link", name=run.name, exact=True).locator(
-                "xpath=ancestor::div[.//*[normalize-space()='Failed' or normalize-space()='Completed']][1]")
+                "xpath=ancestor::div[.//*[normalize-space()='Failed' or normalize-space()='Completed']][1]"
+            )
             expect(card.get_by_text("Failed", exact=True)).to_be_visible()
             expect(card.get_by_text("gate-failed", exact=True)).to_have_count(1)  # tags may be cut to "+N"
             card.get_by_role("link", name=run.name, exact=True).click()
@@ -249,7 +263,9 @@ def test_custom_run_form_in_the_browser(stack, demo_project, browser, tmp_path):
             expect(page.get_by_text("sft", exact=True).first).to_be_visible()
 
             # The passing run's release: its version became the champion, its gate passed.
-            assert passing.state.is_completed(), f"flow run {passing.name}: {passing.state.type}: {passing.state.message}"
+            assert passing.state.is_completed(), (
+                f"flow run {passing.name}: {passing.state.type}: {passing.state.message}"
+            )
             page.goto(f"{ui}/v2/runs/flow-run/{passing.id}")
             page.get_by_role("tab", name="Artifacts").click()
             open_artifact(page, stack, passing.id, "release")
@@ -289,8 +305,11 @@ def open_artifact(page, stack: dict, flow_run_id, key: str) -> None:
     flow run created (the key's page lists every run's versions, each by its id's first 8
     characters), where the V2 UI renders its content."""
     with client(stack) as api:
-        [artifact] = api.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        [artifact] = api.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
     page.get_by_text(key, exact=True).click()
     page.get_by_role("link", name=str(artifact.id)[:8], exact=True).click()
 
@@ -312,9 +331,11 @@ def submit(page, deployment_id, attempts: int = SUBMIT_ATTEMPTS):
     and the worker write to the same file; ``prefect.server.api.server.is_client_retryable_exception``)
     and its Python client retries them; the UI does not. A 503's transaction is rolled back, so
     no run is created (the caller checks that exactly one run came of the form)."""
+
     def click():
-        with page.expect_response(lambda r: r.url.endswith(f"/deployments/{deployment_id}/create_flow_run")
-                                  and r.request.method == "POST") as created:
+        with page.expect_response(
+            lambda r: r.url.endswith(f"/deployments/{deployment_id}/create_flow_run") and r.request.method == "POST"
+        ) as created:
             page.get_by_role("button", name="Submit", exact=True).click()
         return created.value
 
@@ -328,7 +349,9 @@ def submit(page, deployment_id, attempts: int = SUBMIT_ATTEMPTS):
 
 
 def runs_of(api, deployment_id) -> list:
-    return api.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id])))
+    return api.read_flow_runs(
+        flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]))
+    )
 
 
 def wait_final(api, flow_run_id):

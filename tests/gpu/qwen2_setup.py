@@ -29,11 +29,20 @@ def prepare_qwen2(root: Path, run_id: str, num_pairs: int) -> tuple[PipelineConf
     from trainer_core.data.prepared import load_tokenizer_from
     from trainer_core.stages.runner import run_spec
 
-    base = load_config(None, overrides={
-        "seed": 0, "storage.root": str(root / "storage"), "backend.device": "cpu", "tokenizer.vocab_size": 2048,
-        "data.synthetic.num_problems": 400, "data.synthetic.num_pairs": num_pairs, "data.max_eval_rows": 16,
-        "data.max_length_tokens": 512, "data.max_prompt_length_tokens": 128,
-    })
+    base = load_config(
+        None,
+        overrides={
+            "seed": 0,
+            "storage.root": str(root / "storage"),
+            "backend.device": "cpu",
+            "tokenizer.vocab_size": 2048,
+            "data.synthetic.num_problems": 400,
+            "data.synthetic.num_pairs": num_pairs,
+            "data.max_eval_rows": 16,
+            "data.max_length_tokens": 512,
+            "data.max_prompt_length_tokens": 128,
+        },
+    )
     data_spec = build_spec(base, "prepare_data", run_id, {})
     run_spec(data_spec)
     data_uri = StageLayout(data_spec.output_uri).final

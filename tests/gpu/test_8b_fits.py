@@ -58,9 +58,16 @@ pytestmark = pytest.mark.gpu
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 LLAMA3_8B: dict[str, Any] = {
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "vocab_size": 128_256, "rope_theta": 500_000.0, "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128_256,
+    "rope_theta": 500_000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
 }
 """Meta-Llama-3-8B's ``config.json`` sizes."""
 
@@ -103,11 +110,20 @@ def host_memory_available_bytes() -> int:
 
 def data_config(root: Path) -> PipelineConfig:
     """The synthetic task at a few hundred rows, tokenizer trained by ``prepare_data`` (``model.init``)."""
-    return load_config(None, overrides={
-        "seed": 0, "storage.root": str(root / "storage"), "backend.device": "cpu", "tokenizer.vocab_size": 2048,
-        "data.synthetic.num_problems": 400, "data.synthetic.num_pairs": 20, "data.max_eval_rows": 16,
-        "data.max_length_tokens": 256, "data.max_prompt_length_tokens": 128,
-    })
+    return load_config(
+        None,
+        overrides={
+            "seed": 0,
+            "storage.root": str(root / "storage"),
+            "backend.device": "cpu",
+            "tokenizer.vocab_size": 2048,
+            "data.synthetic.num_problems": 400,
+            "data.synthetic.num_pairs": 20,
+            "data.max_eval_rows": 16,
+            "data.max_length_tokens": 256,
+            "data.max_prompt_length_tokens": 128,
+        },
+    )
 
 
 def prepare_data(config: PipelineConfig) -> str:
@@ -124,8 +140,12 @@ def save_random_model(sizes: dict[str, Any], tokenizer: Any, model_dir: Path, de
     no fp32 copy on the host), saved with ``tokenizer`` to ``model_dir``; returns its parameters."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**sizes, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        **sizes,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -139,17 +159,36 @@ def save_random_model(sizes: dict[str, Any], tokenizer: Any, model_dir: Path, de
     return count
 
 
-def sft_spec(base: PipelineConfig, data_uri: str, model_dir: str, output_uri: str, precision: str,
-             device: str = "cuda", cpu_offload: bool = True) -> StageSpec:
+def sft_spec(
+    base: PipelineConfig,
+    data_uri: str,
+    model_dir: str,
+    output_uri: str,
+    precision: str,
+    device: str = "cuda",
+    cpu_offload: bool = True,
+) -> StageSpec:
     """The SFT stage on ``fsdp2`` at one rank: 3 steps of 8 rows, offload and checkpointing on,
     evaluation (one micro-batch) before the first step and after the last, no step checkpoints."""
     settings = {
-        "model.init": None, "model.name_or_path": model_dir, "model.dtype": "bfloat16",
-        "backend.name": "fsdp2", "backend.device": device, "backend.nproc_per_node": 1,
-        "backend.precision": precision, "backend.cpu_offload": cpu_offload, "backend.activation_checkpointing": True,
-        "sft.max_steps": NUM_STEPS, "sft.micro_batch_size": MICRO_BATCH_SIZE, "sft.grad_accum_steps": 1,
-        "sft.warmup_steps": 1, "sft.learning_rate": 1e-5, "sft.eval_every": NUM_STEPS, "sft.eval_max_batches": 1,
-        "sft.save_every": 10**6, "sft.log_every": 1,
+        "model.init": None,
+        "model.name_or_path": model_dir,
+        "model.dtype": "bfloat16",
+        "backend.name": "fsdp2",
+        "backend.device": device,
+        "backend.nproc_per_node": 1,
+        "backend.precision": precision,
+        "backend.cpu_offload": cpu_offload,
+        "backend.activation_checkpointing": True,
+        "sft.max_steps": NUM_STEPS,
+        "sft.micro_batch_size": MICRO_BATCH_SIZE,
+        "sft.grad_accum_steps": 1,
+        "sft.warmup_steps": 1,
+        "sft.learning_rate": 1e-5,
+        "sft.eval_every": NUM_STEPS,
+        "sft.eval_max_batches": 1,
+        "sft.save_every": 10**6,
+        "sft.log_every": 1,
     }
     config = load_config(None, overrides=settings, base=base.model_dump(mode="json"))
     return build_spec(config, "sft", "gpu-8b", {"data": data_uri, "model": model_dir}, output_uri=output_uri)
@@ -158,8 +197,12 @@ def sft_spec(base: PipelineConfig, data_uri: str, model_dir: str, output_uri: st
 def rank_env() -> dict[str, str]:
     """The rank's environment: the repo importable, every core for the CPU optimizer step."""
     threads = str(os.cpu_count() or 1)
-    return {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    return {
+        "PYTHONPATH": str(REPO_ROOT),
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
 
 
 def run_one_rank(spec: StageSpec, workdir: Path, timeout_s: float = RANK_TIMEOUT_S) -> dict[str, Any]:
@@ -182,8 +225,12 @@ def report(record: dict[str, Any]) -> dict[str, Any]:
     ends = [record["train_start_s"]] + [s["end_s"] for s in record["steps"]]
     step_s = [b - a for a, b in itertools.pairwise(ends)]
     return {
-        "precision": record["precision"], "device": record["device"], "num_params": record["num_params"],
-        "steps": len(record["steps"]), "step_s": step_s, "median_step_s": statistics.median(step_s),
+        "precision": record["precision"],
+        "device": record["device"],
+        "num_params": record["num_params"],
+        "steps": len(record["steps"]),
+        "step_s": step_s,
+        "median_step_s": statistics.median(step_s),
         "losses": [s["train/loss"] for s in record["steps"]],
         "grad_norms": [s["train/grad_norm"] for s in record["steps"]],
         "phase_s": [{k: s.get(f"time/{k}_s") for k in ("forward", "backward", "optimizer")} for s in record["steps"]],
@@ -225,13 +272,17 @@ def test_llama3_8b_sft_steps_fit_one_gpu(llama3_8b, precision, tmp_path):
     assert llama3_8b.num_params == num_params(LLAMA3_8B) == 8_030_261_248
     need, available = host_bytes_needed(llama3_8b.num_params, precision), host_memory_available_bytes()
     if available < need:
-        pytest.skip(f"{precision} with CPU offload needs ~{need / 2**30:.0f} GiB of host memory "
-                    f"({HOST_BYTES_PER_PARAM[precision]} B/param + margin); {available / 2**30:.0f} GiB available")
+        pytest.skip(
+            f"{precision} with CPU offload needs ~{need / 2**30:.0f} GiB of host memory "
+            f"({HOST_BYTES_PER_PARAM[precision]} B/param + margin); {available / 2**30:.0f} GiB available"
+        )
     spec = sft_spec(llama3_8b.base, llama3_8b.data_uri, llama3_8b.model_dir, str(tmp_path / "sft"), precision)
     result = report(run_one_rank(spec, tmp_path))
     (tmp_path / "llama3_8b_fits.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nLlama-3-8B SFT, fsdp2 + cpu_offload + activation checkpointing, {precision}:\n"
-          + json.dumps(result, indent=2))
+    print(
+        f"\nLlama-3-8B SFT, fsdp2 + cpu_offload + activation checkpointing, {precision}:\n"
+        + json.dumps(result, indent=2)
+    )
     assert result["steps"] == NUM_STEPS
     assert all(math.isfinite(v) for v in result["losses"] + result["grad_norms"]), result
     assert result["peak_gpu_allocated_gib"] * 2**30 < GPU_LIMIT_BYTES, result

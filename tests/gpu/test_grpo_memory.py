@@ -59,24 +59,43 @@ def test_grpo_16x8x256_on_qwen2_0_5b_fits_40_gib(tmp_path, engine):
     base, data_uri, model_dir = prepare_qwen2(tmp_path, "gpu-grpo", num_pairs=20)
     torch.cuda.reset_peak_memory_stats()
     overrides = {
-        "model.init": None, "model.name_or_path": model_dir, "model.dtype": "bfloat16",
-        "backend.name": "single", "backend.device": "cuda", "backend.precision": "bf16-mixed",
+        "model.init": None,
+        "model.name_or_path": model_dir,
+        "model.dtype": "bfloat16",
+        "backend.name": "single",
+        "backend.device": "cuda",
+        "backend.precision": "bf16-mixed",
         "backend.activation_checkpointing": True,
-        "grpo.max_steps": ITERATIONS, "grpo.prompts_per_rollout": PROMPTS, "grpo.group_size": GROUP,
-        "grpo.num_mini_batches": 4, "grpo.forward_micro_batch_size": 16, "grpo.learning_rate": 1e-6,
-        "grpo.generation.max_new_tokens": NEW_TOKENS, "grpo.generation.engine": engine,
-        "grpo.save_every": 10**6, "grpo.reward.kind": "verifier",
+        "grpo.max_steps": ITERATIONS,
+        "grpo.prompts_per_rollout": PROMPTS,
+        "grpo.group_size": GROUP,
+        "grpo.num_mini_batches": 4,
+        "grpo.forward_micro_batch_size": 16,
+        "grpo.learning_rate": 1e-6,
+        "grpo.generation.max_new_tokens": NEW_TOKENS,
+        "grpo.generation.engine": engine,
+        "grpo.save_every": 10**6,
+        "grpo.reward.kind": "verifier",
     }
     config = load_config(None, overrides=overrides, base=base.model_dump(mode="json"))
-    spec = build_spec(config, "grpo", "gpu-grpo", {"data": data_uri, "model": model_dir, "reference": model_dir},
-                      output_uri=str(tmp_path / "grpo"))
+    spec = build_spec(
+        config,
+        "grpo",
+        "gpu-grpo",
+        {"data": data_uri, "model": model_dir, "reference": model_dir},
+        output_uri=str(tmp_path / "grpo"),
+    )
     record: list[dict] = []
     with mock.patch.object(RLTrainer, "_emit", _record_emit(record, RLTrainer._emit)):
         run_spec(spec)
-    summary = [{k: v for k, v in m.items() if k.startswith(("time/", "rollout/", "memory/", "response_length"))}
-               for m in record]
-    print(f"\nGRPO {PROMPTS}x{GROUP}x{NEW_TOKENS}, Qwen2.5-0.5B architecture, engine {engine}, "
-          f"{torch.cuda.get_device_name()}:\n" + json.dumps(summary, indent=2))
+    summary = [
+        {k: v for k, v in m.items() if k.startswith(("time/", "rollout/", "memory/", "response_length"))}
+        for m in record
+    ]
+    print(
+        f"\nGRPO {PROMPTS}x{GROUP}x{NEW_TOKENS}, Qwen2.5-0.5B architecture, engine {engine}, "
+        f"{torch.cuda.get_device_name()}:\n" + json.dumps(summary, indent=2)
+    )
     assert len(record) == ITERATIONS
     for m in record:
         assert m["memory/peak_bytes"] < PEAK_LIMIT_BYTES, m["memory/peak_bytes"] / 2**30

@@ -49,14 +49,29 @@ def peak_of(qwen2, tmp_path, stage: str, name: str, lora: bool = True, **overrid
     from trainer_core.stages.runner import run_spec
 
     base, data_uri, model_dir = qwen2
-    tuning = {"lora.enabled": True, "lora.rank": 16, "lora.alpha": 32, "model.dtype": "bfloat16"} if lora else {
-        "lora.enabled": False, "model.dtype": "float32"}
-    config = load_config(None, base=base.model_dump(mode="json"), overrides={
-        "model.init": None, "model.name_or_path": model_dir, "backend.name": "single", "backend.device": "cuda",
-        "backend.precision": "bf16-mixed", **tuning,
-        f"{stage}.max_steps": STEPS, f"{stage}.micro_batch_size": 8, f"{stage}.save_every": 10**6,
-        f"{stage}.eval_every": 10**6, f"{stage}.log_every": 1, **overrides,
-    })
+    tuning = (
+        {"lora.enabled": True, "lora.rank": 16, "lora.alpha": 32, "model.dtype": "bfloat16"}
+        if lora
+        else {"lora.enabled": False, "model.dtype": "float32"}
+    )
+    config = load_config(
+        None,
+        base=base.model_dump(mode="json"),
+        overrides={
+            "model.init": None,
+            "model.name_or_path": model_dir,
+            "backend.name": "single",
+            "backend.device": "cuda",
+            "backend.precision": "bf16-mixed",
+            **tuning,
+            f"{stage}.max_steps": STEPS,
+            f"{stage}.micro_batch_size": 8,
+            f"{stage}.save_every": 10**6,
+            f"{stage}.eval_every": 10**6,
+            f"{stage}.log_every": 1,
+            **overrides,
+        },
+    )
     inputs = {"data": data_uri, "model": model_dir}
     if stage == "dpo":
         inputs["reference"] = model_dir
@@ -74,8 +89,10 @@ def peak_of(qwen2, tmp_path, stage: str, name: str, lora: bool = True, **overrid
 def test_lora_and_qlora_sft_peaks_against_full_fine_tuning(qwen2, tmp_path):
     full = peak_of(qwen2, tmp_path, "sft", "sft-full", lora=False)
     lora = peak_of(qwen2, tmp_path, "sft", "sft-lora")
-    print(f"\nSFT, Qwen2.5-0.5B architecture, micro-batch 8, {torch.cuda.get_device_name()}: peak "
-          f"{full / GIB:.2f} GiB full fine-tuning (fp32 weights), {lora / GIB:.2f} GiB LoRA r16 (bf16 base)")
+    print(
+        f"\nSFT, Qwen2.5-0.5B architecture, micro-batch 8, {torch.cuda.get_device_name()}: peak "
+        f"{full / GIB:.2f} GiB full fine-tuning (fp32 weights), {lora / GIB:.2f} GiB LoRA r16 (bf16 base)"
+    )
     qlora = None
     try:
         import bitsandbytes  # noqa: F401
@@ -91,7 +108,9 @@ def test_lora_and_qlora_sft_peaks_against_full_fine_tuning(qwen2, tmp_path):
 def test_lora_dpo_reference_choice_does_not_change_the_peak(qwen2, tmp_path):
     disabled = peak_of(qwen2, tmp_path, "dpo", "dpo-disabled")
     separate = peak_of(qwen2, tmp_path, "dpo", "dpo-separate", **{"lora.reference_model": "separate"})
-    print(f"\nLoRA DPO r16, Qwen2.5-0.5B architecture, micro-batch 8, {torch.cuda.get_device_name()}: peak "
-          f"{disabled / GIB:.2f} GiB with the disabled-adapter reference, {separate / GIB:.2f} GiB with a separate "
-          f"reference")
+    print(
+        f"\nLoRA DPO r16, Qwen2.5-0.5B architecture, micro-batch 8, {torch.cuda.get_device_name()}: peak "
+        f"{disabled / GIB:.2f} GiB with the disabled-adapter reference, {separate / GIB:.2f} GiB with a separate "
+        f"reference"
+    )
     assert abs(separate - disabled) < 0.1 * GIB

@@ -179,11 +179,15 @@ class ForkedProcess:
     Its merged stdout/stderr go to ``log_path``; :meth:`read_lines` tails it.
     """
 
-    def __init__(self, module: str, args: list[str], env: dict[str, str], cwd: str | Path, log_path: str | Path) -> None:
+    def __init__(
+        self, module: str, args: list[str], env: dict[str, str], cwd: str | Path, log_path: str | Path
+    ) -> None:
         self.log_path = str(log_path)
         Path(self.log_path).write_bytes(b"")
         ctx = _server(env)
-        self._process = ctx.Process(target=_run_module, args=(module, list(args), env, str(cwd), self.log_path), daemon=False)
+        self._process = ctx.Process(
+            target=_run_module, args=(module, list(args), env, str(cwd), self.log_path), daemon=False
+        )
         self._process.start()
         self.pid: int = self._process.pid
         self.returncode: int | None = None

@@ -217,9 +217,7 @@ def why_failed(run: StageRun) -> str:
     return tail
 
 
-def start_process(
-    cmd: list[str], env: dict[str, str] | None
-) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+def start_process(cmd: list[str], env: dict[str, str] | None) -> tuple[subprocess.Popen, list[str], threading.Thread]:
     """Start ``cmd`` from the repo root in a session of its own (:func:`child_env` plus ``env``);
     a daemon thread appends its merged stdout/stderr lines to the returned list."""
     proc = subprocess.Popen(
@@ -484,8 +482,20 @@ def torchrun_command(nproc: int, args: list[str], port: int | None = None) -> li
     """
     endpoint = f"127.0.0.1:{port or free_port()}"
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--max-restarts", "0", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--max-restarts",
+        "0",
+        *args,
     ]
 
 
@@ -581,8 +591,10 @@ def _job_members(run: RanksRun, launcher: ProcInfo) -> list[ProcInfo]:
     (``launcher``) or of a rank and started after torchrun."""
     groups = {launcher.pid, *run.rank_pids.values()}
     return [
-        info for info in process_table().values()
-        if info.alive and info.pid != os.getpid()
+        info
+        for info in process_table().values()
+        if info.alive
+        and info.pid != os.getpid()
         and (info.key in run.job or (info.pgid in groups and info.start_ticks >= launcher.start_ticks))
     ]
 
@@ -669,8 +681,9 @@ def run_ranks(
     return run
 
 
-def run_ranks_forked(args: list[str], nproc: int, *, env: dict[str, str] | None = None,
-                     timeout_s: float = 300.0, poll_s: float = 0.005) -> RanksRun:
+def run_ranks_forked(
+    args: list[str], nproc: int, *, env: dict[str, str] | None = None, timeout_s: float = 300.0, poll_s: float = 0.005
+) -> RanksRun:
     """Run ``args`` (``["-m", module, ...]`` or ``[script, ...]``) at ``nproc`` ranks forked from
     the warm fork server (:mod:`tests.integration.forked`), each with the environment torchrun
     gives a rank on one node (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
@@ -690,10 +703,19 @@ def run_ranks_forked(args: list[str], nproc: int, *, env: dict[str, str] | None 
     run = RanksRun(returncode=0, lines=lines, killed=False, wall_s=0.0)
     try:
         for rank in range(nproc):
-            rank_env = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-                        "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": port}
+            rank_env = {
+                **(env or {}),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": "0",
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(nproc),
+                "ROLE_NAME": "default",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
             proc, _, reader, done = start_forked(module, rest, rank_env, lines=lines)
             ranks.append((proc, reader, done))
             run.rank_pids[rank] = proc.pid
@@ -736,10 +758,17 @@ def wider_teacher(pipeline: TinyPipeline, path: str) -> str:
         tokenizer = load_tokenizer_from(pipeline.data_uri)
         torch.manual_seed(7)
         width = 2 * pipeline.config.model.init.hidden_size
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
         tokenizer.save_pretrained(path)
     return path

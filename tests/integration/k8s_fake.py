@@ -46,8 +46,10 @@ def role_rules(manifest: Path) -> list[dict[str, Any]]:
 
 
 def _status(code: int, reason: str, message: str) -> web.Response:
-    return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
-                              "reason": reason, "code": code}, status=code)
+    return web.json_response(
+        {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason, "code": code},
+        status=code,
+    )
 
 
 class FakeCluster:
@@ -117,12 +119,20 @@ class FakeCluster:
 
     def kubeconfig(self, path: Path, namespace: str = "posttrain") -> Path:
         """Write a kubeconfig whose current context is this server (bearer token, ``namespace``)."""
-        path.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "fake", "user": {"token": TOKEN}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
-        }))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "fake", "user": {"token": TOKEN}}],
+                    "contexts": [
+                        {"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}
+                    ],
+                }
+            )
+        )
         return path
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -153,15 +163,19 @@ class FakeCluster:
             return web.json_response(found) if found else _status(404, "NotFound", f'{plural} "{name}" not found')
         if request.method == "DELETE":
             body = await request.json() if request.can_read_body else {}
-            return self._delete(plural, namespace, name, query.get("propagationPolicy") or body.get("propagationPolicy"))
+            return self._delete(
+                plural, namespace, name, query.get("propagationPolicy") or body.get("propagationPolicy")
+            )
         return _status(405, "MethodNotAllowed", request.method)
 
     def _allowed(self, group_version: str, resource: str, verb: str) -> bool:
         if self.rules is None:
             return True
         group = "" if group_version == "v1" else group_version.split("/")[0]
-        return any(group in r.get("apiGroups", []) and resource in r.get("resources", []) and verb in r.get("verbs", [])
-                   for r in self.rules)
+        return any(
+            group in r.get("apiGroups", []) and resource in r.get("resources", []) and verb in r.get("verbs", [])
+            for r in self.rules
+        )
 
     def _create(self, plural: str, namespace: str, body: dict[str, Any]) -> web.Response:
         name = body["metadata"]["name"]
@@ -188,8 +202,13 @@ class FakeCluster:
     def _list(self, plural: str, namespace: str, selector: str) -> web.Response:
         wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
         with self.lock:
-            items = [copy.deepcopy(o) for (p, ns, _), o in self.objects.items() if p == plural and ns == namespace
-                     and all((o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())]
+            items = [
+                copy.deepcopy(o)
+                for (p, ns, _), o in self.objects.items()
+                if p == plural
+                and ns == namespace
+                and all((o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())
+            ]
         return web.json_response({"kind": "List", "apiVersion": "v1", "items": items})
 
     def _delete(self, plural: str, namespace: str, name: str, propagation: str | None) -> web.Response:
@@ -211,8 +230,11 @@ class FakeCluster:
             if plural == "jobs":
                 for pod in self.pods(name):
                     self.objects.pop(("pods", namespace, pod["metadata"]["name"]), None)
-            owned = [k for k, o in self.objects.items()
-                     if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or [])]
+            owned = [
+                k
+                for k, o in self.objects.items()
+                if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or [])
+            ]
             for key in owned:
                 self.objects.pop(key)
 
@@ -233,7 +255,7 @@ class FakeCluster:
         if query.get("follow") != "true":
             lines = [text(e) for e in entries_from(0) if e[0] >= since]
             tail = int(query.get("tailLines") or len(lines))
-            return web.Response(text="".join(lines[len(lines) - tail:] if tail else []))
+            return web.Response(text="".join(lines[len(lines) - tail :] if tail else []))
         response = web.StreamResponse()
         await response.prepare(request)
         sent = 0
@@ -273,18 +295,34 @@ class FakeCluster:
             spec["hostname"] = f"{job['metadata']['name']}-{index}"
             container = spec["containers"][0]["name"]
             self.objects[("pods", namespace, name)] = {
-                "apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec,
-                "status": {"phase": "Pending", "containerStatuses": [
-                    {"name": container, "ready": False, "restartCount": 0, "image": spec["containers"][0]["image"],
-                     "imageID": "", "state": {"waiting": {"reason": "ContainerCreating"}}}]},
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": meta,
+                "spec": spec,
+                "status": {
+                    "phase": "Pending",
+                    "containerStatuses": [
+                        {
+                            "name": container,
+                            "ready": False,
+                            "restartCount": 0,
+                            "image": spec["containers"][0]["image"],
+                            "imageID": "",
+                            "state": {"waiting": {"reason": "ContainerCreating"}},
+                        }
+                    ],
+                },
             }
             self.logs[name] = []
 
     def pods(self, job: str) -> list[dict[str, Any]]:
         """The pods of ``job`` in completion-index order."""
         with self.lock:
-            found = [o for (p, _, _), o in self.objects.items()
-                     if p == "pods" and (o["metadata"].get("labels") or {}).get("job-name") == job]
+            found = [
+                o
+                for (p, _, _), o in self.objects.items()
+                if p == "pods" and (o["metadata"].get("labels") or {}).get("job-name") == job
+            ]
         return sorted(found, key=lambda o: int(o["metadata"]["annotations"][INDEX]))
 
     def pod(self, job: str, index: int) -> dict[str, Any]:
@@ -306,7 +344,8 @@ class FakeCluster:
         """Pod ``index`` of ``job`` stays Pending with its container waiting for ``reason``."""
         with self.lock:
             self.pod(job, index)["status"]["containerStatuses"][0]["state"] = {
-                "waiting": {"reason": reason, "message": message}}
+                "waiting": {"reason": reason, "message": message}
+            }
 
     def log(self, job: str, index: int, *lines: str) -> None:
         """Pod ``index`` of ``job`` prints ``lines`` (stamped a microsecond apart at least)."""
@@ -328,7 +367,8 @@ class FakeCluster:
     def _terminate(self, pod: dict[str, Any], code: int, reason: str) -> None:
         pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
         pod["status"]["containerStatuses"][0]["state"] = {
-            "terminated": {"exitCode": code, "reason": reason, "finishedAt": now_stamp()}}
+            "terminated": {"exitCode": code, "reason": reason, "finishedAt": now_stamp()}
+        }
 
     def _update_job(self, name: str) -> None:
         job = next((o for (p, _, n), o in self.objects.items() if p == "jobs" and n == name), None)
@@ -337,14 +377,26 @@ class FakeCluster:
         pods = self.pods(name)
         phases = [p["status"]["phase"] for p in pods]
         status = job["status"]
-        status.update(active=phases.count("Running") + phases.count("Pending"), succeeded=phases.count("Succeeded"),
-                      failed=phases.count("Failed"))
+        status.update(
+            active=phases.count("Running") + phases.count("Pending"),
+            succeeded=phases.count("Succeeded"),
+            failed=phases.count("Failed"),
+        )
         if status["failed"] and not status.get("conditions"):
             for pod in pods:
                 if pod["status"]["phase"] in ("Running", "Pending"):
                     self._terminate(pod, 143, "Error")  # the controller stops the others
-            status.update(active=0, conditions=[{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-                                                 "message": "Job has reached the specified backoff limit"}])
+            status.update(
+                active=0,
+                conditions=[
+                    {
+                        "type": "Failed",
+                        "status": "True",
+                        "reason": "BackoffLimitExceeded",
+                        "message": "Job has reached the specified backoff limit",
+                    }
+                ],
+            )
         elif status["succeeded"] == job["spec"]["completions"]:
             status["conditions"] = [{"type": "Complete", "status": "True"}]
 

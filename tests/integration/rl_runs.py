@@ -43,12 +43,16 @@ def rl_config(pipeline: TinyPipeline, stage: str, **extra: object):
     return load_config(base=pipeline.config.model_dump(mode="json"), overrides=overrides)
 
 
-def rl_spec_path(pipeline: TinyPipeline, stage: str, name: str, config=None, model: str | None = None) -> tuple[str, str]:
+def rl_spec_path(
+    pipeline: TinyPipeline, stage: str, name: str, config=None, model: str | None = None
+) -> tuple[str, str]:
     """Write the spec of an RL run named ``name``; returns (spec path, output URI)."""
     sft = StageLayout(pipeline.baseline_uris["sft"]).final
     inputs = {"data": pipeline.data_uri, "model": model or sft, "reference": model or sft}
     if stage == "ppo":
         inputs["reward_model"] = StageLayout(pipeline.baseline_uris["reward_model"]).final
     output = os.path.join(pipeline.root, "rl", name)
-    spec = build_spec(config or rl_config(pipeline, stage), stage, RUN_ID, inputs, output_uri=output, writer_id=f"writer-{name}")
+    spec = build_spec(
+        config or rl_config(pipeline, stage), stage, RUN_ID, inputs, output_uri=output, writer_id=f"writer-{name}"
+    )
     return write_spec(spec, os.path.join(pipeline.root, "specs", f"rl-{name}.json")), output

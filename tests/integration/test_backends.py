@@ -113,17 +113,24 @@ def stage_config(pipeline: TinyPipeline, backend: str, nproc: int) -> PipelineCo
     DPO sets ``grad_accum_steps`` to 2 on one process and 1 at 2 ranks.
     """
     overrides: dict[str, Any] = {
-        "backend.name": backend, "backend.nproc_per_node": nproc, "backend.device": "cpu",
+        "backend.name": backend,
+        "backend.nproc_per_node": nproc,
+        "backend.device": "cpu",
         **BACKENDS.get(backend, {}),
         "sft.global_batch_size": 2 * MICRO_BATCH_SIZE,
         "sft.weight_decay": 0.1,  # two param groups that differ (decay / no decay), on every backend
         "dpo.grad_accum_steps": 2 // nproc,
     }
     for stage in STAGES:
-        overrides.update({
-            f"{stage}.max_steps": STEPS, f"{stage}.save_every": SAVE_EVERY, f"{stage}.eval_every": SAVE_EVERY,
-            f"{stage}.micro_batch_size": MICRO_BATCH_SIZE, f"{stage}.keep_last_checkpoints": STEPS,
-        })
+        overrides.update(
+            {
+                f"{stage}.max_steps": STEPS,
+                f"{stage}.save_every": SAVE_EVERY,
+                f"{stage}.eval_every": SAVE_EVERY,
+                f"{stage}.micro_batch_size": MICRO_BATCH_SIZE,
+                f"{stage}.keep_last_checkpoints": STEPS,
+            }
+        )
     return load_config(base=pipeline.config.model_dump(mode="json"), overrides=overrides)
 
 
@@ -132,7 +139,14 @@ def write_stage_spec(
 ) -> str:
     """Write the spec of ``stage`` on ``backend`` next to ``output_uri``; returns its path."""
     sft_model = StageLayout(pipeline.baseline_uris["sft"]).final
-    spec = build_spec(stage_config(pipeline, backend, nproc), stage, RUN_ID, stage_inputs(stage, pipeline.data_uri, sft_model), output_uri=output_uri, writer_id=writer_id)
+    spec = build_spec(
+        stage_config(pipeline, backend, nproc),
+        stage,
+        RUN_ID,
+        stage_inputs(stage, pipeline.data_uri, sft_model),
+        output_uri=output_uri,
+        writer_id=writer_id,
+    )
     return write_spec(spec, f"{output_uri}.spec.json")
 
 
@@ -271,14 +285,26 @@ NEEDS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "test_micro_batch_times_accumulation_on_every_backend": lambda p: ["accum"],
     "test_fsdp2_checkpoint_resumes_at_another_world_size": lambda p: ["stages:fsdp2", "elastic"],
     "test_deepspeed_checkpoint_resumes_at_another_world_size": lambda p: [
-        f"stages:{p['backend']}", f"elastic_ds:{p['backend']}"],
+        f"stages:{p['backend']}",
+        f"elastic_ds:{p['backend']}",
+    ],
     "test_desynchronised_replica_fails_the_save_on_every_rank": lambda p: ["replica"],
     "test_killed_rank_ends_the_job_and_relaunch_resumes": lambda p: ["stages:ddp", "kill"],
     "test_no_garbage_model_holds_the_process_group_when_it_is_destroyed": lambda p: [f"stages:{p['backend']}"],
 }
 ORDER = [
-    "stages:fsdp2", "single:sft", "single:dpo", "stages:ddp", "kill", "elastic",
-    "stages:deepspeed-3", "stages:deepspeed-2", "elastic_ds:deepspeed-2", "elastic_ds:deepspeed-3", "accum", "replica",
+    "stages:fsdp2",
+    "single:sft",
+    "single:dpo",
+    "stages:ddp",
+    "kill",
+    "elastic",
+    "stages:deepspeed-3",
+    "stages:deepspeed-2",
+    "elastic_ds:deepspeed-2",
+    "elastic_ds:deepspeed-3",
+    "accum",
+    "replica",
 ]
 """Submission order: longest chains first, every dependency before what waits on it."""
 
@@ -324,8 +350,14 @@ def single_device_reference(pipeline: TinyPipeline, stage: str, workdir: str) ->
     """In-process single device: 6 steps of 2 stock micro-batches of 4 (what 2 ranks read at once)."""
     make, objective, rows, lengths, collate = stage_parts(stage, pipeline)
     cfg = TrainStageConfig(
-        max_steps=6, micro_batch_size=4, grad_accum_steps=2, learning_rate=3e-3, warmup_steps=2,
-        eval_every=1000, save_every=1000, async_save=False,
+        max_steps=6,
+        micro_batch_size=4,
+        grad_accum_steps=2,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        eval_every=1000,
+        save_every=1000,
+        async_save=False,
     )
     backend = build_backend(BackendConfig(device="cpu"))
     logged: dict[int, dict[str, float]] = {}
@@ -336,8 +368,13 @@ def single_device_reference(pipeline: TinyPipeline, stage: str, workdir: str) ->
         batches=BatchSource(rows, BucketedBatchSampler(lengths, 4, seed=0, drop_last=True), collate, backend.device),
         cfg=cfg,
         session=CheckpointSession(
-            workdir, backend,
-            metrics=MetricsBuffer(printer=lambda metrics, step: logged.setdefault(step, {}).update({k: float(v) for k, v in metrics.items()})),
+            workdir,
+            backend,
+            metrics=MetricsBuffer(
+                printer=lambda metrics, step: logged.setdefault(step, {}).update(
+                    {k: float(v) for k, v in metrics.items()}
+                )
+            ),
         ),
     ).run()
     return logged
@@ -367,8 +404,9 @@ def test_micro_batch_times_accumulation_on_every_backend(runs, tiny_pipeline, tm
                             assert logged[step][key] == pytest.approx(other, rel=FLOAT_REL), where
 
 
-def assert_resumed_like_uninterrupted(resume, backend: str, world_size: int, expected_lines: dict,
-                                      expected_weights: dict[str, torch.Tensor], name: str) -> None:
+def assert_resumed_like_uninterrupted(
+    resume, backend: str, world_size: int, expected_lines: dict, expected_weights: dict[str, torch.Tensor], name: str
+) -> None:
     """``resume`` (a run resumed at ``world_size`` ranks from the other world size's checkpoint)
     says where it resumed, prints the uninterrupted run's lines after that step (rel 1e-3), commits
     at ``world_size`` and ends with the uninterrupted run's weights (float32, rtol 1e-4)."""
@@ -416,11 +454,14 @@ def test_deepspeed_checkpoint_resumes_at_another_world_size(runs, backend):
     expected_weights = final_weights(uninterrupted.output_uris["sft"])
     for name, resume in runs.result(f"elastic_ds:{backend}").items():
         world_size = 1 if name == "2to1" else 2
-        converted = (f"ZeRO partitions of {3 - world_size} ranks, this run has {world_size}: "
-                     "loading it as a universal checkpoint")
+        converted = (
+            f"ZeRO partitions of {3 - world_size} ranks, this run has {world_size}: "
+            "loading it as a universal checkpoint"
+        )
         assert converted in resume.run.output, resume.run.tail()
-        assert_resumed_like_uninterrupted(resume, "deepspeed", world_size, expected_lines, expected_weights,
-                                          f"{backend} {name}")
+        assert_resumed_like_uninterrupted(
+            resume, "deepspeed", world_size, expected_lines, expected_weights, f"{backend} {name}"
+        )
 
 
 def test_desynchronised_replica_fails_the_save_on_every_rank(runs):
@@ -494,4 +535,3 @@ def test_no_garbage_model_holds_the_process_group_when_it_is_destroyed(runs, bac
     assert sorted(found) == [0, 1], job.tail()
     unreachable = {rank: garbage for rank, (_, garbage) in found.items()}
     assert unreachable == {0: {}, 1: {}}, f"wrapped models (live, unreachable) per rank at destroy: {found}"
-

@@ -42,8 +42,11 @@ BACKENDS: dict[str, dict] = {
     "ddp": {"name": "ddp"},
     "fsdp2": {"name": "fsdp2"},
     # Every parameter partitioned, the LM head's included (by default ZeRO-3 keeps ones under 1e5 elements whole).
-    "deepspeed-3": {"name": "deepspeed", "zero_stage": 3,
-                    "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}},
+    "deepspeed-3": {
+        "name": "deepspeed",
+        "zero_stage": 3,
+        "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+    },
 }
 
 
@@ -51,8 +54,15 @@ def tiny_llama(seed: int) -> nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -104,8 +114,10 @@ def full_pair_logprobs(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tens
 
 def full_sft(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """(loss sum, gradients of loss sum / counted tokens) from the full logits."""
-    loss_sum, num_counted = sft_loss(full_token_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                                                         batch["loss_mask"]), shift_mask(batch["loss_mask"]))
+    loss_sum, num_counted = sft_loss(
+        full_token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]),
+        shift_mask(batch["loss_mask"]),
+    )
     return loss_sum.detach(), grads_of(model, loss_sum / num_counted)
 
 

@@ -18,7 +18,11 @@ ENV_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARAL
 
 def run_example(*args: str) -> str:
     out = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, **ENV_THREADS, "MLFLOW_TRACKING_URI": ""},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -34,10 +38,17 @@ def test_custom_sft_loop_from_tier_1_primitives(tmp_path):
 
 
 def test_dpo_from_yaml_with_the_tier_2_factory(tmp_path):
-    out = run_example("examples/dpo_from_yaml.py", f"storage.root={tmp_path}", "sft.max_steps=10", "dpo.max_steps=4",
-                      "dpo.eval_every=4")
+    out = run_example(
+        "examples/dpo_from_yaml.py",
+        f"storage.root={tmp_path}",
+        "sft.max_steps=10",
+        "dpo.max_steps=4",
+        "dpo.eval_every=4",
+    )
     assert [m[1] for m in re.finditer(r"^(\w+): committed at global_step", out, flags=re.M)] == [
-        "prepare_data", "sft", "dpo"
+        "prepare_data",
+        "sft",
+        "dpo",
     ]
     dpo = read_manifest(str(tmp_path / "runs" / "dpo-example" / "stages" / "dpo" / "final"))
     assert dpo.global_step == 4 and "eval/rewards/accuracies" in dpo.metrics

@@ -55,8 +55,14 @@ def _checkpoint_under_way(output: str, step: int) -> bool:
 @pytest.fixture(scope="module")
 def runs(tiny_pipeline, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("fencing"))
-    overrides = {"backend.name": "fsdp2", "backend.nproc_per_node": 2, "sft.max_steps": STEPS,
-                 "sft.save_every": SAVE_EVERY, "sft.eval_every": SAVE_EVERY, "sft.keep_last_checkpoints": STEPS}
+    overrides = {
+        "backend.name": "fsdp2",
+        "backend.nproc_per_node": 2,
+        "sft.max_steps": STEPS,
+        "sft.save_every": SAVE_EVERY,
+        "sft.eval_every": SAVE_EVERY,
+        "sft.keep_last_checkpoints": STEPS,
+    }
     config = load_config(base=tiny_pipeline.config.model_dump(mode="json"), overrides=overrides)
     inputs = stage_inputs("sft", tiny_pipeline.data_uri, None)
 
@@ -70,8 +76,9 @@ def runs(tiny_pipeline, tmp_path_factory):
     assert uninterrupted.returncode == 0, why_failed(uninterrupted)
 
     path, output = spec_path("fenced")
-    agent, lines_a, reader_a = start_process(torchrun_command(2, ["-m", "trainer_core.run", path]),
-                                             {"POSTTRAIN_LAUNCH_ID": "fence-a"})
+    agent, lines_a, reader_a = start_process(
+        torchrun_command(2, ["-m", "trainer_core.run", path]), {"POSTTRAIN_LAUNCH_ID": "fence-a"}
+    )
     deadline = time.monotonic() + 240
     while not _checkpoint_under_way(output, KILL_AT):
         assert agent.poll() is None, "attempt A ended before its checkpoint:\n" + "\n".join(lines_a[-40:])
@@ -87,8 +94,9 @@ def runs(tiny_pipeline, tmp_path_factory):
     time.sleep(3 * PARENT_POLL_S)  # past the watchdog's interval: frozen, the ranks cannot act on it
     ranks_a = marked_pids("fence-a")
 
-    relaunch, lines_b, reader_b = start_process(torchrun_command(2, ["-m", "trainer_core.run", path]),
-                                                {"POSTTRAIN_LAUNCH_ID": "fence-b"})
+    relaunch, lines_b, reader_b = start_process(
+        torchrun_command(2, ["-m", "trainer_core.run", path]), {"POSTTRAIN_LAUNCH_ID": "fence-b"}
+    )
     left_a = []
     try:
         relaunch.wait(timeout=300)
@@ -101,14 +109,23 @@ def runs(tiny_pipeline, tmp_path_factory):
             os.kill(pid, signal.SIGKILL)
     reader_a.join(timeout=10)
     reader_b.join(timeout=10)
-    return {"baseline": baseline, "output": output, "ranks_a": ranks_a, "committed_at_kill": committed_at_kill,
-            "lines_a": lines_a, "lines_b": lines_b, "returncode_b": relaunch.returncode,
-            "left_a": left_a}
+    return {
+        "baseline": baseline,
+        "output": output,
+        "ranks_a": ranks_a,
+        "committed_at_kill": committed_at_kill,
+        "lines_a": lines_a,
+        "lines_b": lines_b,
+        "returncode_b": relaunch.returncode,
+        "left_a": left_a,
+    }
 
 
 def test_relaunch_stops_the_orphaned_ranks_and_takes_the_stage_over(runs):
-    print(f"attempt A's ranks alive at the relaunch: {runs['ranks_a']}; step {KILL_AT} committed when the agent "
-          f"was killed: {runs['committed_at_kill']}")
+    print(
+        f"attempt A's ranks alive at the relaunch: {runs['ranks_a']}; step {KILL_AT} committed when the agent "
+        f"was killed: {runs['committed_at_kill']}"
+    )
     assert len(runs["ranks_a"]) == 2, "both ranks of attempt A must outlive their agent for this test to mean anything"
     assert runs["returncode_b"] == 0, "\n".join(runs["lines_b"][-60:])
     assert runs["left_a"] == []

@@ -23,8 +23,9 @@ from trainer_core.config import load_config
 FIXTURES = Path(__file__).parent / "fixtures" / "torchrun_output"
 WORKER_YAML = Path(__file__).resolve().parents[2] / "infra" / "k8s" / "worker.yaml"
 SPEC_URI = "s3://bucket/outputs/runs/run42/specs/sft.json"
-SETTINGS = JobSettings(image="registry.example.com/posttrain:1", poll_interval_s=0.05, stuck_after_s=0.5,
-                       delete_timeout_s=5)
+SETTINGS = JobSettings(
+    image="registry.example.com/posttrain:1", poll_interval_s=0.05, stuck_after_s=0.5, delete_timeout_s=5
+)
 
 
 class Lines:
@@ -53,8 +54,15 @@ def cluster(tmp_path, monkeypatch):
 
 @pytest.fixture
 def job() -> TrainerJob:
-    config = load_config(overrides={"backend.name": "fsdp2", "backend.nnodes": 2, "backend.nproc_per_node": 2,
-                                    "backend.rdzv_endpoint": "unused:1", "storage.root": "s3://bucket/outputs"})
+    config = load_config(
+        overrides={
+            "backend.name": "fsdp2",
+            "backend.nnodes": 2,
+            "backend.nproc_per_node": 2,
+            "backend.rdzv_endpoint": "unused:1",
+            "storage.root": "s3://bucket/outputs",
+        }
+    )
     return trainer_job(config, "sft", "run42", SPEC_URI, "http://mlflow:5000")
 
 
@@ -65,8 +73,8 @@ def finish(cluster: FakeCluster, name: str, node0: list[str], node1: list[str], 
         cluster.log(name, 0, a)
         cluster.log(name, 1, b)
         time.sleep(0.01)
-    cluster.log(name, 0, *node0[len(node1):])
-    cluster.log(name, 1, *node1[len(node0):])
+    cluster.log(name, 0, *node0[len(node1) :])
+    cluster.log(name, 1, *node1[len(node0) :])
     cluster.exit(name, 1, codes[1])
     if cluster.pod(name, 0)["status"]["phase"] == "Running":
         cluster.exit(name, 0, codes[0])
@@ -89,10 +97,15 @@ def test_success_streams_node_0_and_leaves_the_job(cluster, job):
     assert submitted_job["kind"] == "Job" and service["kind"] == "Service"
     assert submitted_job["metadata"]["namespace"] == "posttrain"  # the kubeconfig context's
     assert service["metadata"]["ownerReferences"] == [
-        {"apiVersion": "batch/v1", "kind": "Job", "name": job.name, "uid": submitted_job["metadata"]["uid"]}]
+        {"apiVersion": "batch/v1", "kind": "Job", "name": job.name, "uid": submitted_job["metadata"]["uid"]}
+    ]
     spec = submitted_job["spec"]
     assert (spec["completionMode"], spec["completions"], spec["backoffLimit"], spec["activeDeadlineSeconds"]) == (
-        "Indexed", 2, 0, 60)
+        "Indexed",
+        2,
+        0,
+        60,
+    )
     [container] = spec["template"]["spec"]["containers"]
     assert container["command"][3:5] == [SPEC_URI, "--node-rank=$(NODE_RANK)"]
     assert container["image"] == SETTINGS.image
@@ -129,8 +142,10 @@ def test_failure_names_the_pod_its_node_rank_and_the_failing_rank(cluster, job):
     error = raised.value
     pod1 = cluster.pod(job.name, 1)["metadata"]["name"]
     first = str(error).splitlines()[0]
-    assert first == (f"stage 'sft' failed on node rank 1 of 2: pod {pod1} (Job posttrain/{job.name}) exited with "
-                     "code 1; also: node rank 0 exited with code 143")
+    assert first == (
+        f"stage 'sft' failed on node rank 1 of 2: pod {pod1} (Job posttrain/{job.name}) exited with "
+        "code 1; also: node rank 0 exited with code 143"
+    )
     assert "rank 1 (local rank 1 on localhost) exited with code 1" in str(error)
     assert "ValueError: rank 1 cannot go on" in str(error) and error.rank == 1
     assert type(error) is StageFailed  # retried
@@ -269,30 +284,52 @@ def test_a_job_deleted_by_someone_else_fails_the_stage(cluster, job):
 
 
 def test_trainer_pods_take_the_flow_run_pods_image_and_secrets(cluster, job):
-    flow_pod = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": "flow-run-abc", "namespace": "posttrain", "uid": "uid-of-the-flow-run-pod"},
-                "spec": {"serviceAccountName": "posttrain-worker", "imagePullSecrets": [{"name": "regcred"}],
-                         "containers": [{"name": "prefect-job", "image": "registry.example.com/posttrain:7",
-                                         "envFrom": [{"secretRef": {"name": "team-s3", "optional": False}},
-                                                     {"secretRef": {"name": "posttrain-env", "optional": True}}]}]},
-                "status": {"phase": "Running"}}
+    flow_pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "flow-run-abc", "namespace": "posttrain", "uid": "uid-of-the-flow-run-pod"},
+        "spec": {
+            "serviceAccountName": "posttrain-worker",
+            "imagePullSecrets": [{"name": "regcred"}],
+            "containers": [
+                {
+                    "name": "prefect-job",
+                    "image": "registry.example.com/posttrain:7",
+                    "envFrom": [
+                        {"secretRef": {"name": "team-s3", "optional": False}},
+                        {"secretRef": {"name": "posttrain-env", "optional": True}},
+                    ],
+                }
+            ],
+        },
+        "status": {"phase": "Running"},
+    }
     cluster.objects[("pods", "posttrain", "flow-run-abc")] = flow_pod
     cluster.on_job = lambda c, name: finish(c, name, ["[default0]:ok"], ["[default0]:ok"])
-    run_trainer_job(job, log=Lines(), timeout_s=60,
-                    settings=SETTINGS.model_copy(update={"image": None, "flow_pod": "flow-run-abc"}))
+    run_trainer_job(
+        job, log=Lines(), timeout_s=60, settings=SETTINGS.model_copy(update={"image": None, "flow_pod": "flow-run-abc"})
+    )
     pod = cluster.created[0]["spec"]["template"]["spec"]
     assert pod["containers"][0]["image"] == "registry.example.com/posttrain:7"
     assert pod["containers"][0]["envFrom"] == flow_pod["spec"]["containers"][0]["envFrom"]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}] and pod["serviceAccountName"] == "posttrain-worker"
     # the Job is the flow-run pod's: if that pod goes (evicted, killed), Kubernetes deletes the Job
     assert cluster.created[0]["metadata"]["ownerReferences"] == [
-        {"apiVersion": "v1", "kind": "Pod", "name": "flow-run-abc", "uid": "uid-of-the-flow-run-pod"}]
+        {"apiVersion": "v1", "kind": "Pod", "name": "flow-run-abc", "uid": "uid-of-the-flow-run-pod"}
+    ]
 
 
 def test_config_credentials_travel_in_a_secret_owned_by_the_job(cluster):
-    config = load_config(overrides={"backend.name": "ddp", "backend.nnodes": 2, "backend.rdzv_endpoint": "unused:1",
-                                    "storage.root": "s3://bucket/outputs", "storage.access_key_id": "AKIA-CONFIG",
-                                    "storage.secret_access_key": "from-the-config"})
+    config = load_config(
+        overrides={
+            "backend.name": "ddp",
+            "backend.nnodes": 2,
+            "backend.rdzv_endpoint": "unused:1",
+            "storage.root": "s3://bucket/outputs",
+            "storage.access_key_id": "AKIA-CONFIG",
+            "storage.secret_access_key": "from-the-config",
+        }
+    )
     job = trainer_job(config, "sft", "run43", SPEC_URI, "http://mlflow:5000")
     cluster.on_job = lambda c, name: finish(c, name, ["[default0]:ok"], ["[default0]:ok"])
     run_trainer_job(job, log=Lines(), timeout_s=60, settings=SETTINGS)

@@ -29,22 +29,37 @@ from trainer_core.storage import StageLayout, join_uri
 from .helpers import RUN_ID, run_stage, run_stage_ranks, tiny_overrides, why_failed, write_spec
 
 STAGES = ("prepare_data", "pretrain", "sft", "kto")
-KTO = {"max_steps": 48, "micro_batch_size": 8, "learning_rate": 2e-3, "beta": 0.1, "eval_every": 24,
-       "eval_max_batches": 8, "save_every": 24}
+KTO = {
+    "max_steps": 48,
+    "micro_batch_size": 8,
+    "learning_rate": 2e-3,
+    "beta": 0.1,
+    "eval_every": 24,
+    "eval_max_batches": 8,
+    "save_every": 24,
+}
 
 
 @pytest.fixture(scope="module")
 def extended(tmp_path_factory):
     """stage -> (its run, its output URI), each stage run once to the end in pipeline order."""
     root = str(tmp_path_factory.mktemp("extended"))
-    config = load_config(overrides={
-        **tiny_overrides(), "storage.root": root, "stages": list(STAGES),
-        "data.kto": {"uri": None}, "data.pretrain": {"uri": None},
-        # An SFT model that has learnt the task's format, and KTO steps enough to move the
-        # held-out examples (each of its 384 examples is seen once).
-        "sft.max_steps": 80, "sft.learning_rate": 3e-3, "sft.save_every": 80, "sft.eval_every": 40,
-        **{f"kto.{k}": v for k, v in KTO.items()},
-    })
+    config = load_config(
+        overrides={
+            **tiny_overrides(),
+            "storage.root": root,
+            "stages": list(STAGES),
+            "data.kto": {"uri": None},
+            "data.pretrain": {"uri": None},
+            # An SFT model that has learnt the task's format, and KTO steps enough to move the
+            # held-out examples (each of its 384 examples is seen once).
+            "sft.max_steps": 80,
+            "sft.learning_rate": 3e-3,
+            "sft.save_every": 80,
+            "sft.eval_every": 40,
+            **{f"kto.{k}": v for k, v in KTO.items()},
+        }
+    )
     outputs: dict[str, str] = {}
     runs = {}
     for stage in STAGES:
@@ -60,8 +75,10 @@ def extended(tmp_path_factory):
     run = run_stage(write_spec(spec, f"{output}.spec.json"))
     assert run.returncode == 0, why_failed(run)
     runs["kto_lora"] = (run, output, spec)
-    ddp = load_config(base=config.model_dump(mode="json"), overrides={
-        "kto.backend": {"name": "ddp", "nproc_per_node": 2}, "kto.max_steps": 4, "kto.eval_every": 4})
+    ddp = load_config(
+        base=config.model_dump(mode="json"),
+        overrides={"kto.backend": {"name": "ddp", "nproc_per_node": 2}, "kto.max_steps": 4, "kto.eval_every": 4},
+    )
     output = os.path.join(root, "kto_ddp")
     spec = build_spec(ddp, "kto", RUN_ID, stage_inputs(ddp, "kto", outputs), output_uri=output)
     run = run_stage_ranks(write_spec(spec, f"{output}.spec.json"), 2)

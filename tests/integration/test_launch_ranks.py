@@ -148,15 +148,32 @@ def test_deepspeed_on_cpu_compiles_no_op(tmp_path):
     shared-memory all-reduce op (a C++ build of about a minute into ``TORCH_EXTENSIONS_DIR``, which
     ``deepspeed.init_distributed`` runs on every CPU init and training never calls)."""
     extensions = tmp_path / "torch_extensions"
-    code = ("from trainer_core.backends import build_backend\n"
-            "from trainer_core.config import BackendConfig\n"
-            "backend = build_backend(BackendConfig(name='deepspeed', device='cpu'))\n"
-            "import torch.distributed as dist\n"
-            "print('world', dist.get_world_size(), flush=True)\n"
-            "dist.destroy_process_group()\n")
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    code = (
+        "from trainer_core.backends import build_backend\n"
+        "from trainer_core.config import BackendConfig\n"
+        "backend = build_backend(BackendConfig(name='deepspeed', device='cpu'))\n"
+        "import torch.distributed as dist\n"
+        "print('world', dist.get_world_size(), flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {
+        **os.environ,
+        "TORCH_EXTENSIONS_DIR": str(extensions),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0 and "world 1" in done.stdout, (done.stdout + done.stderr)[-3000:]
     assert not list(extensions.rglob("*.so")), sorted(extensions.rglob("*"))

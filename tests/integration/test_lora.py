@@ -63,14 +63,25 @@ def lora_config(pipeline: TinyPipeline, backend: str = "single", nproc: int = 1,
     """The tiny pipeline with LoRA (r 4, alpha 8) on every training stage; SFT and DPO read 8
     examples a step whatever the world size, 8 steps, a checkpoint every 4 (all kept)."""
     overrides: dict[str, Any] = {
-        **LORA, "backend.name": backend, "backend.nproc_per_node": nproc, "backend.device": "cpu",
-        "sft.global_batch_size": 8, "dpo.grad_accum_steps": 2 // nproc,
+        **LORA,
+        "backend.name": backend,
+        "backend.nproc_per_node": nproc,
+        "backend.device": "cpu",
+        "sft.global_batch_size": 8,
+        "dpo.grad_accum_steps": 2 // nproc,
         "dpo.rpo_alpha": 0.0,  # plain DPO (the demo adds RPO's term): its step-1 loss is log 2
     }
     for stage in ("sft", "dpo", "reward_model"):
-        overrides.update({f"{stage}.max_steps": STEPS, f"{stage}.save_every": SAVE_EVERY, f"{stage}.eval_every": SAVE_EVERY,
-                          f"{stage}.micro_batch_size": 4, f"{stage}.keep_last_checkpoints": STEPS,
-                          f"{stage}.learning_rate": 1e-2})
+        overrides.update(
+            {
+                f"{stage}.max_steps": STEPS,
+                f"{stage}.save_every": SAVE_EVERY,
+                f"{stage}.eval_every": SAVE_EVERY,
+                f"{stage}.micro_batch_size": 4,
+                f"{stage}.keep_last_checkpoints": STEPS,
+                f"{stage}.learning_rate": 1e-2,
+            }
+        )
     overrides.update(extra)
     return load_config(base=pipeline.config.model_dump(mode="json"), overrides=overrides)
 
@@ -92,8 +103,12 @@ class Runs:
             "reward_model": {"data": data, "model": self.sft},
             "dpo": {"data": data, "model": self.sft, "reference": self.sft},
             "grpo": {"data": data, "model": self.sft, "reference": self.sft},
-            "ppo": {"data": data, "model": self.sft, "reference": self.sft,
-                    "reward_model": StageLayout(self.pipeline.baseline_uris["reward_model"]).final},
+            "ppo": {
+                "data": data,
+                "model": self.sft,
+                "reference": self.sft,
+                "reward_model": StageLayout(self.pipeline.baseline_uris["reward_model"]).final,
+            },
             "distill": {"data": data, "model": self.sft, "reference": self.teacher},
         }[stage]
 
@@ -101,8 +116,9 @@ class Runs:
     def teacher(self) -> str:
         return wider_teacher(self.pipeline, os.path.join(self.root, "teacher"))
 
-    def spec(self, name: str, stage: str, config: PipelineConfig,
-             inputs: dict[str, str] | None = None) -> tuple[str, str]:
+    def spec(
+        self, name: str, stage: str, config: PipelineConfig, inputs: dict[str, str] | None = None
+    ) -> tuple[str, str]:
         output = os.path.join(self.root, name)
         spec = build_spec(config, stage, RUN_ID, inputs or self.inputs(stage), output_uri=output, writer_id=f"w-{name}")
         return write_spec(spec, f"{output}.spec.json"), output
@@ -113,8 +129,9 @@ class Runs:
     def result(self, name: str) -> Any:
         return self.futures[name].result()
 
-    def stage(self, name: str, stage: str, config: PipelineConfig,
-              inputs: dict[str, str] | None = None) -> tuple[StageRun, str]:
+    def stage(
+        self, name: str, stage: str, config: PipelineConfig, inputs: dict[str, str] | None = None
+    ) -> tuple[StageRun, str]:
         path, output = self.spec(name, stage, config, inputs)
         run = run_stage(path)
         assert run.returncode == 0, why_failed(run)
@@ -124,12 +141,19 @@ class Runs:
         """SFT from config (init) committed as an adapter, then DPO from it twice: continuing its
         adapter, and merging it to start a new one (itself committed as an adapter)."""
         data, keep = self.pipeline.data_uri, {"merge_on_commit": False}
-        out = {"sft": self.stage("sft-adapter", "sft", lora_config(self.pipeline, **{"sft.lora": keep}),
-                                 {"data": data, "model": "init"})}
+        out = {
+            "sft": self.stage(
+                "sft-adapter", "sft", lora_config(self.pipeline, **{"sft.lora": keep}), {"data": data, "model": "init"}
+            )
+        }
         sft = StageLayout(out["sft"][1]).final
         inputs = {"data": data, "model": sft, "reference": sft}
-        out["continue"] = self.stage("dpo-continue", "dpo", lora_config(
-            self.pipeline, **{"dpo.lora": {**keep, "continue_adapter": True}}), inputs)
+        out["continue"] = self.stage(
+            "dpo-continue",
+            "dpo",
+            lora_config(self.pipeline, **{"dpo.lora": {**keep, "continue_adapter": True}}),
+            inputs,
+        )
         out["new"] = self.stage("dpo-new", "dpo", lora_config(self.pipeline, **{"dpo.lora": keep}), inputs)
         return out
 
@@ -169,12 +193,24 @@ def runs(tiny_pipeline: TinyPipeline, tmp_path_factory) -> Runs:
     store.start("dpo-separate", store.stage, "dpo-separate", "dpo", lora_config(tiny_pipeline, **separate))
     store.start("resume", store.resume)
     store.start("grpo", store.stage, "grpo", "grpo", rl["grpo"])
-    store.start("grpo-separate", store.stage, "grpo-separate", "grpo", rl_config(tiny_pipeline, "grpo", **LORA, **separate))
+    store.start(
+        "grpo-separate", store.stage, "grpo-separate", "grpo", rl_config(tiny_pipeline, "grpo", **LORA, **separate)
+    )
     store.start("ppo", store.stage, "ppo", "ppo", rl["ppo"])
     store.start("ppo-separate", store.stage, "ppo-separate", "ppo", rl_config(tiny_pipeline, "ppo", **LORA, **separate))
     store.start("reward_model", store.stage, "reward_model", "reward_model", single)
-    store.start("distill", store.stage, "distill", "distill", rl_config(
-        tiny_pipeline, "distill", **LORA, **{"distill.loss": "generalized_jsd", "distill.teacher_from": store.teacher}))
+    store.start(
+        "distill",
+        store.stage,
+        "distill",
+        "distill",
+        rl_config(
+            tiny_pipeline,
+            "distill",
+            **LORA,
+            **{"distill.loss": "generalized_jsd", "distill.teacher_from": store.teacher},
+        ),
+    )
     yield store
     store.pool.shutdown(wait=True, cancel_futures=True)
 
@@ -227,8 +263,10 @@ def test_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_only(runs,
     assert 4 * full_elements <= size(full_ckpt) <= 4 * full_elements + 150 * len(full_weights)
     # AdamW's two moments, for the adapters only (the file's own overhead is per tensor).
     moments = lambda uri: sum(
-        v.numel() for state in torch.load(io.BytesIO(storage.read_bytes(join_uri(uri, "optimizer.pt"))))["state"].values()
-        for k, v in state.items() if k != "step"
+        v.numel()
+        for state in torch.load(io.BytesIO(storage.read_bytes(join_uri(uri, "optimizer.pt"))))["state"].values()
+        for k, v in state.items()
+        if k != "step"
     )
     assert moments(ckpt) == 2 * adapters and moments(full_ckpt) == 2 * total
 
@@ -256,11 +294,16 @@ def test_deepspeed_lora_checkpoint_holds_the_adapters_only(runs, tiny_pipeline, 
     ds = join_uri(ckpt, "deepspeed")
     files = [path for path in storage.list_files(ds) if path.endswith(".pt")]
     assert any("optim_states" in path for path in files) and any("model_states" in path for path in files), files
-    elements = sum(tensor_elements(torch.load(io.BytesIO(storage.read_bytes(join_uri(ds, path))), map_location="cpu",
-                                              weights_only=False)) for path in files)
+    elements = sum(
+        tensor_elements(
+            torch.load(io.BytesIO(storage.read_bytes(join_uri(ds, path))), map_location="cpu", weights_only=False)
+        )
+        for path in files
+    )
     _, single = runs.result("sft")
-    adapters = adapter_count(safetensors.torch.load(storage.read_bytes(join_uri(checkpoint_uri(single, STEPS),
-                                                                                 "model.safetensors"))))
+    adapters = adapter_count(
+        safetensors.torch.load(storage.read_bytes(join_uri(checkpoint_uri(single, STEPS), "model.safetensors")))
+    )
     base = sum(v.numel() for v in final_weights(tiny_pipeline.baseline_uris["sft"]).values())
     assert 3 * adapters <= elements <= 4.5 * adapters < base, (elements, adapters, base)
 
@@ -352,8 +395,13 @@ def test_adapter_commit_is_peft_format_over_its_base(runs, tiny_pipeline):
     _, output = runs.result("handoff")["sft"]
     final = StageLayout(output).final
     files = committed_files(output)
-    assert {"adapter_config.json", "adapter_model.safetensors", "base/config.json", "base/model.safetensors",
-            "tokenizer.json"} <= set(files) and "model.safetensors" not in files
+    assert {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "base/config.json",
+        "base/model.safetensors",
+        "tokenizer.json",
+    } <= set(files) and "model.safetensors" not in files
     manifest = read_manifest(final)
     assert manifest.extra["adapter"] == {"format": "peft", "base_model": join_uri(final, "base")}
     weights = adapter_weights(output)
@@ -386,9 +434,14 @@ def test_next_stage_continues_the_adapter_or_starts_a_new_one(runs):
     new_final = StageLayout(new_out).final
     assert read_manifest(new_final).extra["adapter"]["base_model"] == join_uri(new_final, "base")
 
-    first = lambda output: safetensors.torch.load(storage.read_bytes(join_uri(checkpoint_uri(output, SAVE_EVERY), "model.safetensors")))
-    sft_b = {k.removeprefix("base_model.model.").replace(".lora_B.", ".lora_B.default."): v
-             for k, v in adapter_weights(sft).items() if ".lora_B." in k}
+    first = lambda output: safetensors.torch.load(
+        storage.read_bytes(join_uri(checkpoint_uri(output, SAVE_EVERY), "model.safetensors"))
+    )
+    sft_b = {
+        k.removeprefix("base_model.model.").replace(".lora_B.", ".lora_B.default."): v
+        for k, v in adapter_weights(sft).items()
+        if ".lora_B." in k
+    }
     cosine = lambda a, b: float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
     cont_b, new_b = first(cont_out), first(new_out)
     assert min(cosine(cont_b[k], v) for k, v in sft_b.items()) > 0.7  # the SFT adapter, trained a little further
@@ -418,8 +471,15 @@ def test_qlora_commits_the_dequantized_base_plus_scaled_b_times_a(tiny_pipeline,
     from trainer_core.modeling.models import load_causal_lm
     from trainer_core.stages.runner import run_spec
 
-    config = lora_config(tiny_pipeline, **{"model.init.hidden_size": 64, "model.init.intermediate_size": 128,
-                                           "sft.lora": {"quantize": "4bit"}, "sft.max_steps": SAVE_EVERY})
+    config = lora_config(
+        tiny_pipeline,
+        **{
+            "model.init.hidden_size": 64,
+            "model.init.intermediate_size": 128,
+            "sft.lora": {"quantize": "4bit"},
+            "sft.max_steps": SAVE_EVERY,
+        },
+    )
     tokenizer = load_tokenizer_from(tiny_pipeline.data_uri)
     base_dir, output = str(tmp_path / "base"), str(tmp_path / "qlora")
     load_causal_lm("init", config.model, tokenizer, seed=1).save_pretrained(base_dir)
@@ -432,7 +492,9 @@ def test_qlora_commits_the_dequantized_base_plus_scaled_b_times_a(tiny_pipeline,
     assert getattr(committed.config, "quantization_config", None) is None
     assert type(committed.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     merged, base = final_weights(output), final_weights_of(base_dir)
-    adapters = safetensors.torch.load(storage.read_bytes(join_uri(checkpoint_uri(output, SAVE_EVERY), "model.safetensors")))
+    adapters = safetensors.torch.load(
+        storage.read_bytes(join_uri(checkpoint_uri(output, SAVE_EVERY), "model.safetensors"))
+    )
     adapted = 0
     for name, weight in base.items():
         prefix = name.removesuffix(".weight")

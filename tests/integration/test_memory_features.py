@@ -63,8 +63,14 @@ def tiny_llama(dtype: torch.dtype = torch.float32) -> nn.Module:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
     )
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
@@ -77,7 +83,11 @@ def make_batch(device: torch.device, rank: int = 0, world_size: int = 1) -> dict
     mask[1, 8:] = 0
     labels = ids.masked_fill(mask == 0, -100)
     rows = slice(rank, None, world_size)
-    return {"input_ids": ids[rows].to(device), "attention_mask": mask[rows].to(device), "labels": labels[rows].to(device)}
+    return {
+        "input_ids": ids[rows].to(device),
+        "attention_mask": mask[rows].to(device),
+        "labels": labels[rows].to(device),
+    }
 
 
 def count_mlp_calls(model: nn.Module) -> list[int]:
@@ -116,7 +126,9 @@ def train_step(backend: Any, model: nn.Module, batch: dict[str, Tensor], count_c
     raw = backend.unwrap(model)
     calls = count_mlp_calls(raw) if count_calls else [None]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model, optimizer = backend.setup_optimizer(model, optimizer, TrainStageConfig(micro_batch_size=2, grad_accum_steps=1))
+    model, optimizer = backend.setup_optimizer(
+        model, optimizer, TrainStageConfig(micro_batch_size=2, grad_accum_steps=1)
+    )
     with backend.grad_sync(model, is_last_micro_batch=True):
         with backend.autocast():
             out = model(**batch, use_cache=False)  # as trainer_core.modeling.forwards calls it
@@ -135,8 +147,13 @@ def train_step(backend: Any, model: nn.Module, batch: dict[str, Tensor], count_c
     with torch.no_grad(), backend.autocast():
         loss_after = model(**batch, use_cache=False).loss
     return {
-        "model": model, "optimizer": optimizer, "loss": out.loss.item(), "loss_after": loss_after.item(),
-        "grads": grads, "mlp_calls": step_calls, "dtypes": dtypes,
+        "model": model,
+        "optimizer": optimizer,
+        "loss": out.loss.item(),
+        "loss_after": loss_after.item(),
+        "grads": grads,
+        "mlp_calls": step_calls,
+        "dtypes": dtypes,
     }
 
 
@@ -172,9 +189,13 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fsdp2/bf16+ac": ({"name": "fsdp2", "precision": "bf16"}, {"activation_checkpointing": True}),
     "fsdp2/ac+compile": ({"name": "fsdp2"}, {"activation_checkpointing": True, "compile": True}),
     "deepspeed-2/bf16-mixed+ac": (
-        {"name": "deepspeed", "zero_stage": 2, "precision": "bf16-mixed"}, {"activation_checkpointing": True},
+        {"name": "deepspeed", "zero_stage": 2, "precision": "bf16-mixed"},
+        {"activation_checkpointing": True},
     ),
-    "deepspeed-3/bf16+ac": ({"name": "deepspeed", "zero_stage": 3, "precision": "bf16"}, {"activation_checkpointing": True}),
+    "deepspeed-3/bf16+ac": (
+        {"name": "deepspeed", "zero_stage": 3, "precision": "bf16"},
+        {"activation_checkpointing": True},
+    ),
 }
 """Case -> (backend fields of the reference run, fields the compared run adds)."""
 
@@ -205,9 +226,13 @@ def run_case(base: dict[str, Any], extra: dict[str, Any], device: str) -> dict[s
         runs[label] = result
     off, on = runs["off"], runs["on"]
     return {
-        "loss": [off["loss"], on["loss"]], "loss_after": [off["loss_after"], on["loss_after"]],
-        "grad_max_diff": max_abs_diff(off["grads"], on["grads"]), "mlp_calls": [off["mlp_calls"], on["mlp_calls"]],
-        "keys": [off["keys"], on["keys"]], "dtypes": on["dtypes"], "plain_keys": sorted(tiny_llama().state_dict()),
+        "loss": [off["loss"], on["loss"]],
+        "loss_after": [off["loss_after"], on["loss_after"]],
+        "grad_max_diff": max_abs_diff(off["grads"], on["grads"]),
+        "mlp_calls": [off["mlp_calls"], on["mlp_calls"]],
+        "keys": [off["keys"], on["keys"]],
+        "dtypes": on["dtypes"],
+        "plain_keys": sorted(tiny_llama().state_dict()),
         "compiled_graphs": [off["graphs"], on["graphs"]],
     }
 
@@ -279,8 +304,11 @@ def test_checkpointing_only_when_training_and_the_kv_cache_is_kept():
         calls = count_mlp_calls(model)
         with torch.no_grad():
             first = model(input_ids=batch["input_ids"], use_cache=True)
-            step = model(input_ids=batch["input_ids"][:, :1], **{cache_argument(): getattr(first, cache_argument())},
-                         use_cache=True)
+            step = model(
+                input_ids=batch["input_ids"][:, :1],
+                **{cache_argument(): getattr(first, cache_argument())},
+                use_cache=True,
+            )
         logits.append(step.logits)
         model.eval()
         model(**batch, use_cache=False).loss.backward()
@@ -300,7 +328,9 @@ def test_checkpointing_only_when_training_and_the_kv_cache_is_kept():
 def test_precision_dtypes_on_one_device(precision, weights, logits, state):
     """Weights, gradients and AdamW state in ``weights``/``state``; logits (inside the backend's
     autocast) in ``logits``. A bf16 forward stays near the fp32 one (same weights): loss within 2 %."""
-    reference = train_step(single(precision="fp32"), single(precision="fp32").wrap(tiny_llama()), make_batch(torch.device("cpu")))
+    reference = train_step(
+        single(precision="fp32"), single(precision="fp32").wrap(tiny_llama()), make_batch(torch.device("cpu"))
+    )
     backend = single(precision=precision)
     result = train_step(backend, backend.wrap(tiny_llama()), make_batch(backend.device))
     assert result["dtypes"] == {"param": weights, "grad": weights, "logits": logits, "exp_avg": state}
@@ -412,7 +442,9 @@ def test_fsdp2_bf16_mixed_with_checkpointing_on_cuda(tmp_path):
 
     nproc = min(2, torch.cuda.device_count())
     out = tmp_path / "results.json"
-    job = run_ranks([str(Path(__file__)), "--out", str(out), "--device", "cuda", "fsdp2/bf16-mixed+ac"], nproc, timeout_s=300)
+    job = run_ranks(
+        [str(Path(__file__)), "--out", str(out), "--device", "cuda", "fsdp2/bf16-mixed+ac"], nproc, timeout_s=300
+    )
     assert job.returncode == 0, job.tail(60)
     result = json.loads(out.read_text())["fsdp2/bf16-mixed+ac"]
     assert result["loss"][1] == pytest.approx(result["loss"][0], rel=1e-3)

@@ -53,9 +53,16 @@ def _load(monkeypatch, uri: str, model_uri: str):
 
 def _tiny_llama(tokenizer, **extra) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **extra,
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **extra,
     )
 
 
@@ -124,7 +131,9 @@ def test_policy_logged_as_transformers_model_loads_and_generates(config, store, 
     model_uri = mlflow_model.log_transformers_model(
         stage, model_dirs["policy"], task=mlflow_model.model_task("sft"), tracking_uri=uri, step=9
     )
-    manifest = Manifest(kind="final", stage="sft", run_id="policy-run", global_step=9, files=[], metrics={"eval/loss": 1.5})
+    manifest = Manifest(
+        kind="final", stage="sft", run_id="policy-run", global_step=9, files=[], metrics={"eval/loss": 1.5}
+    )
     tracking.finish_stage_run(stage, manifest, model_dirs["policy"], "completed", tracking_uri=uri)
 
     assert model_uri.startswith("models:/m-")
@@ -216,7 +225,9 @@ def test_models_log_from_threads_side_by_side(config, store, model_dirs, monkeyp
     stages = [_pipeline_with_stage(config, uri, f"thread-run-{i}", "sft")[1] for i in range(2)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         jobs = [
-            pool.submit(mlflow_model.log_transformers_model, s, model_dirs["policy"], task="text-generation", tracking_uri=uri)
+            pool.submit(
+                mlflow_model.log_transformers_model, s, model_dirs["policy"], task="text-generation", tracking_uri=uri
+            )
             for s in stages
         ]
         model_uris = [job.result() for job in jobs]
@@ -246,7 +257,9 @@ def test_pipeline_metrics_and_champion_of_the_registry(config, store, model_dirs
     versions = []
     for i, run_id in enumerate(("reg-run-1", "reg-run-2")):
         parent, stage = _pipeline_with_stage(config, uri, run_id, "dpo")
-        model_uri = mlflow_model.log_transformers_model(stage, model_dirs["policy"], task="text-generation", tracking_uri=uri)
+        model_uri = mlflow_model.log_transformers_model(
+            stage, model_dirs["policy"], task="text-generation", tracking_uri=uri
+        )
         headline = {"eval/dpo/win_rate": 0.5 + i / 10, "acc@1": 0.25, "bad": math.nan, "worse": -math.inf}
         tracking.log_pipeline_metrics(parent, headline, tracking_uri=uri)
         tags = {"posttrain.run_id": run_id, "posttrain.stage": "dpo"}
@@ -278,14 +291,18 @@ def test_register_races_to_create_the_registered_model(config, store, model_dirs
     MlflowClient(uri).log_artifact(stage, os.path.join(model_dirs["policy"], "config.json"), "model")
     with ThreadPoolExecutor(max_workers=2) as pool:
         jobs = [
-            pool.submit(mlflow_models.register_model_version, "raced", model_uri, run_id=stage, tags={}, tracking_uri=uri)
+            pool.submit(
+                mlflow_models.register_model_version, "raced", model_uri, run_id=stage, tags={}, tracking_uri=uri
+            )
             for _ in range(2)
         ]
         assert sorted(job.result() for job in jobs) == ["1", "2"]
     assert MlflowClient(uri).get_model_version("raced", "1").source == model_uri
 
 
-def test_a_stage_model_the_trainer_did_not_log_is_logged_once_by_the_task_side_process(config, store, model_dirs, tmp_path):
+def test_a_stage_model_the_trainer_did_not_log_is_logged_once_by_the_task_side_process(
+    config, store, model_dirs, tmp_path
+):
     """A committed stage whose trainer died before logging its model (or one committed before
     models were logged): ``stage_model_uri`` runs ``python -m trainer_core.mlflow_model
     <spec-uri>`` as the stage task does, and a second call finds the model without logging again."""
@@ -297,8 +314,15 @@ def test_a_stage_model_the_trainer_did_not_log_is_logged_once_by_the_task_side_p
 
     _, uri = store
     _, stage_run = _pipeline_with_stage(config, uri, "crashed-before-logging", "sft")
-    spec = build_spec(config, "sft", "crashed-before-logging", {"data": "unused"}, tracking_uri=uri,
-                      mlflow_run_id=stage_run, output_uri=str(tmp_path / "stages" / "sft"))
+    spec = build_spec(
+        config,
+        "sft",
+        "crashed-before-logging",
+        {"data": "unused"},
+        tracking_uri=uri,
+        mlflow_run_id=stage_run,
+        output_uri=str(tmp_path / "stages" / "sft"),
+    )
     writer = ArtifactWriter(str(tmp_path / "stages" / "sft" / "final"))
     for name in os.listdir(model_dirs["policy"]):
         with open(os.path.join(model_dirs["policy"], name), "rb") as f:
@@ -310,15 +334,22 @@ def test_a_stage_model_the_trainer_did_not_log_is_logged_once_by_the_task_side_p
 
     def log_missing() -> None:
         calls.append(1)
-        done = subprocess.run([sys.executable, "-m", "trainer_core.mlflow_model", spec_uri],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "MLFLOW_TRACKING_URI": ""})
+        done = subprocess.run(
+            [sys.executable, "-m", "trainer_core.mlflow_model", spec_uri],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "MLFLOW_TRACKING_URI": ""},
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.strip().splitlines()[-1].startswith("models:/")
 
     model_uri = mlflow_models.stage_model_uri("sft", config, stage_run, tracking_uri=uri, log_missing=log_missing)
     again = mlflow_models.stage_model_uri("sft", config, stage_run, tracking_uri=uri, log_missing=log_missing)
     assert model_uri == again and model_uri.startswith("models:/") and calls == [1]
-    assert mlflow_models.stage_model_uri("evaluate", config, stage_run, tracking_uri=uri, log_missing=log_missing) is None
+    assert (
+        mlflow_models.stage_model_uri("evaluate", config, stage_run, tracking_uri=uri, log_missing=log_missing) is None
+    )
     with pytest.raises(RuntimeError, match="no MLflow model"):
         _, other = _pipeline_with_stage(config, uri, "never-logged", "dpo")
         mlflow_models.stage_model_uri("dpo", config, other, tracking_uri=uri, log_missing=lambda: None)

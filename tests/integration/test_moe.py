@@ -34,10 +34,17 @@ STEPS = 8
 LONG_STEPS = 100
 EXPERTS, LAYERS = 4, 2
 MOE = {
-    "model.init.architecture": "mixtral", "model.init.num_hidden_layers": LAYERS, "model.init.intermediate_size": 32,
-    "model.init.num_local_experts": EXPERTS, "model.init.num_experts_per_tok": 2,
-    "sft.max_steps": STEPS, "sft.global_batch_size": 8, "sft.micro_batch_size": 4, "sft.save_every": STEPS,
-    "sft.eval_every": 4, "sft.moe.aux_loss_coef": 0.1,
+    "model.init.architecture": "mixtral",
+    "model.init.num_hidden_layers": LAYERS,
+    "model.init.intermediate_size": 32,
+    "model.init.num_local_experts": EXPERTS,
+    "model.init.num_experts_per_tok": 2,
+    "sft.max_steps": STEPS,
+    "sft.global_batch_size": 8,
+    "sft.micro_batch_size": 4,
+    "sft.save_every": STEPS,
+    "sft.eval_every": 4,
+    "sft.moe.aux_loss_coef": 0.1,
 }
 
 
@@ -127,7 +134,8 @@ def test_router_temperature_follows_its_schedule(runs):
     (plain, _), (tempered, _) = runs["single"], runs["tempered"]
     steps, base = tempered.step_metrics(), plain.step_metrics()
     assert [float(steps[s]["train/moe/router_temperature"]) for s in range(1, STEPS + 1)] == pytest.approx(
-        [2.0, 1.75, 1.5, 1.25, 1.0, 1.0, 1.0, 1.0])
+        [2.0, 1.75, 1.5, 1.25, 1.0, 1.0, 1.0, 1.0]
+    )
     assert "train/moe/router_temperature" not in base[1]
     assert float(steps[0]["eval/loss"]) == pytest.approx(float(base[0]["eval/loss"]), rel=1e-6)  # temperature 1
     # flatter routing probabilities from step 1 on: the router loss (mean probability x share) moves
@@ -141,6 +149,8 @@ def test_router_loss_balances_the_experts_over_100_steps(runs):
         return sum(float(steps[s]["train/moe/entropy"]) for s in range(LONG_STEPS - 24, LONG_STEPS + 1)) / 25
 
     balanced, free = late_entropy(runs["long_aux"][0]), late_entropy(runs["long_no_aux"][0])
-    print(f"mean expert-usage entropy, steps 76-100: aux_loss_coef 0.1 {balanced:.4f}, 0 {free:.4f} "
-          f"(uniform {math.log(EXPERTS):.4f})")
+    print(
+        f"mean expert-usage entropy, steps 76-100: aux_loss_coef 0.1 {balanced:.4f}, 0 {free:.4f} "
+        f"(uniform {math.log(EXPERTS):.4f})"
+    )
     assert balanced > free

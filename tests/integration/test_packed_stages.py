@@ -52,7 +52,9 @@ def _spec(pipeline, root: str, stage: str, name: str, writer_id: str | None = No
     config = load_config(str(DEMO_CONFIG), overrides=settings)
     sft = StageLayout(pipeline.baseline_uris["sft"]).final if stage != "sft" else None
     output = os.path.join(root, name)
-    spec = build_spec(config, stage, RUN_ID, stage_inputs(stage, pipeline.data_uri, sft), output_uri=output, writer_id=writer_id)
+    spec = build_spec(
+        config, stage, RUN_ID, stage_inputs(stage, pipeline.data_uri, sft), output_uri=output, writer_id=writer_id
+    )
     return write_spec(spec, os.path.join(root, "specs", f"{name}.json"))
 
 
@@ -74,11 +76,25 @@ def packed_runs(tiny_pipeline, tmp_path_factory):
             kill_when=after_checkpoint_line(8),
         ),
         "sft-ddp": lambda: run_stage_ranks(
-            _spec(tiny_pipeline, root, "sft", "sft-ddp", **{"sft.grad_accum_steps": 1,
-                                                             "sft.backend": {"name": "ddp", "nproc_per_node": 2}}), 2),
+            _spec(
+                tiny_pipeline,
+                root,
+                "sft",
+                "sft-ddp",
+                **{"sft.grad_accum_steps": 1, "sft.backend": {"name": "ddp", "nproc_per_node": 2}},
+            ),
+            2,
+        ),
         "dpo-fsdp2": lambda: run_stage_ranks(
-            _spec(tiny_pipeline, root, "dpo", "dpo-fsdp2", **{"dpo.grad_accum_steps": 1,
-                                                               "dpo.backend": {"name": "fsdp2", "nproc_per_node": 2}}), 2),
+            _spec(
+                tiny_pipeline,
+                root,
+                "dpo",
+                "dpo-fsdp2",
+                **{"dpo.grad_accum_steps": 1, "dpo.backend": {"name": "fsdp2", "nproc_per_node": 2}},
+            ),
+            2,
+        ),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
@@ -114,4 +130,5 @@ def test_two_ranks_print_the_single_devices_packed_losses(packed_runs, stage, na
     assert sorted(got) == sorted(want) == list(range(1, MAX_STEPS + 1))
     for step, values in want.items():
         assert float(got[step]["train/loss"]) == pytest.approx(
-            float(values["train/loss"]), rel=PRINTED_REL, abs=PRINTED_ABS), (step, got[step], values)
+            float(values["train/loss"]), rel=PRINTED_REL, abs=PRINTED_ABS
+        ), (step, got[step], values)

@@ -38,10 +38,18 @@ def runs(tiny_pipeline: TinyPipeline, tmp_path_factory):
     sft = StageLayout(tiny_pipeline.baseline_uris["sft"]).final
 
     def run(loss_type: str):
-        config = load_config(base=tiny_pipeline.config.model_dump(mode="json"), overrides={
-            "dpo.loss_type": loss_type, "dpo.max_steps": STEPS, "dpo.eval_every": STEPS, "dpo.log_every": 1,
-            "dpo.learning_rate": 1e-3, "dpo.rpo_alpha": 0.0, **LOSSES[loss_type],
-        })
+        config = load_config(
+            base=tiny_pipeline.config.model_dump(mode="json"),
+            overrides={
+                "dpo.loss_type": loss_type,
+                "dpo.max_steps": STEPS,
+                "dpo.eval_every": STEPS,
+                "dpo.log_every": 1,
+                "dpo.learning_rate": 1e-3,
+                "dpo.rpo_alpha": 0.0,
+                **LOSSES[loss_type],
+            },
+        )
         output = os.path.join(root, loss_type)
         spec = build_spec(config, "dpo", RUN_ID, stage_inputs("dpo", tiny_pipeline.data_uri, sft), output_uri=output)
         result = run_stage(write_spec(spec, f"{output}.spec.json"))

@@ -148,8 +148,11 @@ def _s3_output(endpoint: str) -> tuple[str, dict[str, str]]:
     storage.configure(StorageConfig(endpoint_url=endpoint, region="us-east-1"))
     bucket = f"resume-{uuid.uuid4().hex[:12]}"
     client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
-        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"], aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
     )
     client.create_bucket(Bucket=bucket)
     return f"s3://{bucket}/stages/sft", {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
@@ -232,9 +235,7 @@ def assert_exact_resume(outcome: Resumed, pipeline: TinyPipeline) -> None:
     assert_same_weights(final_weights(outcome.output_uri), final_weights(pipeline.baseline_uris[outcome.stage]))
 
 
-@pytest.mark.parametrize(
-    "scenario", [name for name, s in SCENARIOS.items() if s.kill_after[0] == "checkpoint"]
-)
+@pytest.mark.parametrize("scenario", [name for name, s in SCENARIOS.items() if s.kill_after[0] == "checkpoint"])
 def test_sigkill_after_checkpoint_then_resume_is_bit_exact(outcomes, tiny_pipeline, scenario):
     outcome = outcomes[scenario].result()["intact"]
     kill_step = SCENARIOS[scenario].kill_after[1]
@@ -258,8 +259,10 @@ def _skip_warning(outcome: Resumed) -> str:
 
 @pytest.mark.parametrize(
     ("scenario", "damage", "reason"),
-    [("sft-checkpoint8", "uncommitted", "no manifest.json"),
-     ("sft-checkpoint8", "corrupt", "sha256 mismatch model.safetensors")],
+    [
+        ("sft-checkpoint8", "uncommitted", "no manifest.json"),
+        ("sft-checkpoint8", "corrupt", "sha256 mismatch model.safetensors"),
+    ],
     ids=["without_manifest", "with_corrupt_weights"],
 )
 def test_resume_falls_back_past_damaged_checkpoint(outcomes, tiny_pipeline, scenario, damage, reason):

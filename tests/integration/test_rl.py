@@ -34,6 +34,7 @@ from .helpers import (
 )
 from .rl_runs import RL_OVERRIDES, RL_STEPS, rl_config, rl_spec_path
 
+
 def _load_rl_learning():
     """``bench/rl_learning.py`` (its :func:`window_gain`: the demo's learning criterion)."""
     path = Path(__file__).resolve().parents[2] / "bench" / "rl_learning.py"
@@ -46,11 +47,28 @@ def _load_rl_learning():
 window_gain = _load_rl_learning().window_gain
 
 PPO_METRICS = (
-    "objective/kl", "objective/entropy", "objective/scores", "objective/rlhf_reward", "policy/approxkl_avg",
-    "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/ratio", "reward_mean", "reward_std",
-    "response_length_tokens", "verifier_accuracy",
+    "objective/kl",
+    "objective/entropy",
+    "objective/scores",
+    "objective/rlhf_reward",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+    "loss/policy_avg",
+    "loss/value_avg",
+    "val/ratio",
+    "reward_mean",
+    "reward_std",
+    "response_length_tokens",
+    "verifier_accuracy",
 )
-TIMED = ("time/generation_s", "time/reward_s", "time/logprobs_s", "time/reference_s", "time/update_s", "rollout/tokens_per_s")
+TIMED = (
+    "time/generation_s",
+    "time/reward_s",
+    "time/logprobs_s",
+    "time/reference_s",
+    "time/update_s",
+    "rollout/tokens_per_s",
+)
 
 
 TOOL = {"name": "tests.integration.tool_envs:Counter", "kwargs": {"every": 12}}
@@ -68,8 +86,9 @@ def rl_baselines(tiny_pipeline: TinyPipeline) -> dict[str, tuple[str, StageRun]]
     """One uninterrupted PPO, GRPO, and each with a tool: run name -> (output URI, run)."""
     out = {}
     for name in ("ppo", "grpo", "grpo-tools", "ppo-tools"):
-        path, output = rl_spec_path(tiny_pipeline, name.split("-")[0], f"{name}-baseline",
-                                    config=_config(tiny_pipeline, name))
+        path, output = rl_spec_path(
+            tiny_pipeline, name.split("-")[0], f"{name}-baseline", config=_config(tiny_pipeline, name)
+        )
         run = run_stage(path)
         assert run.returncode == 0, run.tail()
         out[name] = (output, run)
@@ -115,8 +134,9 @@ def test_rl_with_a_users_tool_calls_it_and_logs_the_episodes(rl_baselines, name)
         if name == "grpo-tools":
             assert m["reward_mean"] >= 0.25 * calls
         else:
-            assert m["reward_mean"] == pytest.approx(m["reward/reward_model"] + m["reward/verifier"] + 0.25 * calls,
-                                                     abs=1e-4)
+            assert m["reward_mean"] == pytest.approx(
+                m["reward/reward_model"] + m["reward/verifier"] + 0.25 * calls, abs=1e-4
+            )
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo", "grpo-tools"])
@@ -137,7 +157,9 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tiny_pipeline, rl_bas
     assert resumed.step_metrics() == want
     assert_same_weights(final_weights(output), final_weights(base_output))
     if stage == "ppo":
-        heads = [storage.read_bytes(join_uri(StageLayout(o).final, "value_head.safetensors")) for o in (output, base_output)]
+        heads = [
+            storage.read_bytes(join_uri(StageLayout(o).final, "value_head.safetensors")) for o in (output, base_output)
+        ]
         assert heads[0] == heads[1]
 
 
@@ -221,10 +243,13 @@ def trend_runs(tmp_path_factory) -> dict[str, StageRun]:
     config = load_config(str(DEMO_CONFIG), overrides={**_TREND_OVERRIDES, "storage.root": root})
     layout = lambda stage: StageLayout(os.path.join(root, stage)).final
     data, sft = layout("data"), layout("sft")
-    inputs = {"prepare_data": {}, "sft": {"data": data, "model": "init"},
-              "reward_model": {"data": data, "model": sft},
-              "grpo": {"data": data, "model": sft},
-              "ppo": {"data": data, "model": sft, "reference": sft, "reward_model": layout("reward_model")}}
+    inputs = {
+        "prepare_data": {},
+        "sft": {"data": data, "model": "init"},
+        "reward_model": {"data": data, "model": sft},
+        "grpo": {"data": data, "model": sft},
+        "ppo": {"data": data, "model": sft, "reference": sft, "reward_model": layout("reward_model")},
+    }
     runs = {}
     for stage, stage_inputs in inputs.items():
         output = os.path.join(root, "data" if stage == "prepare_data" else stage)
@@ -256,7 +281,9 @@ def test_ppo_raises_reward_model_score_on_synthetic_task(trend_runs):
     Measured when written: 0.779 -> 1.405, twice the standard error 0.383."""
     scores = _per_update(trend_runs["ppo"], PPO_TREND_UPDATES, "objective/scores")
     gain = window_gain(scores, 5)
-    print(f"PPO reward-model score, updates 1-5 {gain['first']:.4f}, 16-20 {gain['last']:.4f}, 2 SE {2 * gain['se']:.4f}")
+    print(
+        f"PPO reward-model score, updates 1-5 {gain['first']:.4f}, 16-20 {gain['last']:.4f}, 2 SE {2 * gain['se']:.4f}"
+    )
     assert gain["learns"], f"PPO reward-model score: {gain} over updates {scores}"
 
 
@@ -274,12 +301,20 @@ def distill_spec_path(pipeline: TinyPipeline, name: str, teacher: str, **extra: 
     """Write the spec of a distill run ``name`` (the SFT baseline the student, ``teacher`` the
     teacher, ``extra`` more ``distill.*`` settings); returns (spec path, output URI)."""
     overrides = {f"distill.{k}": v for k, v in {**RL_OVERRIDES, **extra}.items()}
-    config = load_config(base=pipeline.config.model_dump(mode="json"),
-                         overrides={**overrides, "distill.teacher_from": teacher, "distill.samples_per_prompt": 2})
+    config = load_config(
+        base=pipeline.config.model_dump(mode="json"),
+        overrides={**overrides, "distill.teacher_from": teacher, "distill.samples_per_prompt": 2},
+    )
     sft = StageLayout(pipeline.baseline_uris["sft"]).final
     output = os.path.join(pipeline.root, "rl", name)
-    spec = build_spec(config, "distill", RUN_ID, {"data": pipeline.data_uri, "model": sft, "reference": teacher},
-                      output_uri=output, writer_id=f"writer-{name}")
+    spec = build_spec(
+        config,
+        "distill",
+        RUN_ID,
+        {"data": pipeline.data_uri, "model": sft, "reference": teacher},
+        output_uri=output,
+        writer_id=f"writer-{name}",
+    )
     return write_spec(spec, os.path.join(pipeline.root, "specs", f"distill-{name}.json")), output
 
 
@@ -351,10 +386,15 @@ def test_the_teacher_stage_trains_a_wider_model_that_distill_reads(tiny_pipeline
     from trainer_core.registry import stage_inputs as registry_inputs
 
     init = tiny_pipeline.config.model.init.model_dump()
-    config = load_config(base=tiny_pipeline.config.model_dump(mode="json"), overrides={
-        "stages": "prepare_data,sft,teacher,distill,evaluate", "teacher.max_steps": 8,
-        "teacher.model_init": {**init, "hidden_size": 2 * init["hidden_size"]},
-        **{f"distill.{k}": v for k, v in {**RL_OVERRIDES, "max_steps": 2}.items()}})
+    config = load_config(
+        base=tiny_pipeline.config.model_dump(mode="json"),
+        overrides={
+            "stages": "prepare_data,sft,teacher,distill,evaluate",
+            "teacher.max_steps": 8,
+            "teacher.model_init": {**init, "hidden_size": 2 * init["hidden_size"]},
+            **{f"distill.{k}": v for k, v in {**RL_OVERRIDES, "max_steps": 2}.items()},
+        },
+    )
     outputs = {"prepare_data": tiny_pipeline.data_uri, "sft": StageLayout(tiny_pipeline.baseline_uris["sft"]).final}
     teacher_out = os.path.join(tiny_pipeline.root, "rl", "teacher")
     spec = build_spec(config, "teacher", RUN_ID, registry_inputs(config, "teacher", outputs), output_uri=teacher_out)

@@ -78,8 +78,14 @@ _STAGE_OVERRIDES = {
     # The generalised JSD over the vocabulary: the teacher (wider, sharded too) forwards in every
     # update step, its head gathered whole once; lmbda 0.5: iterations on the dataset's
     # completions too (the same draw on both ranks: their forwards run in lockstep).
-    "distill": {"loss": "generalized_jsd", "beta": 0.5, "lmbda": 0.5, "samples_per_prompt": 2, "ptx_coef": 0.5,
-                "ptx_rows_per_step": 2},
+    "distill": {
+        "loss": "generalized_jsd",
+        "beta": 0.5,
+        "lmbda": 0.5,
+        "samples_per_prompt": 2,
+        "ptx_coef": 0.5,
+        "ptx_rows_per_step": 2,
+    },
 }
 SAMPLES_PER_PROMPT = {"grpo": 4, "distill": 2, "ppo": 1}
 
@@ -97,8 +103,14 @@ class Case:
         return f"{self.stage}-{self.backend}{self.zero_stage or ''}"
 
 
-CASES = [Case("grpo", "fsdp2"), Case("grpo", "deepspeed", 3), Case("ppo", "ddp"), Case("ppo", "fsdp2"),
-         Case("distill", "fsdp2"), Case("distill", "deepspeed", 3)]
+CASES = [
+    Case("grpo", "fsdp2"),
+    Case("grpo", "deepspeed", 3),
+    Case("ppo", "ddp"),
+    Case("ppo", "fsdp2"),
+    Case("distill", "fsdp2"),
+    Case("distill", "deepspeed", 3),
+]
 RESUME_CASE = Case("ppo", "fsdp2")
 RESUMED = re.compile(r"resumed from \S*step-(\d+)")
 
@@ -134,8 +146,12 @@ def case_spec(pipeline: TinyPipeline, case: Case, name: str) -> tuple[str, str, 
         overrides["backend.zero_stage"] = case.zero_stage
     config = load_config(base=pipeline.config.model_dump(mode="json"), overrides=overrides)
     sft = StageLayout(pipeline.baseline_uris["sft"]).final
-    inputs = {"data": pipeline.data_uri, "model": sft, "reference": teacher or sft,
-              "reward_model": StageLayout(pipeline.baseline_uris["reward_model"]).final}
+    inputs = {
+        "data": pipeline.data_uri,
+        "model": sft,
+        "reference": teacher or sft,
+        "reward_model": StageLayout(pipeline.baseline_uris["reward_model"]).final,
+    }
     output = os.path.join(pipeline.root, "rl-dist", name)
     spec = build_spec(config, case.stage, RUN_ID, inputs, output_uri=output, writer_id=f"writer-{name}")
     return write_spec(spec, os.path.join(pipeline.root, "specs", f"rl-dist-{name}.json")), output, spec
@@ -217,8 +233,9 @@ def test_fsdp2_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tiny_p
     the same weights."""
     path, output, spec = case_spec(tiny_pipeline, RESUME_CASE, f"{RESUME_CASE.name}-killed")
     committed = after_checkpoint(output, RL_SAVE_EVERY)
-    killed = launch(path, spec, stop_when=lambda lines: f"[ppo] step {RL_SAVE_EVERY + 1}:" in lines[-1]
-                    and committed(lines))
+    killed = launch(
+        path, spec, stop_when=lambda lines: f"[ppo] step {RL_SAVE_EVERY + 1}:" in lines[-1] and committed(lines)
+    )
     assert killed.killed, killed.tail()
     resumed = launch(path, spec)
     assert resumed.returncode == 0, resumed.tail(60)
@@ -230,7 +247,9 @@ def test_fsdp2_sigkill_after_checkpoint_then_resume_matches_uninterrupted(tiny_p
     want = {s: m for s, m in base_run.step_metrics().items() if s > start}
     assert resumed.step_metrics() == want
     assert_same_weights(final_weights(output), final_weights(base_output))
-    heads = [storage.read_bytes(join_uri(StageLayout(o).final, "value_head.safetensors")) for o in (output, base_output)]
+    heads = [
+        storage.read_bytes(join_uri(StageLayout(o).final, "value_head.safetensors")) for o in (output, base_output)
+    ]
     assert heads[0] == heads[1]
 
 
@@ -315,9 +334,17 @@ class ThreadDDP:
 
 def tiny_policy(seed: int = 0):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         pad_token_id=0, eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=12,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -327,10 +354,15 @@ def ppo_batch(lengths: list[int], prompt_tokens: int = 3, seed: int = 1) -> Roll
     n, t = len(lengths), max(lengths)
     c_mask = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).float()
     return RolloutBatch(
-        prompt_ids=torch.randint(2, 12, (n, prompt_tokens)), prompt_mask=torch.ones(n, prompt_tokens),
-        completion_ids=torch.randint(2, 12, (n, t)) * c_mask.long(), completion_mask=c_mask,
-        logprobs=(-2.5 + 0.3 * torch.randn(n, t)) * c_mask, scores=torch.randn(n), prompt_index=torch.arange(n),
-        values=0.1 * torch.randn(n, t) * c_mask, advantages=torch.randn(n, t) * c_mask,
+        prompt_ids=torch.randint(2, 12, (n, prompt_tokens)),
+        prompt_mask=torch.ones(n, prompt_tokens),
+        completion_ids=torch.randint(2, 12, (n, t)) * c_mask.long(),
+        completion_mask=c_mask,
+        logprobs=(-2.5 + 0.3 * torch.randn(n, t)) * c_mask,
+        scores=torch.randn(n),
+        prompt_index=torch.arange(n),
+        values=0.1 * torch.randn(n, t) * c_mask,
+        advantages=torch.randn(n, t) * c_mask,
         returns=torch.randn(n, t) * c_mask,
     )
 
@@ -345,9 +377,18 @@ def ppo_trainers(cfg: PPOConfig):
 
     def make(backend) -> RLTrainer:
         model = copy.deepcopy(initial)
-        trainer = RLTrainer(backend=backend, tokenizer=None, cfg=cfg, algo=PPOAlgorithm(cfg), model=model,
-                            reference=None, reward_fn=None, prompts=[], seed=0,
-                            session=CheckpointSession("memory://rl-step", backend))
+        trainer = RLTrainer(
+            backend=backend,
+            tokenizer=None,
+            cfg=cfg,
+            algo=PPOAlgorithm(cfg),
+            model=model,
+            reference=None,
+            reward_fn=None,
+            prompts=[],
+            seed=0,
+            session=CheckpointSession("memory://rl-step", backend),
+        )
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         return trainer
 
@@ -423,7 +464,9 @@ def test_whitening_over_ranks_equals_whitening_the_whole_batch():
     assert torch.equal(whiten(x, mask), masked_whiten)
     assert torch.equal(whiten(x, mask, all_reduce_sum=lambda t: t), masked_whiten)
     reduce = ThreadAllReduce(2)
-    halves = on_threads(lambda r: whiten(x[3 * r : 3 * r + 3], mask[3 * r : 3 * r + 3], all_reduce_sum=reduce.rank(r)), 2)
+    halves = on_threads(
+        lambda r: whiten(x[3 * r : 3 * r + 3], mask[3 * r : 3 * r + 3], all_reduce_sum=reduce.rank(r)), 2
+    )
     torch.testing.assert_close(torch.cat(halves), whiten(x, mask), rtol=0, atol=1e-6)
 
 
@@ -450,8 +493,9 @@ def test_synced_sampling_runs_ranks_in_lockstep_and_returns_the_unsynced_tokens(
 
     def sample(rank: int, sync) -> tuple[torch.Tensor, torch.Tensor, int]:
         model = Biased(50.0 if rank == 0 else -50.0)
-        out = HFEngine(model, sync=sync).generate(prompts, torch.ones(2, 2), gen, eos_id=1, pad_id=0,
-                                                  generator=torch.Generator().manual_seed(rank))
+        out = HFEngine(model, sync=sync).generate(
+            prompts, torch.ones(2, 2), gen, eos_id=1, pad_id=0, generator=torch.Generator().manual_seed(rank)
+        )
         return out.completion_ids, out.completion_mask, model.calls
 
     alone = [sample(r, None) for r in range(2)]

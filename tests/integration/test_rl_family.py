@@ -34,12 +34,21 @@ def _losses(run) -> list[float]:
     return [float(steps[s]["train/loss"]) for s in sorted(steps)]
 
 
-@pytest.mark.parametrize("overrides", [
-    {"grpo.clip_eps_high": 0.28, "grpo.dynamic_sampling": True, "grpo.dynamic_sampling_max_rounds": 3,
-     "grpo.overlong_buffer_tokens": 4, "grpo.loss_aggregation": "token_mean"},
-    {"grpo.advantage_estimator": "rloo", "grpo.loss_aggregation": "sequence_mean"},
-    {"grpo.advantage_estimator": "reinforce_pp", "grpo.kl_coef": 0.05, "grpo.loss_aggregation": "constant"},
-], ids=["dapo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {
+            "grpo.clip_eps_high": 0.28,
+            "grpo.dynamic_sampling": True,
+            "grpo.dynamic_sampling_max_rounds": 3,
+            "grpo.overlong_buffer_tokens": 4,
+            "grpo.loss_aggregation": "token_mean",
+        },
+        {"grpo.advantage_estimator": "rloo", "grpo.loss_aggregation": "sequence_mean"},
+        {"grpo.advantage_estimator": "reinforce_pp", "grpo.kl_coef": 0.05, "grpo.loss_aggregation": "constant"},
+    ],
+    ids=["dapo", "rloo", "reinforce_pp"],
+)
 def test_grpo_family_recipes_run_to_the_end(tiny_pipeline, overrides):
     run, output = _run(tiny_pipeline, "family-" + "-".join(str(v) for v in overrides.values())[:40], **overrides)
     assert run.returncode == 0, run.tail()
@@ -53,8 +62,11 @@ def test_grpo_family_recipes_run_to_the_end(tiny_pipeline, overrides):
 
 
 def test_custom_reward_function_by_import_path(tiny_pipeline):
-    run, _ = _run(tiny_pipeline, "reward-fn", **{"grpo.reward.kind": "function",
-                                                  "grpo.reward.function": "tests.integration.reward_fns:short_and_answered"})
+    run, _ = _run(
+        tiny_pipeline,
+        "reward-fn",
+        **{"grpo.reward.kind": "function", "grpo.reward.function": "tests.integration.reward_fns:short_and_answered"},
+    )
     assert run.returncode == 0, run.tail()
     steps = run.step_metrics()
     # The function's scores, not the verifier's: below 1 and never the verifier's 0 / 0.1 / 1.1 values only.
@@ -77,8 +89,9 @@ def test_micro_batched_and_padding_free_forwards_equal_whole_batch(tiny_pipeline
     ptx = {"grpo.ptx_coef": 0.5, "grpo.ptx_rows_per_step": 3}
     whole, out_whole = _run(tiny_pipeline, "fmbs-none", **ptx)
     micro, out_micro = _run(tiny_pipeline, "fmbs-3", **ptx, **{"grpo.forward_micro_batch_size": 3})
-    packed, out_packed = _run(tiny_pipeline, "fmbs-3-padding-free", **ptx,
-                              **{"grpo.forward_micro_batch_size": 3, "grpo.padding_free": True})
+    packed, out_packed = _run(
+        tiny_pipeline, "fmbs-3-padding-free", **ptx, **{"grpo.forward_micro_batch_size": 3, "grpo.padding_free": True}
+    )
     assert whole.returncode == micro.returncode == packed.returncode == 0, whole.tail() + micro.tail() + packed.tail()
     want = final_weights(out_whole)
     for run, output in ((micro, out_micro), (packed, out_packed)):

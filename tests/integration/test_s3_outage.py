@@ -140,8 +140,9 @@ def test_checkpoint_upload_survives_a_10s_endpoint_outage(s3_endpoint, caplog):
     model, optimizer, scheduler, progress = trained_state()
     backend = SingleDeviceBackend("cpu")
     staged = StagedWriter()  # the state serialised in step, as an asynchronous save does
-    put_train_state(staged, backend=backend, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress,
-                    files={})
+    put_train_state(
+        staged, backend=backend, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress, files={}
+    )
     out = RankWriter(uri, backend)
     files = OutageAfterFirstFile(out)
     outcome: dict[str, object] = {}
@@ -169,8 +170,10 @@ def test_checkpoint_upload_survives_a_10s_endpoint_outage(s3_endpoint, caplog):
     assert "error" not in outcome, f"the save failed: {outcome.get('error')!r}"
     manifest = load_verified(uri)
     total_mb = sum(f.size_bytes for f in manifest.files) / 2**20
-    print(f"{total_mb:.1f} MB checkpoint; endpoint down {up_at - down_at:.1f}s; save done "
-          f"{outcome['done_at'] - up_at:.1f}s after it came back")
+    print(
+        f"{total_mb:.1f} MB checkpoint; endpoint down {up_at - down_at:.1f}s; save done "
+        f"{outcome['done_at'] - up_at:.1f}s after it came back"
+    )
 
     # The save was held up by the outage and retried. botocore retries a refused connection
     # itself first (up to 5 attempts, random backoff of up to ~15 s in all; logged at DEBUG),
@@ -178,11 +181,13 @@ def test_checkpoint_upload_survives_a_10s_endpoint_outage(s3_endpoint, caplog):
     # them bridges a 10 s outage depends on botocore's random backoff.
     assert outcome["done_at"] > up_at
     storage_retries = [
-        r.getMessage() for r in caplog.records
+        r.getMessage()
+        for r in caplog.records
         if r.name == "trainer_core.storage" and r.getMessage().startswith("Retrying ")
     ]
     botocore_retries = [
-        r.getMessage() for r in caplog.records
+        r.getMessage()
+        for r in caplog.records
         if r.name == "botocore.retryhandler" and r.getMessage().startswith("retry needed")
     ]
     print(f"retries logged: {len(storage_retries)} by storage (WARNING), {len(botocore_retries)} by botocore (DEBUG)")
@@ -193,8 +198,9 @@ def test_checkpoint_upload_survives_a_10s_endpoint_outage(s3_endpoint, caplog):
     # moto's state outlived the server: the bucket and the file written before the outage.
     names = {
         o["Key"].rsplit("/", 1)[-1]
-        for o in boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
-        .list_objects_v2(Bucket=bucket)["Contents"]
+        for o in boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").list_objects_v2(
+            Bucket=bucket
+        )["Contents"]
     }
     assert names == {*(n.rsplit("/", 1)[-1] for n in files.names), "manifest.json"}
 

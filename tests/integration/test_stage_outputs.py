@@ -85,8 +85,11 @@ def test_final_dir_loads_with_auto_classes(tiny_pipeline, stage, auto_class):
     output = tiny_pipeline.baseline_uris[stage]
     path = storage.materialize(StageLayout(output).final)
     model, info = auto_class.from_pretrained(path, output_loading_info=True)
-    saved = {"config": json.loads(Path(path, "config.json").read_text()), "keys": sorted(final_weights(output)),
-             "tied": getattr(model, "all_tied_weights_keys", None)}
+    saved = {
+        "config": json.loads(Path(path, "config.json").read_text()),
+        "keys": sorted(final_weights(output)),
+        "tied": getattr(model, "all_tied_weights_keys", None),
+    }
     assert not info["missing_keys"] and not info["unexpected_keys"], (info, saved)
     tokenizer = AutoTokenizer.from_pretrained(path)
     encoded = tokenizer(["What is 3 + 4?", "Add 12 and 5."], padding=True, return_tensors="pt")
@@ -115,8 +118,14 @@ def _train(parts, workdir: str, grad_accum_steps: int):
     inner = BucketedBatchSampler(lengths, EXAMPLES_PER_STEP, seed=0, drop_last=True)
     sampler = inner if grad_accum_steps == 1 else SplitSampler(inner, grad_accum_steps)
     cfg = TrainStageConfig(
-        max_steps=6, micro_batch_size=EXAMPLES_PER_STEP // grad_accum_steps, grad_accum_steps=grad_accum_steps,
-        learning_rate=3e-3, warmup_steps=2, eval_every=1000, save_every=1000, async_save=False,
+        max_steps=6,
+        micro_batch_size=EXAMPLES_PER_STEP // grad_accum_steps,
+        grad_accum_steps=grad_accum_steps,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        eval_every=1000,
+        save_every=1000,
+        async_save=False,
     )
     logged: dict[int, dict[str, float]] = {}
     backend = build_backend(BackendConfig(device="cpu"))
@@ -127,7 +136,8 @@ def _train(parts, workdir: str, grad_accum_steps: int):
         batches=BatchSource(rows=rows, sampler=sampler, collate=collate, device=torch.device("cpu")),
         cfg=cfg,
         session=CheckpointSession(
-            os.path.join(workdir, f"accum{grad_accum_steps}"), backend,
+            os.path.join(workdir, f"accum{grad_accum_steps}"),
+            backend,
             metrics=MetricsBuffer(printer=lambda metrics, step: logged.setdefault(step, {}).update(metrics)),
         ),
     )
@@ -156,11 +166,17 @@ def test_out_of_memory_is_a_resource_error_naming_the_stage_and_batch(tiny_pipel
     config = tiny_pipeline.config.model_copy(deep=True)
     config.model.init.hidden_size, config.model.init.intermediate_size = 512, 8192
     config.sft.micro_batch_size = 512
-    spec = build_spec(config, "sft", "oom", {"data": tiny_pipeline.data_uri, "model": "init"},
-                      output_uri=str(tmp_path / "sft"))
+    spec = build_spec(
+        config, "sft", "oom", {"data": tiny_pipeline.data_uri, "model": "init"}, output_uri=str(tmp_path / "sft")
+    )
     spec_path = write_spec(spec, tmp_path / "sft.json")
-    out = subprocess.run([sys.executable, str(FIXTURES / "oom_trainer.py"), spec_path, "1500"],
-                         capture_output=True, text=True, timeout=300, env=child_env())
+    out = subprocess.run(
+        [sys.executable, str(FIXTURES / "oom_trainer.py"), spec_path, "1500"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
     assert out.returncode == EXIT_RESOURCE, out.stdout[-2000:] + out.stderr[-2000:]
     assert "error: stage sft at sft.micro_batch_size=512: out of memory" in out.stderr, out.stderr[-2000:]
     assert "lower the stage's micro_batch_size" in out.stderr

@@ -68,8 +68,13 @@ def launch_nodes(spec_path: str) -> Job:
     nodes, lines = [], []
     for rank in (0, 1):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tasks.launch.process", spec_path, "--node-rank", str(rank)], cwd=REPO_ROOT,
-            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            [sys.executable, "-m", "tasks.launch.process", spec_path, "--node-rank", str(rank)],
+            cwd=REPO_ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         out: list[str] = []
         os.set_blocking(proc.stdout.fileno(), False)
@@ -144,8 +149,14 @@ def launched_ranks(launch_marker: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tiny_pipeline, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("two-nodes"))
-    batch = {"sft.global_batch_size": 16, "sft.micro_batch_size": 4, "sft.max_steps": STEPS,
-             "sft.save_every": SAVE_EVERY, "sft.eval_every": SAVE_EVERY, "sft.keep_last_checkpoints": STEPS}
+    batch = {
+        "sft.global_batch_size": 16,
+        "sft.micro_batch_size": 4,
+        "sft.max_steps": STEPS,
+        "sft.save_every": SAVE_EVERY,
+        "sft.eval_every": SAVE_EVERY,
+        "sft.keep_last_checkpoints": STEPS,
+    }
     base = tiny_pipeline.config.model_dump(mode="json")
     inputs = stage_inputs("sft", tiny_pipeline.data_uri, None)
 
@@ -159,8 +170,13 @@ def runs(tiny_pipeline, tmp_path_factory):
     assert single.returncode == 0, why_failed(single)
     out = {"single": single}
     for name in ("nodes", "killed"):
-        nodes = {"backend.name": "fsdp2", "backend.nnodes": 2, "backend.nproc_per_node": 2,
-                 "backend.rdzv_endpoint": f"127.0.0.1:{free_port()}", "backend.rdzv_id": f"two-nodes-{name}"}
+        nodes = {
+            "backend.name": "fsdp2",
+            "backend.nnodes": 2,
+            "backend.nproc_per_node": 2,
+            "backend.rdzv_endpoint": f"127.0.0.1:{free_port()}",
+            "backend.rdzv_id": f"two-nodes-{name}",
+        }
         path, output = spec_path(name, nodes)
         job = launch_nodes(path)
         if name == "nodes":
@@ -187,8 +203,10 @@ def test_two_nodes_track_the_single_device(runs):
 
 def test_killed_node_fails_both_nodes_and_the_relaunch_resumes(runs):
     job, kill_to_exit, left, committed, relaunch, output = runs["killed"]
-    print(f"node exits {[p.returncode for p in job.nodes]}, node 0 failed {kill_to_exit:.1f} s after the kill, "
-          f"committed {committed}")
+    print(
+        f"node exits {[p.returncode for p in job.nodes]}, node 0 failed {kill_to_exit:.1f} s after the kill, "
+        f"committed {committed}"
+    )
     assert job.nodes[1].returncode not in (0, None), "node 1 must fail once its agent is gone"
     assert job.nodes[0].returncode not in (0, None), "node 0 must fail once node 1 is gone"
     assert kill_to_exit is not None and kill_to_exit < KILL_TO_EXIT_S, kill_to_exit

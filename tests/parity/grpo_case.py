@@ -136,8 +136,10 @@ class Weights:
 
 def perturbed(params: dict[str, Tensor], std: float, generator: torch.Generator) -> dict[str, Tensor]:
     """``params`` plus Gaussian noise of ``std`` times each matrix's own std (1-D norm weights kept)."""
-    return {k: v + std * float(v.std()) * torch.randn(v.shape, generator=generator) if v.ndim > 1 else v.clone()
-            for k, v in params.items()}
+    return {
+        k: v + std * float(v.std()) * torch.randn(v.shape, generator=generator) if v.ndim > 1 else v.clone()
+        for k, v in params.items()
+    }
 
 
 def load(model: nn.Module, params: dict[str, Tensor]) -> None:
@@ -216,9 +218,15 @@ def project_trainer(cfg: GRPOConfig, weights: Weights) -> tuple[RLTrainer, Repla
     items = [PromptItem([{"role": "user", "content": prompt_text(p)}], PROMPTS[p], None) for p in range(len(PROMPTS))]
     engine = ReplayEngine()
     trainer = RLTrainer(
-        backend=backend, tokenizer=word_tokenizer(), cfg=cfg, algo=GRPOAlgorithm(cfg),
-        model=backend.wrap(PolicyAndValue(policy)), reference=reference,
-        reward_fn=lambda prompts, texts: fixed_rewards(engine.rows[-len(texts):], texts), prompts=items, seed=SEED,
+        backend=backend,
+        tokenizer=word_tokenizer(),
+        cfg=cfg,
+        algo=GRPOAlgorithm(cfg),
+        model=backend.wrap(PolicyAndValue(policy)),
+        reference=reference,
+        reward_fn=lambda prompts, texts: fixed_rewards(engine.rows[-len(texts) :], texts),
+        prompts=items,
+        seed=SEED,
         session=CheckpointSession("memory://grpo-parity", backend),
     )
     trainer.engine = engine

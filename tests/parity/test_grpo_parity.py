@@ -165,10 +165,18 @@ def project_config(case: Case, **overrides) -> GRPOConfig:
     """The project's GRPO stage config of ``case``: one rollout of 3 prompts x 4 completions, one
     mini-batch, the gradient norm not clipped (the recorder sees the raw gradients)."""
     return GRPOConfig(
-        group_size=GROUP_SIZE, prompts_per_rollout=len(PROMPTS), advantage_estimator="grpo",
-        scale_rewards=case.scale_rewards, loss_aggregation=case.aggregation, kl_coef=case.beta, kl_estimator="k3",
-        clip_eps=CLIP_EPS, clip_eps_high=case.clip_high, max_grad_norm=None,
-        generation={"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS}, **overrides,
+        group_size=GROUP_SIZE,
+        prompts_per_rollout=len(PROMPTS),
+        advantage_estimator="grpo",
+        scale_rewards=case.scale_rewards,
+        loss_aggregation=case.aggregation,
+        kl_coef=case.beta,
+        kl_estimator="k3",
+        clip_eps=CLIP_EPS,
+        clip_eps_high=case.clip_high,
+        max_grad_norm=None,
+        generation={"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS},
+        **overrides,
     )
 
 
@@ -182,8 +190,13 @@ def run_project(case: Case, weights: Weights, **overrides) -> tuple[Side, Rollou
     advantages = batch.advantages  # [N, T]: each completion's advantage on each of its tokens
     assert torch.equal(advantages, advantages[:, :1] * batch.completion_mask)
     side = Side(
-        engine.rows, batch.completion_mask, advantages[:, 0], batch.logprobs, batch.ref_logprobs,
-        float(metrics["train/loss"]), trainer.optimizer.grads,
+        engine.rows,
+        batch.completion_mask,
+        advantages[:, 0],
+        batch.logprobs,
+        batch.ref_logprobs,
+        float(metrics["train/loss"]),
+        trainer.optimizer.grads,
         {"clip_ratio": float(metrics["policy/clipfrac_avg"]), "entropy": float(metrics["policy/entropy_avg"])},
     )
     if case.beta:
@@ -203,24 +216,46 @@ def trl_trainer(case: Case, weights: Weights, rows: list[tuple[int, int]], workd
 
     def rollout_func(prompts, trainer):
         assert prompts == [prompt_text(p) for p, _ in rows], prompts
-        return {"prompt_ids": [PROMPTS[p] for p, _ in rows], "completion_ids": [COMPLETIONS[p][j] for p, j in rows],
-                "logprobs": [[0.0] * len(COMPLETIONS[p][j]) for p, j in rows]}
+        return {
+            "prompt_ids": [PROMPTS[p] for p, _ in rows],
+            "completion_ids": [COMPLETIONS[p][j] for p, j in rows],
+            "logprobs": [[0.0] * len(COMPLETIONS[p][j]) for p, j in rows],
+        }
 
     def reward(prompts, completions, completion_ids, **kwargs):
         assert completion_ids == [COMPLETIONS[p][j] for p, j in rows]
         return [REWARDS[p][j] for p, j in rows]
 
     settings = dict(
-        output_dir=str(workdir / "trl"), per_device_train_batch_size=len(rows), steps_per_generation=1,
-        num_generations=GROUP_SIZE, num_iterations=2, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE,
-        beta=case.beta, loss_type=case.loss_type, scale_rewards="group" if case.scale_rewards else "none",
-        epsilon=CLIP_EPS, epsilon_high=case.clip_high, use_bias_correction_kl=False, max_steps=1, use_cpu=True,
-        bf16=False, fp16=False, activation_checkpointing=False, report_to="none", disable_tqdm=True, seed=SEED,
+        output_dir=str(workdir / "trl"),
+        per_device_train_batch_size=len(rows),
+        steps_per_generation=1,
+        num_generations=GROUP_SIZE,
+        num_iterations=2,
+        max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE,
+        beta=case.beta,
+        loss_type=case.loss_type,
+        scale_rewards="group" if case.scale_rewards else "none",
+        epsilon=CLIP_EPS,
+        epsilon_high=case.clip_high,
+        use_bias_correction_kl=False,
+        max_steps=1,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        activation_checkpointing=False,
+        report_to="none",
+        disable_tqdm=True,
+        seed=SEED,
     )
     trainer = trl.GRPOTrainer(
-        model=model, reward_funcs=reward, args=trl.GRPOConfig(**{**settings, **overrides}),
+        model=model,
+        reward_funcs=reward,
+        args=trl.GRPOConfig(**{**settings, **overrides}),
         train_dataset=datasets.Dataset.from_list([{"prompt": prompt_text(p)} for p in range(len(PROMPTS))]),
-        processing_class=word_tokenizer(), rollout_func=rollout_func,
+        processing_class=word_tokenizer(),
+        rollout_func=rollout_func,
     )
     assert (trainer.ref_model is not None) == (case.beta > 0)
     return trainer
@@ -262,16 +297,27 @@ def run_trl(case: Case, weights: Weights, rows: list[tuple[int, int]], workdir: 
     loss, metrics = trl_loss(trainer, inputs)
     mask = inputs["completion_mask"].float()
     ref = inputs["ref_per_token_logps"] * mask if case.beta else None
-    return Side(rows, mask, inputs["advantages"], inputs["old_per_token_logps"] * mask, ref, float(loss),
-                trl_grads(trainer), metrics)
+    return Side(
+        rows,
+        mask,
+        inputs["advantages"],
+        inputs["old_per_token_logps"] * mask,
+        ref,
+        float(loss),
+        trl_grads(trainer),
+        metrics,
+    )
 
 
 # -- the comparison ---------------------------------------------------------------------------
 
 
 QUANTITIES = {
-    "advantages": SCALED, "old and reference log-probs (completion tokens)": "rel 1e-05", "loss": SCALED,
-    "gradient (every element)": GRAD_SCALED, "gradient norm": "rel 1e-05",
+    "advantages": SCALED,
+    "old and reference log-probs (completion tokens)": "rel 1e-05",
+    "loss": SCALED,
+    "gradient (every element)": GRAD_SCALED,
+    "gradient norm": "rel 1e-05",
     "per-token means: KL (with it), clip ratio, entropy": "rel 1e-05 + abs 4.8e-07",
 }
 """The rows of each loss type's comparison and their tolerances (module docstring)."""
@@ -303,8 +349,17 @@ def check_rows(objective: str, rows: dict[str, Gathered], steps: str = FIXED) ->
     for quantity, tolerance in QUANTITIES.items():
         r = rows[quantity]
         if r.ours:
-            check_close(objective, quantity, r.ours, r.theirs, steps=steps, rtol=RTOL, atol=r.floors,
-                        tolerance=tolerance, labels=r.labels)
+            check_close(
+                objective,
+                quantity,
+                r.ours,
+                r.theirs,
+                steps=steps,
+                rtol=RTOL,
+                atol=r.floors,
+                tolerance=tolerance,
+                labels=r.labels,
+            )
 
 
 def check_gradients(objective: str, ours: dict[str, Tensor], theirs: dict[str, Tensor]) -> None:
@@ -375,13 +430,29 @@ def test_kl_term_is_deepseekmath_k3_not_trls_bias_corrected_default(weights, tmp
     term.backward()
     term_grads = {n.removeprefix("policy."): p.grad for n, p in trainer.module.named_parameters()}
     scale = float(theirs.advantages.abs().max())
-    check_close(name, "TRL's loss = the project's + beta x k3 x (ratio - 1), aggregated", [ours.loss + float(term)],
-                [theirs.loss], steps=FIXED, rtol=RTOL, atol=RTOL * scale, tolerance=SCALED)
-    check_gradients(f"{name}: TRL's = the project's + that term's", {n: g + term_grads[n] for n, g in
-                                                                   ours.grads.items()}, theirs.grads)
+    check_close(
+        name,
+        "TRL's loss = the project's + beta x k3 x (ratio - 1), aggregated",
+        [ours.loss + float(term)],
+        [theirs.loss],
+        steps=FIXED,
+        rtol=RTOL,
+        atol=RTOL * scale,
+        tolerance=SCALED,
+    )
+    check_gradients(
+        f"{name}: TRL's = the project's + that term's",
+        {n: g + term_grads[n] for n, g in ours.grads.items()},
+        theirs.grads,
+    )
     check_departure(name, "loss, the project's vs TRL's default (departure)", ours.loss, theirs.loss, steps=FIXED)
-    check_departure_vectors(name, "gradient, the project's vs TRL's default (departure, L2)", flat(ours.grads),
-                            flat(theirs.grads), steps=FIXED)
+    check_departure_vectors(
+        name,
+        "gradient, the project's vs TRL's default (departure, L2)",
+        flat(ours.grads),
+        flat(theirs.grads),
+        steps=FIXED,
+    )
 
 
 def test_token_mean_is_dapo_not_bnpo_under_gradient_accumulation(weights, tmp_path):
@@ -416,14 +487,30 @@ def test_token_mean_is_dapo_not_bnpo_under_gradient_accumulation(weights, tmp_pa
     (dapo_parts, tokens, dapo_grads), (bnpo_parts, _, bnpo_grads) = results["dapo"], results["bnpo"]
     assert tokens[0] != tokens[1], tokens
     scale = float(ours.advantages.abs().max())
-    check_close(name, "loss, the project's vs TRL dapo (accumulated)", [ours.loss], [sum(dapo_parts)], steps=FIXED,
-                rtol=RTOL, atol=RTOL * scale, tolerance=SCALED)
+    check_close(
+        name,
+        "loss, the project's vs TRL dapo (accumulated)",
+        [ours.loss],
+        [sum(dapo_parts)],
+        steps=FIXED,
+        rtol=RTOL,
+        atol=RTOL * scale,
+        tolerance=SCALED,
+    )
     check_gradients(f"{name}: the project's vs TRL dapo (accumulated)", ours.grads, dapo_grads)
     # dapo's part losses are (sum of the part's token losses) / (all tokens): bnpo is their token means' mean
     per_part_means = [loss * sum(tokens) / n for loss, n in zip(dapo_parts, tokens)]
-    check_close(name, "TRL bnpo = mean of the micro-batches' token means", [sum(bnpo_parts)],
-                [sum(per_part_means) / len(per_part_means)], steps=FIXED, rtol=RTOL, atol=RTOL * scale,
-                tolerance=SCALED)
+    check_close(
+        name,
+        "TRL bnpo = mean of the micro-batches' token means",
+        [sum(bnpo_parts)],
+        [sum(per_part_means) / len(per_part_means)],
+        steps=FIXED,
+        rtol=RTOL,
+        atol=RTOL * scale,
+        tolerance=SCALED,
+    )
     check_departure(name, "loss, the project's vs TRL bnpo (departure)", ours.loss, sum(bnpo_parts), steps=FIXED)
-    check_departure_vectors(name, "gradient, the project's vs TRL bnpo (departure, L2)", flat(ours.grads),
-                            flat(bnpo_grads), steps=FIXED)
+    check_departure_vectors(
+        name, "gradient, the project's vs TRL bnpo (departure, L2)", flat(ours.grads), flat(bnpo_grads), steps=FIXED
+    )

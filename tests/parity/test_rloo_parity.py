@@ -138,21 +138,34 @@ def rloo_config(aggregation: str, beta: float = 0.0, **overrides) -> GRPOConfig:
     ``loss_aggregation`` ``aggregation``, the k3 KL term in the loss when ``beta`` > 0, the
     symmetric clip, the gradient norm not clipped."""
     return GRPOConfig(
-        group_size=GROUP_SIZE, prompts_per_rollout=len(PROMPTS), advantage_estimator="rloo",
-        loss_aggregation=aggregation, kl_coef=beta, kl_estimator="k3", clip_eps=CLIP_EPS, max_grad_norm=None,
-        generation={"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS}, **overrides,
+        group_size=GROUP_SIZE,
+        prompts_per_rollout=len(PROMPTS),
+        advantage_estimator="rloo",
+        loss_aggregation=aggregation,
+        kl_coef=beta,
+        kl_estimator="k3",
+        clip_eps=CLIP_EPS,
+        max_grad_norm=None,
+        generation={"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS},
+        **overrides,
     )
 
 
-def run_project(cfg: GRPOConfig, weights: Weights, scored: dict[str, Tensor], updated: dict[str, Tensor],
-                penalty: dict[tuple[int, int], float] | None = None) -> tuple[Side, RolloutBatch, RLTrainer]:
+def run_project(
+    cfg: GRPOConfig,
+    weights: Weights,
+    scored: dict[str, Tensor],
+    updated: dict[str, Tensor],
+    penalty: dict[tuple[int, int], float] | None = None,
+) -> tuple[Side, RolloutBatch, RLTrainer]:
     """``RLTrainer.rollout`` with the policy at ``scored``, then ``RLTrainer.train_step`` on the whole
     rollout (one mini-batch) at ``updated``; ``penalty`` (by (prompt, completion)), when given, is
     subtracted from each fixed reward (its reward function's)."""
     trainer, engine = project_trainer(cfg, weights)
     if penalty is not None:
+
         def penalised(prompts, texts):
-            rows = engine.rows[-len(texts):]
+            rows = engine.rows[-len(texts) :]
             return fixed_rewards(rows, texts) - torch.tensor([penalty[row] for row in rows])
 
         trainer.reward_fn = penalised
@@ -162,8 +175,13 @@ def run_project(cfg: GRPOConfig, weights: Weights, scored: dict[str, Tensor], up
     load(trainer.module.policy, updated)
     metrics = trainer.train_step(batch)
     side = Side(
-        engine.rows, batch.completion_mask, batch.advantages[:, 0], batch.logprobs, batch.ref_logprobs,
-        float(metrics["train/loss"]), trainer.optimizer.grads,
+        engine.rows,
+        batch.completion_mask,
+        batch.advantages[:, 0],
+        batch.logprobs,
+        batch.ref_logprobs,
+        float(metrics["train/loss"]),
+        trainer.optimizer.grads,
         {"clip_ratio": float(metrics["policy/clipfrac_avg"]), "entropy": float(metrics["policy/entropy_avg"])},
     )
     if cfg.kl_coef:
@@ -188,8 +206,7 @@ class TRLSide:
     metrics: dict[str, float]
 
 
-def rloo_trainer(weights: Weights, rows: list[tuple[int, int]], workdir: Path, beta: float,
-                 normalize_advantages: bool):
+def rloo_trainer(weights: Weights, rows: list[tuple[int, int]], workdir: Path, beta: float, normalize_advantages: bool):
     """TRL's RLOOTrainer on a copy of the initial model (whose config names ``weights.directory``, where
     TRL builds its reference from when ``beta`` > 0), the 12 rows one generation and one step, fp32
     on the CPU; its ``_generate_single_turn`` returns the completions of ``rows`` (after checking
@@ -202,13 +219,30 @@ def rloo_trainer(weights: Weights, rows: list[tuple[int, int]], workdir: Path, b
         return [REWARDS[p][j] for p, j in rows]
 
     args = trl.RLOOConfig(
-        output_dir=str(workdir / "trl"), per_device_train_batch_size=len(rows), steps_per_generation=1,
-        num_generations=GROUP_SIZE, num_iterations=1, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE,
-        beta=beta, normalize_advantages=normalize_advantages, epsilon=CLIP_EPS, max_steps=1, use_cpu=True,
-        bf16=False, fp16=False, activation_checkpointing=False, report_to="none", disable_tqdm=True, seed=SEED,
+        output_dir=str(workdir / "trl"),
+        per_device_train_batch_size=len(rows),
+        steps_per_generation=1,
+        num_generations=GROUP_SIZE,
+        num_iterations=1,
+        max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE,
+        beta=beta,
+        normalize_advantages=normalize_advantages,
+        epsilon=CLIP_EPS,
+        max_steps=1,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        activation_checkpointing=False,
+        report_to="none",
+        disable_tqdm=True,
+        seed=SEED,
     )
     trainer = trl.RLOOTrainer(
-        model=model, reward_funcs=reward, args=args, processing_class=word_tokenizer(),
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        processing_class=word_tokenizer(),
         train_dataset=datasets.Dataset.from_list([{"prompt": prompt_text(p)} for p in range(len(PROMPTS))]),
     )
     assert (trainer.ref_model is not None) == (beta > 0)
@@ -221,8 +255,16 @@ def rloo_trainer(weights: Weights, rows: list[tuple[int, int]], workdir: Path, b
     return trainer
 
 
-def run_trl(weights: Weights, rows: list[tuple[int, int]], workdir: Path, scored: dict[str, Tensor],
-            updated: dict[str, Tensor], *, beta: float = 0.0, normalize_advantages: bool = False) -> TRLSide:
+def run_trl(
+    weights: Weights,
+    rows: list[tuple[int, int]],
+    workdir: Path,
+    scored: dict[str, Tensor],
+    updated: dict[str, Tensor],
+    *,
+    beta: float = 0.0,
+    normalize_advantages: bool = False,
+) -> TRLSide:
     """``_generate_and_score_completions`` of ``rows`` with the policy at ``scored`` (training mode),
     then ``compute_loss`` and its backward at ``updated``."""
     trainer = rloo_trainer(weights, rows, workdir, beta, normalize_advantages)
@@ -238,8 +280,14 @@ def run_trl(weights: Weights, rows: list[tuple[int, int]], workdir: Path, scored
     if beta:
         metrics["kl"] = logged["kl"][-1]
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return TRLSide(inputs["completion_mask"].float(), inputs["advantages"], inputs["old_logps"], float(loss.detach()),
-                   grads, metrics)
+    return TRLSide(
+        inputs["completion_mask"].float(),
+        inputs["advantages"],
+        inputs["old_logps"],
+        float(loss.detach()),
+        grads,
+        metrics,
+    )
 
 
 # -- comparisons ------------------------------------------------------------------------------
@@ -252,8 +300,9 @@ def scaled(grads: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
 GRADIENT, NORM, LOGPS = "gradient (every element)", "gradient norm", "old log-probs (summed per completion)"
 
 
-def add_gradients(rows: dict[str, Gathered], label: str, ours: dict[str, Tensor], theirs: dict[str, Tensor],
-                  suffix: str = "") -> None:
+def add_gradients(
+    rows: dict[str, Gathered], label: str, ours: dict[str, Tensor], theirs: dict[str, Tensor], suffix: str = ""
+) -> None:
     """Every element (``1e-5 x (|TRL| + the largest TRL element)``) into ``rows[GRADIENT + suffix]`` and
     the norm (1e-5 relative) into ``rows[NORM + suffix]``."""
     assert sorted(ours) == sorted(theirs)
@@ -270,8 +319,12 @@ def check_gradients(objective: str, ours: dict[str, Tensor], theirs: dict[str, T
 
 def tolerance_of(quantity: str) -> str:
     """The tolerance of a table row, as the table states it (module docstring)."""
-    for prefix, tolerance in ((GRADIENT, GRAD_SCALED), (NORM, "rel 1e-05"), (LOGPS, "rel 1e-05"),
-                              (MEAN, MEAN_TOLERANCE)):
+    for prefix, tolerance in (
+        (GRADIENT, GRAD_SCALED),
+        (NORM, "rel 1e-05"),
+        (LOGPS, "rel 1e-05"),
+        (MEAN, MEAN_TOLERANCE),
+    ):
         if quantity.startswith(prefix):
             return tolerance
     return SCALED
@@ -281,8 +334,17 @@ def check_rows(objective: str, rows: dict[str, Gathered]) -> None:
     """One table row per non-empty entry of ``rows`` (elements gathered with their own floors)."""
     for quantity, r in rows.items():
         if r.ours:
-            check_close(objective, quantity, r.ours, r.theirs, steps=FIXED, rtol=RTOL, atol=r.floors,
-                        tolerance=tolerance_of(quantity), labels=r.labels)
+            check_close(
+                objective,
+                quantity,
+                r.ours,
+                r.theirs,
+                steps=FIXED,
+                rtol=RTOL,
+                atol=r.floors,
+                tolerance=tolerance_of(quantity),
+                labels=r.labels,
+            )
 
 
 def check_scalar(objective: str, quantity: str, ours: float, theirs: float, scale: float) -> None:
@@ -292,8 +354,16 @@ def check_scalar(objective: str, quantity: str, ours: float, theirs: float, scal
 
 def check_vector(objective: str, quantity: str, ours: Tensor, theirs: Tensor) -> None:
     """Elementwise ``|ours - TRL| <= 1e-5 x (|TRL| + max |TRL|)`` (:data:`SCALED`, advantages)."""
-    check_close(objective, quantity, ours.tolist(), theirs.tolist(), steps=FIXED, rtol=RTOL,
-                atol=RTOL * float(theirs.abs().max()), tolerance=SCALED)
+    check_close(
+        objective,
+        quantity,
+        ours.tolist(),
+        theirs.tolist(),
+        steps=FIXED,
+        rtol=RTOL,
+        atol=RTOL * float(theirs.abs().max()),
+        tolerance=SCALED,
+    )
 
 
 def all_rows(side: Side) -> list[tuple[int, int]]:
@@ -391,21 +461,48 @@ def test_ratio_is_per_token_not_per_completion(weights, tmp_path):
     outside = ((ratio < 1 - CLIP_EPS) & (advantages < 0)) | ((ratio > 1 + CLIP_EPS) & (advantages > 0))
     assert int(outside.sum()) >= 2, (ratio, advantages)
     scale = float((advantages.abs() * ratio.clamp(min=1.0)).max())
-    check_scalar(name, "TRL's loss = its per-completion clipped ratio on the project's log-probs",
-                 float(loss.detach()), theirs.loss, scale)
+    check_scalar(
+        name,
+        "TRL's loss = its per-completion clipped ratio on the project's log-probs",
+        float(loss.detach()),
+        theirs.loss,
+        scale,
+    )
     check_gradients(f"{name}: TRL's = its per-completion clipped ratio on the project's log-probs", grads, theirs.grads)
-    check_close(name, "TRL's clip ratio (per completion) from the project's log-probs", [float(outside.float().mean())],
-                [theirs.metrics["clip_ratio"]], steps=FIXED, rtol=RTOL)
-    check_departure(name, f"loss, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure)",
-                    ours.loss * MAX_NEW_TOKENS, theirs.loss, steps=FIXED)
-    check_departure_vectors(name, f"gradient, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure, L2)",
-                            flat(ours.grads) * MAX_NEW_TOKENS, flat(theirs.grads), steps=FIXED)
+    check_close(
+        name,
+        "TRL's clip ratio (per completion) from the project's log-probs",
+        [float(outside.float().mean())],
+        [theirs.metrics["clip_ratio"]],
+        steps=FIXED,
+        rtol=RTOL,
+    )
+    check_departure(
+        name,
+        f"loss, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure)",
+        ours.loss * MAX_NEW_TOKENS,
+        theirs.loss,
+        steps=FIXED,
+    )
+    check_departure_vectors(
+        name,
+        f"gradient, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure, L2)",
+        flat(ours.grads) * MAX_NEW_TOKENS,
+        flat(theirs.grads),
+        steps=FIXED,
+    )
     on_policy, _, _ = run_project(rloo_config("constant"), weights, weights.old, weights.old)
     lengths = on_policy.mask.sum(1)
     assert abs(on_policy.loss * MAX_NEW_TOKENS + float((on_policy.advantages * lengths).mean())) < RTOL * scale
     on_trl = run_trl(weights, on_policy.rows, tmp_path / "on", weights.old, weights.old)
-    check_departure(name, f"loss on-policy, the project's constant x {MAX_NEW_TOKENS} (-mean A_i x length) vs TRL's "
-                    "(-mean A_i = 0) (departure)", on_policy.loss * MAX_NEW_TOKENS, on_trl.loss, steps=FIXED)
+    check_departure(
+        name,
+        f"loss on-policy, the project's constant x {MAX_NEW_TOKENS} (-mean A_i x length) vs TRL's "
+        "(-mean A_i = 0) (departure)",
+        on_policy.loss * MAX_NEW_TOKENS,
+        on_trl.loss,
+        steps=FIXED,
+    )
 
 
 def test_kl_is_a_reward_penalty_in_trl_a_loss_term_here(weights, tmp_path):
@@ -429,19 +526,37 @@ def test_kl_is_a_reward_penalty_in_trl_a_loss_term_here(weights, tmp_path):
     theirs = run_trl(weights, rows, tmp_path / "kl", weights.old, weights.old, beta=BETA)
     mask = batch.completion_mask
     k1 = (batch.logprobs - batch.ref_logprobs) * mask
-    check_close(name, "TRL's kl = the per-token mean of the rollout's k1", [float(k1.sum() / mask.sum())],
-                [theirs.metrics["kl"]], steps=FIXED, rtol=RTOL, atol=LOGP_SPACING, tolerance=MEAN_TOLERANCE)
+    check_close(
+        name,
+        "TRL's kl = the per-token mean of the rollout's k1",
+        [float(k1.sum() / mask.sum())],
+        [theirs.metrics["kl"]],
+        steps=FIXED,
+        rtol=RTOL,
+        atol=LOGP_SPACING,
+        tolerance=MEAN_TOLERANCE,
+    )
     penalty = dict(zip(rows, (BETA * k1.sum(1)).tolist()))
     fed, _, _ = run_project(rloo_config("constant"), weights, weights.old, weights.old, penalty=penalty)
     assert fed.rows == rows and "kl" not in fed.metrics
     fed_name = f"{name}: TRL's = the project's without KL, rewards minus beta x summed k1"
-    check_vector(name, "TRL's advantages = the project's without KL, rewards minus beta x summed k1",
-                 fed.advantages, theirs.advantages)
+    check_vector(
+        name,
+        "TRL's advantages = the project's without KL, rewards minus beta x summed k1",
+        fed.advantages,
+        theirs.advantages,
+    )
     check_gradients(f"{fed_name} (constant x {MAX_NEW_TOKENS})", scaled(fed.grads, MAX_NEW_TOKENS), theirs.grads)
-    check_departure_vectors(name, "advantages, the project's vs TRL's (departure, L2)", ours.advantages,
-                            theirs.advantages, steps=FIXED)
-    check_departure_vectors(name, f"gradient, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure, L2)",
-                            flat(ours.grads) * MAX_NEW_TOKENS, flat(theirs.grads), steps=FIXED)
+    check_departure_vectors(
+        name, "advantages, the project's vs TRL's (departure, L2)", ours.advantages, theirs.advantages, steps=FIXED
+    )
+    check_departure_vectors(
+        name,
+        f"gradient, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure, L2)",
+        flat(ours.grads) * MAX_NEW_TOKENS,
+        flat(theirs.grads),
+        steps=FIXED,
+    )
 
 
 def test_normalize_advantages_has_no_project_equivalent(weights, tmp_path):
@@ -461,14 +576,27 @@ def test_normalize_advantages_has_no_project_equivalent(weights, tmp_path):
     ours, _, _ = run_project(rloo_config("constant"), weights, weights.old, weights.old)
     theirs = run_trl(weights, all_rows(ours), tmp_path, weights.old, weights.old, normalize_advantages=True)
     std = float(ours.advantages.std()) + NORM_EPS
-    check_vector(name, "TRL's advantages = the project's, centred, / (batch std + 1e-4)",
-                 (ours.advantages - ours.advantages.mean()) / std, theirs.advantages)
-    check_gradients(f"{name}: TRL's = the project's constant x {MAX_NEW_TOKENS} / (batch std + 1e-4)",
-                    scaled(ours.grads, MAX_NEW_TOKENS / std), theirs.grads)
-    check_departure_vectors(name, "advantages, the project's vs TRL's (departure, L2)", ours.advantages,
-                            theirs.advantages, steps=FIXED)
-    check_departure_vectors(name, f"gradient, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure, L2)",
-                            flat(ours.grads) * MAX_NEW_TOKENS, flat(theirs.grads), steps=FIXED)
+    check_vector(
+        name,
+        "TRL's advantages = the project's, centred, / (batch std + 1e-4)",
+        (ours.advantages - ours.advantages.mean()) / std,
+        theirs.advantages,
+    )
+    check_gradients(
+        f"{name}: TRL's = the project's constant x {MAX_NEW_TOKENS} / (batch std + 1e-4)",
+        scaled(ours.grads, MAX_NEW_TOKENS / std),
+        theirs.grads,
+    )
+    check_departure_vectors(
+        name, "advantages, the project's vs TRL's (departure, L2)", ours.advantages, theirs.advantages, steps=FIXED
+    )
+    check_departure_vectors(
+        name,
+        f"gradient, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure, L2)",
+        flat(ours.grads) * MAX_NEW_TOKENS,
+        flat(theirs.grads),
+        steps=FIXED,
+    )
 
 
 def test_token_and_sequence_means_are_not_trls_sequence_sum(weights, tmp_path):
@@ -491,5 +619,10 @@ def test_token_and_sequence_means_are_not_trls_sequence_sum(weights, tmp_path):
     means, _, _ = run_project(rloo_config("sequence_mean"), weights, weights.old, weights.old)
     assert means.rows == ours.rows
     mine, other = flat(means.grads), flat(theirs.grads)
-    check_departure_vectors(name, "gradient direction, the project's sequence_mean vs TRL's (departure, L2 of unit "
-                            "vectors)", mine / mine.norm(), other / other.norm(), steps=FIXED)
+    check_departure_vectors(
+        name,
+        "gradient direction, the project's sequence_mean vs TRL's (departure, L2 of unit vectors)",
+        mine / mine.norm(),
+        other / other.norm(),
+        steps=FIXED,
+    )

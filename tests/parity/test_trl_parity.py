@@ -122,8 +122,15 @@ def flat(batches) -> list[int]:
     return [i for batch in batches for i in batch]
 
 
-def check_steps(objective: str, ours, theirs, keys: dict[str, str], *, atol: dict[str, float] | None = None,
-                first: dict[str, int] | None = None) -> None:
+def check_steps(
+    objective: str,
+    ours,
+    theirs,
+    keys: dict[str, str],
+    *,
+    atol: dict[str, float] | None = None,
+    first: dict[str, int] | None = None,
+) -> None:
     """Per-step comparison of ``keys`` (the project's ``train/<key>`` -> TRL's log key) over the steps
     TRL logged the key in (KTO logs a label's rewards only in steps whose batch has that label),
     from step ``first[key]`` (default 1) on."""
@@ -133,8 +140,14 @@ def check_steps(objective: str, ours, theirs, keys: dict[str, str], *, atol: dic
         steps = [s for s in range(start, STEPS + 1) if trl_key in theirs.steps[s]]
         assert len(steps) >= STEPS // 2, (objective, trl_key, steps)
         label = f"{steps[0]}-{steps[-1]}" if len(steps) == steps[-1] - steps[0] + 1 else f"{len(steps)} of {STEPS_ALL}"
-        check_close(objective, f"train {trl_key}", [ours.logged[s][f"train/{ours_key}"] for s in steps],
-                    [theirs.steps[s][trl_key] for s in steps], steps=label, atol=atol.get(ours_key, 0.0))
+        check_close(
+            objective,
+            f"train {trl_key}",
+            [ours.logged[s][f"train/{ours_key}"] for s in steps],
+            [theirs.steps[s][trl_key] for s in steps],
+            steps=label,
+            atol=atol.get(ours_key, 0.0),
+        )
 
 
 def check_eval(objective: str, ours, theirs, keys: dict[str, str], *, atol: dict[str, float] | None = None) -> None:
@@ -142,8 +155,14 @@ def check_eval(objective: str, ours, theirs, keys: dict[str, str], *, atol: dict
     atol = atol or {}
     final = ours.final_eval()
     for ours_key, trl_key in keys.items():
-        check_close(objective, f"eval {trl_key}", [final[ours_key]], [theirs.eval[trl_key]], steps="eval",
-                    atol=atol.get(ours_key, 0.0))
+        check_close(
+            objective,
+            f"eval {trl_key}",
+            [final[ours_key]],
+            [theirs.eval[trl_key]],
+            steps="eval",
+            atol=atol.get(ours_key, 0.0),
+        )
 
 
 def check_optimisation(objective: str, ours, theirs) -> None:
@@ -185,15 +204,19 @@ def test_sft_matches_sfttrainer(tokenizer, causal_lm, tmp_path):
     ours = train_project(copy_of(causal_lm), objective, train, cfg, tmp_path)
 
     def records(source_rows, order):
-        return dataset([{"input_ids": source_rows[i]["input_ids"], "completion_mask": source_rows[i]["loss_mask"]}
-                        for i in order])
+        return dataset(
+            [{"input_ids": source_rows[i]["input_ids"], "completion_mask": source_rows[i]["loss_mask"]} for i in order]
+        )
 
     held_out_batches = list(held_out.sampler.batches(0))
     assert sorted(map(sorted, held_out_batches)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     args = trl.SFTConfig(**trl_settings(cfg, tmp_path), completion_only_loss=True)
     trainer = trl.SFTTrainer(
-        model=copy_of(causal_lm), args=args, train_dataset=records(rows, drawn_order(train, STEPS)),
-        eval_dataset=records(eval_rows, flat(held_out_batches)), processing_class=tokenizer,
+        model=copy_of(causal_lm),
+        args=args,
+        train_dataset=records(rows, drawn_order(train, STEPS)),
+        eval_dataset=records(eval_rows, flat(held_out_batches)),
+        processing_class=tokenizer,
     )
     theirs = train_trl(trainer)
 
@@ -201,25 +224,40 @@ def test_sft_matches_sfttrainer(tokenizer, causal_lm, tmp_path):
     check_weights("SFT", ours.model, trainer.model, WEIGHT_ATOL)
 
     # the held-out loss, batch by batch: TRL's evaluate() of each batch alone is that batch's token mean
-    trl_batch_losses = [trainer.evaluate(eval_dataset=records(eval_rows, batch))["eval_loss"]
-                        for batch in held_out_batches]
+    trl_batch_losses = [
+        trainer.evaluate(eval_dataset=records(eval_rows, batch))["eval_loss"] for batch in held_out_batches
+    ]
     ours.model.eval()
     with torch.no_grad():
-        sums_counts = [(float(objective.step(ours.model, batch).loss_sum), objective.count(batch))
-                       for batch in eval_batches(held_out, cfg.eval_max_batches)]
+        sums_counts = [
+            (float(objective.step(ours.model, batch).loss_sum), objective.count(batch))
+            for batch in eval_batches(held_out, cfg.eval_max_batches)
+        ]
     ours_batch_losses = [s / c for s, c in sums_counts]
-    check_close("SFT", "eval loss of each held-out batch (token mean)", ours_batch_losses, trl_batch_losses,
-                steps="eval")
+    check_close(
+        "SFT", "eval loss of each held-out batch (token mean)", ours_batch_losses, trl_batch_losses, steps="eval"
+    )
     tokens = [c for _, c in sums_counts]
     sizes = [len(batch) for batch in held_out_batches]
     per_token = sum(t * loss for t, loss in zip(tokens, trl_batch_losses)) / sum(tokens)
     per_row = sum(n * loss for n, loss in zip(sizes, ours_batch_losses)) / sum(sizes)
-    check_close("SFT", "eval loss, the project's: per token (from TRL's batches)", [ours.final_eval()["loss"]],
-                [per_token], steps="eval")
-    check_close("SFT", "eval_loss, TRL's: batch means by rows (from the project's batches)", [per_row],
-                [theirs.eval["loss"]], steps="eval")
-    check_departure("SFT", "eval loss per token vs TRL's batch means by rows (departure)", per_token, per_row,
-                    steps="eval")
+    check_close(
+        "SFT",
+        "eval loss, the project's: per token (from TRL's batches)",
+        [ours.final_eval()["loss"]],
+        [per_token],
+        steps="eval",
+    )
+    check_close(
+        "SFT",
+        "eval_loss, TRL's: batch means by rows (from the project's batches)",
+        [per_row],
+        [theirs.eval["loss"]],
+        steps="eval",
+    )
+    check_departure(
+        "SFT", "eval loss per token vs TRL's batch means by rows (departure)", per_token, per_row, steps="eval"
+    )
 
 
 # -- reward model -----------------------------------------------------------------------------
@@ -241,13 +279,19 @@ def test_reward_model_matches_rewardtrainer(tokenizer, tmp_path):
     ours = train_project(copy_of(model), RewardObjective(held_out, cfg.eval_max_batches), train, cfg, tmp_path)
 
     def records(source_rows, order):
-        return dataset([{"chosen_ids": source_rows[i]["chosen_input_ids"],
-                         "rejected_ids": source_rows[i]["rejected_input_ids"]} for i in order])
+        return dataset(
+            [
+                {"chosen_ids": source_rows[i]["chosen_input_ids"], "rejected_ids": source_rows[i]["rejected_input_ids"]}
+                for i in order
+            ]
+        )
 
     trainer = trl.RewardTrainer(
-        model=copy_of(model), args=trl.RewardConfig(**trl_settings(cfg, tmp_path)),
+        model=copy_of(model),
+        args=trl.RewardConfig(**trl_settings(cfg, tmp_path)),
         train_dataset=records(rows, drawn_order(train, STEPS)),
-        eval_dataset=records(eval_rows, flat(held_out.sampler.batches(0))), processing_class=tokenizer,
+        eval_dataset=records(eval_rows, flat(held_out.sampler.batches(0))),
+        processing_class=tokenizer,
     )
     theirs = train_trl(trainer)
 
@@ -320,20 +364,38 @@ def test_dpo_matches_dpotrainer(tokenizer, causal_lm, preference_rows, tmp_path,
     collate = partial(collate_with_reference, pad_id=PAD_ID)
     train = pair_source(rows, PAD_ID, cfg.micro_batch_size, SEED, CPU, collate=collate)
     held_out = pair_source(eval_rows, PAD_ID, cfg.micro_batch_size, SEED, CPU, shuffle=False, collate=collate)
-    objective = DPOObjective(cfg.beta, held_out, cfg.eval_max_batches, loss_type=cfg.loss_type,
-                             label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma)
+    objective = DPOObjective(
+        cfg.beta,
+        held_out,
+        cfg.eval_max_batches,
+        loss_type=cfg.loss_type,
+        label_smoothing=cfg.label_smoothing,
+        gamma=cfg.simpo_gamma,
+    )
     ours = train_project(copy_of(causal_lm), objective, train, cfg, tmp_path)
 
     def records(source_rows, order):
-        return dataset([{"prompt_ids": source_rows[i]["prompt"], "chosen_ids": source_rows[i]["chosen"],
-                         "rejected_ids": source_rows[i]["rejected"]} for i in order])
+        return dataset(
+            [
+                {
+                    "prompt_ids": source_rows[i]["prompt"],
+                    "chosen_ids": source_rows[i]["chosen"],
+                    "rejected_ids": source_rows[i]["rejected"],
+                }
+                for i in order
+            ]
+        )
 
-    args = trl.DPOConfig(**trl_settings(cfg, tmp_path), beta=cfg.beta, loss_type=[loss_type],
-                         label_smoothing=cfg.label_smoothing)
+    args = trl.DPOConfig(
+        **trl_settings(cfg, tmp_path), beta=cfg.beta, loss_type=[loss_type], label_smoothing=cfg.label_smoothing
+    )
     trainer = pretokenised(trl.DPOTrainer)(
-        model=copy_of(causal_lm), ref_model=copy_of(causal_lm), args=args,
+        model=copy_of(causal_lm),
+        ref_model=copy_of(causal_lm),
+        args=args,
         train_dataset=records(rows, drawn_order(train, STEPS)),
-        eval_dataset=records(eval_rows, flat(held_out.sampler.batches(0))), processing_class=tokenizer,
+        eval_dataset=records(eval_rows, flat(held_out.sampler.batches(0))),
+        processing_class=tokenizer,
     )
     theirs = train_trl(trainer)
 
@@ -350,7 +412,7 @@ def test_dpo_matches_dpotrainer(tokenizer, causal_lm, preference_rows, tmp_path,
         return
 
     train_calls = [tensors for grad, tensors in calls if grad]
-    eval_calls = [tensors for grad, tensors in calls if not grad][-len(held_out.sampler.batches(0)):]
+    eval_calls = [tensors for grad, tensors in calls if not grad][-len(held_out.sampler.batches(0)) :]
     assert len(train_calls) == STEPS
     summed = [reward_metrics(*tensors, beta=cfg.beta, averaged=False) for tensors in train_calls]
     averaged = [reward_metrics(*tensors, beta=cfg.beta, averaged=True) for tensors in train_calls]
@@ -359,17 +421,45 @@ def test_dpo_matches_dpotrainer(tokenizer, causal_lm, preference_rows, tmp_path,
     for key in REWARD_METRICS:
         steps = range(first.get(key, 1), STEPS + 1)
         span = f"{steps[0]}-{steps[-1]}"
-        check_close(name, f"train {key}, TRL's: summed log-ratios (from the project's log-probs)",
-                    [summed[s - 1][key] for s in steps], theirs.series(key)[steps[0] - 1:], steps=span,
-                    atol=atol.get(key, 0.0))
-        check_close(name, f"train {key}, the project's: averaged log-ratios", ours.series(key)[steps[0] - 1:],
-                    [averaged[s - 1][key] for s in steps], steps=span, atol=atol.get(key, 0.0))
-        check_close(name, f"eval {key}, TRL's: summed log-ratios (from the project's log-probs)", [eval_summed[key]],
-                    [theirs.eval[key]], steps="eval", atol=atol.get(key, 0.0))
-        check_close(name, f"eval {key}, the project's: averaged log-ratios", [ours.final_eval()[key]],
-                    [eval_averaged[key]], steps="eval", atol=atol.get(key, 0.0))
-    check_departure(name, "eval rewards/margins, averaged vs summed log-ratios (departure)",
-                    eval_averaged["rewards/margins"], eval_summed["rewards/margins"], steps="eval")
+        check_close(
+            name,
+            f"train {key}, TRL's: summed log-ratios (from the project's log-probs)",
+            [summed[s - 1][key] for s in steps],
+            theirs.series(key)[steps[0] - 1 :],
+            steps=span,
+            atol=atol.get(key, 0.0),
+        )
+        check_close(
+            name,
+            f"train {key}, the project's: averaged log-ratios",
+            ours.series(key)[steps[0] - 1 :],
+            [averaged[s - 1][key] for s in steps],
+            steps=span,
+            atol=atol.get(key, 0.0),
+        )
+        check_close(
+            name,
+            f"eval {key}, TRL's: summed log-ratios (from the project's log-probs)",
+            [eval_summed[key]],
+            [theirs.eval[key]],
+            steps="eval",
+            atol=atol.get(key, 0.0),
+        )
+        check_close(
+            name,
+            f"eval {key}, the project's: averaged log-ratios",
+            [ours.final_eval()[key]],
+            [eval_averaged[key]],
+            steps="eval",
+            atol=atol.get(key, 0.0),
+        )
+    check_departure(
+        name,
+        "eval rewards/margins, averaged vs summed log-ratios (departure)",
+        eval_averaged["rewards/margins"],
+        eval_summed["rewards/margins"],
+        steps="eval",
+    )
 
 
 def record_preference_loss(monkeypatch) -> list[tuple[bool, list[torch.Tensor | None]]]:
@@ -390,8 +480,9 @@ def record_preference_loss(monkeypatch) -> list[tuple[bool, list[torch.Tensor | 
     return calls
 
 
-def reward_metrics(chosen, rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths, *, beta: float,
-                   averaged: bool) -> dict[str, float]:
+def reward_metrics(
+    chosen, rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths, *, beta: float, averaged: bool
+) -> dict[str, float]:
     """The batch means of DPO's reward metrics from per-pair log-probs: ``beta`` times the summed
     log-ratios (TRL's, every loss type) or the log-ratios averaged over each completion's tokens
     (the project's for IPO)."""
@@ -399,8 +490,12 @@ def reward_metrics(chosen, rejected, ref_chosen, ref_rejected, chosen_lengths, r
     if averaged:
         chosen_ratio, rejected_ratio = chosen_ratio / chosen_lengths, rejected_ratio / rejected_lengths
     c, r = beta * chosen_ratio, beta * rejected_ratio
-    return {"rewards/chosen": float(c.mean()), "rewards/rejected": float(r.mean()),
-            "rewards/margins": float((c - r).mean()), "rewards/accuracies": float((c > r).float().mean())}
+    return {
+        "rewards/chosen": float(c.mean()),
+        "rewards/rejected": float(r.mean()),
+        "rewards/margins": float((c - r).mean()),
+        "rewards/accuracies": float((c > r).float().mean()),
+    }
 
 
 # -- KTO --------------------------------------------------------------------------------------
@@ -447,23 +542,46 @@ def test_kto_matches_ktotrainer(tokenizer, causal_lm, tmp_path):
     set_kl_completions(eval_rows, eval_split)
     reference = copy_of(causal_lm).eval()
     for split in (rows, eval_rows):
-        for row, (logps, kl_logps) in zip(split, reference_logprobs(reference, split, PAD_ID, MICRO_BATCH, CPU,
-                                                                     kind="kto")):
+        for row, (logps, kl_logps) in zip(
+            split, reference_logprobs(reference, split, PAD_ID, MICRO_BATCH, CPU, kind="kto")
+        ):
             row["ref_logprobs"], row["ref_kl_logprobs"] = logps, kl_logps
-    objective = KTOObjective(cfg.beta, held_out, cfg.eval_max_batches, desirable_weight=cfg.desirable_weight,
-                             undesirable_weight=cfg.undesirable_weight)
+    objective = KTOObjective(
+        cfg.beta,
+        held_out,
+        cfg.eval_max_batches,
+        desirable_weight=cfg.desirable_weight,
+        undesirable_weight=cfg.undesirable_weight,
+    )
     ours = train_project(copy_of(causal_lm), objective, train, cfg, tmp_path)
 
     def records(source_rows, order):
-        return dataset([{"prompt_ids": source_rows[i]["prompt"], "completion_ids": source_rows[i]["completion"],
-                         "KL_completion_ids": source_rows[i]["kl_completion"], "label": source_rows[i]["label"]}
-                        for i in order])
+        return dataset(
+            [
+                {
+                    "prompt_ids": source_rows[i]["prompt"],
+                    "completion_ids": source_rows[i]["completion"],
+                    "KL_completion_ids": source_rows[i]["kl_completion"],
+                    "label": source_rows[i]["label"],
+                }
+                for i in order
+            ]
+        )
 
-    args = trl.KTOConfig(**trl_settings(cfg, tmp_path), beta=cfg.beta, loss_type="kto",
-                         desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight)
+    args = trl.KTOConfig(
+        **trl_settings(cfg, tmp_path),
+        beta=cfg.beta,
+        loss_type="kto",
+        desirable_weight=cfg.desirable_weight,
+        undesirable_weight=cfg.undesirable_weight,
+    )
     trainer = pretokenised(trl.KTOTrainer)(
-        model=copy_of(causal_lm), ref_model=copy_of(causal_lm), args=args, train_dataset=records(rows, flat(batches)),
-        eval_dataset=records(eval_rows, flat(eval_split)), processing_class=tokenizer,
+        model=copy_of(causal_lm),
+        ref_model=copy_of(causal_lm),
+        args=args,
+        train_dataset=records(rows, flat(batches)),
+        eval_dataset=records(eval_rows, flat(eval_split)),
+        processing_class=tokenizer,
     )
     assert trainer.calculate_KL
     theirs = train_trl(trainer)
@@ -480,8 +598,10 @@ def test_kto_matches_ktotrainer(tokenizer, causal_lm, tmp_path):
     trl_batches = [trainer.evaluate(eval_dataset=records(eval_rows, batch)) for batch in eval_split]
     ours.model.eval()
     with torch.no_grad():
-        ours_sums = [{k: float(v.sum()) for k, v in objective.step(ours.model, batch).metric_sums.items()}
-                     for batch in eval_batches(held_out, cfg.eval_max_batches)]
+        ours_sums = [
+            {k: float(v.sum()) for k, v in objective.step(ours.model, batch).metric_sums.items()}
+            for batch in eval_batches(held_out, cfg.eval_max_batches)
+        ]
     counts = {"chosen": [s["count/chosen"] for s in ours_sums], "rejected": [s["count/rejected"] for s in ours_sums]}
     assert counts == {"chosen": [3.0, 1.0], "rejected": [1.0, 3.0]}
     final = ours.final_eval()
@@ -489,13 +609,31 @@ def test_kto_matches_ktotrainer(tokenizer, causal_lm, tmp_path):
         n = counts[key.split("/")[1]]
         ours_means = [s[key] / c for s, c in zip(ours_sums, n)]
         trl_means = [m[f"eval_{key}"] for m in trl_batches]
-        check_close("KTO", f"eval {key} of each held-out batch", ours_means, trl_means, steps="eval",
-                    atol=atol.get(key, 0.0))
+        check_close(
+            "KTO", f"eval {key} of each held-out batch", ours_means, trl_means, steps="eval", atol=atol.get(key, 0.0)
+        )
         pooled = sum(m * c for m, c in zip(trl_means, n)) / sum(n)
-        check_close("KTO", f"eval {key}, the project's: pooled (from TRL's batches)", [final[key]], [pooled],
-                    steps="eval", atol=atol.get(key, 0.0))
-        check_close("KTO", f"eval {key}, TRL's: mean of batch means (from the project's batches)",
-                    [sum(ours_means) / len(ours_means)], [theirs.eval[key]], steps="eval", atol=atol.get(key, 0.0))
+        check_close(
+            "KTO",
+            f"eval {key}, the project's: pooled (from TRL's batches)",
+            [final[key]],
+            [pooled],
+            steps="eval",
+            atol=atol.get(key, 0.0),
+        )
+        check_close(
+            "KTO",
+            f"eval {key}, TRL's: mean of batch means (from the project's batches)",
+            [sum(ours_means) / len(ours_means)],
+            [theirs.eval[key]],
+            steps="eval",
+            atol=atol.get(key, 0.0),
+        )
         if key == "logps/chosen":
-            check_departure("KTO", f"eval {key} pooled vs mean of batch means (departure)", pooled,
-                            sum(trl_means) / len(trl_means), steps="eval")
+            check_departure(
+                "KTO",
+                f"eval {key} pooled vs mean of batch means (departure)",
+                pooled,
+                sum(trl_means) / len(trl_means),
+                steps="eval",
+            )

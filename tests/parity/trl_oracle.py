@@ -149,8 +149,14 @@ class Rows:
         rows = []
         for _ in range(n):
             prompt, completion = self.prompt(), self.completion(ids, low, high)
-            rows.append({"input_ids": prompt + completion, "loss_mask": [0] * len(prompt) + [1] * len(completion),
-                         "prompt": prompt, "completion": completion})
+            rows.append(
+                {
+                    "input_ids": prompt + completion,
+                    "loss_mask": [0] * len(prompt) + [1] * len(completion),
+                    "prompt": prompt,
+                    "completion": completion,
+                }
+            )
         return rows
 
     def pairs(self, n: int) -> list[dict]:
@@ -158,11 +164,17 @@ class Rows:
         rows = []
         for _ in range(n):
             prompt, chosen, rejected = self.prompt(), self.completion(), self.completion()
-            rows.append({
-                "chosen_input_ids": prompt + chosen, "chosen_loss_mask": [0] * len(prompt) + [1] * len(chosen),
-                "rejected_input_ids": prompt + rejected, "rejected_loss_mask": [0] * len(prompt) + [1] * len(rejected),
-                "prompt": prompt, "chosen": chosen, "rejected": rejected,
-            })
+            rows.append(
+                {
+                    "chosen_input_ids": prompt + chosen,
+                    "chosen_loss_mask": [0] * len(prompt) + [1] * len(chosen),
+                    "rejected_input_ids": prompt + rejected,
+                    "rejected_loss_mask": [0] * len(prompt) + [1] * len(rejected),
+                    "prompt": prompt,
+                    "chosen": chosen,
+                    "rejected": rejected,
+                }
+            )
         return rows
 
     def unpaired(self, n: int, completion_tokens: int) -> list[dict]:
@@ -190,11 +202,15 @@ def set_kl_completions(rows: list[dict], batches: Sequence[Sequence[int]]) -> No
         rotated = [members[-1]["completion"]] + [m["completion"] for m in members[:-1]]
         for row, kl in zip(members, rotated):
             prompt, completion = row["prompt"], row["completion"]
-            row.update({
-                "kl_completion": kl,
-                "input_ids": prompt + completion, "loss_mask": [0] * len(prompt) + [1] * len(completion),
-                "kl_input_ids": prompt + kl, "kl_loss_mask": [0] * len(prompt) + [1] * len(kl),
-            })
+            row.update(
+                {
+                    "kl_completion": kl,
+                    "input_ids": prompt + completion,
+                    "loss_mask": [0] * len(prompt) + [1] * len(completion),
+                    "kl_input_ids": prompt + kl,
+                    "kl_loss_mask": [0] * len(prompt) + [1] * len(kl),
+                }
+            )
 
 
 def drawn_batches(source: BatchSource, num_batches: int) -> list[list[int]]:
@@ -237,19 +253,23 @@ class ProjectRun:
         return {k.removeprefix("eval/"): float(v) for k, v in self.logged[last].items() if k.startswith("eval/")}
 
 
-def train_project(model: nn.Module, objective: Objective, source: BatchSource, cfg: TrainStageConfig,
-                  workdir: Path) -> ProjectRun:
+def train_project(
+    model: nn.Module, objective: Objective, source: BatchSource, cfg: TrainStageConfig, workdir: Path
+) -> ProjectRun:
     """Train ``model`` with :class:`TrainLoop` on the single-device CPU backend in fp32; no checkpoint
     is written (``cfg.save_every`` beyond ``cfg.max_steps``)."""
     assert cfg.save_every > cfg.max_steps and cfg.grad_accum_steps == 1
     backend = build_backend(BackendConfig(name="single", device="cpu", precision="fp32"))
     logged: dict[int, dict[str, float]] = {}
     session = CheckpointSession(
-        str(workdir / "checkpoints"), backend, asynchronous=False,
+        str(workdir / "checkpoints"),
+        backend,
+        asynchronous=False,
         metrics=MetricsBuffer(printer=lambda metrics, step: logged.setdefault(step, {}).update(metrics)),
     )
-    loop = TrainLoop(model=backend.wrap(model), backend=backend, objective=objective, batches=source, cfg=cfg,
-                     session=session)
+    loop = TrainLoop(
+        model=backend.wrap(model), backend=backend, objective=objective, batches=source, cfg=cfg, session=session
+    )
     loop.run()
     return ProjectRun(logged, loop.model, loop.optimizer)
 
@@ -259,9 +279,19 @@ def stage_config(config_class: type[TrainStageConfig], **overrides) -> TrainStag
     accumulation, 2 warmup steps then cosine to 0.1 x peak, weight decay 0.01 (on matrices), the
     default clipping (1.0) and betas (0.9, 0.95); evaluated after the last step (and, as the loop
     always does, before the first), never checkpointed."""
-    settings = {"max_steps": STEPS, "micro_batch_size": MICRO_BATCH, "grad_accum_steps": 1, "warmup_steps": 2,
-                "min_lr_ratio": 0.1, "weight_decay": 0.01, "eval_every": STEPS, "eval_max_batches": 8,
-                "save_every": 10 * STEPS, "async_save": False, **overrides}
+    settings = {
+        "max_steps": STEPS,
+        "micro_batch_size": MICRO_BATCH,
+        "grad_accum_steps": 1,
+        "warmup_steps": 2,
+        "min_lr_ratio": 0.1,
+        "weight_decay": 0.01,
+        "eval_every": STEPS,
+        "eval_max_batches": 8,
+        "save_every": 10 * STEPS,
+        "async_save": False,
+        **overrides,
+    }
     return config_class(**settings)
 
 
@@ -281,14 +311,33 @@ def trl_settings(cfg: TrainStageConfig, workdir: Path, *, eval_batch_size: int =
     """
     beta1, beta2 = cfg.adam_betas
     return dict(
-        output_dir=str(workdir / "trl"), max_steps=cfg.max_steps, per_device_train_batch_size=cfg.micro_batch_size,
-        per_device_eval_batch_size=eval_batch_size, gradient_accumulation_steps=cfg.grad_accum_steps,
-        learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=beta1, adam_beta2=beta2,
-        adam_epsilon=1e-8, optim="adamw_torch_fused", lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": cfg.min_lr_ratio}, warmup_steps=cfg.warmup_steps,
-        max_grad_norm=cfg.max_grad_norm, logging_steps=1, eval_strategy="no", save_strategy="no",
-        report_to="none", use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False,
-        train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True, seed=SEED,
+        output_dir=str(workdir / "trl"),
+        max_steps=cfg.max_steps,
+        per_device_train_batch_size=cfg.micro_batch_size,
+        per_device_eval_batch_size=eval_batch_size,
+        gradient_accumulation_steps=cfg.grad_accum_steps,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=beta1,
+        adam_beta2=beta2,
+        adam_epsilon=1e-8,
+        optim="adamw_torch_fused",
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": cfg.min_lr_ratio},
+        warmup_steps=cfg.warmup_steps,
+        max_grad_norm=cfg.max_grad_norm,
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        activation_checkpointing=False,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=SEED,
     )
 
 
@@ -339,9 +388,18 @@ def train_trl(trainer) -> TRLRun:
 # -- comparison -------------------------------------------------------------------------------
 
 
-def check_close(objective: str, quantity: str, ours: Sequence[float], theirs: Sequence[float], *,
-                steps: str, atol: float | Sequence[float] = 0.0, rtol: float = RTOL, tolerance: str | None = None,
-                labels: Sequence[str] | None = None) -> None:
+def check_close(
+    objective: str,
+    quantity: str,
+    ours: Sequence[float],
+    theirs: Sequence[float],
+    *,
+    steps: str,
+    atol: float | Sequence[float] = 0.0,
+    rtol: float = RTOL,
+    tolerance: str | None = None,
+    labels: Sequence[str] | None = None,
+) -> None:
     """Assert ``|ours - theirs| <= rtol |theirs| + atol`` elementwise and record the row in
     :data:`RESULTS` (before asserting, so a failing row is in the table too).
 
@@ -359,13 +417,16 @@ def check_close(objective: str, quantity: str, ours: Sequence[float], theirs: Se
     bad = [i for i, (d, b, f) in enumerate(zip(diffs, theirs, floors)) if not d <= rtol * abs(b) + f]
     shown = bad[:10]
     where = [labels[i] for i in shown] if labels is not None else shown
-    assert not bad, (f"{objective} {quantity} ({steps}): {len(bad)} element(s) differ beyond tolerance, e.g. project "
-                     f"{[ours[i] for i in shown]} vs TRL {[theirs[i] for i in shown]} at {where} "
-                     f"(rtol {rtol}, atol {[floors[i] for i in shown]})")
+    assert not bad, (
+        f"{objective} {quantity} ({steps}): {len(bad)} element(s) differ beyond tolerance, e.g. project "
+        f"{[ours[i] for i in shown]} vs TRL {[theirs[i] for i in shown]} at {where} "
+        f"(rtol {rtol}, atol {[floors[i] for i in shown]})"
+    )
 
 
-def check_departure(objective: str, quantity: str, one: float, other: float, *, steps: str,
-                    minimum: float = 10 * RTOL) -> None:
+def check_departure(
+    objective: str, quantity: str, one: float, other: float, *, steps: str, minimum: float = 10 * RTOL
+) -> None:
     """Assert that the two definitions of a pinned departure differ by more than ``minimum``
     relative here, an order of magnitude above the comparisons' :data:`RTOL` (so the checks of each
     definition could not pass with the other), and record the size in :data:`RESULTS`."""
@@ -375,8 +436,9 @@ def check_departure(objective: str, quantity: str, one: float, other: float, *, 
     assert rel > minimum, f"{objective} {quantity}: {one} and {other} differ by only {rel:.2g} relative"
 
 
-def check_departure_vectors(objective: str, quantity: str, one: torch.Tensor, other: torch.Tensor, *,
-                            steps: str, minimum: float = 10 * RTOL) -> None:
+def check_departure_vectors(
+    objective: str, quantity: str, one: torch.Tensor, other: torch.Tensor, *, steps: str, minimum: float = 10 * RTOL
+) -> None:
     """:func:`check_departure` of two vectors (a gradient under two definitions): their difference's
     L2 norm relative to the larger of their norms must exceed ``minimum``; records it (the max.
     abs. diff column: the largest element difference)."""
@@ -408,6 +470,7 @@ def check_same_optimizer(run: ProjectRun, trainer) -> None:
     (by name) in a group of the same weight decay and peak learning rate. Structural: it fails
     where a transformers or project default moves (fused, eps, the decay groups) before any number
     is compared."""
+
     def groups(optimizer, model) -> dict[tuple[float, float], set[str]]:
         names = {id(p): n for n, p in model.named_parameters()}
         out: dict[tuple[float, float], set[str]] = {}

@@ -18,10 +18,12 @@ def length_reward(prompts: list[str], completions: list[str], **kwargs) -> list[
 def answer_echo_reward(prompts, completions, *, answers, messages, **kwargs) -> torch.Tensor:
     """1 where the completion equals the answer (a [N] tensor), + 0.5 where the prompt is the
     last user message's content and ``messages`` ends with that user turn."""
-    return torch.tensor([
-        float(c == a) + 0.5 * (p == m[-1]["content"] and m[-1]["role"] == "user")
-        for p, c, a, m in zip(prompts, completions, answers, messages, strict=True)
-    ])
+    return torch.tensor(
+        [
+            float(c == a) + 0.5 * (p == m[-1]["content"] and m[-1]["role"] == "user")
+            for p, c, a, m in zip(prompts, completions, answers, messages, strict=True)
+        ]
+    )
 
 
 async def async_length_reward(prompts: list[str], completions: list[str], **kwargs) -> list[float]:

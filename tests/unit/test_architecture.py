@@ -59,7 +59,9 @@ def test_a_broken_layer_is_reported(tmp_path):
     """The contracts can fail: with ``trainer_core.registry`` declared above ``trainer_core.config``
     (which imports it), the floors contract is broken."""
     text = (ROOT / ".importlinter").read_text()
-    swapped = text.replace("    trainer_core.config\n    trainer_core.registry\n", "    trainer_core.registry\n    trainer_core.config\n")
+    swapped = text.replace(
+        "    trainer_core.config\n    trainer_core.registry\n", "    trainer_core.registry\n    trainer_core.config\n"
+    )
     assert swapped != text
     config = tmp_path / "importlinter.ini"
     config.write_text(swapped)
@@ -160,7 +162,11 @@ def test_the_loops_probe_no_objective_algorithm_or_config_with_getattr():
     found = []
     for rel in LOOPS:
         for node in ast.walk(ast.parse((ROOT / rel).read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"getattr", "hasattr"}:
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in {"getattr", "hasattr"}
+            ):
                 if node.args and probed(node.args[0]):
                     found.append(f"{rel}:{node.lineno}")
     assert found == []
@@ -175,8 +181,9 @@ def test_every_registered_stage_has_a_module_and_a_config_section(stage):
 
 def test_stage_order_is_a_topological_order_of_the_inputs():
     """Given every stage's output, each stage reads only outputs of stages before it."""
-    config = load_config(overrides={"ppo.reward.kind": "weighted", "grpo.reward.kind": "weighted",
-                                    "distill.teacher_from": "/teacher"})
+    config = load_config(
+        overrides={"ppo.reward.kind": "weighted", "grpo.reward.kind": "weighted", "distill.teacher_from": "/teacher"}
+    )
     outputs = {s: f"<{s}>" for s in STAGE_ORDER}
     for i, stage in enumerate(STAGE_ORDER):
         read = {uri for uri in stage_inputs(config, stage, outputs).values() if uri.startswith("<")}

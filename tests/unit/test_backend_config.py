@@ -30,7 +30,10 @@ def test_world_size_is_nodes_times_processes():
         ({"name": "single", "nproc_per_node": 2}, "backend.name=single runs one process"),
         ({"name": "single", "nnodes": 2, "rdzv_endpoint": "h:1"}, "backend.name=single runs one process"),
         ({"name": "ddp", "nnodes": 2}, r"backend.rdzv_endpoint \(host:port of node 0\) is required"),
-        ({"name": "ddp", "nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "node_rank=2 must be < backend.nnodes=2"),
+        (
+            {"name": "ddp", "nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"},
+            "node_rank=2 must be < backend.nnodes=2",
+        ),
         ({"name": "deepspeed", "zero_stage": 2, "offload_params": True}, "offload_params needs backend.zero_stage=3"),
         ({"name": "horovod"}, "name"),
         ({"name": "deepspeed", "zero_stage": 4}, "zero_stage"),
@@ -86,11 +89,16 @@ def test_invalid_stage_override_names_the_stage():
 def test_a_misspelt_stage_override_key_fails_at_load_naming_its_path():
     """A stage's ``backend`` and ``lora`` are typed partial sections: an unknown key, or a bad
     value of a known one, fails when the config loads, named by its full path."""
-    cases = [({"grpo.backend": {"nprocs": 2}}, r"grpo\.backend\.nprocs: Extra inputs are not permitted"),
-             ({"sft.backend.zero_stag": 3}, r"sft\.backend\.zero_stag: Extra inputs are not permitted"),
-             ({"sft.backend.nproc_per_node": 0}, r"sft\.backend\.nproc_per_node: Input should be greater than or equal to 1"),
-             ({"dpo.lora.rnak": 8}, r"dpo\.lora\.rnak: Extra inputs are not permitted"),
-             ({"dpo.lora.quantize": "8bit"}, r"dpo\.lora\.quantize: Input should be '4bit'")]
+    cases = [
+        ({"grpo.backend": {"nprocs": 2}}, r"grpo\.backend\.nprocs: Extra inputs are not permitted"),
+        ({"sft.backend.zero_stag": 3}, r"sft\.backend\.zero_stag: Extra inputs are not permitted"),
+        (
+            {"sft.backend.nproc_per_node": 0},
+            r"sft\.backend\.nproc_per_node: Input should be greater than or equal to 1",
+        ),
+        ({"dpo.lora.rnak": 8}, r"dpo\.lora\.rnak: Extra inputs are not permitted"),
+        ({"dpo.lora.quantize": "8bit"}, r"dpo\.lora\.quantize: Input should be '4bit'"),
+    ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
             load_config(overrides=overrides)
@@ -99,17 +107,30 @@ def test_a_misspelt_stage_override_key_fails_at_load_naming_its_path():
 def test_a_stage_override_sets_exactly_its_keys_and_dumps_only_them():
     """Unset fields inherit; a field set to null sets None where None is a value (as the mapping
     did); a dump holds only the set fields, and loads back to the same merged sections."""
-    config = load_config(overrides={"lora": {"enabled": True, "quantize": "4bit"}, "sft.lora.quantize": None,
-                                    "sft.lora.rank": 4, "backend.rdzv_id": "job", "dpo.backend.rdzv_id": None})
-    assert (config.lora_for("sft").quantize, config.lora_for("sft").rank, config.lora_for("sft").enabled) == (None, 4, True)
+    config = load_config(
+        overrides={
+            "lora": {"enabled": True, "quantize": "4bit"},
+            "sft.lora.quantize": None,
+            "sft.lora.rank": 4,
+            "backend.rdzv_id": "job",
+            "dpo.backend.rdzv_id": None,
+        }
+    )
+    assert (config.lora_for("sft").quantize, config.lora_for("sft").rank, config.lora_for("sft").enabled) == (
+        None,
+        4,
+        True,
+    )
     assert config.lora_for("dpo") == config.lora  # nothing set: the pipeline's own object
     assert (config.backend_for("dpo").rdzv_id, config.backend_for("sft").rdzv_id) == (None, "job")
     dumped = config.model_dump(mode="json")
     assert dumped["sft"]["lora"] == {"quantize": None, "rank": 4} and dumped["sft"]["backend"] == {}
     assert dumped["dpo"]["backend"] == {"rdzv_id": None}
     again = PipelineConfig.model_validate(dumped)
-    assert all(again.lora_for(s) == config.lora_for(s) and again.backend_for(s) == config.backend_for(s)
-               for s in TRAINING_STAGES)
+    assert all(
+        again.lora_for(s) == config.lora_for(s) and again.backend_for(s) == config.backend_for(s)
+        for s in TRAINING_STAGES
+    )
 
 
 @pytest.mark.parametrize("stage", ["ppo", "grpo", "distill"])
@@ -127,22 +148,45 @@ def test_the_rl_loops_refusals_come_at_load_for_the_stages_the_run_trains():
     once the stage has loaded its models; a stage the run does not train is not judged."""
     ddp2 = {"name": "ddp", "nproc_per_node": 2}
     cases = [
-        ({"grpo.prompts_per_rollout": 3, "grpo.backend": ddp2}, r"grpo\.prompts_per_rollout=3 must be a multiple of the world size \(2\)"),
-        ({"grpo.prompts_per_rollout": 2, "grpo.group_size": 2, "grpo.num_mini_batches": 5},
-         r"grpo\.num_mini_batches=5 exceeds the rollout batch's number of sequences \(4 ="),
-        ({"distill.teacher_from": "/t", "distill.prompts_per_rollout": 2, "distill.samples_per_prompt": 2,
-          "distill.num_mini_batches": 5}, r"distill\.num_mini_batches=5 exceeds .* \(4 ="),
+        (
+            {"grpo.prompts_per_rollout": 3, "grpo.backend": ddp2},
+            r"grpo\.prompts_per_rollout=3 must be a multiple of the world size \(2\)",
+        ),
+        (
+            {"grpo.prompts_per_rollout": 2, "grpo.group_size": 2, "grpo.num_mini_batches": 5},
+            r"grpo\.num_mini_batches=5 exceeds the rollout batch's number of sequences \(4 =",
+        ),
+        (
+            {
+                "distill.teacher_from": "/t",
+                "distill.prompts_per_rollout": 2,
+                "distill.samples_per_prompt": 2,
+                "distill.num_mini_batches": 5,
+            },
+            r"distill\.num_mini_batches=5 exceeds .* \(4 =",
+        ),
         ({"ppo.generation.temperature": 0.0}, r"ppo\.generation\.temperature must be > 0"),
-        ({"grpo.generation.engine": "static", "grpo.backend": {"name": "deepspeed", "zero_stage": 3, "nproc_per_node": 2}},
-         r"grpo\.generation\.engine='static' needs an unsharded policy .* with deepspeed"),
+        (
+            {
+                "grpo.generation.engine": "static",
+                "grpo.backend": {"name": "deepspeed", "zero_stage": 3, "nproc_per_node": 2},
+            },
+            r"grpo\.generation\.engine='static' needs an unsharded policy .* with deepspeed",
+        ),
     ]
     stages = "prepare_data,sft,reward_model,ppo,grpo,distill,evaluate"
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
             load_config(overrides={"stages": stages, **overrides})
         load_config(overrides={"stages": "prepare_data,sft,evaluate", **overrides})  # not trained: not judged
-    load_config(overrides={"stages": stages, "distill.teacher_from": "/t", "grpo.generation.engine": "static",
-                           "grpo.backend": {"name": "deepspeed", "zero_stage": 2, "nproc_per_node": 2}})
+    load_config(
+        overrides={
+            "stages": stages,
+            "distill.teacher_from": "/t",
+            "grpo.generation.engine": "static",
+            "grpo.backend": {"name": "deepspeed", "zero_stage": 2, "nproc_per_node": 2},
+        }
+    )
 
 
 def test_backend_for_raises_for_an_override_set_after_validation():
@@ -200,11 +244,14 @@ def test_ds_config_offload_sections():
     backend = BackendConfig(name="deepspeed", zero_stage=3, offload_optimizer=True, offload_params=True)
     config = build_ds_config(backend, _stage(), 1, "fp32")
     assert config["zero_optimization"] == {
-        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"},
     }
     only_optimizer = BackendConfig(name="deepspeed", zero_stage=1, offload_optimizer=True)
     assert build_ds_config(only_optimizer, _stage(), 1, "fp32")["zero_optimization"] == {
-        "stage": 1, "offload_optimizer": {"device": "cpu"},
+        "stage": 1,
+        "offload_optimizer": {"device": "cpu"},
     }
 
 
@@ -218,7 +265,9 @@ def test_raw_ds_config_is_deep_merged_over_the_generated_one():
     backend = BackendConfig(name="deepspeed", zero_stage=3, offload_params=True, ds_config=raw)
     config = build_ds_config(backend, _stage(), 2, "bf16-mixed")
     assert config["zero_optimization"] == {
-        "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}, "stage3_max_live_parameters": 1000,
+        "stage": 3,
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "stage3_max_live_parameters": 1000,
     }
     assert (config["gradient_clipping"], config["communication_data_type"]) == (2.0, "fp32")
     assert config["bf16"] == {"enabled": False}
@@ -252,7 +301,11 @@ def test_memory_features_default_off_and_precision_auto_resolves_per_device():
     assert (backend.precision, backend.activation_checkpointing, backend.compile) == ("auto", False, False)
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
     assert resolve_precision("auto", torch.device("cuda", 0)) == "bf16-mixed"
-    assert [resolve_precision(p, torch.device("cuda", 0)) for p in ("fp32", "bf16", "bf16-mixed")] == ["fp32", "bf16", "bf16-mixed"]
+    assert [resolve_precision(p, torch.device("cuda", 0)) for p in ("fp32", "bf16", "bf16-mixed")] == [
+        "fp32",
+        "bf16",
+        "bf16-mixed",
+    ]
 
 
 @pytest.mark.parametrize(("old", "new"), [("auto", "auto"), ("fp32", "fp32"), ("bf16", "bf16-mixed")])
@@ -261,7 +314,10 @@ def test_deprecated_mixed_precision_is_read_as_precision(old, new):
     with pytest.warns(FutureWarning, match=f"mixed_precision is deprecated: read as backend.precision={new}"):
         backend = BackendConfig(name="fsdp2", mixed_precision=old)
     assert backend.precision == new
-    assert "mixed_precision" not in backend.model_dump() and "mixed_precision" not in BackendConfig.model_json_schema()["properties"]
+    assert (
+        "mixed_precision" not in backend.model_dump()
+        and "mixed_precision" not in BackendConfig.model_json_schema()["properties"]
+    )
 
 
 def test_deprecated_mixed_precision_in_a_stage_override_wins_and_bad_values_fail():
@@ -291,10 +347,14 @@ def test_memory_features_do_not_change_stage_fingerprints():
 
     inputs = {"data": "memory://no-manifest/data", "model": "init"}
     plain = load_config()
-    tuned = load_config(overrides={
-        "backend.precision": "bf16", "backend.activation_checkpointing": True, "backend.compile": True,
-        "sft.backend": {"precision": "fp32", "compile": False},
-    })
+    tuned = load_config(
+        overrides={
+            "backend.precision": "bf16",
+            "backend.activation_checkpointing": True,
+            "backend.compile": True,
+            "sft.backend": {"precision": "fp32", "compile": False},
+        }
+    )
     assert stage_fingerprint(plain, "sft", inputs) == stage_fingerprint(tuned, "sft", inputs)
 
 

@@ -77,16 +77,22 @@ def _plan(tmp_path, **overrides):
     return plan_run(config, RunLayout(str(tmp_path), "r1"))
 
 
-@pytest.mark.parametrize(("stage", "reward"), [
-    ("grpo", {"grpo.reward.kind": "weighted"}),
-    ("grpo", {"grpo.reward.kind": "weighted", "grpo.reward.weights": {"reward_model": 1.0, "verifier": 0.5}}),
-    ("ppo", {}),  # PPO's default reward is the reward model
-])
+@pytest.mark.parametrize(
+    ("stage", "reward"),
+    [
+        ("grpo", {"grpo.reward.kind": "weighted"}),
+        ("grpo", {"grpo.reward.kind": "weighted", "grpo.reward.weights": {"reward_model": 1.0, "verifier": 0.5}}),
+        ("ppo", {}),  # PPO's default reward is the reward model
+    ],
+)
 def test_a_reward_reading_a_reward_model_without_one_is_refused_when_the_run_is_planned(tmp_path, stage, reward):
     """It was refused only when the stage started, after SFT ran, as "needs input 'reward_model';
     spec inputs: [...]"."""
-    with pytest.raises(ConfigError, match=rf"{stage}\.reward \(kind .*reads a trained reward model.*add the "
-                                          rf"reward_model stage to stages, set {stage}\.reward\.reward_model_from"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"{stage}\.reward \(kind .*reads a trained reward model.*add the "
+        rf"reward_model stage to stages, set {stage}\.reward\.reward_model_from",
+    ):
         _plan(tmp_path, stages=f"prepare_data,sft,{stage}", **reward)
 
 
@@ -101,8 +107,10 @@ def test_run_refuses_it_before_prefect_starts(tmp_path, monkeypatch):
     server.needs_temporary_server, server.start_temporary_api_server = (lambda: False), started.append
     monkeypatch.setitem(sys.modules, "posttrain.api_server", server)
     root = tmp_path / "out"
-    config = _config_file(tmp_path, f"stages: [prepare_data, sft, grpo]\ngrpo: {{reward: {{kind: weighted}}}}\n"
-                                    f"storage: {{root: {root}}}\n")
+    config = _config_file(
+        tmp_path,
+        f"stages: [prepare_data, sft, grpo]\ngrpo: {{reward: {{kind: weighted}}}}\nstorage: {{root: {root}}}\n",
+    )
     result = runner.invoke(cli.app, ["run", config, "--run-id", "r1"])
     assert result.exit_code == 2 and not started, result.output
     assert "grpo.reward (kind 'weighted', weights {'reward_model': 1.0, 'verifier': 1.0}) reads" in result.stderr
@@ -112,30 +120,44 @@ def test_run_refuses_it_before_prefect_starts(tmp_path, monkeypatch):
 def test_a_reward_model_from_the_run_or_elsewhere_or_a_reward_without_one_plans(tmp_path):
     weighted = {"grpo.reward.kind": "weighted"}
     assert "reward_model" in _plan(tmp_path, stages="prepare_data,sft,reward_model,grpo", **weighted)["grpo"].inputs
-    assert _plan(tmp_path, stages="prepare_data,sft,grpo", **weighted,
-                 **{"grpo.reward.reward_model_from": "/rm"})["grpo"].inputs["reward_model"] == "/rm"
+    assert (
+        _plan(tmp_path, stages="prepare_data,sft,grpo", **weighted, **{"grpo.reward.reward_model_from": "/rm"})[
+            "grpo"
+        ].inputs["reward_model"]
+        == "/rm"
+    )
     no_rm = {"grpo.reward.weights": {"verifier": 1.0, "math_verify": 0.5}}
     assert "grpo" in _plan(tmp_path, stages="prepare_data,sft,grpo", **weighted, **no_rm)
     layout = RunLayout(str(tmp_path), "r1")  # committed by an earlier start of the same run id
     ArtifactWriter(layout.final("reward_model")).commit(kind="final", stage="reward_model", run_id="r1")
-    assert _plan(tmp_path, stages="prepare_data,sft,grpo", **weighted)["grpo"].inputs["reward_model"] == \
-        layout.final("reward_model")
+    assert _plan(tmp_path, stages="prepare_data,sft,grpo", **weighted)["grpo"].inputs["reward_model"] == layout.final(
+        "reward_model"
+    )
 
 
 def test_distill_whose_reward_reads_a_reward_model_is_refused_it_takes_none(tmp_path):
     with pytest.raises(ConfigError, match=r"distill\.reward \(kind 'reward_model'\).*the distill stage takes none"):
-        _plan(tmp_path, stages="prepare_data,sft,reward_model,distill", **{
-            "distill.teacher_from": "/teacher", "distill.reward.kind": "reward_model"})
+        _plan(
+            tmp_path,
+            stages="prepare_data,sft,reward_model,distill",
+            **{"distill.teacher_from": "/teacher", "distill.reward.kind": "reward_model"},
+        )
 
 
-@pytest.mark.parametrize(("cfg", "reads"), [  # the table of test_rewards.py's needs_reward_model (the stage's rule)
-    ({"kind": "reward_model"}, True), ({"kind": "verifier"}, False), ({"kind": "math_verify"}, False),
-    ({"kind": "function", "function": "m:f"}, False), ({"kind": "weighted"}, True),
-    ({"kind": "weighted", "weights": {"function": 1.0}, "function": "m:f"}, False),
-    ({"kind": "weighted", "weights": {"reward_model": 1.0, "function": 1.0}, "function": "m:f"}, True),
-    ({"kind": "weighted", "weights": {"math_verify": 1.0}}, False),
-    ({"kind": "weighted", "weights": {"reward_model": 0.5, "verifier": 1.0}}, True),
-])
+@pytest.mark.parametrize(
+    ("cfg", "reads"),
+    [  # the table of test_rewards.py's needs_reward_model (the stage's rule)
+        ({"kind": "reward_model"}, True),
+        ({"kind": "verifier"}, False),
+        ({"kind": "math_verify"}, False),
+        ({"kind": "function", "function": "m:f"}, False),
+        ({"kind": "weighted"}, True),
+        ({"kind": "weighted", "weights": {"function": 1.0}, "function": "m:f"}, False),
+        ({"kind": "weighted", "weights": {"reward_model": 1.0, "function": 1.0}, "function": "m:f"}, True),
+        ({"kind": "weighted", "weights": {"math_verify": 1.0}}, False),
+        ({"kind": "weighted", "weights": {"reward_model": 0.5, "verifier": 1.0}}, True),
+    ],
+)
 def test_the_plans_reward_rule_is_the_one_the_reward_is_built_by(cfg, reads):
     """``RewardConfig.reads_reward_model`` (the plan's) gives what ``needs_reward_model`` (the
     stage's, ``trainer_core/training/rl/rewards.py``) gives, without importing torch."""
@@ -163,9 +185,14 @@ def test_every_run_id_made_of_the_longest_name_is_a_run_id():
 # 5. an empty --grid axis
 
 
-@pytest.mark.parametrize(("item", "why"), [("dpo.beta=[]", "give at least one value"),
-                                           ("dpo.beta=0.1,0.1", "a value is repeated"),
-                                           ("storage.root=[a, b]", "the sweep, its name, storage and tracking are one")])
+@pytest.mark.parametrize(
+    ("item", "why"),
+    [
+        ("dpo.beta=[]", "give at least one value"),
+        ("dpo.beta=0.1,0.1", "a value is repeated"),
+        ("storage.root=[a, b]", "the sweep, its name, storage and tracking are one"),
+    ],
+)
 def test_a_grid_axis_the_config_would_refuse_is_refused_by_the_cli_naming_it(tmp_path, monkeypatch, item, why):
     """``--grid 'dpo.beta=[]'`` "completed" a sweep of 0 points with exit 0 (``sweep.grid`` refused it)."""
     ran = []
@@ -197,9 +224,14 @@ def _copied_run(tmp_path, **overrides):
 
 def test_a_run_copied_elsewhere_resumes_under_the_root_it_was_found_under(tmp_path):
     """``resume RUN --root COPY`` wrote into the original root (the copy's saved storage.root)."""
-    original, copy = _copied_run(tmp_path, **{
-        "tracking.tracking_uri": f"sqlite:///{tmp_path}/outputs/mlflow.db", "sft.init_from": f"{tmp_path}/outputs/m",
-        "dpo.init_from": f"{tmp_path}/outputs-other/m"})
+    original, copy = _copied_run(
+        tmp_path,
+        **{
+            "tracking.tracking_uri": f"sqlite:///{tmp_path}/outputs/mlflow.db",
+            "sft.init_from": f"{tmp_path}/outputs/m",
+            "dpo.init_from": f"{tmp_path}/outputs-other/m",
+        },
+    )
     config, moved = resume_config(str(copy), "r1", ["sft.max_steps=3"])
     assert config.storage.root == str(copy) and config.sft.max_steps == 3
     assert config.tracking.tracking_uri == f"sqlite:///{copy}/mlflow.db" and config.sft.init_from == f"{copy}/m"
@@ -210,8 +242,13 @@ def test_a_run_copied_elsewhere_resumes_under_the_root_it_was_found_under(tmp_pa
 
 
 def test_a_run_copied_between_uris_resumes_under_the_uri_it_was_found_under(tmp_path):
-    config = load_config(overrides={"storage.root": "memory://bad-input/a", "stages": "prepare_data,sft",
-                                    "sft.init_from": "memory://bad-input/a/models/m"})
+    config = load_config(
+        overrides={
+            "storage.root": "memory://bad-input/a",
+            "stages": "prepare_data,sft",
+            "sft.init_from": "memory://bad-input/a/models/m",
+        }
+    )
     save_run_config(config, RunLayout("memory://bad-input/b", "r1"))  # a copy: its config.json names /a
     resumed, moved = resume_config("memory://bad-input/b", "r1")
     assert resumed.storage.root == "memory://bad-input/b" and resumed.sft.init_from == "memory://bad-input/b/models/m"

@@ -53,15 +53,26 @@ def test_collate_causal_errors(rows, pattern):
 
 def test_collate_pairs_share_one_length():
     rows = [
-        {"chosen_input_ids": [1, 2], "chosen_loss_mask": [0, 1], "rejected_input_ids": [1, 3, 4, 5],
-         "rejected_loss_mask": [0, 1, 1, 1], "extra": "ignored"},
-        {"chosen_input_ids": [1, 2, 3], "chosen_loss_mask": [0, 0, 1], "rejected_input_ids": [1],
-         "rejected_loss_mask": [1]},
+        {
+            "chosen_input_ids": [1, 2],
+            "chosen_loss_mask": [0, 1],
+            "rejected_input_ids": [1, 3, 4, 5],
+            "rejected_loss_mask": [0, 1, 1, 1],
+            "extra": "ignored",
+        },
+        {
+            "chosen_input_ids": [1, 2, 3],
+            "chosen_loss_mask": [0, 0, 1],
+            "rejected_input_ids": [1],
+            "rejected_loss_mask": [1],
+        },
     ]
     batch = collate_pairs(rows, PAD)
     # [chosen; rejected] as [4, 4]: targets (0, 1), (1, 2), (2, 1), (2, 2), (2, 3) <- hidden 0, 5, 8, 9, 10
     assert batch.pop("counted_index").tolist() == [0, 5, 8, 9, 10]
-    assert set(batch) == {f"{s}_{k}" for s in ("chosen", "rejected") for k in ("input_ids", "attention_mask", "loss_mask")}
+    assert set(batch) == {
+        f"{s}_{k}" for s in ("chosen", "rejected") for k in ("input_ids", "attention_mask", "loss_mask")
+    }
     assert all(t.shape == (2, 4) and t.dtype == torch.long for t in batch.values())
     assert batch["chosen_input_ids"].tolist() == [[1, 2, PAD, PAD], [1, 2, 3, PAD]]
     assert batch["rejected_attention_mask"].tolist() == [[1, 1, 1, 1], [1, 0, 0, 0]]
@@ -131,11 +142,14 @@ def test_sampler_drop_last_drops_a_random_remainder():
     assert len(dropped) > 4  # not always the longest rows
 
 
-@pytest.mark.parametrize(("kwargs", "pattern"), [
-    ({"lengths": [], "micro_batch_size": 2}, "no micro-batch"),
-    ({"lengths": [1, 2], "micro_batch_size": 3, "drop_last": True}, "no micro-batch"),
-    ({"lengths": [1], "micro_batch_size": 0}, "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"lengths": [], "micro_batch_size": 2}, "no micro-batch"),
+        ({"lengths": [1, 2], "micro_batch_size": 3, "drop_last": True}, "no micro-batch"),
+        ({"lengths": [1], "micro_batch_size": 0}, "must be >= 1"),
+    ],
+)
 def test_sampler_errors(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         BucketedBatchSampler(seed=0, **kwargs)
@@ -144,8 +158,15 @@ def test_sampler_errors(kwargs, pattern):
 def test_iterate_batches_positions_cross_epochs():
     sampler = BucketedBatchSampler(_lengths(10), 4, seed=3)
     got = list(itertools.islice(iterate_batches(sampler, DataPosition()), 7))
-    assert [p for _, p in got] == [DataPosition(0, 1), DataPosition(0, 2), DataPosition(1, 0), DataPosition(1, 1),
-                                   DataPosition(1, 2), DataPosition(2, 0), DataPosition(2, 1)]
+    assert [p for _, p in got] == [
+        DataPosition(0, 1),
+        DataPosition(0, 2),
+        DataPosition(1, 0),
+        DataPosition(1, 1),
+        DataPosition(1, 2),
+        DataPosition(2, 0),
+        DataPosition(2, 1),
+    ]
     assert [b for b, _ in got[:3]] == sampler.batches(0) and [b for b, _ in got[3:6]] == sampler.batches(1)
 
 

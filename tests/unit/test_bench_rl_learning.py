@@ -22,10 +22,15 @@ def _window_gain():
 
 
 def test_policy_gains_hold_within_one_standard_error():
-    metrics = {"dpo_vs_sft/exact_match_gain": -0.012, "dpo_vs_sft/exact_match_gain_se": 0.013,
-               "ppo_vs_sft/exact_match_gain": -0.03, "ppo_vs_sft/exact_match_gain_se": 0.015,
-               "grpo_vs_sft/exact_match_gain": 0.031, "grpo_vs_sft/exact_match_gain_se": 0.013,
-               "sft/exact_match": 0.409}
+    metrics = {
+        "dpo_vs_sft/exact_match_gain": -0.012,
+        "dpo_vs_sft/exact_match_gain_se": 0.013,
+        "ppo_vs_sft/exact_match_gain": -0.03,
+        "ppo_vs_sft/exact_match_gain_se": 0.015,
+        "grpo_vs_sft/exact_match_gain": 0.031,
+        "grpo_vs_sft/exact_match_gain_se": 0.013,
+        "sft/exact_match": 0.409,
+    }
     got = _module().policy_gains(metrics)
     assert set(got) == {"dpo", "ppo", "grpo"}
     assert got["dpo"]["holds"] and got["grpo"]["holds"] and not got["ppo"]["holds"]

@@ -142,8 +142,13 @@ def test_checkpoint_session_world_1_file_list(asynchronous):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     uri = _root()
     session = CheckpointSession(
-        uri.rsplit("/", 1)[0], SingleDeviceBackend("cpu"), fingerprint="f1", stage="sft", run_id="r1",
-        metrics=MetricsBuffer(sink=_NoSink(), printer=lambda metrics, step: None), extra={"mlflow_run_id": None},
+        uri.rsplit("/", 1)[0],
+        SingleDeviceBackend("cpu"),
+        fingerprint="f1",
+        stage="sft",
+        run_id="r1",
+        metrics=MetricsBuffer(sink=_NoSink(), printer=lambda metrics, step: None),
+        extra={"mlflow_run_id": None},
         asynchronous=asynchronous,
     )
     session.save(TrainProgress(global_step=3), model=model, optimizer=optimizer, scheduler=scheduler)
@@ -151,7 +156,12 @@ def test_checkpoint_session_world_1_file_list(asynchronous):
     assert session.deferred is asynchronous
     manifest = read_manifest(uri)
     assert sorted(f.path for f in manifest.files) == [
-        "metrics.json", "model.safetensors", "optimizer.pt", "rank-00000/rng.pt", "scheduler.pt", "trainer_state.json",
+        "metrics.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "rank-00000/rng.pt",
+        "scheduler.pt",
+        "trainer_state.json",
     ]
     assert (manifest.backend, manifest.world_size, manifest.global_step, manifest.config_hash) == ("single", 1, 3, "f1")
     assert manifest.extra == {"mlflow_run_id": None, "checkpoint_format": "full"}

@@ -47,9 +47,17 @@ def test_an_rl_section_refuses_the_supervised_loops_fields_naming_them(stage):
     from trainer_core.config import OptimizerStageConfig, RLStageConfig, TrainStageConfig
     from trainer_core.config.stages import SUPERVISED_LOOP_FIELDS
 
-    assert set(SUPERVISED_LOOP_FIELDS) == {"moe", "micro_batch_size", "grad_accum_steps", "global_batch_size",
-                                           "eval_every", "eval_max_batches", "keep_best_metric",
-                                           "early_stopping_patience", "log_every"}
+    assert set(SUPERVISED_LOOP_FIELDS) == {
+        "moe",
+        "micro_batch_size",
+        "grad_accum_steps",
+        "global_batch_size",
+        "eval_every",
+        "eval_max_batches",
+        "keep_best_metric",
+        "early_stopping_patience",
+        "log_every",
+    }
     assert not set(SUPERVISED_LOOP_FIELDS) & set(RLStageConfig.model_fields)
     assert set(TrainStageConfig.model_fields) == set(OptimizerStageConfig.model_fields) | set(SUPERVISED_LOOP_FIELDS)
     for name, value in [("micro_batch_size", 4), ("eval_every", 5), ("log_every", 1), ("moe.aux_loss_coef", 0.01)]:
@@ -83,8 +91,12 @@ def test_missing_config_file_is_a_config_error(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "why"),
-    [("team/policy", "cannot contain '/' or ':'"), ("models:/policy", "cannot contain '/' or ':'"),
-     ("   ", "must not be blank"), ("..", "would read it as the path")],
+    [
+        ("team/policy", "cannot contain '/' or ':'"),
+        ("models:/policy", "cannot contain '/' or ':'"),
+        ("   ", "must not be blank"),
+        ("..", "would read it as the path"),
+    ],
 )
 def test_an_illegal_registered_model_name_is_refused_when_the_config_is_read(name, why):
     """Issue 35, item 13: refused by ``validate`` (and before any stage runs), not by MLflow at the release."""

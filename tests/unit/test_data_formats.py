@@ -74,16 +74,26 @@ def test_prompt_completion_sft_example_string_and_message_prompts():
     assert to_sft_example({"prompt": "p", "completion": "so\n#### 1,500"})["answer"] == "1500"
 
 
-CHAT = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
-        {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2\n#### 7"}]
+CHAT = [
+    {"role": "system", "content": "s"},
+    {"role": "user", "content": "u1"},
+    {"role": "assistant", "content": "a1"},
+    {"role": "user", "content": "u2"},
+    {"role": "assistant", "content": "a2\n#### 7"},
+]
 
 
 def test_messages_sft_example_and_eval_problem():
     """A conversation: the last assistant turn is the completion, the turns before it (the earlier
     reply included) the prompt; its final answer the eval problem's."""
     ex = to_sft_example({"messages": CHAT, "_source": "c.jsonl:1"})
-    assert ex == {"prompt": "System: s\n\nUser: u1\n\nAssistant: a1\n\nUser: u2", "completion": "a2\n#### 7",
-                  "messages": CHAT[:-1], "answer": "7", "_source": "c.jsonl:1"}
+    assert ex == {
+        "prompt": "System: s\n\nUser: u1\n\nAssistant: a1\n\nUser: u2",
+        "completion": "a2\n#### 7",
+        "messages": CHAT[:-1],
+        "answer": "7",
+        "_source": "c.jsonl:1",
+    }
     assert to_eval_problem({"messages": CHAT}) == {"messages": CHAT[:-1], "answer": "7"}
     with pytest.raises(DataError, match="format 'messages' has no preference pairs"):
         to_preference_example({"messages": CHAT})
@@ -120,12 +130,20 @@ def test_trl_conversational_formats_give_the_canonical_examples():
     implicit = {"chosen": USER + _said("4"), "rejected": USER + _said("5")}
     assert to_preference_example(explicit) == pair == to_preference_example(implicit)
     assert to_preference_example({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) == pair
-    assert to_kto_examples(implicit) == to_kto_examples(explicit) == [
-        {"messages": USER, "completion": "4", "label": True}, {"messages": USER, "completion": "5", "label": False}]
+    assert (
+        to_kto_examples(implicit)
+        == to_kto_examples(explicit)
+        == [{"messages": USER, "completion": "4", "label": True}, {"messages": USER, "completion": "5", "label": False}]
+    )
     assert to_kto_examples({"prompt": USER, "completion": _said("5"), "label": False}) == [
-        {"messages": USER, "completion": "5", "label": False}]
+        {"messages": USER, "completion": "5", "label": False}
+    ]
     assert to_sft_example({"prompt": USER, "completion": _said("4\n#### 4")}) == {
-        "prompt": "2+2?", "completion": "4\n#### 4", "messages": USER, "answer": "4"}
+        "prompt": "2+2?",
+        "completion": "4\n#### 4",
+        "messages": USER,
+        "answer": "4",
+    }
     assert to_eval_problem({"prompt": USER, "completion": _said("#### 4")}) == {"messages": USER, "answer": "4"}
     assert to_sft_example(implicit)["completion"] == "4"
 
@@ -133,15 +151,23 @@ def test_trl_conversational_formats_give_the_canonical_examples():
 @pytest.mark.parametrize(
     ("record", "pattern"),
     [
-        ({"prompt": USER, "chosen": _said("4") + _said("5"), "rejected": "5"},
-         r"p:4: field 'chosen' must hold one assistant message, got 2 messages"),
-        ({"prompt": USER, "chosen": USER, "rejected": "5"},
-         r"p:4: field 'chosen' must hold an assistant message, got role 'user'"),
+        (
+            {"prompt": USER, "chosen": _said("4") + _said("5"), "rejected": "5"},
+            r"p:4: field 'chosen' must hold one assistant message, got 2 messages",
+        ),
+        (
+            {"prompt": USER, "chosen": USER, "rejected": "5"},
+            r"p:4: field 'chosen' must hold an assistant message, got role 'user'",
+        ),
         ({"prompt": USER, "chosen": 4, "rejected": "5"}, r"p:4: field 'chosen' must be str or list, got int"),
-        ({"chosen": USER + _said("4"), "rejected": [{"role": "user", "content": "3+3?"}, *_said("5")]},
-         r"p:4: fields 'chosen'/'rejected' do not share all turns but the last assistant reply"),
-        ({"chosen": USER + _said("4"), "rejected": USER},
-         r"p:4: field 'rejected' must end with an assistant turn, got role 'user' last"),
+        (
+            {"chosen": USER + _said("4"), "rejected": [{"role": "user", "content": "3+3?"}, *_said("5")]},
+            r"p:4: fields 'chosen'/'rejected' do not share all turns but the last assistant reply",
+        ),
+        (
+            {"chosen": USER + _said("4"), "rejected": USER},
+            r"p:4: field 'rejected' must end with an assistant turn, got role 'user' last",
+        ),
     ],
 )
 def test_conversational_pair_errors_name_source_and_field(record, pattern):
@@ -154,14 +180,21 @@ def test_tool_conversations_keep_their_calls_and_outputs():
     JSON-string ``arguments`` parsed, no ``content`` read as empty) and the ``tool`` turn's name
     are kept for the chat template; the last assistant turn is the completion."""
     call = {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "3+2"}'}}
-    record = {"messages": [{"role": "user", "content": "3+2?"}, {"role": "assistant", "tool_calls": [call]},
-                           {"role": "tool", "name": "calculator", "content": "5", "extra": 1},
-                           {"role": "assistant", "content": "#### 5"}]}
+    record = {
+        "messages": [
+            {"role": "user", "content": "3+2?"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": "5", "extra": 1},
+            {"role": "assistant", "content": "#### 5"},
+        ]
+    }
     ex = to_sft_example(record)
     parsed = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3+2"}}}
-    assert ex["messages"] == [{"role": "user", "content": "3+2?"},
-                              {"role": "assistant", "content": "", "tool_calls": [parsed]},
-                              {"role": "tool", "content": "5", "name": "calculator"}]
+    assert ex["messages"] == [
+        {"role": "user", "content": "3+2?"},
+        {"role": "assistant", "content": "", "tool_calls": [parsed]},
+        {"role": "tool", "content": "5", "name": "calculator"},
+    ]
     assert (ex["completion"], ex["answer"]) == ("#### 5", "5")
     assert ex["prompt"] == 'User: 3+2?\n\nAssistant: [calculator({"expression": "3+2"})]\n\nTool: 5'
 
@@ -169,18 +202,26 @@ def test_tool_conversations_keep_their_calls_and_outputs():
 @pytest.mark.parametrize(
     ("message", "pattern"),
     [
-        ({"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]},
-         r"t:1: field 'messages'\[1\]\['tool_calls'\]\[0\] must be \{'function'"),
-        ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
-         r"t:1: field 'messages'\[1\]\['tool_calls'\]\[0\] arguments: invalid JSON"),
-        ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]},
-         r"must be \{'function': \{'name': str, 'arguments': object\}\}"),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]},
+            r"t:1: field 'messages'\[1\]\['tool_calls'\]\[0\] must be \{'function'",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+            r"t:1: field 'messages'\[1\]\['tool_calls'\]\[0\] arguments: invalid JSON",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]},
+            r"must be \{'function': \{'name': str, 'arguments': object\}\}",
+        ),
         ({"role": "tool"}, r"t:1: field 'messages'\[1\] must be \{'role'"),
     ],
 )
 def test_tool_message_errors_name_source_and_field(message, pattern):
-    record = {"messages": [{"role": "user", "content": "q"}, message, {"role": "assistant", "content": "a"}],
-              "_source": "t:1"}
+    record = {
+        "messages": [{"role": "user", "content": "q"}, message, {"role": "assistant", "content": "a"}],
+        "_source": "t:1",
+    }
     with pytest.raises(DataError, match=pattern):
         to_sft_example(record)
 
@@ -188,23 +229,37 @@ def test_tool_message_errors_name_source_and_field(message, pattern):
 def test_a_conversation_ending_in_a_tool_call_has_no_completion():
     call = {"function": {"name": "f", "arguments": {}}}
     with pytest.raises(DataError, match=r"t:2: field 'messages' ends with a tool call"):
-        to_sft_example({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call]}],
-                        "_source": "t:2"})
+        to_sft_example(
+            {
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call]}],
+                "_source": "t:2",
+            }
+        )
 
 
 def test_hh_sft_example_uses_chosen_reply():
     ex = to_sft_example(HH_ROW, "hh_rlhf")
-    assert ex["completion"] == "Why did the chicken..." and ex["messages"][-1] == {"role": "user", "content": "Tell me a joke."}
+    assert ex["completion"] == "Why did the chicken..." and ex["messages"][-1] == {
+        "role": "user",
+        "content": "Tell me a joke.",
+    }
 
 
 @pytest.mark.parametrize(
     ("record", "fmt", "pattern"),
     [
         ({"question": "q", "_source": "a.jsonl:4"}, "gsm8k", r"a.jsonl:4: missing field 'answer'"),
-        ({"question": 3, "answer": "#### 1", "_source": "a.jsonl:5"}, "gsm8k", r"a.jsonl:5: field 'question' must be str, got int"),
+        (
+            {"question": 3, "answer": "#### 1", "_source": "a.jsonl:5"},
+            "gsm8k",
+            r"a.jsonl:5: field 'question' must be str, got int",
+        ),
         ({"prompt": "p", "_source": "b:1"}, "prompt_completion", r"b:1: missing field 'completion'"),
-        ({"prompt": [{"role": "bot", "content": "x"}], "completion": "c", "_source": "b:2"}, "prompt_completion",
-         r"b:2: field 'prompt'\[0\] must be"),
+        (
+            {"prompt": [{"role": "bot", "content": "x"}], "completion": "c", "_source": "b:2"},
+            "prompt_completion",
+            r"b:2: field 'prompt'\[0\] must be",
+        ),
         ({"prompt": [], "completion": "c", "_source": "b:3"}, "prompt_completion", r"b:3: field 'prompt' is an empty"),
         ({"question": "q", "answer": "a"}, "csv", r"unknown format 'csv'"),
     ],
@@ -237,7 +292,11 @@ def test_prompt_chosen_rejected_preference_example():
     ("chosen", "rejected", "pattern"),
     [
         ("\n\nHuman: a\n\nAssistant: x", "\n\nHuman: b\n\nAssistant: y", r"do not share"),
-        ("\n\nHuman: a\n\nAssistant: x\n\nHuman: more", "\n\nHuman: a\n\nAssistant: y", r"'chosen': the last turn is not"),
+        (
+            "\n\nHuman: a\n\nAssistant: x\n\nHuman: more",
+            "\n\nHuman: a\n\nAssistant: y",
+            r"'chosen': the last turn is not",
+        ),
         ("\n\nAssistant: x", "\n\nAssistant: y", r"must end with a Human turn"),
         ("preamble\n\nHuman: a\n\nAssistant: x", "\n\nHuman: a\n\nAssistant: y", r"'chosen' has text before"),
         ("no markers at all", "\n\nHuman: a\n\nAssistant: y", r"'chosen' has no"),
@@ -250,7 +309,9 @@ def test_unparsable_hh_dialogues(chosen, rejected, pattern):
 
 def test_preference_schema_errors_are_plain_data_errors():
     with pytest.raises(DataError, match=r"hh:1: field 'rejected' must be str") as info:
-        to_preference_example({"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": None, "_source": "hh:1"}, "hh_rlhf")
+        to_preference_example(
+            {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": None, "_source": "hh:1"}, "hh_rlhf"
+        )
     assert not isinstance(info.value, DialogueParseError)
     with pytest.raises(DataError, match="has no preference pairs"):
         to_preference_example(GSM, "gsm8k")
@@ -262,8 +323,11 @@ def test_consecutive_same_role_turns_are_merged():
 
 
 def test_eval_problem():
-    assert to_eval_problem(GSM) == {"messages": [{"role": "user", "content": GSM["question"]}], "answer": "8",
-                                    "_source": "f.jsonl:7"}
+    assert to_eval_problem(GSM) == {
+        "messages": [{"role": "user", "content": GSM["question"]}],
+        "answer": "8",
+        "_source": "f.jsonl:7",
+    }
     assert to_eval_problem({"prompt": "p", "completion": "so #### 12"})["answer"] == "12"
     with pytest.raises(DataError, match=r"g:1: field 'answer' has no final answer"):
         to_eval_problem({"question": "q", "answer": "no marker", "_source": "g:1"})
@@ -271,17 +335,23 @@ def test_eval_problem():
         to_eval_problem(HH_ROW)
 
 
-@pytest.mark.parametrize(("record", "field"), [
-    ({"question": "q", "answer": "36+36=72\n#### seventy-two"}, "answer"),
-    ({"prompt": "q", "completion": "so #### 72 apples"}, "completion"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "#### n/a"}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    ("record", "field"),
+    [
+        ({"question": "q", "answer": "36+36=72\n#### seventy-two"}, "answer"),
+        ({"prompt": "q", "completion": "so #### 72 apples"}, "completion"),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "#### n/a"}]}, "messages"),
+    ],
+)
 def test_eval_answer_that_is_not_a_number_is_refused(record, field):
     """Evaluation extracts a number from what the model writes and compares it numerically, so a
     gold ``#### seventy-two`` could never match: refused as the eval file is read, naming the
     record's source and the field (GSM8K's answers are all numbers)."""
-    with pytest.raises(DataError, match=rf"^e.jsonl:3: field '{field}': the final answer after '####' is '[^']+', "
-                                        "not a number"):
+    with pytest.raises(
+        DataError,
+        match=rf"^e.jsonl:3: field '{field}': the final answer after '####' is '[^']+', "
+        "not a number",
+    ):
         to_eval_problem({**record, "_source": "e.jsonl:3"})
 
 
@@ -323,8 +393,17 @@ def test_extract_generated_answer(text, expected):
 
 @pytest.mark.parametrize(
     ("pred", "gold", "match"),
-    [("72", "72", True), ("72.0", "72", True), ("1,000", "1000", True), ("$5.", "5", True), ("7", "8", False),
-     (None, "8", False), ("abc", "abc", True), ("abc", "abd", False), ("0.50", "0.5", True)],
+    [
+        ("72", "72", True),
+        ("72.0", "72", True),
+        ("1,000", "1000", True),
+        ("$5.", "5", True),
+        ("7", "8", False),
+        (None, "8", False),
+        ("abc", "abc", True),
+        ("abc", "abd", False),
+        ("0.50", "0.5", True),
+    ],
 )
 def test_answers_match(pred, gold, match):
     assert answers_match(pred, gold) is match
@@ -369,8 +448,12 @@ def test_the_tools_column_declares_a_conversations_tools():
     want = [{"type": "function", "function": schema}]
     assert to_sft_example({**record, "tools": [schema]})["tools"] == want
     assert to_sft_example({**record, "tools": json.dumps(want)})["tools"] == want
-    for tools, why in [({"name": "add"}, "expected a list of function schemas, got dict"),
-                       ([{"function": {}}], r"'tools'\[0\] must be"), (["add"], r"'tools'\[0\] must be"),
-                       ("[not json", "'tools': invalid JSON"), ('{"name": "add"}', "expected a list of function schemas")]:
+    for tools, why in [
+        ({"name": "add"}, "expected a list of function schemas, got dict"),
+        ([{"function": {}}], r"'tools'\[0\] must be"),
+        (["add"], r"'tools'\[0\] must be"),
+        ("[not json", "'tools': invalid JSON"),
+        ('{"name": "add"}', "expected a list of function schemas"),
+    ]:
         with pytest.raises(DataError, match=why):
             to_sft_example({**record, "tools": tools})

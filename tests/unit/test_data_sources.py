@@ -134,7 +134,10 @@ def test_hf_id_of_a_local_dataset_dir(tmp_path, monkeypatch):
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
     (tmp_path / "ds").mkdir()
-    _write(tmp_path / "ds" / "train.jsonl", '{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": "#### 2"}\n')
+    _write(
+        tmp_path / "ds" / "train.jsonl",
+        '{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": "#### 2"}\n',
+    )
     records = read_records(DataSource(uri=f"hf://{tmp_path / 'ds'}", split="train", max_rows=1))
     assert records == [{"question": "a", "answer": "#### 1", "_source": f"hf://{tmp_path / 'ds'}:1"}]
     with pytest.raises(DataError, match="nosuchsplit"):
@@ -179,7 +182,9 @@ def test_an_unreachable_hub_is_bad_input_naming_the_uri(monkeypatch):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", unreachable)
-    with pytest.raises(DataError, match=r"hf://openai/gsm8k: the Hugging Face Hub cannot be reached \(Couldn't reach") as e:
+    with pytest.raises(
+        DataError, match=r"hf://openai/gsm8k: the Hugging Face Hub cannot be reached \(Couldn't reach"
+    ) as e:
         read_records(DataSource(uri="hf://openai/gsm8k", split="train"))
     assert e.value.exit_code == EXIT_BAD_INPUT
 
@@ -191,8 +196,11 @@ def test_lone_surrogate_is_bad_input_naming_line_and_field(tmp_path):
     pair = json.dumps({"prompt": "smile \U0001f600", "completion": "c"})  # ensure_ascii: "\ud83d\ude00"
     lone = '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'
     uri = _write(tmp_path / "d.jsonl", f"{pair}\n{lone}\n")
-    with pytest.raises(DataError, match=rf"^{uri}:2: field 'messages'\[0\]\['content'\] holds a lone UTF-16 "
-                                        r"surrogate \(\\ud800 at character 1\)") as e:
+    with pytest.raises(
+        DataError,
+        match=rf"^{uri}:2: field 'messages'\[0\]\['content'\] holds a lone UTF-16 "
+        r"surrogate \(\\ud800 at character 1\)",
+    ) as e:
         read_records(DataSource(uri=uri))
     assert e.value.exit_code == EXIT_BAD_INPUT
     assert read_records(DataSource(uri=uri, max_rows=1))[0]["prompt"] == "smile \U0001f600"
@@ -210,8 +218,7 @@ def test_json_array_file_is_read_item_by_item(tmp_path, monkeypatch, indent):
     import trainer_core.data.sources as sources
 
     monkeypatch.setattr(sources, "_JSON_READ_BYTES", 5)
-    rows = [{"prompt": f"p{i} é \U0001f600 \"q\"\n", "completion": f"#### {10 ** i}", "n": [i, -1.5e-3]}
-            for i in range(4)]
+    rows = [{"prompt": f'p{i} é \U0001f600 "q"\n', "completion": f"#### {10**i}", "n": [i, -1.5e-3]} for i in range(4)]
     path = tmp_path / "rows.json"
     path.write_text("\n" + json.dumps(rows, indent=indent) + "\n", encoding="utf-8")
     records = read_records(DataSource(uri=str(path)))
@@ -223,15 +230,18 @@ def test_json_array_file_is_read_item_by_item(tmp_path, monkeypatch, indent):
     assert [r["prompt"] for r in read_records(DataSource(uri=str(gz), max_rows=2))] == [r["prompt"] for r in rows[:2]]
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ('[{"a": 1},\n2]', r":2 \(array item 2\): expected a JSON object per array item, got int"),
-    ('[{"a": 1},\n{"a": tru}]', r":2: invalid JSON: Expecting value \(array item 2\)"),
-    ('[{"a": 1},\n{"a": "x}]', r":2: invalid JSON: Unterminated string \(array item 2\)"),
-    ('[{"a": 1}\n{"a": 2}]', r":2: invalid JSON: expected ',' or ']' after array item 1, got '\{'"),
-    ('[{"a": 1},\n', r":2: invalid JSON: the array is not closed"),
-    ('[{"a": 1}]\n[{"a": 2}]', r":2: invalid JSON: text after the array's closing '\]'"),
-    ("[]", r": no records"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[{"a": 1},\n2]', r":2 \(array item 2\): expected a JSON object per array item, got int"),
+        ('[{"a": 1},\n{"a": tru}]', r":2: invalid JSON: Expecting value \(array item 2\)"),
+        ('[{"a": 1},\n{"a": "x}]', r":2: invalid JSON: Unterminated string \(array item 2\)"),
+        ('[{"a": 1}\n{"a": 2}]', r":2: invalid JSON: expected ',' or ']' after array item 1, got '\{'"),
+        ('[{"a": 1},\n', r":2: invalid JSON: the array is not closed"),
+        ('[{"a": 1}]\n[{"a": 2}]', r":2: invalid JSON: text after the array's closing '\]'"),
+        ("[]", r": no records"),
+    ],
+)
 def test_json_array_errors_name_the_line(tmp_path, text, message):
     uri = _write(tmp_path / "bad.json", text)
     with pytest.raises(DataError, match=f"^{uri}{message}"):

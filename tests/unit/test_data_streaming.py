@@ -33,8 +33,14 @@ from trainer_core.stages import prepare_data
 from trainer_core.stages.runner import run_spec as run
 from trainer_core.storage import StageLayout, join_uri
 
-TINY = {"seed": 3, "data.synthetic.num_problems": 60, "data.synthetic.num_pairs": 30, "data.eval_fraction": 0.2,
-        "data.max_eval_rows": 6, "tokenizer.vocab_size": 400}
+TINY = {
+    "seed": 3,
+    "data.synthetic.num_problems": 60,
+    "data.synthetic.num_pairs": 30,
+    "data.eval_fraction": 0.2,
+    "data.max_eval_rows": 6,
+    "tokenizer.vocab_size": 400,
+}
 
 
 def _jsonl(path: Path, rows: list[dict]) -> str:
@@ -107,7 +113,9 @@ def test_staged_examples_are_taken_by_index_in_any_order(tmp_path):
 def test_kto_groups_keep_a_pairs_two_examples_together(tmp_path):
     records = [{"prompt": f"p{i}", "chosen": "yes", "rejected": "no"} for i in range(3)]
     records.insert(1, {"prompt": "k", "completion": "c", "label": True})
-    store = stage_examples(records, "auto", lambda r, _: to_kto_examples(r), "kto", "kto", str(tmp_path / "k.arrow"), {})
+    store = stage_examples(
+        records, "auto", lambda r, _: to_kto_examples(r), "kto", "kto", str(tmp_path / "k.arrow"), {}
+    )
     assert store.group_starts.tolist() == [0, 2, 3, 5, 7]
     assert group_examples(store, np.array([3, 1, 0])).tolist() == [5, 6, 2, 0, 1]
 
@@ -118,8 +126,9 @@ def test_too_many_unparsable_records_name_the_first(tmp_path):
     from trainer_core.data.formats import to_preference_example
 
     with pytest.raises(DataError, match=r"1 of 2 records do not parse .*h:2"):
-        stage_examples([good, broken], "hh_rlhf", to_preference_example, "preference", "preference",
-                       str(tmp_path / "p.arrow"), {})
+        stage_examples(
+            [good, broken], "hh_rlhf", to_preference_example, "preference", "preference", str(tmp_path / "p.arrow"), {}
+        )
 
 
 # -- parallel chunks ----------------------------------------------------------------------------
@@ -209,8 +218,13 @@ def _commit(uri: str, files: dict[str, pa.Table], sharded: bool, tmp_path: Path)
 
 
 def _table(n: int) -> pa.Table:
-    return pa.table({"input_ids": pa.array([list(range(i % 5)) for i in range(n)], pa.list_(pa.int32())),
-                     "answer": [None if i % 3 else str(i) for i in range(n)], "label": [i % 2 == 0 for i in range(n)]})
+    return pa.table(
+        {
+            "input_ids": pa.array([list(range(i % 5)) for i in range(n)], pa.list_(pa.int32())),
+            "answer": [None if i % 3 else str(i) for i in range(n)],
+            "label": [i % 2 == 0 for i in range(n)],
+        }
+    )
 
 
 @pytest.mark.parametrize("sharded", [True, False])
@@ -258,7 +272,11 @@ def test_prepared_rows_are_a_lazy_sequence(tmp_path):
     assert [r.get("ref_logprobs") for r in rows][4] == -1.5
     assert type(pickle.loads(pickle.dumps(rows[4]))) is dict
     assert rows.list_lengths("input_ids").tolist() == [i % 5 for i in range(10)]
-    assert row_lengths(rows, "input_ids").tolist() == row_lengths(expected, "input_ids").tolist() == [i % 5 for i in range(10)]
+    assert (
+        row_lengths(rows, "input_ids").tolist()
+        == row_lengths(expected, "input_ids").tolist()
+        == [i % 5 for i in range(10)]
+    )
     assert rows.nonnull_indices("answer").tolist() == [0, 3, 6, 9] and sum(rows.values("label")) == 5
 
 
@@ -266,8 +284,9 @@ def test_list_lengths_read_the_offsets_of_every_layout():
     """Sliced chunks (a non-zero array offset), nulls whose segment is not empty (allowed by the
     Arrow format), large lists, several chunks: the lengths equal ``list_value_length``'s, null -> 0."""
     values = pa.array(range(20), pa.int32())
-    with_null = pa.ListArray.from_arrays(pa.array([0, 2, 5, 9, 9, 12], pa.int32()), values,
-                                         mask=pa.array([False, False, True, False, False]))
+    with_null = pa.ListArray.from_arrays(
+        pa.array([0, 2, 5, 9, 9, 12], pa.int32()), values, mask=pa.array([False, False, True, False, False])
+    )
     large = pa.LargeListArray.from_arrays(pa.array([0, 3, 3, 7], pa.int64()), values)
     for column, expected in (
         (pa.chunked_array([with_null.slice(1, 3), with_null.slice(0, 2)]), [3, 0, 0, 2, 3]),
@@ -286,8 +305,10 @@ def test_list_lengths_read_the_offsets_of_every_layout():
 def test_samplers_take_a_lengths_array():
     lengths = [random.Random(1).randint(1, 40) for _ in range(200)]
     column = pa.chunked_array([pa.array(lengths[:90], pa.int32()), pa.array(lengths[90:], pa.int32())])
-    for make in (lambda x: BucketedBatchSampler(x, 8, seed=2, drop_last=True),
-                 lambda x: PackedBatchSampler(x, 64, seed=2, chunk_rows=50)):
+    for make in (
+        lambda x: BucketedBatchSampler(x, 8, seed=2, drop_last=True),
+        lambda x: PackedBatchSampler(x, 64, seed=2, chunk_rows=50),
+    ):
         from_list, from_numpy, from_arrow = make(lengths), make(np.asarray(lengths, np.int32)), make(column)
         assert from_numpy.lengths.dtype == np.int64
         for epoch in (0, 1):

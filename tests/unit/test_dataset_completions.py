@@ -23,8 +23,10 @@ def test_the_draw_depends_on_seed_and_step_alone_with_probability_lambda():
 
 
 def test_a_dataset_round_is_each_prompts_own_row_cut_at_its_first_loss_token():
-    rows = [{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},
-            {"input_ids": [5, 9, 7, 8, 4, 3], "loss_mask": [0, 1, 0, 0, 1, 1]}]  # a tool turn inside
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},
+        {"input_ids": [5, 9, 7, 8, 4, 3], "loss_mask": [0, 1, 0, 0, 1, 1]},
+    ]  # a tool turn inside
     items = [PromptItem([], [5, 9], "1", row=1), PromptItem([], [5, 6], "2", row=0)]
     sample = dataset_round(items, rows, PAD, torch.device("cpu"))
     assert sample.items == items and sample.prompt_ids.tolist() == [[PAD, 5], [5, 6]]
@@ -39,8 +41,9 @@ def test_a_dataset_round_is_each_prompts_own_row_cut_at_its_first_loss_token():
 
 def test_dataset_completions_need_the_rows():
     with pytest.raises(ValueError, match="prompt 0 has none"):
-        dataset_round([PromptItem([], [5], None)], [{"input_ids": [5, 6], "loss_mask": [0, 1]}], PAD,
-                      torch.device("cpu"))
+        dataset_round(
+            [PromptItem([], [5], None)], [{"input_ids": [5, 6], "loss_mask": [0, 1]}], PAD, torch.device("cpu")
+        )
     with pytest.raises(ConfigError, match=r"distill.lmbda=0.5 .*no sft/train rows"):
         check_dataset_rows("distill", 0.5, None)
     check_dataset_rows("distill", 1.0, None)

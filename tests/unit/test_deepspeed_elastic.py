@@ -19,8 +19,17 @@ from trainer_core.checkpoint.train_state import resume_problem
 
 
 def manifest(world_size: int) -> Manifest:
-    return Manifest(kind="checkpoint", stage="sft", run_id="r", config_hash="h", backend="deepspeed",
-                    world_size=world_size, global_step=8, files=[], extra={"checkpoint_format": "deepspeed"})
+    return Manifest(
+        kind="checkpoint",
+        stage="sft",
+        run_id="r",
+        config_hash="h",
+        backend="deepspeed",
+        world_size=world_size,
+        global_step=8,
+        files=[],
+        extra={"checkpoint_format": "deepspeed"},
+    )
 
 
 def backend(world_size: int) -> SimpleNamespace:
@@ -68,8 +77,12 @@ def test_untie_step_counts_gives_each_group_its_own_counter():
 
 
 def test_saved_world_size_counts_the_optimizer_partitions(tmp_path):
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                 "zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_2_mp_rank_00_optim_states.pt"):
+    for name in (
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_2_mp_rank_00_optim_states.pt",
+    ):
         (tmp_path / name).write_bytes(b"")
     assert saved_world_size(str(tmp_path)) == 3
     bf16 = tmp_path / "bf16"
@@ -86,8 +99,9 @@ def test_group_settings_survive_a_load_that_copies_group_0():
     """DeepSpeed 0.19.8's ZeRO-3 universal load copies the saved group 0's settings (weight decay
     included) into every group; the groups' own settings come back, the loaded learning rate stays."""
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
-    opt = torch.optim.AdamW([{"params": [params[0]], "weight_decay": 0.1},
-                             {"params": [params[1]], "weight_decay": 0.0}], lr=1e-3)
+    opt = torch.optim.AdamW(
+        [{"params": [params[0]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}], lr=1e-3
+    )
     before = group_hyperparameters(opt)
     for group in opt.param_groups:  # what the load does
         group.update({"weight_decay": 0.1, "lr": 7e-4})

@@ -27,7 +27,9 @@ RECORD = json.loads(check.RECORD.read_text())
 def _run(tmp_path: Path, exact_match: dict, *, seed: int = 0, name: str = "demo", status: str = "completed") -> Path:
     (tmp_path / "config.json").write_text(json.dumps({"name": name, "seed": seed}))
     summary = tmp_path / "summary.json"
-    summary.write_text(json.dumps({"status": status, "headline": {f"{p}/exact_match": v for p, v in exact_match.items()}}))
+    summary.write_text(
+        json.dumps({"status": status, "headline": {f"{p}/exact_match": v for p, v in exact_match.items()}})
+    )
     return summary
 
 
@@ -47,8 +49,10 @@ def test_another_kind_of_machine_or_run_is_not_judged(tmp_path):
     code, message = check.compare(RECORD, moved, other)
     assert code == 0 and "not the record's kind" in message
     seed1 = check.run_numbers(_run(tmp_path, RECORD["exact_match"], seed=1))
-    assert check.compare(RECORD, seed1, RECORD["machine"]) == (0, "not the demo at seed 0 (name 'demo', seed 1): "
-                                                                  "nothing to compare")
+    assert check.compare(RECORD, seed1, RECORD["machine"]) == (
+        0,
+        "not the demo at seed 0 (name 'demo', seed 1): nothing to compare",
+    )
 
 
 def test_an_unfinished_or_missing_run_is_an_error_naming_it(tmp_path):

@@ -15,9 +15,12 @@ from trainer_core.objectives.distill import generalized_jsd
 
 def test_hand_worked_values():
     student, teacher = torch.tensor([0.0, 0.0]), torch.tensor([0.0, math.log(3.0)])
-    expected = {0.0: 0.25 * math.log(0.5) + 0.75 * math.log(1.5), 1.0: 0.5 * math.log(2.0) + 0.5 * math.log(2 / 3),
-                0.5: 0.5 * (0.25 * math.log(0.25 / 0.375) + 0.75 * math.log(0.75 / 0.625))
-                + 0.5 * (0.5 * math.log(0.5 / 0.375) + 0.5 * math.log(0.5 / 0.625))}
+    expected = {
+        0.0: 0.25 * math.log(0.5) + 0.75 * math.log(1.5),
+        1.0: 0.5 * math.log(2.0) + 0.5 * math.log(2 / 3),
+        0.5: 0.5 * (0.25 * math.log(0.25 / 0.375) + 0.75 * math.log(0.75 / 0.625))
+        + 0.5 * (0.5 * math.log(0.5 / 0.375) + 0.5 * math.log(0.5 / 0.625)),
+    }
     for beta, value in expected.items():
         assert generalized_jsd(student, teacher, beta).item() == pytest.approx(value, abs=1e-6)
     assert generalized_jsd(teacher, teacher, 0.5).item() == pytest.approx(0.0, abs=1e-7)
@@ -36,8 +39,9 @@ def test_trl_generalized_jsd_loss_is_the_oracle(beta, temperature):
     labels = torch.randint(0, 11, (3, 5))
     labels[0, :2] = -100  # prompt positions: not counted
     ours = generalized_jsd(student, teacher, beta, temperature)[labels != -100]
-    theirs = gkd.GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, temperature=temperature,
-                                                 reduction="batchmean")
+    theirs = gkd.GKDTrainer.generalized_jsd_loss(
+        student, teacher, labels=labels, beta=beta, temperature=temperature, reduction="batchmean"
+    )
     assert ours.sum().item() / (labels != -100).sum().item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-7)
 
 
@@ -53,8 +57,16 @@ def test_the_chunked_divergence_equals_the_unchunked_one_with_its_gradients(beta
     (full * weights).sum().backward()
     grads = student_hidden.grad.clone(), student_head.weight.grad.clone()
     student_hidden.grad, student_head.weight.grad = None, None
-    chunked = chunked_generalized_jsd(student_hidden, student_head.weight, None, teacher_hidden, teacher_head.weight,
-                                      teacher_head.bias, beta, chunk_size=4)
+    chunked = chunked_generalized_jsd(
+        student_hidden,
+        student_head.weight,
+        None,
+        teacher_hidden,
+        teacher_head.weight,
+        teacher_head.bias,
+        beta,
+        chunk_size=4,
+    )
     (chunked * weights).sum().backward()
     torch.testing.assert_close(chunked, full.detach(), atol=1e-5, rtol=0)
     torch.testing.assert_close(student_hidden.grad, grads[0], atol=1e-5, rtol=0)
@@ -64,17 +76,26 @@ def test_the_chunked_divergence_equals_the_unchunked_one_with_its_gradients(beta
 
 def test_the_chunked_divergence_names_a_vocabulary_mismatch():
     with pytest.raises(ValueError, match="must share a tokenizer"):
-        chunked_generalized_jsd(torch.randn(2, 4), torch.randn(10, 4), None, torch.randn(2, 4), torch.randn(12, 4),
-                                None, 0.5)
+        chunked_generalized_jsd(
+            torch.randn(2, 4), torch.randn(10, 4), None, torch.randn(2, 4), torch.randn(12, 4), None, 0.5
+        )
 
 
 def _tiny_llama(hidden: int, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=29, hidden_size=hidden, intermediate_size=2 * hidden,
-                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                        max_position_embeddings=32)).float()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=29,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+    ).float()
 
 
 def test_the_students_forward_gives_the_divergence_of_the_two_models_full_logits():
@@ -103,10 +124,16 @@ def test_the_students_forward_gives_the_divergence_of_the_two_models_full_logits
     for beta in (0.0, 0.5, 1.0):
         target = TeacherTarget(completion_hidden(teacher, batch), *frozen_head(teacher), beta=beta, temperature=0.7)
         out = completion_forward(student, batch, temperature=0.7, with_values=False, teacher=target)
-        inputs, start = completion_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                          observation_mask), completion_start(prompt_ids)
-        expected = generalized_jsd(student.policy(**inputs).logits[:, start:-1], teacher(**inputs).logits[:, start:-1],
-                                   beta, 0.7) * completion_mask
+        inputs, start = (
+            completion_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, observation_mask),
+            completion_start(prompt_ids),
+        )
+        expected = (
+            generalized_jsd(
+                student.policy(**inputs).logits[:, start:-1], teacher(**inputs).logits[:, start:-1], beta, 0.7
+            )
+            * completion_mask
+        )
         torch.testing.assert_close(out.divergences, expected, atol=1e-5, rtol=0)
         assert (out.divergences[completion_mask == 0] == 0).all() and (out.divergences[completion_mask > 0] > 0).all()
     out.divergences.sum().backward()

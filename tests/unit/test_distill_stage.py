@@ -15,10 +15,16 @@ from trainer_core.training.rl.rollout import RolloutBatch
 def test_the_advantage_is_the_teachers_log_prob_minus_the_students_on_the_students_tokens():
     cfg = load_config(overrides={"distill.teacher_from": "/models/teacher"}).distill
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    batch = RolloutBatch(prompt_ids=torch.zeros(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1),
-                         completion_ids=torch.zeros(2, 3, dtype=torch.long), completion_mask=mask,
-                         logprobs=torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]]), scores=torch.zeros(2),
-                         prompt_index=torch.arange(2), ref_logprobs=torch.tensor([[-1.5, -1.0, -9.0], [-0.5, -3.0, 0.0]]))
+    batch = RolloutBatch(
+        prompt_ids=torch.zeros(2, 1, dtype=torch.long),
+        prompt_mask=torch.ones(2, 1),
+        completion_ids=torch.zeros(2, 3, dtype=torch.long),
+        completion_mask=mask,
+        logprobs=torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]]),
+        scores=torch.zeros(2),
+        prompt_index=torch.arange(2),
+        ref_logprobs=torch.tensor([[-1.5, -1.0, -9.0], [-0.5, -3.0, 0.0]]),
+    )
     DISTILL_ALGORITHMS[cfg.loss](cfg).prepare(batch, 0.0, lambda t: t)
     torch.testing.assert_close(batch.advantages, torch.tensor([[-0.5, 1.0, 0.0], [0.0, 0.0, 0.0]]))
 
@@ -30,13 +36,22 @@ def test_the_stage_needs_a_teacher_and_no_other_reference():
         stage_inputs(config, "distill", {"prepare_data": "/d", "sft": "/s"})
     config = load_config(overrides={"stages": "prepare_data,sft,distill,evaluate", "distill.teacher_from": "/t"})
     assert stage_inputs(config, "distill", {"prepare_data": "/d", "sft": "/s"}) == {
-        "data": "/d", "model": "/s", "reference": "/t"}
-    for bad, field in (({"distill.reference_from": "/r"}, "reference_from"), ({"distill.kl_coef": 0.1}, "kl_coef"),
-                       ({"distill.adaptive_kl": True}, "adaptive_kl"), ({"distill.beta": 0.5}, "distill.beta"),
-                       ({"distill.loss": "generalized_jsd", "distill.beta": 1.5}, "beta"),
-                       ({"distill.lmbda": 0.5}, "dataset completions need loss generalized_jsd"),
-                       ({"distill.loss": "generalized_jsd", "distill.lmbda": 0.5,
-                         "distill.importance_sampling_cap": 2.0}, "importance_sampling_cap")):
+        "data": "/d",
+        "model": "/s",
+        "reference": "/t",
+    }
+    for bad, field in (
+        ({"distill.reference_from": "/r"}, "reference_from"),
+        ({"distill.kl_coef": 0.1}, "kl_coef"),
+        ({"distill.adaptive_kl": True}, "adaptive_kl"),
+        ({"distill.beta": 0.5}, "distill.beta"),
+        ({"distill.loss": "generalized_jsd", "distill.beta": 1.5}, "beta"),
+        ({"distill.lmbda": 0.5}, "dataset completions need loss generalized_jsd"),
+        (
+            {"distill.loss": "generalized_jsd", "distill.lmbda": 0.5, "distill.importance_sampling_cap": 2.0},
+            "importance_sampling_cap",
+        ),
+    ):
         with pytest.raises(ConfigError, match=field):
             load_config(overrides=bad)
 
@@ -70,9 +85,16 @@ def test_the_teacher_stage_trains_its_own_model_and_distill_reads_it():
     with pytest.raises(ConfigError, match="teacher.model_init"):
         teacher_context(context(config, "Qwen/Qwen2.5-7B"))
     for loaded in ({"teacher.init_from": "/pretrained"}, {"model.init": None, "model.name_or_path": "/base"}):
-        with pytest.raises(ConfigError, match="teacher.model_init: the teacher starts from /.*, a model that is loaded"):
+        with pytest.raises(
+            ConfigError, match="teacher.model_init: the teacher starts from /.*, a model that is loaded"
+        ):
             load_config(base=config.model_dump(mode="json"), overrides=loaded)  # at load, for the run's teacher
-    load_config(overrides={"stages": "prepare_data,sft,evaluate", "teacher.model_init": wide,
-                           "teacher.init_from": "/pretrained"})  # not trained: not judged
+    load_config(
+        overrides={
+            "stages": "prepare_data,sft,evaluate",
+            "teacher.model_init": wide,
+            "teacher.init_from": "/pretrained",
+        }
+    )  # not trained: not judged
     plain = load_config(overrides={"stages": "prepare_data,sft,teacher,evaluate"})
     assert teacher_context(context(plain, INIT_SOURCE)).config.model.init == plain.model.init

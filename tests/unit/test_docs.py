@@ -28,8 +28,11 @@ FENCE = re.compile(r"```(?:bash|sh|console)\n(.*?)```", re.S)
 
 def test_the_configuration_reference_lists_every_field_of_the_config():
     pages = config_reference_pages()
-    sections = [name for name, f in PipelineConfig.model_fields.items()
-                if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)]
+    sections = [
+        name
+        for name, f in PipelineConfig.model_fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+    ]
     assert set(pages) == {f"reference/config/{s}.md" for s in sections} | {"reference/config/index.md"}
     text = "\n".join(pages.values())
     missing = sorted(p for p in field_paths() if p not in sections and f"| `{p}` |" not in text)
@@ -44,9 +47,14 @@ def test_the_configuration_reference_lists_every_field_of_the_config():
 
 def test_the_site_builds_strict(tmp_path):
     site = tmp_path / "site"
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=REPO,
-                            capture_output=True, text=True, timeout=600, env={"NO_MKDOCS_2_WARNING": "1",
-                                                                               "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr[-5000:]
     assert (site / "reference" / "config" / "dpo" / "index.html").is_file()
     api = (site / "reference" / "api" / "index.html").read_text()

@@ -49,8 +49,15 @@ SEEDS = range(6)
 def _tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     with torch.no_grad():
@@ -79,8 +86,9 @@ def _gen(**kw) -> RolloutGenerationConfig:
 
 def _run(engine, gen, seed: int, device: str = "cpu") -> Generated:
     ids, mask = _prompts(device)
-    return engine.generate(ids, mask, gen, eos_id=EOS, pad_id=PAD,
-                           generator=torch.Generator(device=device).manual_seed(seed))
+    return engine.generate(
+        ids, mask, gen, eos_id=EOS, pad_id=PAD, generator=torch.Generator(device=device).manual_seed(seed)
+    )
 
 
 def _full_forward_logprobs(model, out: Generated, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -113,6 +121,7 @@ def _check_layout(out: Generated, max_new_tokens: int) -> None:
 
 
 # --- hf ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("top_p", "kept"), [(0.3, [1]), (0.6, [1, 3]), (0.8, [1, 2, 3]), (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])]
@@ -191,8 +200,11 @@ def reference_sample_completions(
             break
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         out = model(
-            input_ids=token[:, None], attention_mask=attention, position_ids=next_position,
-            **{cache_argument(): getattr(out, cache_argument())}, use_cache=True,
+            input_ids=token[:, None],
+            attention_mask=attention,
+            position_ids=next_position,
+            **{cache_argument(): getattr(out, cache_argument())},
+            use_cache=True,
         )
         next_position = next_position + 1
     completion_ids, completion_mask = torch.stack(tokens, dim=1), torch.stack(masks, dim=1).float()
@@ -208,16 +220,15 @@ def _ref_all_finished(finished: Tensor, sync: Callable[[Tensor], Tensor] | None)
     return float(sync(unfinished)) == 0.0
 
 
-
-
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_hf_engine_samples_what_sample_completions_samples(policy, top_p):
     sample_completions = reference_sample_completions
     ids, mask = _prompts()
     gen = _gen(top_p=top_p)
     for seed in SEEDS:
-        want_ids, want_mask = sample_completions(policy, ids, mask, gen, eos_id=EOS, pad_id=PAD,
-                                                 generator=torch.Generator().manual_seed(seed))
+        want_ids, want_mask = sample_completions(
+            policy, ids, mask, gen, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(seed)
+        )
         got = _run(HFEngine(policy), gen, seed)
         assert torch.equal(got.completion_ids, want_ids) and torch.equal(got.completion_mask, want_mask)
 
@@ -349,9 +360,17 @@ def _tiny(kind: str) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen3Config
 
     torch.manual_seed(0)
-    sizes = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-             "pad_token_id": PAD, "eos_token_id": EOS}
+    sizes = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "pad_token_id": PAD,
+        "eos_token_id": EOS,
+    }
     config = Qwen2Config(**sizes) if kind == "qwen2" else Qwen3Config(**sizes, head_dim=8)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
 
@@ -370,8 +389,7 @@ def test_fused_projections_compute_the_unfused_forward(kind):
     ids, mask = _prompts()
     fused = FusedProjections(model)
     assert len(fused.layers) == 4  # 2 attention + 2 MLP layers
-    assert all(w.data_ptr() != p.weight.data_ptr() for w, (_, parts) in zip(fused.weights, fused.layers)
-               for p in parts)
+    assert all(w.data_ptr() != p.weight.data_ptr() for w, (_, parts) in zip(fused.weights, fused.layers) for p in parts)
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.mul_(1.5)  # an optimizer step after the fusion
         model.model.layers[1].self_attn.k_proj.weight.add_(0.1)
@@ -388,8 +406,9 @@ def test_fused_projections_compute_the_unfused_forward(kind):
         with stale.installed():  # the fused copies, not the live weights: only refresh updates them
             assert torch.allclose(model(input_ids=ids, attention_mask=mask.long()).logits, want, atol=1e-5, rtol=0)
     attention = model.model.layers[0].self_attn
-    attention.q_proj = _WrappedLinear(attention.q_proj.in_features, attention.q_proj.out_features,
-                                      bias=attention.q_proj.bias is not None)
+    attention.q_proj = _WrappedLinear(
+        attention.q_proj.in_features, attention.q_proj.out_features, bias=attention.q_proj.bias is not None
+    )
     assert len(FusedProjections(model).layers) == 3
 
 
@@ -454,8 +473,9 @@ def test_static_decode_step_traces_as_one_graph(policy):
     """The compiled path's decode step under ``fullgraph=True`` (a graph break would raise),
     traced on CPU by dynamo with the eager backend (no inductor, no CUDA graphs): the same
     tokens, with the "all ended?" check every 4 steps."""
-    engine = StaticCacheEngine(policy, "cpu", compile=True, check_every=4,
-                               compile_options={"backend": "eager", "fullgraph": True})
+    engine = StaticCacheEngine(
+        policy, "cpu", compile=True, check_every=4, compile_options={"backend": "eager", "fullgraph": True}
+    )
     assert engine._cache_key is None
     gen = _gen(max_new_tokens=12)
     want = _run(HFEngine(policy), gen, 1)
@@ -511,8 +531,9 @@ def test_static_decode_step_takes_sampling_settings_as_constants(policy):
     scalar_inputs: list[list] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        scalar_inputs.append([x for x in example_inputs if not isinstance(x, Tensor) or x.is_floating_point()
-                              and x.dim() == 0])
+        scalar_inputs.append(
+            [x for x in example_inputs if not isinstance(x, Tensor) or x.is_floating_point() and x.dim() == 0]
+        )
         return gm.forward
 
     engine = StaticCacheEngine(policy, "cpu", compile=True, compile_options={"backend": record, "fullgraph": True})
@@ -536,8 +557,11 @@ def test_static_engine_refuses_nan_logits(first_step):
         clean = _run(StaticCacheEngine(model, "cpu"), gen, 0)
         ids, _ = _prompts("cpu")
         seen_before = set(ids.flatten().tolist()) | set(clean.completion_ids[:, :3].flatten().tolist())
-        row = next(r for r in range(ids.shape[0])
-                   if clean.completion_mask[r, 4] == 1 and int(clean.completion_ids[r, 3]) not in seen_before)
+        row = next(
+            r
+            for r in range(ids.shape[0])
+            if clean.completion_mask[r, 4] == 1 and int(clean.completion_ids[r, 3]) not in seen_before
+        )
         broken = (model.get_input_embeddings().weight, int(clean.completion_ids[row, 3]))
     with torch.no_grad():
         broken[0][broken[1]] = float("nan")

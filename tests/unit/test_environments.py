@@ -32,21 +32,48 @@ from trainer_core.training.rl.rewards import PromptItem
 TEXTS = ["Tom has 3+5=<<3+5=8>>8 apples.", "Ann has 9-2=<<9-2=7>>7 pens.", "one plus two is three"]
 
 
-@pytest.mark.parametrize(("expression", "value"), [
-    ("48/2", 24), ("48+24", 72), ("3*(4+5)", 27), ("2**10", 1024), ("7/2", 3.5), ("-3+5", 2), ("12/60", 0.2),
-    ("0.2*50", 10), ("1,000+1", 1001), ("18*.5", 9), ("7//2", 3), ("7%4", 3), ("3×4÷2", 6),
-])
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("48/2", 24),
+        ("48+24", 72),
+        ("3*(4+5)", 27),
+        ("2**10", 1024),
+        ("7/2", 3.5),
+        ("-3+5", 2),
+        ("12/60", 0.2),
+        ("0.2*50", 10),
+        ("1,000+1", 1001),
+        ("18*.5", 9),
+        ("7//2", 3),
+        ("7%4", 3),
+        ("3×4÷2", 6),
+    ],
+)
 def test_safe_arithmetic_hand_worked(expression, value):
     assert safe_arithmetic(expression) == pytest.approx(value)
 
 
-@pytest.mark.parametrize(("expression", "why"), [
-    ("1/0", "division by zero"), ("5//0", "division by zero"), ("10**100", "exceeds"),
-    ("9**9**9", "exceeds"), ("2**1000000", "exponent"), ("__import__('os').system('true')", "not arithmetic"),
-    ("a+1", "not arithmetic"), ("'1'+'2'", "not arithmetic"), ("1 < 2", "not arithmetic"),
-    ("(-8)**0.5", "not a real number"), ("", "empty"), ("1+" * 150 + "1", "longer than"), ("3 apples", "not arithmetic"),
-    ("1e308*10", "exceeds"), ("[1][0]", "not arithmetic"),
-])
+@pytest.mark.parametrize(
+    ("expression", "why"),
+    [
+        ("1/0", "division by zero"),
+        ("5//0", "division by zero"),
+        ("10**100", "exceeds"),
+        ("9**9**9", "exceeds"),
+        ("2**1000000", "exponent"),
+        ("__import__('os').system('true')", "not arithmetic"),
+        ("a+1", "not arithmetic"),
+        ("'1'+'2'", "not arithmetic"),
+        ("1 < 2", "not arithmetic"),
+        ("(-8)**0.5", "not a real number"),
+        ("", "empty"),
+        ("1+" * 150 + "1", "longer than"),
+        ("3 apples", "not arithmetic"),
+        ("1e308*10", "exceeds"),
+        ("[1][0]", "not arithmetic"),
+    ],
+)
 def test_safe_arithmetic_refuses_hostile_expressions(expression, why):
     started = time.perf_counter()
     with pytest.raises(CalculatorError, match=why):
@@ -55,8 +82,14 @@ def test_safe_arithmetic_refuses_hostile_expressions(expression, why):
 
 
 def test_numbers_are_written_as_gsm8k_writes_them():
-    assert [format_number(v) for v in (24, 24.0, 0.2, 5 / 3, -3.5, 10.00001)] == ["24", "24", "0.2", "1.6667", "-3.5",
-                                                                                   "10"]
+    assert [format_number(v) for v in (24, 24.0, 0.2, 5 / 3, -3.5, 10.00001)] == [
+        "24",
+        "24",
+        "0.2",
+        "1.6667",
+        "-3.5",
+        "10",
+    ]
 
 
 def test_the_calculator_answers_an_open_call_at_its_equals_sign():
@@ -107,16 +140,18 @@ def test_environments_load_by_name_and_import_path_with_clear_errors():
     assert isinstance(load_environment("calculator"), CalculatorEnvironment)
     env = load_environment("tests.unit.test_environments:Ticker", {"every": 3})
     assert type(env).__name__ == "Ticker" and env.every == 3  # (pytest imports this file under another name)
-    for name, why in [("abacus", "not a built-in environment"), ("no.such.module:X", "cannot import module"),
-                      ("tests.unit.test_environments:Nope", "has no attribute"),
-                      ("tests.unit.test_environments:PromptItem", "cannot build it")]:
+    for name, why in [
+        ("abacus", "not a built-in environment"),
+        ("no.such.module:X", "cannot import module"),
+        ("tests.unit.test_environments:Nope", "has no attribute"),
+        ("tests.unit.test_environments:PromptItem", "cannot build it"),
+    ]:
         with pytest.raises(ConfigError, match=why):
             load_environment(name, where="grpo.environment.name")
     with pytest.raises(ConfigError, match="cannot build it with"):
         load_environment("tests.unit.test_environments:Ticker", {"bogus": 1})
     with pytest.raises(ConfigError, match="lacks reset, find_call or step"):
         load_environment("tests.unit.test_environments:TEXTS.copy")
-
 
 
 def test_an_environment_name_that_names_none_is_refused_at_load():
@@ -131,6 +166,7 @@ def test_an_environment_name_that_names_none_is_refused_at_load():
         with pytest.raises(ConfigError, match=rf"{field}\.name: Value error, 'abacus': not a built-in environment"):
             load_config(overrides={field: {"name": "abacus"}})
     load_config(overrides={"grpo.environment": {"name": "calculator"}, "ppo.environment": {"name": "a.b:C"}})
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -161,8 +197,15 @@ def _rollout(engine, tokenizer, env, seed: int, temperature: float = 1.0, **limi
         settings = {"max_tool_calls": 8, "max_observation_tokens": 32, "tool_timeout_s": 5.0, **limits}
         session = ToolSession(env, tokenizer, items, eos_id=tokenizer.eos_token_id, **settings)
     gen = RolloutGenerationConfig(max_new_tokens=40, temperature=temperature)
-    out = engine.generate(ids, mask, gen, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                          generator=torch.Generator().manual_seed(seed), session=session)
+    out = engine.generate(
+        ids,
+        mask,
+        gen,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        generator=torch.Generator().manual_seed(seed),
+        session=session,
+    )
     return out, session
 
 
@@ -198,8 +241,9 @@ def test_observations_are_the_environments_tokens_after_each_call(policy, tokeni
         assert observed[: len(want)] == want
         if calls == 3:
             assert observed == want + [eos] and out.completion_ids[row][int(out.completion_mask[row].sum()) - 1] == eos
-    capped, capped_session = _rollout(HFEngine(policy), tokenizer, Ticker(every=4), 0, max_tool_calls=1,
-                                      max_observation_tokens=1)
+    capped, capped_session = _rollout(
+        HFEngine(policy), tokenizer, Ticker(every=4), 0, max_tool_calls=1, max_observation_tokens=1
+    )
     assert capped_session.stats()["tool_calls"] == [1.0] * 4
     assert capped.observation_mask.sum(1).tolist() == [1.0] * 4
 
@@ -208,14 +252,18 @@ def test_a_tool_that_raises_or_hangs_is_observed_and_counted_not_fatal(policy, t
     out, session = _rollout(HFEngine(policy), tokenizer, Ticker(fail_on=1), 0)
     text = tokenizer.decode(out.completion_ids[0][out.observation_mask[0] > 0])
     assert "error: RuntimeError: tool broke" in text and session.stats()["tool_errors"] == [1.0] * 4
-    _, slow = _rollout(HFEngine(policy), tokenizer, Ticker(fail_on=1, sleep_s=0.3), 0, tool_timeout_s=0.05,
-                       max_observation_tokens=64)
+    _, slow = _rollout(
+        HFEngine(policy), tokenizer, Ticker(fail_on=1, sleep_s=0.3), 0, tool_timeout_s=0.05, max_observation_tokens=64
+    )
     assert slow.stats()["tool_errors"] == [1.0] * 4
 
 
 def test_a_protocol_violation_fails_naming_the_environment_and_the_row(policy, tokenizer):
-    with pytest.raises(EnvironmentProtocolError, match=r"environment 'ticker' broke its protocol on row 0 "
-                                                         r"\(prompt 'Tom has'\): step.*reward nan"):
+    with pytest.raises(
+        EnvironmentProtocolError,
+        match=r"environment 'ticker' broke its protocol on row 0 "
+        r"\(prompt 'Tom has'\): step.*reward nan",
+    ):
         _rollout(HFEngine(policy), tokenizer, NaNReward(), 0)
     with pytest.raises(EnvironmentProtocolError, match=r"on row 0 .*find_call raised KeyError"):
         _rollout(HFEngine(policy), tokenizer, BrokenFinder(), 0)
@@ -227,10 +275,14 @@ def test_observation_tokens_are_attended_to_and_not_scored(policy, tokenizer):
     out, _ = _rollout(HFEngine(policy), tokenizer, Ticker(), 0)
     ids, mask, _ = _prompts(tokenizer)
     with torch.no_grad():
-        turns = completion_forward(policy, Completions(ids, mask, out.completion_ids, out.policy_mask,
-                                                       observation_mask=out.observation_mask), temperature=1.0)
-        whole = completion_forward(policy, Completions(ids, mask, out.completion_ids, out.completion_mask),
-                                   temperature=1.0)
+        turns = completion_forward(
+            policy,
+            Completions(ids, mask, out.completion_ids, out.policy_mask, observation_mask=out.observation_mask),
+            temperature=1.0,
+        )
+        whole = completion_forward(
+            policy, Completions(ids, mask, out.completion_ids, out.completion_mask), temperature=1.0
+        )
     observed = out.observation_mask > 0
     assert (turns.logprobs[observed] == 0).all() and (whole.logprobs[observed] != 0).all()
     mine = out.policy_mask > 0
@@ -250,9 +302,10 @@ def test_without_a_tool_call_the_rollout_and_gradient_are_the_single_turn_ones(p
     assert multi.observation_mask.sum() == 0 and session.stats()["tool_calls"] == [0.0] * 4
     ids, mask, _ = _prompts(tokenizer)
     grads = []
-    for completions in (Completions(ids, mask, single.completion_ids, single.completion_mask),
-                        Completions(ids, mask, multi.completion_ids, multi.policy_mask,
-                                    observation_mask=multi.observation_mask)):
+    for completions in (
+        Completions(ids, mask, single.completion_ids, single.completion_mask),
+        Completions(ids, mask, multi.completion_ids, multi.policy_mask, observation_mask=multi.observation_mask),
+    ):
         policy.zero_grad()
         advantages = torch.linspace(-1, 1, 4)[:, None]
         (completion_forward(policy, completions, temperature=1.0).logprobs * advantages).sum().backward()
@@ -273,14 +326,24 @@ def test_score_and_evaluate_generation_feeds_the_tool_through_either_engine(poli
     texts, sessions = {}, []
 
     def session_for(start, stop):
-        sessions.append(ToolSession(Ticker(), tokenizer, items[start:stop], max_tool_calls=8,
-                                    max_observation_tokens=32, tool_timeout_s=5.0, eos_id=tokenizer.eos_token_id))
+        sessions.append(
+            ToolSession(
+                Ticker(),
+                tokenizer,
+                items[start:stop],
+                max_tool_calls=8,
+                max_observation_tokens=32,
+                tool_timeout_s=5.0,
+                eos_id=tokenizer.eos_token_id,
+            )
+        )
         return sessions[-1]
 
     for engine in ("hf", "static"):
         gen = GenerationConfig(max_new_tokens=40, temperature=0.0, batch_size=3, engine=engine)
-        texts[engine] = generate_completions(policy, tokenizer, prompts, gen, torch.device("cpu"), 0,
-                                             session_for=session_for)
+        texts[engine] = generate_completions(
+            policy, tokenizer, prompts, gen, torch.device("cpu"), 0, session_for=session_for
+        )
     assert texts["hf"] == texts["static"] and len(sessions) == 4  # 2 batches an engine
     assert all("[1]" in t for t in texts["hf"])
     assert [len(s.episodes) for s in sessions] == [3, 1, 3, 1]
@@ -298,8 +361,15 @@ def test_users_functions_are_tools_called_in_the_chat_templates_format(tokenizer
     env = load_environment("functions", {"functions": ["tests.unit.test_environments:add"]})
     with pytest.raises(RuntimeError, match="before bind_tokenizer"):
         env.step(None, '{"name": "add", "arguments": {"a": 1, "b": 1}}')
-    ToolSession(env, tokenizer, [], max_tool_calls=1, max_observation_tokens=8, tool_timeout_s=1.0,
-                eos_id=tokenizer.eos_token_id)  # a session binds the tokenizer
+    ToolSession(
+        env,
+        tokenizer,
+        [],
+        max_tool_calls=1,
+        max_observation_tokens=8,
+        tool_timeout_s=1.0,
+        eos_id=tokenizer.eos_token_id,
+    )  # a session binds the tokenizer
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
     turns = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     rendered = tokenizer.apply_chat_template(turns, tokenize=False)
@@ -308,10 +378,13 @@ def test_users_functions_are_tools_called_in_the_chat_templates_format(tokenizer
     request = env.find_call(None, written)
     assert request == '{"name": "add", "arguments": {"a": 2, "b": 3}}' and env.find_call(None, written[:-1]) is None
     observed = env.step(None, request).observation
-    whole = tokenizer.apply_chat_template(turns + [{"role": "tool", "name": "add", "content": "5"}],
-                                          add_generation_prompt=True, tokenize=False)
+    whole = tokenizer.apply_chat_template(
+        turns + [{"role": "tool", "name": "add", "content": "5"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt + written + observed == whole
-    assert "<tool_response>\nerror: ValueError: unknown tool 'mul'" in env.error_observation(ValueError("unknown tool 'mul'"))
+    assert "<tool_response>\nerror: ValueError: unknown tool 'mul'" in env.error_observation(
+        ValueError("unknown tool 'mul'")
+    )
     with pytest.raises(ValueError, match="unknown tool 'mul'"):
         env.step(None, '{"name": "mul", "arguments": {}}')
     with pytest.raises(ConfigError, match="is a dict, not a function"):
@@ -331,6 +404,9 @@ def test_an_rl_prompt_declares_its_conversations_tools(tokenizer):
     messages = [{"role": "user", "content": "2+3?"}]
     data = DataConfig(max_length_tokens=400, max_prompt_length_tokens=300)
     ids = prompt_ids(tokenizer, messages, data, [schema])
-    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tools=[schema], add_generation_prompt=True,
-                                                                  tokenize=False)
-    assert "<tools>" in tokenizer.decode(ids) and "<tools>" not in tokenizer.decode(prompt_ids(tokenizer, messages, data))
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(
+        messages, tools=[schema], add_generation_prompt=True, tokenize=False
+    )
+    assert "<tools>" in tokenizer.decode(ids) and "<tools>" not in tokenizer.decode(
+        prompt_ids(tokenizer, messages, data)
+    )

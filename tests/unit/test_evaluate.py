@@ -44,8 +44,12 @@ def test_paired_gain_refuses_unpaired_verdicts(baseline, other):
 
 def test_paired_verdicts_match_problems_by_prompt():
     baseline = [{"prompt": "a", "sft_correct": True}, {"prompt": "b", "sft_correct": False}, {"prompt": "c"}]
-    rows = [{"prompt": "c", "grpo_correct": True}, {"prompt": "b", "grpo_correct": True},
-            {"prompt": "a", "grpo_correct": False}, {"prompt": "d", "grpo_correct": True}]
+    rows = [
+        {"prompt": "c", "grpo_correct": True},
+        {"prompt": "b", "grpo_correct": True},
+        {"prompt": "a", "grpo_correct": False},
+        {"prompt": "d", "grpo_correct": True},
+    ]
     assert paired_verdicts(baseline, "sft_correct", rows, "grpo_correct") == ([False, True], [True, False])
     assert paired_verdicts(baseline, "dpo_correct", rows, "grpo_correct") == ([], [])
 
@@ -85,7 +89,11 @@ def test_mean_and_se_hand_worked():
 def test_sample_column_names_the_per_problem_value():
     from trainer_core.objectives.paired import sample_column
 
-    assert [sample_column(m) for m in ("exact_match", "pass_at_4", "avg_at_16")] == ["correct", "pass_at_4", "avg_at_16"]
+    assert [sample_column(m) for m in ("exact_match", "pass_at_4", "avg_at_16")] == [
+        "correct",
+        "pass_at_4",
+        "avg_at_16",
+    ]
     assert sample_column("lm_eval/gsm8k/exact_match_strict_match") == "lm_eval/gsm8k/exact_match_strict_match"
     with pytest.raises(ValueError, match="'win_rate' has no per-problem value"):
         sample_column("win_rate")
@@ -94,7 +102,9 @@ def test_sample_column_names_the_per_problem_value():
 def test_sampled_estimates_join_the_sample_table_and_pair_over_sft():
     from trainer_core.stages.evaluate import _paired_gains, sample_rows
 
-    problems = [{"messages_json": json.dumps([{"role": "user", "content": f"q{i}"}]), "answer": str(i)} for i in range(3)]
+    problems = [
+        {"messages_json": json.dumps([{"role": "user", "content": f"q{i}"}]), "answer": str(i)} for i in range(3)
+    ]
     verdicts = {"sft": [True, False, False], "grpo": [True, True, False]}
     estimates = {"sft": {"pass_at_2": [1.0, 0.0]}, "grpo": {"pass_at_2": [1.0, 0.5]}}  # 2 of 3 problems sampled
     rows = sample_rows(problems, {"sft": ["a", "b", "c"], "grpo": ["a", "d", "c"]}, verdicts, {}, estimates)
@@ -112,13 +122,17 @@ def test_harness_scores_pair_by_example_and_fill_their_own_table():
     from trainer_core.stages.evaluate import _paired_gains, harness_rows, sample_rows
 
     metric = "lm_eval/t/exact_match_flexible_extract"
-    estimates = {"sft": {metric: {"lm_eval/t/0/a": 0.0, "lm_eval/t/1/b": 1.0, "lm_eval/t/2/c": 0.0}},
-                 "grpo": {metric: {"lm_eval/t/2/c": 1.0, "lm_eval/t/0/a": 1.0, "lm_eval/t/1/b": 1.0}}}
+    estimates = {
+        "sft": {metric: {"lm_eval/t/0/a": 0.0, "lm_eval/t/1/b": 1.0, "lm_eval/t/2/c": 0.0}},
+        "grpo": {metric: {"lm_eval/t/2/c": 1.0, "lm_eval/t/0/a": 1.0, "lm_eval/t/1/b": 1.0}},
+    }
     verdicts = {"sft": [False], "grpo": [True]}
     gains = _paired_gains(verdicts, estimates)
     gain, se = paired_gain([0.0, 1.0, 0.0], [1.0, 1.0, 1.0])
     assert (gains[f"grpo_vs_sft/{metric}_gain"], gains[f"grpo_vs_sft/{metric}_gain_se"]) == (
-        pytest.approx(gain), pytest.approx(se)) and gain == pytest.approx(2 / 3)
+        pytest.approx(gain),
+        pytest.approx(se),
+    ) and gain == pytest.approx(2 / 3)
     rows = harness_rows(estimates)
     assert [r["prompt"] for r in rows] == ["lm_eval/t/0/a", "lm_eval/t/1/b", "lm_eval/t/2/c"]
     assert [(r[f"sft_{metric}"], r[f"grpo_{metric}"]) for r in rows] == [(0.0, 1.0), (1.0, 1.0), (0.0, 1.0)]

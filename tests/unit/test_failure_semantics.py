@@ -56,11 +56,13 @@ from trainer_core.training.guard import check_finite_tensors, nonfinite_weights,
 
 def test_a_nonfinite_step_fails_at_once_by_default():
     progress = TrainProgress(global_step=7)
-    assert step_is_finite(progress, stage="sft", global_step=7, max_nonfinite_steps=0, loss=1.5,
-                          grad_norm=torch.tensor(0.3))
+    assert step_is_finite(
+        progress, stage="sft", global_step=7, max_nonfinite_steps=0, loss=1.5, grad_norm=torch.tensor(0.3)
+    )
     with pytest.raises(NonFiniteError, match=r"stage sft: non-finite train/grad_norm=nan at global_step 7") as info:
-        step_is_finite(progress, stage="sft", global_step=7, max_nonfinite_steps=0, loss=1.5,
-                       grad_norm=torch.tensor(math.nan))
+        step_is_finite(
+            progress, stage="sft", global_step=7, max_nonfinite_steps=0, loss=1.5, grad_norm=torch.tensor(math.nan)
+        )
     assert "sft.learning_rate" in str(info.value) and "sft.max_nonfinite_steps" in str(info.value)
 
 
@@ -73,8 +75,7 @@ def test_nonfinite_steps_are_skipped_up_to_the_budget():
         step_is_finite(progress, stage="dpo", global_step=3, max_nonfinite_steps=2, **bad)
     # a NaN loss with a finite gradient norm was not skipped (the update happened): it always fails
     with pytest.raises(NonFiniteError, match="train/loss=nan"):
-        step_is_finite(TrainProgress(), stage="dpo", global_step=1, max_nonfinite_steps=2, loss=math.nan,
-                       grad_norm=1.0)
+        step_is_finite(TrainProgress(), stage="dpo", global_step=1, max_nonfinite_steps=2, loss=math.nan, grad_norm=1.0)
 
 
 def test_rewards_and_advantages_are_checked_over_every_rank():
@@ -84,9 +85,15 @@ def test_rewards_and_advantages_are_checked_over_every_rank():
         sums.append(t.clone())
         return t + torch.tensor([1.0, 0.0])
 
-    with pytest.raises(NonFiniteError, match=r"stage grpo: non-finite advantages \(1 non-finite values\) at global_step 4"):
-        check_finite_tensors({"rewards": torch.ones(4), "advantages": torch.zeros(4, 3)}, stage="grpo",
-                             global_step=4, all_reduce_sum=all_reduce_sum)
+    with pytest.raises(
+        NonFiniteError, match=r"stage grpo: non-finite advantages \(1 non-finite values\) at global_step 4"
+    ):
+        check_finite_tensors(
+            {"rewards": torch.ones(4), "advantages": torch.zeros(4, 3)},
+            stage="grpo",
+            global_step=4,
+            all_reduce_sum=all_reduce_sum,
+        )
     check_finite_tensors({"rewards": torch.ones(4)}, stage="grpo", global_step=4, all_reduce_sum=lambda t: t)
 
 
@@ -131,8 +138,10 @@ def test_taxonomy_of_library_errors():
     from botocore.exceptions import NoCredentialsError
 
     assert isinstance(classify(MemoryError()), ResourceError)
-    oom = classify(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes"),
-                   where="stage dpo at dpo.micro_batch_size=64")
+    oom = classify(
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes"),
+        where="stage dpo at dpo.micro_batch_size=64",
+    )
     assert isinstance(oom, ResourceError) and "dpo.micro_batch_size=64" in str(oom) and "lower" in str(oom)
     assert isinstance(classify(PermissionError(errno.EACCES, "denied", "/data/x")), ConfigError)
     creds = classify(NoCredentialsError())
@@ -172,10 +181,14 @@ def test_model_sources_are_named(tmp_path):
         load_causal_lm(str(tmp_path / "empty"), ModelConfig(name_or_path="x"), None, 0)
     remote = tmp_path / "remote"
     remote.mkdir()
-    (remote / "config.json").write_text(json.dumps({
-        "model_type": "remote_only", "auto_map": {"AutoConfig": "configuration_x.XConfig",
-                                                 "AutoModelForCausalLM": "modeling_x.XModel"},
-    }))
+    (remote / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "remote_only",
+                "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"},
+            }
+        )
+    )
     with pytest.raises(ConfigError, match="model.trust_remote_code: true"):
         load_causal_lm(str(remote), ModelConfig(name_or_path=str(remote)), None, 0)
 
@@ -241,8 +254,10 @@ def _outage(uri: str = "s3://bucket/runs/r/summary.json", endpoint: str = "http:
 def test_a_storage_outage_is_transient_and_named_and_the_console_shows_it_in_one_line():
     error = classify(_outage(), where="stage sft")
     assert error is not None and error.exit_code == 1  # transient: retried
-    assert str(error).startswith("stage sft: the S3 endpoint http://127.0.0.1:9 did not answer: writing "
-                                 "s3://bucket/runs/r/summary.json failed after 6 attempt(s) over 31 s")
+    assert str(error).startswith(
+        "stage sft: the S3 endpoint http://127.0.0.1:9 did not answer: writing "
+        "s3://bucket/runs/r/summary.json failed after 6 attempt(s) over 31 s"
+    )
     logger, stream = _console_logger()
     try:
         raise _outage()
@@ -280,8 +295,13 @@ def _dead_pid() -> int:
 
 def test_a_lease_whose_process_is_gone_is_stale_at_once(tmp_path):
     prefix = str(tmp_path / "run")
-    record = {"owner": "killed-cli", "expires_at": 4e9, "pid": _dead_pid(), "host": socket.gethostname(),
-              "pidns": os.readlink("/proc/self/ns/pid")}
+    record = {
+        "owner": "killed-cli",
+        "expires_at": 4e9,
+        "pid": _dead_pid(),
+        "host": socket.gethostname(),
+        "pidns": os.readlink("/proc/self/ns/pid"),
+    }
     storage.write_json(join_uri(prefix, LEASE_NAME), record)
     assert read_lease(prefix)["live"] is False
     lease = StageLease(prefix, owner="next", ttl_s=30)
@@ -356,9 +376,16 @@ def test_stage_states(tmp_path):
     running = stage_status(root, run_id, "sft")
     assert (running["state"], running["holder"]) == ("running", "trainer")
     lease.release()
-    storage.write_json(join_uri(paths.output, LEASE_NAME), {"owner": "killed", "expires_at": 4e9,
-                                                            "pid": _dead_pid(), "host": socket.gethostname(),
-                                                            "pidns": os.readlink("/proc/self/ns/pid")})
+    storage.write_json(
+        join_uri(paths.output, LEASE_NAME),
+        {
+            "owner": "killed",
+            "expires_at": 4e9,
+            "pid": _dead_pid(),
+            "host": socket.gethostname(),
+            "pidns": os.readlink("/proc/self/ns/pid"),
+        },
+    )
     assert stage_status(root, run_id, "sft")["state"] == "interrupted"
     ArtifactWriter(paths.final).commit(kind="final", stage="sft", run_id=run_id, global_step=4)
     assert stage_status(root, run_id, "sft")["state"] == "completed"
@@ -392,11 +419,19 @@ def test_preflight_names_missing_s3_credentials(s3_server, monkeypatch, tmp_path
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    config = load_config(overrides={"storage.root": str(tmp_path / "out"), "storage.endpoint_url": s3_server,
-                                    "data.sft.uri": f"s3://{bucket}/data/sft.jsonl"})
+    config = load_config(
+        overrides={
+            "storage.root": str(tmp_path / "out"),
+            "storage.endpoint_url": s3_server,
+            "data.sft.uri": f"s3://{bucket}/data/sft.jsonl",
+        }
+    )
     storage.configure(config.storage)
-    with pytest.raises(ConfigError, match=rf"data.sft.uri 's3://{bucket}/data/sft.jsonl' cannot be read: .*no S3 "
-                                          "credentials"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"data.sft.uri 's3://{bucket}/data/sft.jsonl' cannot be read: .*no S3 "
+        "credentials",
+    ):
         preflight(config)
 
 
@@ -409,11 +444,15 @@ def test_an_unreachable_storage_root_is_refused_after_one_probe(monkeypatch, cap
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
-    config = load_config(overrides={"storage.root": "s3://bucket/root", "storage.endpoint_url": f"http://127.0.0.1:{port}"})
+    config = load_config(
+        overrides={"storage.root": "s3://bucket/root", "storage.endpoint_url": f"http://127.0.0.1:{port}"}
+    )
     storage.configure(config.storage)
     try:
-        with caplog.at_level(logging.WARNING, logger="trainer_core.storage"), \
-                pytest.raises(ConfigError, match=r"storage.root 's3://bucket/root' is not writable: .*Could not connect"):
+        with (
+            caplog.at_level(logging.WARNING, logger="trainer_core.storage"),
+            pytest.raises(ConfigError, match=r"storage.root 's3://bucket/root' is not writable: .*Could not connect"),
+        ):
             preflight(config)
     finally:
         storage.configure(load_config(overrides={"storage.root": str(tmp_path)}).storage)

@@ -69,19 +69,34 @@ def test_fingerprints_of_the_demo_config_are_those_runs_were_committed_with():
     inputs = {"data": "/x/prepare_data/final", "model": "/x/sft/final", "reference": "/x/sft/final"}
     got = {s: stage_fingerprint(config, s, inputs if s != "prepare_data" else {}) for s in config.stages}
     assert got == {
-        "prepare_data": "5681b97af2fa254d", "sft": "a5f13cabb416981d", "reward_model": "21a64cf870bc4bf0",
-        "score": "af56d1a5ea5c4a77", "dpo": "8570077f3620050b", "ppo": "5eb2181a878af66c",
-        "grpo": "7273564b2651116f", "evaluate": "76b1eb6ce37612ca",
+        "prepare_data": "5681b97af2fa254d",
+        "sft": "a5f13cabb416981d",
+        "reward_model": "21a64cf870bc4bf0",
+        "score": "af56d1a5ea5c4a77",
+        "dpo": "8570077f3620050b",
+        "ppo": "5eb2181a878af66c",
+        "grpo": "7273564b2651116f",
+        "evaluate": "76b1eb6ce37612ca",
     }
     changed = {
-        "sft": [{"sft.max_nonfinite_steps": 2}, {"sft.max_tokens_per_micro_batch": 512},
-                {"model.attn_implementation": "eager"}],
-        "grpo": [{"grpo.advantage_estimator": "rloo"}, {"grpo.loss_aggregation": "constant"},
-                 {"grpo.clip_eps_high": 0.28}, {"grpo.dynamic_sampling": True}, {"grpo.overlong_buffer_tokens": 8},
-                 {"grpo.forward_micro_batch_size": 4}, {"grpo.importance_sampling_cap": 2.0},
-                 {"grpo.generation.engine": "static"}, {"grpo.generation.fuse_projections": False},
-                 {"grpo.reward.kind": "math_verify"},
-                 {"grpo.reward.kind": "function", "grpo.reward.function": "m:f"}],
+        "sft": [
+            {"sft.max_nonfinite_steps": 2},
+            {"sft.max_tokens_per_micro_batch": 512},
+            {"model.attn_implementation": "eager"},
+        ],
+        "grpo": [
+            {"grpo.advantage_estimator": "rloo"},
+            {"grpo.loss_aggregation": "constant"},
+            {"grpo.clip_eps_high": 0.28},
+            {"grpo.dynamic_sampling": True},
+            {"grpo.overlong_buffer_tokens": 8},
+            {"grpo.forward_micro_batch_size": 4},
+            {"grpo.importance_sampling_cap": 2.0},
+            {"grpo.generation.engine": "static"},
+            {"grpo.generation.fuse_projections": False},
+            {"grpo.reward.kind": "math_verify"},
+            {"grpo.reward.kind": "function", "grpo.reward.function": "m:f"},
+        ],
         "score": [{"score.generation.engine": "static"}],
         "evaluate": [{"evaluate.generation.engine": "static"}, {"evaluate.generation.compile": True}],
     }

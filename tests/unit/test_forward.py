@@ -23,8 +23,14 @@ VOCAB = 97
 
 def _model(vocab: int = VOCAB):
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -172,13 +178,29 @@ def test_the_full_path_keeps_packed_rows_apart():
 
     model = _model()
     model.config.final_logit_softcapping = 30.0
-    rows = [{"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 1, 1, 1, 1]}, {"input_ids": [10, 11, 12], "loss_mask": [0, 1, 1]}]
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 1, 1, 1, 1]},
+        {"input_ids": [10, 11, 12], "loss_mask": [0, 1, 1]},
+    ]
     batch = collate_causal_packed(rows, pad_id=0)
     with torch.no_grad():
-        packed = masked_token_logprobs(model, batch["input_ids"], None, batch["loss_mask"],
-                                       position_ids=batch["position_ids"], counted_index=batch["counted_index"])
-        alone = [masked_token_logprobs(model, torch.tensor([r["input_ids"]]), torch.ones(1, len(r["input_ids"])),
-                                       torch.tensor([r["loss_mask"]]))[0] for r in rows]
+        packed = masked_token_logprobs(
+            model,
+            batch["input_ids"],
+            None,
+            batch["loss_mask"],
+            position_ids=batch["position_ids"],
+            counted_index=batch["counted_index"],
+        )
+        alone = [
+            masked_token_logprobs(
+                model,
+                torch.tensor([r["input_ids"]]),
+                torch.ones(1, len(r["input_ids"])),
+                torch.tensor([r["loss_mask"]]),
+            )[0]
+            for r in rows
+        ]
     torch.testing.assert_close(packed[0][packed[0] != 0], torch.cat(alone), atol=1e-6, rtol=0)
 
 
@@ -195,8 +217,16 @@ def test_packing_is_refused_for_a_model_whose_rows_would_see_each_other():
     check_packed_rows_apart(_Wrapper(llama), "sft.max_tokens_per_micro_batch")
     assert llama.training
     torch.manual_seed(0)
-    opt = AutoModelForCausalLM.from_config(OPTConfig(vocab_size=VOCAB, hidden_size=16, ffn_dim=32, num_hidden_layers=2,
-                                                     num_attention_heads=2, word_embed_proj_dim=16))
+    opt = AutoModelForCausalLM.from_config(
+        OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            ffn_dim=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            word_embed_proj_dim=16,
+        )
+    )
     with pytest.raises(ConfigError, match=r"grpo.padding_free: OPTForCausalLM lets packed rows attend to each other"):
         check_packed_rows_apart(opt, "grpo.padding_free")
 
@@ -229,7 +259,10 @@ def test_a_wrapped_model_computes_the_head_inside_one_call_of_its_module():
     ]
 
     wrapped = masked_token_logprobs(_Wrapper(model), ids, attention, loss_mask, chunk_size=4)
-    assert calls == [("pre", ["attention_mask", "counted_index", "input_ids", "loss_mask", "position_ids"]), ("post", (14,))]
+    assert calls == [
+        ("pre", ["attention_mask", "counted_index", "input_ids", "loss_mask", "position_ids"]),
+        ("post", (14,)),
+    ]
     assert head_calls == []  # its weight is used, the module not called: no per-chunk hook or collective
     for hook in hooks:
         hook.remove()

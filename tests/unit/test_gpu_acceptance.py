@@ -28,8 +28,14 @@ def acceptance(tmp_path_factory) -> dict[str, dict]:
     """Both parts' ``gpu_acceptance_<part>.json``, from one ``--part all`` CPU run."""
     out = tmp_path_factory.mktemp("gpu-acceptance")
     flags = ["--part", "all", "--device", "cpu", "--tiny", "--synthetic", "--results-dir", str(out)]
-    done = subprocess.run([sys.executable, str(SCRIPT), *flags, *([] if HAVE_TRL else ["--no-trl"])], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *flags, *([] if HAVE_TRL else ["--no-trl"])],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "GPU acceptance, part A" in done.stdout and "GPU acceptance, part B" in done.stdout
     return {part: json.loads((out / f"gpu_acceptance_{part}.json").read_text()) for part in ("A", "B")}

@@ -106,6 +106,7 @@ class _ThreadSum:
             total = self.slots[0] + self.slots[1]
             self.barrier.wait()
             return total
+
         return reduce
 
 
@@ -173,7 +174,9 @@ def test_clip_higher():
     assert m["clipped"].tolist() == [[1.0, 1.0, 0.0]]
     # symmetric ranges give PPO's clipped loss exactly
     adv = torch.tensor([[1.0, -1.0, 1.0]])
-    assert_close(clipped_policy_loss_asymmetric(logp, old, adv, 0.2, 0.2)[0], clipped_policy_loss(logp, old, adv, 0.2)[0])
+    assert_close(
+        clipped_policy_loss_asymmetric(logp, old, adv, 0.2, 0.2)[0], clipped_policy_loss(logp, old, adv, 0.2)[0]
+    )
 
 
 def test_truncated_importance_weights_scale_the_policy_term_not_the_kl():
@@ -189,9 +192,14 @@ def test_truncated_importance_weights_scale_the_policy_term_not_the_kl():
     logprobs = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
     ref = torch.tensor([[-1.5, -2.0], [-0.5, 0.0]])
     batch = RolloutBatch(
-        prompt_ids=torch.zeros(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1),
-        completion_ids=torch.zeros(2, 2, dtype=torch.long), completion_mask=mask, logprobs=logprobs,
-        scores=torch.tensor([1.0, 0.0]), prompt_index=torch.zeros(2, dtype=torch.long), ref_logprobs=ref,
+        prompt_ids=torch.zeros(2, 1, dtype=torch.long),
+        prompt_mask=torch.ones(2, 1),
+        completion_ids=torch.zeros(2, 2, dtype=torch.long),
+        completion_mask=mask,
+        logprobs=logprobs,
+        scores=torch.tensor([1.0, 0.0]),
+        prompt_index=torch.zeros(2, dtype=torch.long),
+        ref_logprobs=ref,
     )
     batch.advantages = mask.clone()
     algo = GRPOAlgorithm(GRPOConfig(group_size=2, kl_coef=0.1))

@@ -40,7 +40,9 @@ def test_the_heldout_task_agrees_with_evaluates_exact_match(tiny, tmp_path):
     # Half the reference answers are the number each completion ends with (a hit), half are not.
     answers = [extract_generated_answer(c) or "1" if i % 2 == 0 else "987654" for i, c in enumerate(completions)]
     ours = [answers_match(extract_generated_answer(c), a) for c, a in zip(completions, answers)]
-    task = harness.write_heldout_task(str(tmp_path), [{"question": q, "answer": a} for q, a in zip(QUESTIONS, answers)], 16)
+    task = harness.write_heldout_task(
+        str(tmp_path), [{"question": q, "answer": a} for q, a in zip(QUESTIONS, answers)], 16
+    )
     lm = harness.HarnessLM(model, tokenizer, gen, torch.device("cpu"), 0)
     results = harness.run_harness(lm, [task], str(tmp_path), None, None, True, 0, log_samples=True)
     # The same chat prompts, the same greedy completions (the harness's context re-tokenised from text).
@@ -96,8 +98,13 @@ def test_a_task_folder_and_its_data_on_object_storage(tiny, s3_server, tmp_path)
     root = f"s3://{make_bucket(s3_server)}/tasks"
     data = f"{root}/{harness.HELDOUT_TASK}.jsonl"
     storage.write_bytes(data, (local / f"{harness.HELDOUT_TASK}.jsonl").read_bytes())
-    yaml = (local / f"{harness.HELDOUT_TASK}.yaml").read_text().replace(str(local / f"{harness.HELDOUT_TASK}.jsonl"), data)
-    storage.write_bytes(f"{root}/{harness.HELDOUT_TASK}.yaml", yaml.replace(f"task: {harness.HELDOUT_TASK}", "task: remote_task").encode())
+    yaml = (
+        (local / f"{harness.HELDOUT_TASK}.yaml").read_text().replace(str(local / f"{harness.HELDOUT_TASK}.jsonl"), data)
+    )
+    storage.write_bytes(
+        f"{root}/{harness.HELDOUT_TASK}.yaml",
+        yaml.replace(f"task: {harness.HELDOUT_TASK}", "task: remote_task").encode(),
+    )
     lm = harness.HarnessLM(model, tokenizer, GenerationConfig(max_new_tokens=8, batch_size=8), torch.device("cpu"), 0)
     results = harness.run_harness(lm, ["remote_task"], root, 3, None, True, 0)
     assert results["results"]["remote_task"]["sample_len"] == 3

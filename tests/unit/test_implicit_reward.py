@@ -48,8 +48,16 @@ def _pairs(num: int) -> list[dict]:
 
 def _implicit_lm() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=PAD,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     mark_implicit_reward(model, BETA)
     return model
@@ -91,7 +99,9 @@ def test_bradley_terry_on_the_implicit_reward_is_simpo_without_margin():
     batch = collate_with_reference(_pairs(4), PAD)
     loss = RewardObjective(None, 1).step(model, batch).loss_sum
     chosen, rejected = pair_logprobs(model, batch)
-    pairs = PairLogprobs(chosen, rejected, chosen_lengths=batch["chosen_lengths"], rejected_lengths=batch["rejected_lengths"])
+    pairs = PairLogprobs(
+        chosen, rejected, chosen_lengths=batch["chosen_lengths"], rejected_lengths=batch["rejected_lengths"]
+    )
     simpo, _ = simpo_loss(pairs, beta=BETA, gamma=0.0)
     torch.testing.assert_close(loss, simpo.sum(), rtol=1e-6, atol=1e-6)
 
@@ -100,7 +110,9 @@ def test_the_marker_survives_a_saved_directory(tmp_path):
     model = _implicit_lm()
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())[IMPLICIT_REWARD_KEY] == {"beta": BETA}
-    loaded = load_reward_model(str(tmp_path), ModelConfig(name_or_path=str(tmp_path)), None, seed=0)  # the tokenizer sizes "init" only
+    loaded = load_reward_model(
+        str(tmp_path), ModelConfig(name_or_path=str(tmp_path)), None, seed=0
+    )  # the tokenizer sizes "init" only
     assert type(loaded).__name__ == "LlamaForCausalLM" and implicit_reward_beta(loaded) == BETA
     for a, b in zip(loaded.state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b)

@@ -170,8 +170,9 @@ def test_work_pool_job_renders_gpu_image_and_secrets():
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
 
-    custom = render_work_pool_job({"gpu_count": 4, "image": "registry.example.com/posttrain-worker:1.2",
-                                   "s3_secret": "team-s3"})
+    custom = render_work_pool_job(
+        {"gpu_count": 4, "image": "registry.example.com/posttrain-worker:1.2", "s3_secret": "team-s3"}
+    )
     [container] = custom.job_manifest["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "registry.example.com/posttrain-worker:1.2"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
@@ -206,7 +207,9 @@ def test_multinode_trainer_manifest_renders():
 def write_stage_spec(path: Path, overrides: list[str]) -> str:
     from trainer_core.spec import build_spec
 
-    config = load_config(overrides=["stages=[prepare_data,sft]", *overrides])  # 16 ranks: the RL stages' shares would not divide
+    config = load_config(
+        overrides=["stages=[prepare_data,sft]", *overrides]
+    )  # 16 ranks: the RL stages' shares would not divide
     spec = build_spec(config, "sft", "run42", {}, output_uri=str(path.parent / "sft"))
     path.write_text(json.dumps(spec.model_dump(mode="json")))
     return str(path)
@@ -224,10 +227,19 @@ def test_multinode_pods_run_the_stage_command_built_from_the_spec(tmp_path, caps
         "backend.name=fsdp2", "backend.nnodes=2", "backend.nproc_per_node=8",
         "backend.rdzv_endpoint=sft-run42-0.sft-run42:29500",
     ])  # fmt: skip
-    [container] = render_multinode(MULTINODE_VALUES | {"SPEC_URI": spec_uri})[1]["spec"]["template"]["spec"]["containers"]
+    [container] = render_multinode(MULTINODE_VALUES | {"SPEC_URI": spec_uri})[1]["spec"]["template"]["spec"][
+        "containers"
+    ]
     assert container["command"][:3] == ["python", "-m", "tasks.launch.process"]
-    config = load_config(overrides={"stages": "prepare_data,sft", "backend.name": "fsdp2", "backend.nnodes": 2,
-                                    "backend.nproc_per_node": 8, "backend.rdzv_endpoint": "sft-run42-0.sft-run42:29500"})
+    config = load_config(
+        overrides={
+            "stages": "prepare_data,sft",
+            "backend.name": "fsdp2",
+            "backend.nnodes": 2,
+            "backend.nproc_per_node": 8,
+            "backend.rdzv_endpoint": "sft-run42-0.sft-run42:29500",
+        }
+    )
     for index in (0, 1):
         argv = [a.replace("$(NODE_RANK)", str(index)) for a in container["command"][3:]]
         assert launch.main([*argv, "--dry-run"]) == 0
@@ -254,8 +266,13 @@ def test_prefect_file_deployments_resolve():
     entries = deploy.select_deployments(spec, None)
     assert [e["name"] for e in entries] == ["demo", "demo-sweep", "qwen2.5-0.5b-1gpu", "qwen2.5-0.5b-k8s"]
     demo = entries[0]
-    assert demo["work_pool"] == {"name": "posttrain-local", "job_variables": {
-        "working_dir": str(PROJECT), "env": {"POSTTRAIN_MLFLOW_UI_URL": deploy.DEFAULT_MLFLOW_UI_URL}}}
+    assert demo["work_pool"] == {
+        "name": "posttrain-local",
+        "job_variables": {
+            "working_dir": str(PROJECT),
+            "env": {"POSTTRAIN_MLFLOW_UI_URL": deploy.DEFAULT_MLFLOW_UI_URL},
+        },
+    }
     pools, limits = deploy.used_resources(spec, entries)
     assert {n: p["type"] for n, p in pools.items()} == {"posttrain-local": "process", "posttrain-gpu": "kubernetes"}
     assert deploy.base_job_template(pools["posttrain-gpu"])["job_configuration"]["job_manifest"]["kind"] == "Job"
@@ -270,8 +287,11 @@ def test_prefect_file_deployments_resolve():
         assert deployment.entrypoint == entry["entrypoint"]
         assert all(s.active is False for s in deployment.schedules or [])
         schema = deployment._parameter_openapi_schema
-        assert set(schema.properties) == ({"config_uri", "grid", "settings", "overrides", "sweep_id"} if sweep else
-                                          {"config_uri", "settings", "overrides", "run_id"})
+        assert set(schema.properties) == (
+            {"config_uri", "grid", "settings", "overrides", "sweep_id"}
+            if sweep
+            else {"config_uri", "settings", "overrides", "run_id"}
+        )
         assert "PipelineConfig" not in schema.definitions and "SFTSettings" in schema.definitions
         assert "SweepPoint" not in schema.definitions  # the pipeline's sweep parameter is the sweep flow's to set
         assert deployment.parameters == params
@@ -292,8 +312,11 @@ def test_prefect_file_errors_name_the_problem(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="nightly-typo"):
         deploy.select_deployments(spec, ["nightly-typo"])
     flow = load_flow_from_entrypoint("flows.pipeline.post_training_pipeline")
-    entry = {"name": "x", "work_pool": {"name": "posttrain-local"},
-             "parameters": {"config_uri": "configs/demo.yaml", "overrides": {"sft.learning_rate": -1}}}
+    entry = {
+        "name": "x",
+        "work_pool": {"name": "posttrain-local"},
+        "parameters": {"config_uri": "configs/demo.yaml", "overrides": {"sft.learning_rate": -1}},
+    }
     with pytest.raises(ConfigError, match=r"sft\.learning_rate"):
         deploy.deployment_parameters(flow, entry)
     with pytest.raises(ConfigError, match="confg"):

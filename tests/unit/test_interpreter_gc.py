@@ -35,5 +35,7 @@ def test_gc_paused_restores_the_collector_even_on_an_error():
 def test_skip_exit_collection_freezes_what_is_alive_after_the_other_exit_handlers(skip):
     call = "from trainer_core.processes import skip_exit_collection; skip_exit_collection(); " if skip else ""
     code = PROBE + call + "atexit.register(print, 'a later handler ran'); print('done')"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+    )
     assert done.stdout.splitlines() == ["done", "a later handler ran", f"frozen at exit: {skip}"]

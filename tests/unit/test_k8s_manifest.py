@@ -30,8 +30,13 @@ from trainer_core.errors import ConfigError
 from trainer_core.spec import build_spec
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-MULTINODE = {"backend.name": "fsdp2", "backend.nnodes": 2, "backend.nproc_per_node": 4,
-             "backend.rdzv_endpoint": "placeholder:1", "storage.root": "s3://bucket/outputs"}
+MULTINODE = {
+    "backend.name": "fsdp2",
+    "backend.nnodes": 2,
+    "backend.nproc_per_node": 4,
+    "backend.rdzv_endpoint": "placeholder:1",
+    "storage.root": "s3://bucket/outputs",
+}
 SPEC_URI = "s3://bucket/outputs/runs/run42/specs/sft.json"
 TRACKING = "http://mlflow.posttrain:5000"
 
@@ -47,8 +52,10 @@ def test_job_name_is_a_dns_label_per_run_and_stage():
     assert job_name("demo-20261121-082652-a1b2c3", "reward_model") == name  # every attempt: the same Job
     long_a, long_b = "x" * 100 + "a", "x" * 100 + "b"
     assert job_name(long_a, "sft") != job_name(long_b, "sft")  # cut alike, told apart by the hash
-    assert all(DNS_1035.match(job_name(r, "dpo")) and len(job_name(r, "dpo")) <= MAX_NAME_CHARS
-               for r in (long_a, "Run_ID.With.Dots", "r--", "9"))
+    assert all(
+        DNS_1035.match(job_name(r, "dpo")) and len(job_name(r, "dpo")) <= MAX_NAME_CHARS
+        for r in (long_a, "Run_ID.With.Dots", "r--", "9")
+    )
     assert len(f"{job_name(long_a, 'grpo')}-9999") <= 63  # pod host names stay DNS labels
 
 
@@ -83,19 +90,37 @@ def test_what_pods_cannot_run_is_refused_before_submitting(overrides, tracking, 
 
 
 def test_manifests_apply_the_settings_to_the_template():
-    config = multinode_config(**{"storage.access_key_id": "AKIA-SECRET", "storage.secret_access_key": "s3cr3t",
-                                 "storage.endpoint_url": "http://minio.storage:9000", "storage.region": "eu-west-1"})
+    config = multinode_config(
+        **{
+            "storage.access_key_id": "AKIA-SECRET",
+            "storage.secret_access_key": "s3cr3t",
+            "storage.endpoint_url": "http://minio.storage:9000",
+            "storage.region": "eu-west-1",
+        }
+    )
     job = trainer_job(config, "sft", "run42", SPEC_URI, TRACKING)
     assert "s3cr3t" not in repr(job)
-    settings = JobSettings(image="registry.example.com/posttrain:1.2", service_account="trainer",
-                           secrets=["team-s3", "team-env"], cpu_request="32", memory_limit="512Gi", shm_size="128Gi",
-                           ttl_after_finished_s=600, image_pull_secrets=["regcred"])
+    settings = JobSettings(
+        image="registry.example.com/posttrain:1.2",
+        service_account="trainer",
+        secrets=["team-s3", "team-env"],
+        cpu_request="32",
+        memory_limit="512Gi",
+        shm_size="128Gi",
+        ttl_after_finished_s=600,
+        image_pull_secrets=["regcred"],
+    )
     m = trainer_manifests(job, settings, "ml", timeout_s=3600.5)
     assert m.service["metadata"]["name"] == m.job["metadata"]["name"] == job.name
     assert m.service["metadata"]["namespace"] == m.job["metadata"]["namespace"] == "ml"
     assert m.service["spec"]["clusterIP"] == "None" and m.service["spec"]["selector"] == {"job-name": job.name}
     spec = m.job["spec"]
-    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", 2, 2, 0)
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == (
+        "Indexed",
+        2,
+        2,
+        0,
+    )
     assert spec["activeDeadlineSeconds"] == 3601 and spec["ttlSecondsAfterFinished"] == 600
     pod = spec["template"]["spec"]
     assert pod["subdomain"] == job.name and pod["serviceAccountName"] == "trainer"
@@ -106,14 +131,22 @@ def test_manifests_apply_the_settings_to_the_template():
         "python", "-m", "tasks.launch.process", SPEC_URI, "--node-rank=$(NODE_RANK)", "--nnodes=2", "--nproc-per-node=4",
         f"--rdzv-endpoint={job.rdzv_endpoint}",
     ]  # fmt: skip
-    assert container["resources"] == {"requests": {"nvidia.com/gpu": 4, "cpu": "32"},
-                                      "limits": {"nvidia.com/gpu": 4, "memory": "512Gi"}}
-    assert container["envFrom"] == [{"secretRef": {"name": "team-s3"}}, {"secretRef": {"name": "team-env"}},
-                                     {"secretRef": {"name": job.name}}]
+    assert container["resources"] == {
+        "requests": {"nvidia.com/gpu": 4, "cpu": "32"},
+        "limits": {"nvidia.com/gpu": 4, "memory": "512Gi"},
+    }
+    assert container["envFrom"] == [
+        {"secretRef": {"name": "team-s3"}},
+        {"secretRef": {"name": "team-env"}},
+        {"secretRef": {"name": job.name}},
+    ]
     assert m.secret["metadata"]["name"] == job.name
-    assert m.secret["stringData"] == {"AWS_ACCESS_KEY_ID": "AKIA-SECRET", "AWS_SECRET_ACCESS_KEY": "s3cr3t",
-                                      "AWS_ENDPOINT_URL_S3": "http://minio.storage:9000",
-                                      "AWS_DEFAULT_REGION": "eu-west-1"}  # the pods read their spec from it
+    assert m.secret["stringData"] == {
+        "AWS_ACCESS_KEY_ID": "AKIA-SECRET",
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t",
+        "AWS_ENDPOINT_URL_S3": "http://minio.storage:9000",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }  # the pods read their spec from it
     assert all("s3cr3t" not in json.dumps(o) for o in (m.service, m.job))
     assert {v["name"]: v["emptyDir"]["sizeLimit"] for v in pod["volumes"]} == {"dshm": "128Gi"}
     for meta in (m.service["metadata"], m.job["metadata"], spec["template"]["metadata"]):
@@ -138,15 +171,20 @@ def test_pods_accept_the_spec_the_flow_writes(tmp_path, capsys):
     (``$(NODE_RANK)`` expanded, ``--dry-run``), gives the torchrun command for that node."""
     config = multinode_config()
     job = trainer_job(config, "sft", "run42", str(tmp_path / "sft.json"), TRACKING)
-    spec = build_spec(pin_rendezvous(config, "sft", job.rdzv_endpoint), "sft", "run42", {}, output_uri=str(tmp_path / "out"))
+    spec = build_spec(
+        pin_rendezvous(config, "sft", job.rdzv_endpoint), "sft", "run42", {}, output_uri=str(tmp_path / "out")
+    )
     (tmp_path / "sft.json").write_text(json.dumps(spec.model_dump(mode="json")))
-    [container] = trainer_manifests(job, JobSettings(image="img"), "posttrain").job["spec"]["template"]["spec"]["containers"]
+    [container] = trainer_manifests(job, JobSettings(image="img"), "posttrain").job["spec"]["template"]["spec"][
+        "containers"
+    ]
     for index in (0, 1):
         argv = [a.replace("$(NODE_RANK)", str(index)) for a in container["command"][3:]]
         assert launch.main([*argv, "--dry-run"]) == 0, capsys.readouterr().err
         printed = shlex.split(capsys.readouterr().out)
-        assert printed == commands.trainer_command(job.spec_uri, job.backend.model_copy(update={"node_rank": index}),
-                                                   "run42-sft")
+        assert printed == commands.trainer_command(
+            job.spec_uri, job.backend.model_copy(update={"node_rank": index}), "run42-sft"
+        )
     unpinned = build_spec(config, "sft", "run42", {}, output_uri=str(tmp_path / "out"))
     (tmp_path / "sft.json").write_text(json.dumps(unpinned.model_dump(mode="json")))
     assert launch.main([*[a.replace("$(NODE_RANK)", "0") for a in container["command"][3:]], "--dry-run"]) == 2
@@ -160,9 +198,14 @@ def test_pin_rendezvous_overrides_a_stage_backend_too():
 
 
 def test_settings_from_the_environment_and_the_flow_pod():
-    env = {"POSTTRAIN_K8S_IMAGE": "img:2", "POSTTRAIN_K8S_SECRETS": "a, b", "POSTTRAIN_K8S_POLL_INTERVAL_S": "0.5",
-           "POSTTRAIN_K8S_NODE_SELECTOR": '{"pool": "h100"}', "KUBERNETES_SERVICE_HOST": "10.0.0.1",
-           "HOSTNAME": "flow-pod-x"}
+    env = {
+        "POSTTRAIN_K8S_IMAGE": "img:2",
+        "POSTTRAIN_K8S_SECRETS": "a, b",
+        "POSTTRAIN_K8S_POLL_INTERVAL_S": "0.5",
+        "POSTTRAIN_K8S_NODE_SELECTOR": '{"pool": "h100"}',
+        "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+        "HOSTNAME": "flow-pod-x",
+    }
     settings = JobSettings.from_env(env)
     assert (settings.image, settings.secrets, settings.poll_interval_s) == ("img:2", ["a", "b"], 0.5)
     assert settings.node_selector == {"pool": "h100"} and settings.flow_pod == "flow-pod-x"
@@ -171,13 +214,30 @@ def test_settings_from_the_environment_and_the_flow_pod():
         JobSettings.from_env({"POSTTRAIN_K8S_POLL_INTERVAL_S": "-1"})
     with pytest.raises(ConfigError, match="POSTTRAIN_K8S_TOLERATIONS: not JSON"):
         JobSettings.from_env({"POSTTRAIN_K8S_TOLERATIONS": "[oops"})
-    flow_pod = {"spec": {"serviceAccountName": "flow-sa", "imagePullSecrets": [{"name": "regcred"}], "containers": [
-        {"name": "prefect-job", "image": "posttrain:9", "imagePullPolicy": "Always",
-         "envFrom": [{"secretRef": {"name": "s3", "optional": False}}, {"secretRef": {"name": "env", "optional": True}}]}]}}
+    flow_pod = {
+        "spec": {
+            "serviceAccountName": "flow-sa",
+            "imagePullSecrets": [{"name": "regcred"}],
+            "containers": [
+                {
+                    "name": "prefect-job",
+                    "image": "posttrain:9",
+                    "imagePullPolicy": "Always",
+                    "envFrom": [
+                        {"secretRef": {"name": "s3", "optional": False}},
+                        {"secretRef": {"name": "env", "optional": True}},
+                    ],
+                }
+            ],
+        }
+    }
     inherited = JobSettings(image="mine").inherit(flow_pod)
     assert inherited.image == "mine"  # set explicitly: kept
     assert (inherited.service_account, inherited.image_pull_policy, inherited.image_pull_secrets) == (
-        "flow-sa", "Always", ["regcred"])
+        "flow-sa",
+        "Always",
+        ["regcred"],
+    )
     assert inherited.env_from == flow_pod["spec"]["containers"][0]["envFrom"]  # optional flags kept
     assert JobSettings().inherit(None) == JobSettings()
 
@@ -187,8 +247,13 @@ def test_settings_from_the_environment_and_the_flow_pod():
 
 def pod(index: int, phase: str, exit_code: int | None = None, finished: str = "2026-11-21T08:00:00Z") -> dict:
     state = {"running": {}} if exit_code is None else {"terminated": {"exitCode": exit_code, "finishedAt": finished}}
-    return {"metadata": {"name": f"j-{index}-abcde", "annotations": {"batch.kubernetes.io/job-completion-index": str(index)}},
-            "status": {"phase": phase, "containerStatuses": [{"name": "trainer", "state": state}]}}
+    return {
+        "metadata": {
+            "name": f"j-{index}-abcde",
+            "annotations": {"batch.kubernetes.io/job-completion-index": str(index)},
+        },
+        "status": {"phase": phase, "containerStatuses": [{"name": "trainer", "state": state}]},
+    }
 
 
 def torchrun_log(failures: list[tuple[int, int, int, bool]], tails: dict[int, list[str]]) -> list[str]:
@@ -199,9 +264,15 @@ def torchrun_log(failures: list[tuple[int, int, int, bool]], tails: dict[int, li
     for i, (rank, local, code, root) in enumerate(failures):
         if root:
             lines += ["-" * 60, "Root Cause (first observed failure):"]
-        lines += [f"[{i}]:", "  time      : 2026-11-21_08:00:00", "  host      : node",
-                  f"  rank      : {rank} (local_rank: {local})", f"  exitcode  : {code} (pid: 1)",
-                  "  error_file: <N/A>", "  traceback : To enable traceback see: ..."]
+        lines += [
+            f"[{i}]:",
+            "  time      : 2026-11-21_08:00:00",
+            "  host      : node",
+            f"  rank      : {rank} (local_rank: {local})",
+            f"  exitcode  : {code} (pid: 1)",
+            "  error_file: <N/A>",
+            "  traceback : To enable traceback see: ...",
+        ]
     return [*lines, "=" * 60]
 
 
@@ -218,14 +289,22 @@ def test_blamed_pod_is_the_cause_not_the_first_to_end():
 
 def test_blamed_pod_without_summaries():
     # exit 2 (bad input) first, whenever it ended
-    assert blamed_pod({0: pod(0, "Failed", 1, "2026-11-21T08:00:00Z"), 1: pod(1, "Failed", 2, "2026-11-21T08:00:09Z")},
-                      {}) == 1
+    assert (
+        blamed_pod({0: pod(0, "Failed", 1, "2026-11-21T08:00:00Z"), 1: pod(1, "Failed", 2, "2026-11-21T08:00:09Z")}, {})
+        == 1
+    )
     # the Job controller's SIGTERM (143) of the survivors is not a cause
-    assert blamed_pod({0: pod(0, "Failed", 143, "2026-11-21T08:00:00Z"), 1: pod(1, "Failed", 1, "2026-11-21T08:00:01Z")},
-                      {}) == 1
+    assert (
+        blamed_pod(
+            {0: pod(0, "Failed", 143, "2026-11-21T08:00:00Z"), 1: pod(1, "Failed", 1, "2026-11-21T08:00:01Z")}, {}
+        )
+        == 1
+    )
     # else the first to end; none failed: None
-    assert blamed_pod({0: pod(0, "Failed", 1, "2026-11-21T08:00:03Z"), 1: pod(1, "Failed", 1, "2026-11-21T08:00:01Z")},
-                      {}) == 1
+    assert (
+        blamed_pod({0: pod(0, "Failed", 1, "2026-11-21T08:00:03Z"), 1: pod(1, "Failed", 1, "2026-11-21T08:00:01Z")}, {})
+        == 1
+    )
     assert blamed_pod({0: pod(0, "Running"), 1: pod(1, "Succeeded", 0)}, {}) is None
 
 
@@ -234,8 +313,16 @@ def test_job_state_reads_conditions_and_pods():
     assert job_state(view) is None
     view.pods[1] = pod(1, "Failed", 1)
     assert job_state(view) == ("failed", "a pod failed (backoffLimit 0)")
-    view.job["status"] = {"conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
-                                          "message": "Job was active longer than specified deadline"}]}
+    view.job["status"] = {
+        "conditions": [
+            {
+                "type": "Failed",
+                "status": "True",
+                "reason": "DeadlineExceeded",
+                "message": "Job was active longer than specified deadline",
+            }
+        ]
+    }
     assert job_state(view) == ("deadline", "DeadlineExceeded: Job was active longer than specified deadline")
     view = JobView(job={"spec": {"completions": 2}, "status": {"succeeded": 2}}, pods={})
     assert job_state(view) == ("succeeded", "")

@@ -23,12 +23,15 @@ def test_hand_worked_values():
     ref_logps = torch.tensor([-1.5, -1.5, -3.0])
     kl_logps, ref_kl_logps = torch.tensor([-3.0, -3.0, -5.0]), torch.tensor([-3.2, -3.4, -5.0])
     labels = torch.tensor([True, False, True])
-    losses, m = kto_loss(logps, ref_logps, kl_logps, ref_kl_logps, labels, beta=0.5,
-                         desirable_weight=1.5, undesirable_weight=0.8)
+    losses, m = kto_loss(
+        logps, ref_logps, kl_logps, ref_kl_logps, labels, beta=0.5, desirable_weight=1.5, undesirable_weight=0.8
+    )
     z0 = (0.2 + 0.4 + 0.0) / 3  # mean of kl_logps - ref_kl_logps
-    expected = [1.5 * (1 - sigmoid(0.5 * (0.5 - z0))),   # desirable, log-ratio +0.5
-                0.8 * (1 - sigmoid(0.5 * (z0 + 0.5))),   # undesirable, log-ratio -0.5
-                1.5 * (1 - sigmoid(0.5 * (-1.0 - z0)))]  # desirable, log-ratio -1
+    expected = [
+        1.5 * (1 - sigmoid(0.5 * (0.5 - z0))),  # desirable, log-ratio +0.5
+        0.8 * (1 - sigmoid(0.5 * (z0 + 0.5))),  # undesirable, log-ratio -0.5
+        1.5 * (1 - sigmoid(0.5 * (-1.0 - z0))),
+    ]  # desirable, log-ratio -1
     assert losses.tolist() == pytest.approx(expected, rel=1e-6)
     assert m["kl"].tolist() == pytest.approx([z0] * 3, rel=1e-6)
     assert m["rewards/chosen"].tolist() == pytest.approx([0.25, 0.0, -0.5])
@@ -55,9 +58,18 @@ def test_reference_point_is_clamped_at_zero_and_detached():
 
 
 def test_objective_reports_per_label_means():
-    rows = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "kl_input_ids": [1, 2, 4], "kl_loss_mask": [0, 1, 1],
-             "label": label, "ref_logprobs": ref, "ref_kl_logprobs": -3.0}
-            for label, ref in ((True, -2.0), (True, -4.0), (False, -6.0))]
+    rows = [
+        {
+            "input_ids": [1, 2, 3],
+            "loss_mask": [0, 1, 1],
+            "kl_input_ids": [1, 2, 4],
+            "kl_loss_mask": [0, 1, 1],
+            "label": label,
+            "ref_logprobs": ref,
+            "ref_kl_logprobs": -3.0,
+        }
+        for label, ref in ((True, -2.0), (True, -4.0), (False, -6.0))
+    ]
 
     class Uniform(torch.nn.Module):
         """log p = -log 8 for every token: completion log-prob -2 log 8 whatever the row."""
@@ -67,8 +79,12 @@ def test_objective_reports_per_label_means():
 
     from trainer_core.data.batching import BucketedBatchSampler
 
-    source = BatchSource(rows=rows, sampler=BucketedBatchSampler([3, 3, 3], 3, seed=0, shuffle=False),
-                         collate=lambda r: collate_kto(r, pad_id=0), device=torch.device("cpu"))
+    source = BatchSource(
+        rows=rows,
+        sampler=BucketedBatchSampler([3, 3, 3], 3, seed=0, shuffle=False),
+        collate=lambda r: collate_kto(r, pad_id=0),
+        device=torch.device("cpu"),
+    )
     objective = KTOObjective(0.1, source, 1)
     metrics = evaluate_pairs(objective, Uniform(), source, 1)
     lp = -2 * math.log(8)

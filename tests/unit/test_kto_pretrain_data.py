@@ -35,11 +35,19 @@ def test_detect_kto_and_text():
 
 def test_kto_record_and_pairs_unpaired():
     (one,) = to_kto_examples({"prompt": "p", "completion": "c", "label": False, "_source": "k.jsonl:3"})
-    assert one == {"messages": [{"role": "user", "content": "p"}], "completion": "c", "label": False,
-                   "_source": "k.jsonl:3"}
+    assert one == {
+        "messages": [{"role": "user", "content": "p"}],
+        "completion": "c",
+        "label": False,
+        "_source": "k.jsonl:3",
+    }
     chosen, rejected = to_kto_examples({"prompt": "p", "chosen": "good", "rejected": "bad"})
     assert (chosen["completion"], chosen["label"], rejected["completion"], rejected["label"]) == (
-        "good", True, "bad", False)
+        "good",
+        True,
+        "bad",
+        False,
+    )
     hh = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!", "rejected": "\n\nHuman: Hi\n\nAssistant: Go away."}
     assert [ex["label"] for ex in to_kto_examples(hh, "hh_rlhf")] == [True, False]
 
@@ -68,8 +76,7 @@ def test_plain_text_file_gives_a_record_per_line(tmp_path: Path):
     path = tmp_path / "corpus.txt"
     path.write_text("first line\n\n  \nsecond line\r\n", encoding="utf-8")
     records = read_records(DataSource(uri=str(path), text_field="body"))
-    assert records == [{"body": "first line", "_source": f"{path}:1"},
-                       {"body": "second line", "_source": f"{path}:4"}]
+    assert records == [{"body": "first line", "_source": f"{path}:1"}, {"body": "second line", "_source": f"{path}:4"}]
     (tmp_path / "bad.txt").write_bytes(b"ok\n\xff\xfe\n")
     with pytest.raises(DataError, match=r"bad.txt:2: invalid text: not UTF-8"):
         read_records(DataSource(uri=str(tmp_path / "bad.txt")))
@@ -77,10 +84,24 @@ def test_plain_text_file_gives_a_record_per_line(tmp_path: Path):
 
 def test_collate_kto_pads_both_sequences_and_carries_labels():
     rows = [
-        {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "kl_input_ids": [1, 2, 4, 5], "kl_loss_mask": [0, 1, 1, 1],
-         "label": True, "ref_logprobs": -1.5, "ref_kl_logprobs": -2.5},
-        {"input_ids": [6, 7], "loss_mask": [0, 1], "kl_input_ids": [6, 3], "kl_loss_mask": [0, 1], "label": False,
-         "ref_logprobs": -0.5, "ref_kl_logprobs": -0.25},
+        {
+            "input_ids": [1, 2, 3],
+            "loss_mask": [0, 1, 1],
+            "kl_input_ids": [1, 2, 4, 5],
+            "kl_loss_mask": [0, 1, 1, 1],
+            "label": True,
+            "ref_logprobs": -1.5,
+            "ref_kl_logprobs": -2.5,
+        },
+        {
+            "input_ids": [6, 7],
+            "loss_mask": [0, 1],
+            "kl_input_ids": [6, 3],
+            "kl_loss_mask": [0, 1],
+            "label": False,
+            "ref_logprobs": -0.5,
+            "ref_kl_logprobs": -0.25,
+        },
     ]
     batch = collate_kto(rows, pad_id=0)
     assert batch["input_ids"].tolist() == [[1, 2, 3], [6, 7, 0]]
@@ -101,8 +122,9 @@ def test_opt_in_stages_need_their_data():
 
 
 def test_sft_starts_from_pretrain_and_kto_from_sft():
-    config = load_config(overrides={"stages": ["prepare_data", "pretrain", "sft", "kto"], "data.kto": {},
-                                    "data.pretrain": {}})
+    config = load_config(
+        overrides={"stages": ["prepare_data", "pretrain", "sft", "kto"], "data.kto": {}, "data.pretrain": {}}
+    )
     outputs = {"prepare_data": "d", "pretrain": "p"}
     assert stage_inputs(config, "pretrain", {"prepare_data": "d"})["model"] == "init"
     assert stage_inputs(config, "sft", outputs)["model"] == "p"
@@ -118,7 +140,9 @@ def test_unset_kto_and_pretrain_keep_the_prepare_data_fingerprint():
     for source in ("sft", "preference", "eval"):
         plain["data"][source].pop("text_field")
     # the payload without the new fields hashes as before them: they are left out at their neutral values
-    assert stage_fingerprint(load_config(base=plain), "prepare_data", {}) == stage_fingerprint(config, "prepare_data", {})
+    assert stage_fingerprint(load_config(base=plain), "prepare_data", {}) == stage_fingerprint(
+        config, "prepare_data", {}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +165,10 @@ def test_kto_splits_unpair_the_preference_pairs(prepared):
         prompt = row["input_ids"][: row["loss_mask"].index(1)]
         assert row["kl_input_ids"][: len(prompt)] == prompt  # the example's own prompt ...
         previous = train[i - 1]  # ... with the previous example's completion (each cut to its row's length)
-        kl_completion, completion = row["kl_input_ids"][len(prompt):], previous["input_ids"][previous["loss_mask"].index(1):]
+        kl_completion, completion = (
+            row["kl_input_ids"][len(prompt) :],
+            previous["input_ids"][previous["loss_mask"].index(1) :],
+        )
         n = min(len(kl_completion), len(completion))
         assert n > 0 and kl_completion[:n] == completion[:n]
         assert len(row["kl_loss_mask"]) == len(row["kl_input_ids"])
@@ -166,16 +193,25 @@ def test_pretrain_documents_holding_an_eval_question_are_dropped(tmp_path):
     path.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
     eval_path = tmp_path / "eval.jsonl"
     eval_path.write_text(json.dumps({"question": question, "answer": "#### 4"}) + "\n", encoding="utf-8")
-    config = load_config(overrides={**TINY, "data.pretrain": {"uri": str(path)}, "data.eval": {"uri": str(eval_path)},
-                                    "data.eval_fraction": 0.1, "data.max_eval_rows": 1})
+    config = load_config(
+        overrides={
+            **TINY,
+            "data.pretrain": {"uri": str(path)},
+            "data.eval": {"uri": str(eval_path)},
+            "data.eval_fraction": 0.1,
+            "data.max_eval_rows": 1,
+        }
+    )
     spec = build_spec(config, "prepare_data", "run-1", {}, output_uri=str(tmp_path / "out"))
     manifest = run_spec(spec)
     kept = manifest.metrics["num_pretrain_train_documents"]
     assert manifest.metrics["num_pretrain_train_dropped_overlap"] >= 2 and kept + 1 + manifest.metrics[
-        "num_pretrain_train_dropped_overlap"] == len(docs)
+        "num_pretrain_train_dropped_overlap"
+    ] == len(docs)
     tokenizer = load_tokenizer_from(StageLayout(spec.output_uri).final)
-    text = tokenizer.decode([t for r in load_split(StageLayout(spec.output_uri).final, "pretrain/train")
-                             for t in r["input_ids"]])
+    text = tokenizer.decode(
+        [t for r in load_split(StageLayout(spec.output_uri).final, "pretrain/train") for t in r["input_ids"]]
+    )
     assert "What is 2" not in text
 
 

@@ -119,9 +119,7 @@ def test_exit_code_2_raises_bad_stage_input_and_is_not_retried():
 def test_env_is_passed_to_child():
     log = ListLog()
     env = dict(os.environ, POSTTRAIN_TEST_VALUE="42")
-    launch_stage_process(
-        py("import os; print(os.environ['POSTTRAIN_TEST_VALUE'])"), env=env, log=log, timeout_s=30
-    )
+    launch_stage_process(py("import os; print(os.environ['POSTTRAIN_TEST_VALUE'])"), env=env, log=log, timeout_s=30)
     assert log.lines == ["42"]
 
 

@@ -53,7 +53,9 @@ def test_heartbeat_renews_and_notices_takeover(tmp_path):
     time.sleep(0.25)
     renewed = json.loads(storage.read_bytes(join_uri(prefix, LEASE_NAME)))["expires_at"]
     assert renewed > first_expiry
-    storage.write_bytes(join_uri(prefix, LEASE_NAME), json.dumps({"owner": "b", "expires_at": time.time() + 60}).encode())
+    storage.write_bytes(
+        join_uri(prefix, LEASE_NAME), json.dumps({"owner": "b", "expires_at": time.time() + 60}).encode()
+    )
     assert lease.lost.wait(1.0)
     lease.release()
     assert json.loads(storage.read_bytes(join_uri(prefix, LEASE_NAME)))["owner"] == "b"
@@ -105,8 +107,9 @@ def test_new_attempt_stops_the_earlier_attempts_processes_first(tmp_path):
 
     prefix = str(tmp_path / "stage")
     env = {**os.environ, "POSTTRAIN_LAUNCH_ID": "outer:launch-a"}
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, prefix], env=env, stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, prefix], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         rank = int(holder.stdout.readline())
         record = json.loads(storage.read_bytes(join_uri(prefix, LEASE_NAME)))
@@ -138,8 +141,15 @@ def test_earlier_attempt_on_another_host_is_waited_for(tmp_path):
     """Processes on another host cannot be stopped from here: its live lease is waited for (and
     refused when it stays live), as another owner's would be; nothing is killed."""
     prefix = str(tmp_path / "stage")
-    record = {"owner": "task-run-1", "attempt": "a1", "launch_id": "launch-a", "host": "another-host",
-              "pid": 1, "pidns": "pid:[1]", "expires_at": time.time() + 30}
+    record = {
+        "owner": "task-run-1",
+        "attempt": "a1",
+        "launch_id": "launch-a",
+        "host": "another-host",
+        "pid": 1,
+        "pidns": "pid:[1]",
+        "expires_at": time.time() + 30,
+    }
     storage.write_bytes(join_uri(prefix, LEASE_NAME), json.dumps(record).encode())
     t0 = time.monotonic()
     with pytest.raises(LeaseHeldError, match="task-run-1"):
@@ -214,10 +224,20 @@ def test_a_reused_pid_is_neither_live_nor_killed(tmp_path):
 
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # no launch id
     try:
-        here = {"host": socket.gethostname(), "pidns": _pid_namespace(), "boot_id": _boot_id(),
-                "expires_at": time.time() + 30}
-        record = {**here, "owner": "task-run-1", "attempt": "a1", "launch_id": "launch-gone", "pid": bystander.pid,
-                  "pid_start": _process_start(bystander.pid) - 1}
+        here = {
+            "host": socket.gethostname(),
+            "pidns": _pid_namespace(),
+            "boot_id": _boot_id(),
+            "expires_at": time.time() + 30,
+        }
+        record = {
+            **here,
+            "owner": "task-run-1",
+            "attempt": "a1",
+            "launch_id": "launch-gone",
+            "pid": bystander.pid,
+            "pid_start": _process_start(bystander.pid) - 1,
+        }
         assert not holder_alive(record)
         assert holder_alive({**record, "pid_start": _process_start(bystander.pid)})
         prefix = str(tmp_path / "stage")

@@ -80,8 +80,14 @@ def _loop(root: str, objective=None, **cfg) -> TrainLoop:
     stage_cfg = TrainStageConfig(**settings)
     backend = SingleDeviceBackend("cpu")
     session = CheckpointSession(
-        join_uri(root, "checkpoints"), backend, fingerprint="h", metrics=RecordingBuffer(), stage="toy", run_id="r",
-        keep_last=stage_cfg.keep_last_checkpoints, asynchronous=stage_cfg.async_save,
+        join_uri(root, "checkpoints"),
+        backend,
+        fingerprint="h",
+        metrics=RecordingBuffer(),
+        stage="toy",
+        run_id="r",
+        keep_last=stage_cfg.keep_last_checkpoints,
+        asynchronous=stage_cfg.async_save,
     )
     return TrainLoop(
         model=nn.Linear(4, 1),
@@ -198,7 +204,9 @@ def test_a_nonfinite_step_fails_the_stage_before_its_checkpoint(root):
     from trainer_core.errors import NonFiniteError
 
     loop = _loop(root, objective=PoisonedAt({3}), async_save=False)
-    with pytest.raises(NonFiniteError, match="stage toy: non-finite train/grad_norm=nan, train/loss=nan at global_step 3"):
+    with pytest.raises(
+        NonFiniteError, match="stage toy: non-finite train/grad_norm=nan, train/loss=nan at global_step 3"
+    ):
         loop.run()
     assert storage.list_dirs(join_uri(root, "checkpoints")) == []
 
@@ -295,8 +303,9 @@ def test_scheduler_matches_transformers_cosine_with_min_lr(warmup, max_steps, mi
     cfg = TrainStageConfig(learning_rate=1e-3, warmup_steps=warmup, max_steps=max_steps, min_lr_ratio=min_lr_ratio)
     ours_opt, theirs_opt = (torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1e-3) for _ in range(2))
     ours = build_scheduler(ours_opt, cfg)
-    theirs = get_cosine_with_min_lr_schedule_with_warmup(theirs_opt, num_warmup_steps=min(warmup, max_steps),
-                                                         num_training_steps=max_steps, min_lr_rate=min_lr_ratio)
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(
+        theirs_opt, num_warmup_steps=min(warmup, max_steps), num_training_steps=max_steps, min_lr_rate=min_lr_ratio
+    )
     for _ in range(max_steps + 2):
         assert ours.get_last_lr() == theirs.get_last_lr()
         ours_opt.step(), theirs_opt.step()

@@ -16,8 +16,15 @@ from trainer_core.errors import ConfigError
 from trainer_core.fingerprint import stage_fingerprint
 from trainer_core.modeling.lora import adapter_disabled, apply_lora, default_target_modules, has_lora, merged_state_dict
 
-LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, pad_token_id=0)
+LLAMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+)
 PROJECTIONS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
 
@@ -90,8 +97,10 @@ def test_merged_weights_are_base_plus_scaled_b_times_a(rslora, tie):
             expected = state[name]
         assert torch.allclose(merged[name], expected, rtol=0, atol=1e-6), name
     # copy=True: the live model was not merged into
-    assert torch.equal(state["model.layers.0.self_attn.q_proj.base_layer.weight"],
-                       tiny_lm(tie).state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(
+        state["model.layers.0.self_attn.q_proj.base_layer.weight"],
+        tiny_lm(tie).state_dict()["model.layers.0.self_attn.q_proj.weight"],
+    )
     reloaded = tiny_lm(tie)
     reloaded.load_state_dict(merged, strict=False)
     x = torch.randint(1, 64, (2, 9))
@@ -153,7 +162,9 @@ def test_a_full_model_checkpoint_is_unchanged():
 
 def test_stage_override_merges_over_the_pipeline_lora_and_changes_the_fingerprint():
     base = {"lora.enabled": True, "lora.rank": 8, "reward_model.lora.enabled": False}  # the demo's RM is implicit
-    config = load_config("configs/demo.yaml", overrides={**base, "sft.lora": {"enabled": False}, "dpo.lora": {"rank": 4}})
+    config = load_config(
+        "configs/demo.yaml", overrides={**base, "sft.lora": {"enabled": False}, "dpo.lora": {"rank": 4}}
+    )
     assert not config.lora_for("sft").enabled
     assert (config.lora_for("dpo").enabled, config.lora_for("dpo").rank) == (True, 4)
     assert (config.lora_for("grpo").rank, config.lora_for("evaluate").enabled) == (8, False)
@@ -167,8 +178,9 @@ def test_stage_override_merges_over_the_pipeline_lora_and_changes_the_fingerprin
 
 def test_qlora_is_refused_off_the_single_backend_naming_the_stage():
     with pytest.raises(ConfigError, match=r"sft.lora.quantize=4bit.*single backend.*'fsdp2'"):
-        load_config("configs/demo.yaml", overrides={"sft.lora": {"enabled": True, "quantize": "4bit"},
-                                                    "backend.name": "fsdp2"})
+        load_config(
+            "configs/demo.yaml", overrides={"sft.lora": {"enabled": True, "quantize": "4bit"}, "backend.name": "fsdp2"}
+        )
     with pytest.raises(ConfigError, match=r"dpo\.lora\.rank: Input should be greater than or equal to 1"):
         load_config("configs/demo.yaml", overrides={"dpo.lora": {"rank": 0}})
 

@@ -42,7 +42,11 @@ def _round_trip(root: str, tmp_path) -> None:
     written = writer.commit(kind="final", stage="dpo", run_id="r1", metrics={"loss": 0.5}, extra={"mlflow_run_id": "m"})
 
     assert [f.path for f in written.files] == [
-        "meta.json", "model/config.json", "model/sub/tok.bin", "raw.bin", "single.bin",
+        "meta.json",
+        "model/config.json",
+        "model/sub/tok.bin",
+        "raw.bin",
+        "single.bin",
     ]
     by_path = {f.path: f for f in written.files}
     # SHA-256("abc"): FIPS 180-2, appendix B.1

@@ -14,8 +14,11 @@ def test_log_missing_fills_gaps_and_never_duplicates(tmp_path):
     logger = MetricLogger(uri, run_id)
     logger.log({"train/loss": 4.0, "train/lr": 0.1}, 1)
     logger.log({"train/loss": 3.0}, 2)  # train/lr of step 2 was lost with the process
-    batch = [({"train/loss": 4.0, "train/lr": 0.1}, 1), ({"train/loss": 3.0, "train/lr": 0.2}, 2),
-             ({"train/loss": 2.0, "train/lr": 0.3}, 3)]
+    batch = [
+        ({"train/loss": 4.0, "train/lr": 0.1}, 1),
+        ({"train/loss": 3.0, "train/lr": 0.2}, 2),
+        ({"train/loss": 2.0, "train/lr": 0.3}, 3),
+    ]
     assert logger.log_missing(batch) == 3  # lr@2, loss@3, lr@3
     assert logger.log_missing(batch) == 0
     loss = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))

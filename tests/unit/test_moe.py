@@ -19,8 +19,14 @@ from trainer_core.modeling.models import load_causal_lm
 from trainer_core.training.moe import MoEObjective, with_moe
 from trainer_core.training.supervised import SFTObjective
 
-MIXTRAL = {"model.init.architecture": "mixtral", "model.init.hidden_size": 32, "model.init.intermediate_size": 32,
-           "model.init.num_hidden_layers": 2, "model.init.num_local_experts": 4, "model.init.num_experts_per_tok": 2}
+MIXTRAL = {
+    "model.init.architecture": "mixtral",
+    "model.init.hidden_size": 32,
+    "model.init.intermediate_size": 32,
+    "model.init.num_hidden_layers": 2,
+    "model.init.num_local_experts": 4,
+    "model.init.num_experts_per_tok": 2,
+}
 
 
 def test_config_checks():
@@ -38,8 +44,10 @@ def test_fingerprints_change_only_when_moe_is_used():
     base = stage_fingerprint(load_config(), "sft", {"data": "d", "model": "init"})
     explicit = load_config(overrides={"sft.moe.aux_loss_coef": 0.0, "model.init.architecture": "llama"})
     assert stage_fingerprint(explicit, "sft", {"data": "d", "model": "init"}) == base  # neutral values: not hashed
-    assert stage_fingerprint(load_config(overrides={"sft.moe.aux_loss_coef": 0.02}), "sft",
-                             {"data": "d", "model": "init"}) != base
+    assert (
+        stage_fingerprint(load_config(overrides={"sft.moe.aux_loss_coef": 0.02}), "sft", {"data": "d", "model": "init"})
+        != base
+    )
     assert stage_fingerprint(load_config(overrides=MIXTRAL), "sft", {"data": "d", "model": "init"}) != base
 
 
@@ -83,8 +91,13 @@ def test_dense_model_keeps_its_objective_and_refuses_a_router_loss():
 def test_router_loss_and_counts_of_one_micro_batch(mixtral):
     objective = with_moe(mixtral, SFTObjective(None, 0), 0.1, "sft")
     assert isinstance(objective, MoEObjective) and (objective.num_layers, objective.num_experts) == (2, 4)
-    batch = collate_causal([{"input_ids": [3, 5, 6, 7, 8], "loss_mask": [0, 1, 1, 1, 1]},
-                            {"input_ids": [3, 5, 6], "loss_mask": [0, 1, 1]}], pad_id=0)
+    batch = collate_causal(
+        [
+            {"input_ids": [3, 5, 6, 7, 8], "loss_mask": [0, 1, 1, 1, 1]},
+            {"input_ids": [3, 5, 6], "loss_mask": [0, 1, 1]},
+        ],
+        pad_id=0,
+    )
     out = objective.step(mixtral, batch)
     # transformers' own loss from a plain forward with output_router_logits, padding masked
     with torch.no_grad():
@@ -149,9 +162,13 @@ def test_router_temperature_divides_the_training_router_logits(mixtral):
             # block 0's tempered routing)
             assert torch.allclose(logits[0], plain[0] / temperature, atol=1e-6)
             assert len(logits) == 2
-            metrics = objective.finalize_metrics({"moe/aux_loss": torch.tensor(2.0),
-                                                  "moe/micro_batches": torch.tensor(1.0),
-                                                  "moe/expert_tokens": torch.ones(2, 4)})
+            metrics = objective.finalize_metrics(
+                {
+                    "moe/aux_loss": torch.tensor(2.0),
+                    "moe/micro_batches": torch.tensor(1.0),
+                    "moe/expert_tokens": torch.ones(2, 4),
+                }
+            )
             assert float(metrics["moe/router_temperature"]) == temperature
         objective.begin_step(0)
         with torch.no_grad():  # evaluation and reference passes route at temperature 1
@@ -173,6 +190,9 @@ def test_router_temperature_refused_for_dense_models_and_biased_routers(mixtral,
         with_moe(dense, SFTObjective(None, 0), 0.0, "sft", schedule)
     router = next(m for m in mixtral.modules() if type(m).__name__ == "MixtralTopKRouter")
     monkeypatch.setattr(router, "bias", torch.nn.Parameter(torch.zeros(4)), raising=False)
-    with pytest.raises(ConfigError, match=r"dpo.moe.router_temperature: the router MixtralTopKRouter is not a "
-                                          "bias-free linear map"):
+    with pytest.raises(
+        ConfigError,
+        match=r"dpo.moe.router_temperature: the router MixtralTopKRouter is not a "
+        "bias-free linear map",
+    ):
         with_moe(mixtral, SFTObjective(None, 0), 0.0, "dpo", schedule)

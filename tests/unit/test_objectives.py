@@ -40,6 +40,7 @@ def test_sft_loss_ignores_prompt_and_padding_tokens():
     logits = torch.randn(1, 6, 11)
     input_ids = torch.tensor([[5, 6, 7, 8, 0, 0]])
     loss_mask = torch.tensor([[0, 0, 1, 1, 0, 0]])  # tokens 2, 3 are the completion
+
     def loss(lg):
         return sft_loss(compute_logprobs(lg, input_ids), shift_mask(loss_mask))
 

@@ -66,8 +66,9 @@ def test_a_rank_exits_when_its_launcher_is_a_zombie_and_its_own_parent_lives():
     with :data:`EXIT_PARENT_GONE` and a line naming the launcher."""
     launcher = subprocess.Popen(["sleep", "60"])
     env = {**os.environ, WATCH_PID_ENV: str(launcher.pid), "PYTHONPATH": os.getcwd()}
-    rank = subprocess.Popen([sys.executable, "-c", RANK], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert rank.stdout.readline().strip() == "watching"
         launcher.kill()  # not reaped: a zombie

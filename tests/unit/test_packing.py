@@ -51,7 +51,9 @@ def _rows(lengths: list[int], seed: int = 1) -> list[dict]:
     rows = []
     for n in lengths:
         prompt = max(1, n // 3)
-        rows.append({"input_ids": [rng.randint(1, VOCAB - 1) for _ in range(n)], "loss_mask": [0] * prompt + [1] * (n - prompt)})
+        rows.append(
+            {"input_ids": [rng.randint(1, VOCAB - 1) for _ in range(n)], "loss_mask": [0] * prompt + [1] * (n - prompt)}
+        )
     return rows
 
 
@@ -59,9 +61,12 @@ def _pairs(num: int) -> list[dict]:
     rows = _rows(_lengths(2 * num, seed=3))
     return [
         {
-            "chosen_input_ids": rows[i]["input_ids"], "chosen_loss_mask": rows[i]["loss_mask"],
-            "rejected_input_ids": rows[num + i]["input_ids"], "rejected_loss_mask": rows[num + i]["loss_mask"],
-            "ref_chosen_logprobs": -10.0 - i, "ref_rejected_logprobs": -12.0 + i,
+            "chosen_input_ids": rows[i]["input_ids"],
+            "chosen_loss_mask": rows[i]["loss_mask"],
+            "rejected_input_ids": rows[num + i]["input_ids"],
+            "rejected_loss_mask": rows[num + i]["loss_mask"],
+            "ref_chosen_logprobs": -10.0 - i,
+            "ref_rejected_logprobs": -12.0 + i,
         }
         for i in range(num)
     ]
@@ -69,8 +74,16 @@ def _pairs(num: int) -> list[dict]:
 
 def _config(**extra) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=PAD, **extra,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=PAD,
+        **extra,
     )
 
 
@@ -110,7 +123,8 @@ def test_packed_sampler_fills_the_budget_with_every_row_once_per_epoch():
     assert sampler.batches(1) == PackedBatchSampler(lengths, 200, seed=0).batches(1)
     assert sampler.batches(1) != sampler.batches(2)
     assert PackedBatchSampler(lengths, 200, seed=0, shuffle=False).batches(0) == PackedBatchSampler(
-        lengths, 200, seed=5, shuffle=False).batches(3)
+        lengths, 200, seed=5, shuffle=False
+    ).batches(3)
 
 
 def test_packed_sampler_resumes_exactly_across_epochs_of_different_lengths():
@@ -122,7 +136,11 @@ def test_packed_sampler_resumes_exactly_across_epochs_of_different_lengths():
     for stop in (1, len(sampler.batches(0)), 41):
         positions = list(itertools.islice(iterate_batches(sampler, DataPosition(0, 0)), stop))
         restored = DataPosition.from_dict(positions[-1][1].to_dict())
-        resumed = list(itertools.islice(iterate_batches(PackedBatchSampler(lengths, 64, seed=2, chunk_rows=16), restored), 60 - stop))
+        resumed = list(
+            itertools.islice(
+                iterate_batches(PackedBatchSampler(lengths, 64, seed=2, chunk_rows=16), restored), 60 - stop
+            )
+        )
         assert resumed == full[stop:]
 
 
@@ -147,8 +165,11 @@ def test_packing_config_is_per_supervised_stage_and_excludes_global_batch_size()
 
 
 def test_packed_collation_restarts_positions_and_drops_first_token_targets():
-    rows = [{"input_ids": [5, 6, 7], "loss_mask": [1, 1, 1]}, {"input_ids": [9], "loss_mask": [1]},
-            {"input_ids": [3, 4, PAD], "loss_mask": [0, 1, 1]}]
+    rows = [
+        {"input_ids": [5, 6, 7], "loss_mask": [1, 1, 1]},
+        {"input_ids": [9], "loss_mask": [1]},
+        {"input_ids": [3, 4, PAD], "loss_mask": [0, 1, 1]},
+    ]
     batch = collate_causal_packed(rows, PAD)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 3, 4, PAD]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 2]]
@@ -190,9 +211,17 @@ def test_no_token_attends_across_packed_rows():
     rows = _rows([6, 11, 8])
     changed = [dict(r) for r in rows]
     changed[0] = {**rows[0], "input_ids": [(t % (VOCAB - 1)) + 1 for t in rows[0]["input_ids"][::-1]]}
+
     def as_pairs(rows: list[dict]) -> list[dict]:
-        return [{"chosen_input_ids": r["input_ids"], "chosen_loss_mask": r["loss_mask"],
-                 "rejected_input_ids": r["input_ids"], "rejected_loss_mask": r["loss_mask"]} for r in rows]
+        return [
+            {
+                "chosen_input_ids": r["input_ids"],
+                "chosen_loss_mask": r["loss_mask"],
+                "rejected_input_ids": r["input_ids"],
+                "rejected_loss_mask": r["loss_mask"],
+            }
+            for r in rows
+        ]
 
     with torch.no_grad():
         before, _ = pair_logprobs(model, collate_pairs_packed(as_pairs(rows), PAD))

@@ -32,16 +32,22 @@ def test_the_demo_graph(tmp_path):
     }
     layout = _layout(tmp_path)
     assert plan["ppo"].inputs == {
-        "data": layout.final("prepare_data"), "model": layout.final("sft"), "reference": layout.final("sft"),
+        "data": layout.final("prepare_data"),
+        "model": layout.final("sft"),
+        "reference": layout.final("sft"),
         "reward_model": layout.final("reward_model"),
     }
 
 
 def test_a_stage_started_from_elsewhere_does_not_wait_for_sft(tmp_path):
-    config = load_config(overrides={
-        "storage.root": str(tmp_path), "stages": "prepare_data,sft,dpo",
-        "dpo.init_from": "s3://models/m", "dpo.reference_from": "s3://models/ref",
-    })
+    config = load_config(
+        overrides={
+            "storage.root": str(tmp_path),
+            "stages": "prepare_data,sft,dpo",
+            "dpo.init_from": "s3://models/m",
+            "dpo.reference_from": "s3://models/ref",
+        }
+    )
     assert plan_run(config, _layout(tmp_path))["dpo"].depends_on == ("prepare_data",)
 
 

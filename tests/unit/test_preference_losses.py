@@ -91,8 +91,7 @@ def test_simpo_is_reference_free_and_length_normalised():
     close(m["rewards/chosen"], [-2.0, -6.0])
     close(m["rewards/rejected"], [-6.0, -2.0])
     close(m["rewards/accuracies"], [1.0, 0.0])
-    equal, _ = simpo_loss(PairLogprobs(PI_C, PI_C, chosen_lengths=LEN_C, rejected_lengths=LEN_C), beta=2.0,
-                          gamma=0.5)
+    equal, _ = simpo_loss(PairLogprobs(PI_C, PI_C, chosen_lengths=LEN_C, rejected_lengths=LEN_C), beta=2.0, gamma=0.5)
     close(equal, [softplus(0.5)] * 2)  # -log sigmoid(-gamma) = 0.9741
     assert softplus(0.5) == pytest.approx(0.9741, abs=1e-4)
     smoothed, _ = simpo_loss(POLICY, beta=2.0, gamma=0.5, label_smoothing=0.1)
@@ -116,8 +115,9 @@ def test_orpo_odds_ratio_by_hand():
 def test_orpo_is_finite_near_probability_one():
     """log(1 - exp(a)) for a -> 0^- (a nearly certain completion) stays finite."""
     one = torch.tensor([1.0])
-    losses, _ = orpo_loss(PairLogprobs(torch.tensor([-1e-6]), torch.tensor([-3.0]), chosen_lengths=one, rejected_lengths=one),
-                          beta=1.0)
+    losses, _ = orpo_loss(
+        PairLogprobs(torch.tensor([-1e-6]), torch.tensor([-3.0]), chosen_lengths=one, rejected_lengths=one), beta=1.0
+    )
     assert torch.isfinite(losses).all()
 
 
@@ -134,8 +134,9 @@ def test_dispatch_passes_what_each_loss_takes():
     for loss_type in PREFERENCE_LOSSES:
         losses, m = preference_loss(loss_type, PAIRS, beta=BETA, gamma=0.3)
         assert losses.shape == (2,) and torch.isfinite(losses).all() and "rewards/margins" in m, loss_type
-    close(preference_loss("simpo", POLICY, beta=BETA, gamma=0.3)[0],
-          simpo_loss(POLICY, beta=BETA, gamma=0.3)[0].tolist())
+    close(
+        preference_loss("simpo", POLICY, beta=BETA, gamma=0.3)[0], simpo_loss(POLICY, beta=BETA, gamma=0.3)[0].tolist()
+    )
     with pytest.raises(ValueError, match="unknown preference loss_type 'kto'"):
         preference_loss("kto", PAIRS, beta=BETA)
     with pytest.raises(ValueError, match="loss_type 'ipo': .*needs chosen_lengths and rejected_lengths"):
@@ -174,8 +175,14 @@ def test_agrees_with_trl_on_the_same_tensors():
     avg_c, avg_r = PI_C / LEN_C, PI_R / LEN_R
 
     def cpo(loss_type: str, chosen, rejected, beta: float, label_smoothing: float = 0.0, gamma: float = 0.5):
-        trainer = SimpleNamespace(alpha=0.0, loss_type=loss_type, beta=beta, label_smoothing=label_smoothing,
-                                  simpo_gamma=gamma, accelerator=SimpleNamespace(device="cpu"))
+        trainer = SimpleNamespace(
+            alpha=0.0,
+            loss_type=loss_type,
+            beta=beta,
+            label_smoothing=label_smoothing,
+            simpo_gamma=gamma,
+            accelerator=SimpleNamespace(device="cpu"),
+        )
         return CPOTrainer.cpo_loss(trainer, chosen, rejected)
 
     ours = {

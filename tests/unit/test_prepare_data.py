@@ -46,7 +46,10 @@ def test_synthetic_run_writes_committed_splits(storage_root):
     assert read_manifest(out) == manifest and verify(out, hashes=True) == []
     assert (manifest.kind, manifest.stage, manifest.run_id) == ("final", "prepare_data", "run-1")
     paths = {f.path for f in manifest.files}
-    assert {f"{n}/part-00000.parquet" for n in SPLIT_NAMES} | {"tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= paths
+    assert {f"{n}/part-00000.parquet" for n in SPLIT_NAMES} | {
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+    } <= paths
     m = manifest.metrics
     # 40 problems, 25% held out but capped at 8; 20 pairs, 5 held out
     assert (m["num_sft_train"], m["num_sft_eval"], m["num_eval_problems"]) == (32, 8, 8)
@@ -60,13 +63,30 @@ def test_parquet_columns_and_types(tmp_path):
     run(spec)
     out = StageLayout(spec.output_uri).final
     schema = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "sft/train/part-00000.parquet"))))
-    assert schema.names == ["prompt", "completion", "answer", "messages_json", "input_ids", "loss_mask", "num_tokens",
-                            "tools_json"]
-    assert schema.field("input_ids").type == pa.list_(pa.int32()) and schema.field("loss_mask").type == pa.list_(pa.int8())
+    assert schema.names == [
+        "prompt",
+        "completion",
+        "answer",
+        "messages_json",
+        "input_ids",
+        "loss_mask",
+        "num_tokens",
+        "tools_json",
+    ]
+    assert schema.field("input_ids").type == pa.list_(pa.int32()) and schema.field("loss_mask").type == pa.list_(
+        pa.int8()
+    )
     assert schema.field("num_tokens").type == pa.int32()
     pref = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "preference/eval/part-00000.parquet"))))
-    assert pref.names == ["messages_json", "chosen", "rejected", "chosen_input_ids", "chosen_loss_mask",
-                          "rejected_input_ids", "rejected_loss_mask"]
+    assert pref.names == [
+        "messages_json",
+        "chosen",
+        "rejected",
+        "chosen_input_ids",
+        "chosen_loss_mask",
+        "rejected_input_ids",
+        "rejected_loss_mask",
+    ]
     probs = pq.read_schema(pa.BufferReader(storage.read_bytes(join_uri(out, "eval_problems/part-00000.parquet"))))
     assert probs.names == ["messages_json", "answer", "prompt_input_ids"]
 
@@ -84,7 +104,9 @@ def test_rows_decode_to_chat_and_eval_problems_are_held_out_sft(tmp_path):
     assert json.loads(row["messages_json"]) == [{"role": "user", "content": row["prompt"]}]
     assert row["answer"] == final_answer(row["completion"])
     problems = load_split(out, "eval_problems")
-    assert [(p["messages_json"], p["answer"]) for p in problems] == [(r["messages_json"], r["answer"]) for r in sft_eval]
+    assert [(p["messages_json"], p["answer"]) for p in problems] == [
+        (r["messages_json"], r["answer"]) for r in sft_eval
+    ]
     assert tok.decode(problems[0]["prompt_input_ids"]).endswith("<|assistant|>\n")
     assert not {r["messages_json"] for r in sft_train} & {p["messages_json"] for p in problems}
     pair = load_split(out, "preference/train")[0]
@@ -115,12 +137,28 @@ def test_real_files_with_pretrained_tokenizer_and_eval_source(tmp_path):
         sft, pref = str(GSM8K), str(HH)
     else:  # same formats, hand-made
         sft = _jsonl(tmp_path / "g.jsonl", [{"question": f"q{i}?", "answer": f"#### {i}"} for i in range(30)])
-        pref = _jsonl(tmp_path / "h.jsonl", [{"chosen": f"\n\nHuman: h{i}\n\nAssistant: yes",
-                                               "rejected": f"\n\nHuman: h{i}\n\nAssistant: no"} for i in range(30)])
-    spec = _spec(str(tmp_path / "out"), **{
-        "model.init": None, "model.name_or_path": str(tok_dir), "data.sft.uri": sft, "data.sft.max_rows": 30,
-        "data.preference.uri": pref, "data.preference.max_rows": 30, "data.eval.uri": eval_uri,
-        "data.max_eval_rows": 2, "data.max_length_tokens": 96, "data.max_prompt_length_tokens": 64})
+        pref = _jsonl(
+            tmp_path / "h.jsonl",
+            [
+                {"chosen": f"\n\nHuman: h{i}\n\nAssistant: yes", "rejected": f"\n\nHuman: h{i}\n\nAssistant: no"}
+                for i in range(30)
+            ],
+        )
+    spec = _spec(
+        str(tmp_path / "out"),
+        **{
+            "model.init": None,
+            "model.name_or_path": str(tok_dir),
+            "data.sft.uri": sft,
+            "data.sft.max_rows": 30,
+            "data.preference.uri": pref,
+            "data.preference.max_rows": 30,
+            "data.eval.uri": eval_uri,
+            "data.max_eval_rows": 2,
+            "data.max_length_tokens": 96,
+            "data.max_prompt_length_tokens": 64,
+        },
+    )
     manifest = run(spec)
     out = StageLayout(spec.output_uri).final
     assert manifest.metrics["num_eval_problems"] == 2
@@ -135,9 +173,14 @@ def _call(i: int) -> dict:
     return {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{i}+1"}}}
 
 
-CALCULATOR_SCHEMA = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate arithmetic.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate arithmetic.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 
 def test_conversations_count_every_assistant_turn(tmp_path):
@@ -145,12 +188,19 @@ def test_conversations_count_every_assistant_turn(tmp_path):
     assistant replies (their text, the first one's tool call and end of turn), never the tool's
     output, the declared tools (the ``tools`` column, a list or a JSON string of one) or the
     user's turns; ``last`` covers the final reply alone."""
-    rows = [{"messages": [{"role": "user", "content": f"Tom has {i} apples."},
-                          {"role": "assistant", "content": f"{i}+1=", "tool_calls": [_call(i)]},
-                          {"role": "tool", "name": "calculator", "content": f"{i + 1}"},
-                          {"role": "user", "content": "And now?"},
-                          {"role": "assistant", "content": f"#### {i + 1}"}],
-             "tools": [CALCULATOR_SCHEMA] if i % 2 else json.dumps([CALCULATOR_SCHEMA])} for i in range(20)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Tom has {i} apples."},
+                {"role": "assistant", "content": f"{i}+1=", "tool_calls": [_call(i)]},
+                {"role": "tool", "name": "calculator", "content": f"{i + 1}"},
+                {"role": "user", "content": "And now?"},
+                {"role": "assistant", "content": f"#### {i + 1}"},
+            ],
+            "tools": [CALCULATOR_SCHEMA] if i % 2 else json.dumps([CALCULATOR_SCHEMA]),
+        }
+        for i in range(20)
+    ]
     sft = _jsonl(tmp_path / "chat.jsonl", rows)
     counted = {}
     for turns in ("all", "last"):
@@ -167,7 +217,9 @@ def test_conversations_count_every_assistant_turn(tmp_path):
     assert json.loads(row["messages_json"])[1]["tool_calls"] == [_call(i)]
     assert json.loads(row["tools_json"]) == [CALCULATOR_SCHEMA]
     text = tok.decode(row["input_ids"])  # the prompt's first tokens may be cut (data.max_prompt_length_tokens)
-    assert '"description": "Evaluate arithmetic.", "parameters"' in text and "\n</tools><|end|>\n<|user|>\nTom has" in text
+    assert (
+        '"description": "Evaluate arithmetic.", "parameters"' in text and "\n</tools><|end|>\n<|user|>\nTom has" in text
+    )
 
 
 def test_train_rows_with_an_eval_problem_prompt_are_dropped(tmp_path):
@@ -193,8 +245,10 @@ def test_identical_and_unparsable_pairs_are_dropped_and_counted(tmp_path):
     assert m["num_preference_train_dropped_identical"] + m["num_preference_eval_dropped_identical"] == 1
     assert m["num_preference_train"] + m["num_preference_eval"] == 8
 
-    pairs = [{"chosen": f"\n\nHuman: h{i}\n\nAssistant: yes", "rejected": f"\n\nHuman: h{i}\n\nAssistant: no"}
-             for i in range(40)]
+    pairs = [
+        {"chosen": f"\n\nHuman: h{i}\n\nAssistant: yes", "rejected": f"\n\nHuman: h{i}\n\nAssistant: no"}
+        for i in range(40)
+    ]
     broken = [{"chosen": "\n\nHuman: a\n\nAssistant: x", "rejected": "\n\nHuman: b\n\nAssistant: y"}]
     spec = _spec(str(tmp_path / "out2"), **{"data.preference.uri": _jsonl(tmp_path / "h.jsonl", pairs + broken)})
     assert run(spec).metrics["num_preference_invalid"] == 1
@@ -230,18 +284,25 @@ def test_lone_surrogate_is_bad_input_naming_file_and_line(tmp_path):
 
 def _every_train_row_dropped(tmp_path: Path) -> tuple[dict, str]:
     rows = [{"question": f"How many is {i}?", "answer": f"It is {i}.\n#### {i}"} for i in range(20)]
-    return ({"data.sft.uri": _jsonl(tmp_path / "sft.jsonl", rows), "data.eval.uri": _jsonl(tmp_path / "eval.jsonl", rows),
-             "data.max_eval_rows": 100},
-            rf"sft/train: no rows left: 20 records read from {tmp_path}/sft.jsonl gave 20 examples, 5 held out for "
-            r"sft/eval and 15 for sft/train; dropped from sft/train: 15 that overlap an eval problem")
+    return (
+        {
+            "data.sft.uri": _jsonl(tmp_path / "sft.jsonl", rows),
+            "data.eval.uri": _jsonl(tmp_path / "eval.jsonl", rows),
+            "data.max_eval_rows": 100,
+        },
+        rf"sft/train: no rows left: 20 records read from {tmp_path}/sft.jsonl gave 20 examples, 5 held out for "
+        r"sft/eval and 15 for sft/train; dropped from sft/train: 15 that overlap an eval problem",
+    )
 
 
 def _every_pair_identical(tmp_path: Path) -> tuple[dict, str]:
     pairs = [{"prompt": f"p{i}", "chosen": "same", "rejected": "same"} for i in range(10)]
-    return ({"data.preference.uri": _jsonl(tmp_path / "p.jsonl", pairs)},
-            rf"preference/train: no rows left: 10 records read from {tmp_path}/p.jsonl gave 10 examples, 2 held out "
-            r"for preference/eval and 8 for preference/train; dropped from preference/train: 0 that overlap an eval "
-            r"problem \(decontamination\), 8 whose chosen and rejected token ids are identical")
+    return (
+        {"data.preference.uri": _jsonl(tmp_path / "p.jsonl", pairs)},
+        rf"preference/train: no rows left: 10 records read from {tmp_path}/p.jsonl gave 10 examples, 2 held out "
+        r"for preference/eval and 8 for preference/train; dropped from preference/train: 0 that overlap an eval "
+        r"problem \(decontamination\), 8 whose chosen and rejected token ids are identical",
+    )
 
 
 @pytest.mark.parametrize("case", [_every_train_row_dropped, _every_pair_identical], ids=lambda f: f.__name__)
@@ -260,14 +321,17 @@ def test_split_left_empty_states_the_counts_and_leaves_no_final_dir(tmp_path, ca
 def test_held_out_rows_with_a_non_number_answer_are_not_eval_problems(tmp_path):
     """Evaluation compares numbers: a held-out SFT row ending ``#### seventy-two`` could never
     match, so it is not an eval problem (an eval file's such row is refused, test_data_formats)."""
-    rows = [{"question": f"How many is {i}?", "answer": f"It is {i}.\n#### {'seventy-two' if i % 2 else i}"}
-            for i in range(20)]
+    rows = [
+        {"question": f"How many is {i}?", "answer": f"It is {i}.\n#### {'seventy-two' if i % 2 else i}"}
+        for i in range(20)
+    ]
     spec = _spec(str(tmp_path / "out"), **{"data.sft.uri": _jsonl(tmp_path / "sft.jsonl", rows)})
     run(spec)
     out = StageLayout(spec.output_uri).final
     held_out = [r["answer"] for r in load_split(out, "sft/eval")]
     assert "seventy-two" in held_out and [p["answer"] for p in load_split(out, "eval_problems")] == [
-        a for a in held_out if a != "seventy-two"]
+        a for a in held_out if a != "seventy-two"
+    ]
 
 
 def test_load_split_unknown_name(tmp_path):
@@ -293,7 +357,9 @@ def test_cut_prompts_and_completions_are_counted_and_warned(tmp_path, caplog):
     completion is cut to fit data.max_length_tokens, as before, but no longer silently: each
     split counts them (``num_<split>_truncated_prompts`` / ``_completions``) and warns once."""
     with caplog.at_level("WARNING", logger="trainer_core.stages.prepare_data"):
-        m = run(_spec(str(tmp_path / "tight"), **{"data.max_prompt_length_tokens": 8, "data.max_length_tokens": 24})).metrics
+        m = run(
+            _spec(str(tmp_path / "tight"), **{"data.max_prompt_length_tokens": 8, "data.max_length_tokens": 24})
+        ).metrics
     assert m["num_sft_train_truncated_prompts"] == m["num_sft_train"] == 32  # every prompt is longer than 8
     assert 0 < m["num_sft_train_truncated_completions"] <= 32
     warned = [r.getMessage() for r in caplog.records if "sft/train" in r.getMessage()]

@@ -38,8 +38,10 @@ def test_split_demonstration_cuts_at_the_first_loss_token():
 
 
 def test_collate_demonstrations_pads_prompts_left_and_completions_right():
-    rows = [{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]},
-            {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 0, 1, 1]}]
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]},
+        {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 0, 1, 1]},
+    ]
     batch = collate_demonstrations(rows, PAD, "cpu")
     assert batch.prompt_ids.tolist() == [[PAD, PAD, 5], [5, 6, 7]]
     assert batch.prompt_mask.tolist() == [[0, 0, 1], [1, 1, 1]]
@@ -53,8 +55,10 @@ def test_collate_demonstrations_pads_prompts_left_and_completions_right():
 def test_a_conversations_uncounted_turns_are_observations_attended_to():
     """A user or tool turn between assistant turns (loss 0 inside the completion) is attended to
     and not counted: the forward sees the row's whole text, as SFT did."""
-    rows = [{"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 1, 0, 0, 1, 1]},
-            {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}]
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 1, 0, 0, 1, 1]},
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+    ]
     batch = collate_demonstrations(rows, PAD, "cpu")
     assert batch.completion_ids.tolist() == [[6, 7, 8, 9, 10], [6, 7, PAD, PAD, PAD]]
     assert batch.completion_mask.tolist() == [[1, 0, 0, 1, 1], [1, 1, 0, 0, 0]]
@@ -65,8 +69,12 @@ def test_ptx_rows_come_from_the_step_alone():
     rows = ptx_row_indices(100, 8, seed=3, global_step=5, step_index=2, rank=0)
     assert rows == ptx_row_indices(100, 8, seed=3, global_step=5, step_index=2, rank=0)  # what a resume draws
     assert len(set(rows)) == 8 and all(0 <= i < 100 for i in rows)
-    others = [ptx_row_indices(100, 8, 3, 5, 2, 1), ptx_row_indices(100, 8, 3, 6, 2, 0),
-              ptx_row_indices(100, 8, 3, 5, 3, 0), ptx_row_indices(100, 8, 4, 5, 2, 0)]
+    others = [
+        ptx_row_indices(100, 8, 3, 5, 2, 1),
+        ptx_row_indices(100, 8, 3, 6, 2, 0),
+        ptx_row_indices(100, 8, 3, 5, 3, 0),
+        ptx_row_indices(100, 8, 4, 5, 2, 0),
+    ]
     assert all(o != rows for o in others)
     assert ptx_row_indices(3, 8, 0, 0, 0, 0) == [0, 1, 2]
     with pytest.raises(ValueError):
@@ -77,10 +85,21 @@ def test_ptx_loss_equals_the_causal_lm_loss_on_the_same_tokens():
     """completion_forward at temperature 1 over the cut demonstrations gives, through ptx_nll, the mean
     cross-entropy transformers computes with labels -100 outside the loss mask."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-    rows = [{"input_ids": [3, 11, 12, 13, 14, 15], "loss_mask": [0, 0, 1, 1, 1, 0]},
-            {"input_ids": [3, 21, 22, 23], "loss_mask": [0, 1, 1, 1]}]
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
+    rows = [
+        {"input_ids": [3, 11, 12, 13, 14, 15], "loss_mask": [0, 0, 1, 1, 1, 0]},
+        {"input_ids": [3, 21, 22, 23], "loss_mask": [0, 1, 1, 1]},
+    ]
     batch = collate_demonstrations(rows, PAD, "cpu")
     out = completion_forward(PolicyAndValue(model, None), batch, temperature=1.0, with_values=False)
     ours = ptx_nll(out.logprobs, batch.completion_mask, 1)

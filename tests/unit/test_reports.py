@@ -119,18 +119,26 @@ def test_pair_stages_get_an_accuracy_panel(store):
     fig = curves_figure(uri, new_run(store, history), "dpo")
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == ["loss", "implicit reward accuracy"]
-    assert [line.get_label() for line in fig.axes[1].get_lines()] == ["train/rewards/accuracies", "eval/rewards/accuracies"]
+    assert [line.get_label() for line in fig.axes[1].get_lines()] == [
+        "train/rewards/accuracies",
+        "eval/rewards/accuracies",
+    ]
     # A missing metric group is left out, not drawn empty.
-    assert [ax.get_title() for ax in curves_figure(uri, new_run(store, sft_history(5)), "reward_model").axes] == ["loss"]
+    assert [ax.get_title() for ax in curves_figure(uri, new_run(store, sft_history(5)), "reward_model").axes] == [
+        "loss"
+    ]
 
 
 def test_rl_curves_plot_reward_and_kl(store):
     uri, _ = store
-    run_id = new_run(store, {
-        "reward_mean": [(s, 0.1 * s) for s in range(1, 6)],
-        "verifier_accuracy": [(s, 0.05 * s) for s in range(1, 6)],
-        "objective/kl": [(s, 0.01 * s) for s in range(1, 6)],
-    })
+    run_id = new_run(
+        store,
+        {
+            "reward_mean": [(s, 0.1 * s) for s in range(1, 6)],
+            "verifier_accuracy": [(s, 0.05 * s) for s in range(1, 6)],
+            "objective/kl": [(s, 0.01 * s) for s in range(1, 6)],
+        },
+    )
     fig = curves_figure(uri, run_id, "grpo")
     assert [ax.get_title() for ax in fig.axes] == ["reward", "KL to reference"]
     steps, values = fig.axes[1].get_lines()[0].get_data()
@@ -177,8 +185,14 @@ def printed_lines(capsys, stage: str, steps: list[tuple[int, dict[str, float]]])
     return capsys.readouterr().out.splitlines()
 
 
-TRAIN_METRICS = {"train/loss": 2.31, "train/grad_norm": 0.9, "train/lr": 1e-3, "time/forward_s": 0.01,
-                 "memory/peak_bytes": 1e9, "train/consumed_samples": 64.0}
+TRAIN_METRICS = {
+    "train/loss": 2.31,
+    "train/grad_norm": 0.9,
+    "train/lr": 1e-3,
+    "time/forward_s": 0.01,
+    "memory/peak_bytes": 1e9,
+    "train/consumed_samples": 64.0,
+}
 
 
 def test_parse_step_reads_the_printers_lines(capsys):
@@ -312,23 +326,60 @@ def test_a_failing_on_line_is_logged_once_and_the_launch_goes_on():
 
 # --------------------------------------------------------------------------- summary table
 
+
 def realistic_results() -> dict[str, StageResult]:
     """Final metrics as the stages' manifests carry them (``summarize`` of the loops' histories)."""
     done = dict(status="completed", wall_s=12.34, mlflow_run_id="0123456789abcdef0123456789abcdef")
     return {
-        "prepare_data": StageResult(stage="prepare_data", metrics={"vocab_size": 256.0, "num_sft_train": 540.0}, **done),
-        "sft": StageResult(stage="sft", metrics={
-            "train/loss": 1.23456, "eval/loss": 1.5, "eval/perplexity": 4.48, "first/train/loss": 5.5,
-            "train/lr": 1e-4, "global_step": 300.0, "resumed": 0.0}, **done),
-        "reward_model": StageResult(stage="reward_model", metrics={
-            "train/loss": 0.61, "eval/loss": 0.66, "eval/accuracy": 0.62, "train/accuracy": 0.7}, **done),
-        "dpo": StageResult(stage="dpo", reused=True, metrics={
-            "train/loss": 0.55, "eval/loss": 0.6, "eval/rewards/accuracies": 0.71, "eval/rewards/margins": 0.2}, **done),
+        "prepare_data": StageResult(
+            stage="prepare_data", metrics={"vocab_size": 256.0, "num_sft_train": 540.0}, **done
+        ),
+        "sft": StageResult(
+            stage="sft",
+            metrics={
+                "train/loss": 1.23456,
+                "eval/loss": 1.5,
+                "eval/perplexity": 4.48,
+                "first/train/loss": 5.5,
+                "train/lr": 1e-4,
+                "global_step": 300.0,
+                "resumed": 0.0,
+            },
+            **done,
+        ),
+        "reward_model": StageResult(
+            stage="reward_model",
+            metrics={"train/loss": 0.61, "eval/loss": 0.66, "eval/accuracy": 0.62, "train/accuracy": 0.7},
+            **done,
+        ),
+        "dpo": StageResult(
+            stage="dpo",
+            reused=True,
+            metrics={
+                "train/loss": 0.55,
+                "eval/loss": 0.6,
+                "eval/rewards/accuracies": 0.71,
+                "eval/rewards/margins": 0.2,
+            },
+            **done,
+        ),
         "grpo": StageResult.failed("grpo", RuntimeError("out of memory")),
-        "evaluate": StageResult(stage="evaluate", metrics={
-            "base/exact_match": 0.0, "sft/exact_match": 0.25, "dpo/exact_match": 0.3125, "sft/eval_loss": 1.4,
-            "sft/eval_perplexity": 4.06, "reward_model/eval_accuracy": 0.64, "reward_model/eval_margin": 0.3,
-            "dpo/eval_reward_accuracy": 0.7, "dpo/eval_reward_margin": 0.2, "dpo_vs_sft/win_rate": 0.5625}, **done),
+        "evaluate": StageResult(
+            stage="evaluate",
+            metrics={
+                "base/exact_match": 0.0,
+                "sft/exact_match": 0.25,
+                "dpo/exact_match": 0.3125,
+                "sft/eval_loss": 1.4,
+                "sft/eval_perplexity": 4.06,
+                "reward_model/eval_accuracy": 0.64,
+                "reward_model/eval_margin": 0.3,
+                "dpo/eval_reward_accuracy": 0.7,
+                "dpo/eval_reward_margin": 0.2,
+                "dpo_vs_sft/win_rate": 0.5625,
+            },
+            **done,
+        ),
     }
 
 
@@ -347,20 +398,40 @@ def test_summary_table_has_one_column_per_headline_metric():
     assert (sft["train_loss"], sft["eval_loss"], sft["exact_match"], sft["wall_s"]) == (1.235, 1.4, 0.25, 12.3)
     assert (rm["train_loss"], rm["accuracy"], rm["exact_match"]) == (0.61, 0.64, None)
     assert (dpo["status"], dpo["accuracy"], dpo["exact_match"], dpo["win_rate_vs_sft"]) == (
-        "completed (reused)", 0.7, 0.3125, 0.5625)
+        "completed (reused)",
+        0.7,
+        0.3125,
+        0.5625,
+    )
     assert by_stage["base"]["exact_match"] == 0.0 and by_stage["base"]["status"] == "evaluated only"
     assert by_stage["grpo"]["status"] == "failed" and by_stage["grpo"]["mlflow_run"] is None
     assert sft["mlflow_run"] == (
         "[0123456789abcdef0123456789abcdef](http://mlflow:5000/#/experiments/7/runs/0123456789abcdef0123456789abcdef)"
     )
     assert summary_rows(realistic_summary())[2]["mlflow_run"] == "0123456789abcdef0123456789abcdef"
-    summary = {**realistic_summary(), "release": {
-        "gates": [], "failure": None, "judged": True,
-        "registered_model": {"name": "m", "version": "2", "alias": "champion", "stage": "dpo", "previous_champion": "1"}}}
+    summary = {
+        **realistic_summary(),
+        "release": {
+            "gates": [],
+            "failure": None,
+            "judged": True,
+            "registered_model": {
+                "name": "m",
+                "version": "2",
+                "alias": "champion",
+                "stage": "dpo",
+                "previous_champion": "1",
+            },
+        },
+    }
     lines = summary_markdown(summary, rows).splitlines()
-    assert lines[:3] == ["**Run `r1`: failed**", "",
-                         "**Champion**: `m` version 2 (dpo of run `r1`) is now `@champion` (was version 1)."]
+    assert lines[:3] == [
+        "**Run `r1`: failed**",
+        "",
+        "**Champion**: `m` version 2 (dpo of run `r1`) is now `@champion` (was version 1).",
+    ]
     assert f"| {sft['mlflow_run']} |" in lines[8]  # the sft row, its link as Markdown
+
 
 def test_headline_metrics_name_each_stage():
     summary = realistic_summary()
@@ -369,8 +440,10 @@ def test_headline_metrics_name_each_stage():
     evaluate = realistic_results()["evaluate"].metrics
     assert headline == {  # one name per quantity: evaluate's held-out number, not also the stage's last eval
         "sft/train/loss": 1.23456,  # sft/eval/loss: evaluate's sft/eval_loss
-        "reward_model/train/loss": 0.61, "reward_model/eval/loss": 0.66,  # eval/accuracy: reward_model/eval_accuracy
-        "dpo/train/loss": 0.55, "dpo/eval/loss": 0.6,  # eval/rewards/accuracies: dpo/eval_reward_accuracy
+        "reward_model/train/loss": 0.61,
+        "reward_model/eval/loss": 0.66,  # eval/accuracy: reward_model/eval_accuracy
+        "dpo/train/loss": 0.55,
+        "dpo/eval/loss": 0.6,  # eval/rewards/accuracies: dpo/eval_reward_accuracy
         **evaluate,  # every evaluate metric under its own name
     }
     stages_only = {**summary, "stages": {k: v for k, v in summary["stages"].items() if k != "evaluate"}}

@@ -47,8 +47,9 @@ def original(tmp_path_factory):
     """A storage root whose run ``r1`` was tracked in ``<root>/mlflow.db``, then interrupted."""
     root = str(tmp_path_factory.mktemp("copied") / "outputs")
     uri = f"sqlite:///{root}/mlflow.db"
-    config = resolve_local_root(load_config(overrides={
-        "storage.root": root, "tracking.tracking_uri": uri, "stages": "prepare_data,sft"}))
+    config = resolve_local_root(
+        load_config(overrides={"storage.root": root, "tracking.tracking_uri": uri, "stages": "prepare_data,sft"})
+    )
     save_run_config(config, RunLayout(root, "r1"))
     parent_id = tracking.start_pipeline_run(config, "r1", tracking_uri=uri)
     _finish_sft(config, parent_id, uri)
@@ -84,7 +85,8 @@ def test_a_resumed_copy_writes_its_mlflow_artifacts_under_its_own_root(original,
     earlier = [r.info.run_id for r in client.search_runs([experiment.experiment_id]) if r.info.run_id != stage_id]
     assert all(client.list_artifacts(r) for r in earlier)  # the copied runs' artifacts are found in the copy
     assert MlflowClient(uri).get_experiment(experiment.experiment_id).artifact_location == os.path.join(
-        root, "mlflow-artifacts")
+        root, "mlflow-artifacts"
+    )
 
 
 def test_a_store_outside_the_storage_root_keeps_its_artifact_locations(original, tmp_path):

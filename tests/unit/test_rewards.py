@@ -73,7 +73,9 @@ def test_build_reward_picks_the_configured_kind():
         build_reward(RewardConfig(kind="reward_model"), None)
     constant = lambda prompts, completions: torch.full((len(completions),), 3.0)
     assert build_reward(RewardConfig(kind="reward_model"), lambda: constant) is constant
-    weighted = build_reward(RewardConfig(kind="weighted", reward_model_weight=0.5, verifier_weight=1.0), lambda: constant)
+    weighted = build_reward(
+        RewardConfig(kind="weighted", reward_model_weight=0.5, verifier_weight=1.0), lambda: constant
+    )
     assert weighted([_prompt()], ["#### 8"]).tolist() == pytest.approx([1.5 + 1.1])
 
 
@@ -83,8 +85,15 @@ def tiny_rm():
     tok = train_tokenizer(texts, vocab_size=300, min_frequency=1)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=128, pad_token_id=tok.pad_token_id, num_labels=1,
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id,
+        num_labels=1,
     )
     model = AutoModelForSequenceClassification.from_config(config).eval()
     return model, tok
@@ -127,8 +136,12 @@ def test_math_verify_worked_values():
     """Answer 42, bonus 0.1: '#### 42' -> 1.1; '#### 42.0' -> 1.1; boxed 42 -> 1.0 (no #### line);
     '#### 41' -> 0.1; the #### line wins over a later number -> 1.1; no answer -> 0."""
     completions = [
-        "Tom has 40+2=42.\n#### 42", "#### 42.0", "The answer is \\boxed{42}", "Tom has 41.\n#### 41",
-        "#### 42\nCheck: 3+5=8", "no idea",
+        "Tom has 40+2=42.\n#### 42",
+        "#### 42.0",
+        "The answer is \\boxed{42}",
+        "Tom has 41.\n#### 41",
+        "#### 42\nCheck: 3+5=8",
+        "no idea",
     ]
     scores = MathVerifyReward(0.1)([_prompt("42")] * len(completions), completions)
     assert scores.dtype == torch.float32
@@ -139,8 +152,13 @@ def test_math_verify_equivalence_beyond_exact_match():
     """What math-verify calls equal and the exact-match verifier does not: 1/2 = 0.5 = \\frac{1}{2},
     1/3 = 0.333333 (6 decimals); and what it does not: 3.0000001 != 3."""
     fn, exact = MathVerifyReward(0.0), VerifierReward(0.0)
-    cases = [("0.5", "#### 1/2"), ("1/2", "#### 0.5"), ("0.5", "so \\boxed{\\frac{1}{2}}"), ("0.333333", "#### 1/3"),
-             ("1072", "#### 1,072")]
+    cases = [
+        ("0.5", "#### 1/2"),
+        ("1/2", "#### 0.5"),
+        ("0.5", "so \\boxed{\\frac{1}{2}}"),
+        ("0.333333", "#### 1/3"),
+        ("1072", "#### 1,072"),
+    ]
     prompts, completions = [_prompt(a) for a, _ in cases], [c for _, c in cases]
     assert fn(prompts, completions).tolist() == [1.0] * len(cases)
     assert exact(prompts, completions).tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
@@ -196,13 +214,16 @@ def test_function_reward_async_with_and_without_a_running_loop():
     assert asyncio.run(inside_a_loop()) == pytest.approx([0.04])
 
 
-@pytest.mark.parametrize(("path", "expected"), [
-    ("tests.unit.no_such_module:fn", "cannot import module 'tests.unit.no_such_module'"),
-    (f"{FUNCTIONS}:no_such_function", "has no attribute 'no_such_function'"),
-    (f"{FUNCTIONS}:NOT_A_FUNCTION", "'NOT_A_FUNCTION' is a int, not a function"),
-    (f"{FUNCTIONS}:two_args_reward", "must accept \\(prompts, completions, \\*, answers, messages\\)"),
-    (f"{FUNCTIONS}.length_reward", "must be 'package.module:function'"),
-])
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("tests.unit.no_such_module:fn", "cannot import module 'tests.unit.no_such_module'"),
+        (f"{FUNCTIONS}:no_such_function", "has no attribute 'no_such_function'"),
+        (f"{FUNCTIONS}:NOT_A_FUNCTION", "'NOT_A_FUNCTION' is a int, not a function"),
+        (f"{FUNCTIONS}:two_args_reward", "must accept \\(prompts, completions, \\*, answers, messages\\)"),
+        (f"{FUNCTIONS}.length_reward", "must be 'package.module:function'"),
+    ],
+)
 def test_function_reward_load_errors_name_the_field_and_path(path, expected):
     with pytest.raises(ConfigError, match=expected) as info:
         FunctionReward(path)
@@ -229,11 +250,14 @@ def test_function_reward_error_truncates_long_samples():
     assert "x" * 190 in str(info.value) and "x" * 300 not in str(info.value)
 
 
-@pytest.mark.parametrize(("name", "expected"), [
-    ("nan_reward", "returned nan for sample 1 \\(prompt 'Tom has .*, completion 'is nan here'\\)"),
-    ("wrong_length_reward", "returned 3 values for 2 completions; expected 2"),
-    ("string_reward", "returned str '1.0' at index 0; expected 2 floats"),
-])
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("nan_reward", "returned nan for sample 1 \\(prompt 'Tom has .*, completion 'is nan here'\\)"),
+        ("wrong_length_reward", "returned 3 values for 2 completions; expected 2"),
+        ("string_reward", "returned str '1.0' at index 0; expected 2 floats"),
+    ],
+)
 def test_function_reward_bad_outputs_name_the_function(name, expected):
     with pytest.raises(RewardFunctionError, match=f"^reward function {FUNCTIONS}:{name} {expected}"):
         FunctionReward(f"{FUNCTIONS}:{name}")([_prompt()] * 2, ["fine", "is nan here"])
@@ -252,7 +276,10 @@ class _OneValue:
 def test_weighted_reward_checks_each_part():
     """A part returning NaN or the wrong shape is named in the error, not summed."""
     nan_part = lambda prompts, completions: torch.tensor([1.0, math.nan])
-    with pytest.raises(RewardFunctionError, match=r"reward test_weighted_reward_checks_each_part\.<locals>\.<lambda> returned nan for sample 1"):
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"reward test_weighted_reward_checks_each_part\.<locals>\.<lambda> returned nan for sample 1",
+    ):
         WeightedReward([(1.0, VerifierReward()), (1.0, nan_part)])([_prompt()] * 2, ["#### 8", "?"])
     with pytest.raises(RewardFunctionError, match="reward short returned a tensor of shape \\[1\\]; expected \\[2\\]"):
         WeightedReward([(1.0, _OneValue())])([_prompt()] * 2, ["#### 8", "?"])
@@ -261,8 +288,9 @@ def test_weighted_reward_checks_each_part():
 def test_weighted_by_weights_with_function_and_math_verify():
     """1 x math_verify (answer 0.5, bonus 0.1) + 0.5 x length (0.01/char): '#### 1/2' -> 1.0 + 0.5 x 0.08
     = 1.04; '#### 0.5' -> 1.1 + 0.04 = 1.14; '#### 0.7' -> 0.1 + 0.04 = 0.14. No reward model needed."""
-    cfg = RewardConfig(kind="weighted", weights={"math_verify": 1.0, "function": 0.5},
-                       function=f"{FUNCTIONS}:length_reward")
+    cfg = RewardConfig(
+        kind="weighted", weights={"math_verify": 1.0, "function": 0.5}, function=f"{FUNCTIONS}:length_reward"
+    )
     fn = build_reward(cfg, None)
     assert isinstance(fn, WeightedReward)
     scores = fn([_prompt("0.5")] * 3, ["#### 1/2", "#### 0.5", "#### 0.7"])
@@ -275,25 +303,29 @@ def test_build_reward_every_kind():
     assert isinstance(fn, FunctionReward) and fn.path == f"{FUNCTIONS}:length_reward"
     with pytest.raises(ConfigError, match="reward.function='tests.unit.reward_functions:missing'"):
         build_reward(RewardConfig(kind="function", function=f"{FUNCTIONS}:missing"), None)
-    with_rm = RewardConfig(kind="weighted", weights={"reward_model": 1.0, "function": 1.0},
-                           function=f"{FUNCTIONS}:length_reward")
+    with_rm = RewardConfig(
+        kind="weighted", weights={"reward_model": 1.0, "function": 1.0}, function=f"{FUNCTIONS}:length_reward"
+    )
     with pytest.raises(ConfigError, match="needs a reward model"):
         build_reward(with_rm, None)
     constant = lambda prompts, completions: torch.full((len(completions),), 3.0)
     assert build_reward(with_rm, lambda: constant)([_prompt()], ["abc"]).tolist() == pytest.approx([3.03])
 
 
-@pytest.mark.parametrize(("cfg", "reward_model", "answers"), [
-    ({"kind": "reward_model"}, True, False),
-    ({"kind": "verifier"}, False, True),
-    ({"kind": "math_verify"}, False, True),
-    ({"kind": "function", "function": "m:f"}, False, False),
-    ({"kind": "weighted"}, True, True),
-    ({"kind": "weighted", "weights": {"function": 1.0}, "function": "m:f"}, False, False),
-    ({"kind": "weighted", "weights": {"reward_model": 1.0, "function": 1.0}, "function": "m:f"}, True, False),
-    ({"kind": "weighted", "weights": {"math_verify": 1.0}}, False, True),
-    ({"kind": "weighted", "weights": {"reward_model": 0.5, "verifier": 1.0}}, True, True),
-])
+@pytest.mark.parametrize(
+    ("cfg", "reward_model", "answers"),
+    [
+        ({"kind": "reward_model"}, True, False),
+        ({"kind": "verifier"}, False, True),
+        ({"kind": "math_verify"}, False, True),
+        ({"kind": "function", "function": "m:f"}, False, False),
+        ({"kind": "weighted"}, True, True),
+        ({"kind": "weighted", "weights": {"function": 1.0}, "function": "m:f"}, False, False),
+        ({"kind": "weighted", "weights": {"reward_model": 1.0, "function": 1.0}, "function": "m:f"}, True, False),
+        ({"kind": "weighted", "weights": {"math_verify": 1.0}}, False, True),
+        ({"kind": "weighted", "weights": {"reward_model": 0.5, "verifier": 1.0}}, True, True),
+    ],
+)
 def test_needs_reward_model_and_answers(cfg, reward_model, answers):
     config = RewardConfig(**cfg)
     assert needs_reward_model(config) is reward_model

@@ -19,8 +19,15 @@ PAD, EOS, VOCAB = 0, 1, 12
 def policy():
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=PAD, eos_token_id=EOS,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
     )
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -36,7 +43,9 @@ def _prompts():
 def _sample(policy, seed: int, max_new_tokens: int = 10):
     ids, mask = _prompts()
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0)
-    out = HFEngine(policy).generate(ids, mask, gen, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(seed))
+    out = HFEngine(policy).generate(
+        ids, mask, gen, eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(seed)
+    )
     return out.completion_ids, out.completion_mask
 
 
@@ -80,9 +89,14 @@ def test_forward_logprobs_match_stepwise_distribution(policy):
 def test_rollout_batch_select_takes_rows():
     n, t = 4, 3
     batch = RolloutBatch(
-        prompt_ids=torch.arange(n)[:, None], prompt_mask=torch.ones(n, 1), completion_ids=torch.zeros(n, t, dtype=torch.long),
-        completion_mask=torch.ones(n, t), logprobs=torch.zeros(n, t), scores=torch.arange(n).float(),
-        prompt_index=torch.arange(n) // 2, sampled=False,
+        prompt_ids=torch.arange(n)[:, None],
+        prompt_mask=torch.ones(n, 1),
+        completion_ids=torch.zeros(n, t, dtype=torch.long),
+        completion_mask=torch.ones(n, t),
+        logprobs=torch.zeros(n, t),
+        scores=torch.arange(n).float(),
+        prompt_index=torch.arange(n) // 2,
+        sampled=False,
     )
     mb = batch.select(torch.tensor([3, 0]))
     assert mb.scores.tolist() == [3.0, 0.0] and mb.prompt_ids[:, 0].tolist() == [3, 0]
@@ -128,8 +142,9 @@ def test_masked_row_scores_nothing(policy):
     ids, p_mask = _prompts()
     tokens, _ = _sample(policy, 2, max_new_tokens=4)
     model = PolicyAndValue(policy)
-    out = completion_forward(model, Completions(ids, p_mask, tokens, torch.zeros(tokens.shape)), temperature=1.0,
-                             with_values=False)
+    out = completion_forward(
+        model, Completions(ids, p_mask, tokens, torch.zeros(tokens.shape)), temperature=1.0, with_values=False
+    )
     assert (out.logprobs == 0).all() and (out.entropies == 0).all()
     out.logprobs.sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -149,8 +164,10 @@ def test_padding_free_forwards_equal_padded(policy, full_logits):
     tokens, c_mask = _sample(policy, 2, max_new_tokens=6)
     observed = torch.zeros(c_mask.shape)
     observed[1, 1:3] = c_mask[1, 1:3]  # two of row 1's tokens are an environment's: attended, not counted
-    batches = [Completions(ids, p_mask, tokens, c_mask - observed, observation_mask=observed),
-               Completions(ids, p_mask, tokens, c_mask * torch.tensor([[1.0], [0.0]]))]
+    batches = [
+        Completions(ids, p_mask, tokens, c_mask - observed, observation_mask=observed),
+        Completions(ids, p_mask, tokens, c_mask * torch.tensor([[1.0], [0.0]])),
+    ]
     torch.manual_seed(1)
     head = value_head_for(policy)
     torch.nn.init.normal_(head.weight)
@@ -161,8 +178,9 @@ def test_padding_free_forwards_equal_padded(policy, full_logits):
         weights = torch.randn(mask.shape) * mask
         outs, grads = [], []
         for padding_free in (False, True):
-            out = completion_forward(model, batch, temperature=0.7, with_values=True, full_logits=full_logits,
-                                     padding_free=padding_free)
+            out = completion_forward(
+                model, batch, temperature=0.7, with_values=True, full_logits=full_logits, padding_free=padding_free
+            )
             outs.append(out)
             grads.append(torch.autograd.grad((out.logprobs * weights).sum() + (out.values * mask).sum(), params))
         padded, packed = outs
@@ -172,11 +190,14 @@ def test_padding_free_forwards_equal_padded(policy, full_logits):
         for (name, _), got, want in zip(model.named_parameters(), grads[1], grads[0]):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=name)
         with torch.no_grad():
-            ref = [completion_forward(policy, batch, temperature=0.7, full_logits=full_logits, padding_free=flag)
-                   for flag in (False, True)]
+            ref = [
+                completion_forward(policy, batch, temperature=0.7, full_logits=full_logits, padding_free=flag)
+                for flag in (False, True)
+            ]
         torch.testing.assert_close(ref[1].logprobs, ref[0].logprobs, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(completion_hidden(policy, batch, padding_free=True), completion_hidden(policy, batch),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            completion_hidden(policy, batch, padding_free=True), completion_hidden(policy, batch), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_a_micro_batch_forwards_its_own_longest_row(policy):
@@ -186,12 +207,18 @@ def test_a_micro_batch_forwards_its_own_longest_row(policy):
     ids, p_mask = _prompts()
     tokens, c_mask = _sample(policy, 2, max_new_tokens=6)
     tight = Completions(ids, p_mask, tokens, c_mask)
-    wide = Completions(torch.nn.functional.pad(ids, (3, 0)), torch.nn.functional.pad(p_mask, (3, 0)),
-                       torch.nn.functional.pad(tokens, (0, 4)), torch.nn.functional.pad(c_mask, (0, 4)))
+    wide = Completions(
+        torch.nn.functional.pad(ids, (3, 0)),
+        torch.nn.functional.pad(p_mask, (3, 0)),
+        torch.nn.functional.pad(tokens, (0, 4)),
+        torch.nn.functional.pad(c_mask, (0, 4)),
+    )
     trimmed = wide.trimmed()
     assert trimmed.prompt_ids.shape == ids.shape and trimmed.completion_ids.shape == tokens.shape
     seen = []
-    hook = policy.model.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    hook = policy.model.register_forward_pre_hook(
+        lambda mod, args, kw: seen.append(kw["input_ids"].shape), with_kwargs=True
+    )
     try:
         model = PolicyAndValue(policy)
         with torch.no_grad():

@@ -114,8 +114,11 @@ def test_an_override_of_a_form_field_is_refused_naming_both(demo_entry):
     flow, entry = demo_entry
     settings = json.loads(json.dumps(deploy.deployment_parameters(flow, entry)["settings"]))
     settings["sft"]["max_steps"] = 6
-    with pytest.raises(ConfigError, match=r"overrides sets sft.max_steps=4 but settings set it to 6 \(the config "
-                                          r"file has 900\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"overrides sets sft.max_steps=4 but settings set it to 6 \(the config "
+        r"file has 900\)",
+    ):
         resolve_config(None, DEMO, ["sft.max_steps=4"], settings)
     with pytest.raises(ConfigError, match=r"sft.max_steps=4 but settings set it to 6"):
         resolve_config(None, DEMO, {"sft": {"max_steps": 4}}, settings)
@@ -126,8 +129,13 @@ def test_an_override_of_a_form_field_is_refused_naming_both(demo_entry):
     with pytest.raises(ConfigError, match=r"overrides\[1\]: override 'launch.retries' is not of the form"):
         resolve_config(None, DEMO, ["sft.max_steps=4", "launch.retries"], settings)
     # A deployment whose file overrides a form field: the value moves into the form, out of overrides.
-    params = deploy.deployment_parameters(flow, {**entry, "parameters": {
-        **entry.get("parameters", {}), "overrides": {"sft": {"max_steps": 4, "save_every": 2}}}})
+    params = deploy.deployment_parameters(
+        flow,
+        {
+            **entry,
+            "parameters": {**entry.get("parameters", {}), "overrides": {"sft": {"max_steps": 4, "save_every": 2}}},
+        },
+    )
     assert params["settings"]["sft"]["max_steps"] == 4 and params["overrides"] == ["sft.save_every=2"]
     config = resolve_config(None, DEMO, params["overrides"], params["settings"])
     assert (config.sft.max_steps, config.sft.save_every) == (4, 2)

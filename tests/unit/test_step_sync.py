@@ -170,17 +170,27 @@ class RecordingBuffer(MetricsBuffer):
 def _loop(root: str, objective: Regression, **cfg) -> TrainLoop:
     torch.manual_seed(0)
     rows = _rows()
-    settings = dict(max_steps=8, grad_accum_steps=2, save_every=100, eval_every=100, warmup_steps=2,
-                    learning_rate=0.05, log_every=4)
+    settings = dict(
+        max_steps=8, grad_accum_steps=2, save_every=100, eval_every=100, warmup_steps=2, learning_rate=0.05, log_every=4
+    )
     settings.update(cfg)
     stage_cfg = TrainStageConfig(**settings)
     backend = SingleDeviceBackend("cpu")
-    session = CheckpointSession(join_uri(root, "checkpoints"), backend, fingerprint="h", metrics=RecordingBuffer(),
-                                stage="toy", run_id="r", keep_last=2, asynchronous=False)
+    session = CheckpointSession(
+        join_uri(root, "checkpoints"),
+        backend,
+        fingerprint="h",
+        metrics=RecordingBuffer(),
+        stage="toy",
+        run_id="r",
+        keep_last=2,
+        asynchronous=False,
+    )
     sampler = BucketedBatchSampler([1] * len(rows), micro_batch_size=4, seed=0)
     source = CopyingSource(rows=rows, sampler=sampler, collate=_collate, device=torch.device("cpu"))
-    return TrainLoop(model=nn.Linear(4, 1), backend=backend, objective=objective, batches=source, cfg=stage_cfg,
-                     session=session)
+    return TrainLoop(
+        model=nn.Linear(4, 1), backend=backend, objective=objective, batches=source, cfg=stage_cfg, session=session
+    )
 
 
 def _instrument(loop: TrainLoop, counter: SyncCounter) -> None:
@@ -197,6 +207,7 @@ def _instrument(loop: TrainLoop, counter: SyncCounter) -> None:
                     return fn(*args, **kwargs)
             with counter.labelled(kind, loop.progress.global_step + (kind == "step")):
                 return fn(*args, **kwargs)
+
         return wrapper
 
     loop._optimizer_step = labelled(step, "step")
@@ -295,8 +306,15 @@ def test_the_sft_objective_step_waits_only_where_known(monkeypatch, packed):
     from trainer_core.training.supervised import SFTObjective, causal_source
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
     model = AutoModelForCausalLM.from_config(config)
     rows = [{"input_ids": list(range(1, n + 1)), "loss_mask": [0] * 2 + [1] * (n - 2)} for n in (5, 9, 7)]
     source = causal_source(rows, 0, 3, seed=0, device=torch.device("cpu"))
@@ -311,8 +329,15 @@ def test_the_sft_objective_step_waits_only_where_known(monkeypatch, packed):
 
 def test_read_scalars_is_exact_and_copies_once(monkeypatch):
     """float32, bfloat16, float64 and int64 scalars and host numbers: equal to ``float(t)``, one copy."""
-    values = [torch.tensor(1 / 3), torch.tensor(1 / 3, dtype=torch.bfloat16), torch.tensor(1 / 3, dtype=torch.float64),
-              torch.tensor(2**40 + 1), 7, 0.25, torch.tensor(float("nan"))]
+    values = [
+        torch.tensor(1 / 3),
+        torch.tensor(1 / 3, dtype=torch.bfloat16),
+        torch.tensor(1 / 3, dtype=torch.float64),
+        torch.tensor(2**40 + 1),
+        7,
+        0.25,
+        torch.tensor(float("nan")),
+    ]
     expected = [float(v) for v in values]
     counter = SyncCounter(monkeypatch)
     read = read_scalars(values, torch.device("cpu"))

@@ -188,11 +188,19 @@ def test_configure_sets_s3_defaults_without_logging_secrets(monkeypatch, caplog)
 def test_process_env_gives_a_fresh_process_the_settings(monkeypatch):
     """What a trainer gets in its environment (``storage.process_env``) configures S3 as the config
     would, before the trainer has read any config; nothing is set for what the config leaves unset."""
-    cfg = StorageConfig(endpoint_url="http://127.0.0.1:9", region="eu-west-1",
-                        access_key_id=SecretStr("AKIDSECRETVALUE"), secret_access_key=SecretStr("very-secret-key"))
+    cfg = StorageConfig(
+        endpoint_url="http://127.0.0.1:9",
+        region="eu-west-1",
+        access_key_id=SecretStr("AKIDSECRETVALUE"),
+        secret_access_key=SecretStr("very-secret-key"),
+    )
     env = storage.process_env(cfg)
-    assert env == {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_DEFAULT_REGION": "eu-west-1",
-                   "AWS_ACCESS_KEY_ID": "AKIDSECRETVALUE", "AWS_SECRET_ACCESS_KEY": "very-secret-key"}
+    assert env == {
+        "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+        "AWS_ACCESS_KEY_ID": "AKIDSECRETVALUE",
+        "AWS_SECRET_ACCESS_KEY": "very-secret-key",
+    }
     assert storage.process_env(StorageConfig()) == {}
     for name in ("AWS_ENDPOINT_URL", "AWS_REGION"):
         monkeypatch.delenv(name, raising=False)
@@ -211,9 +219,11 @@ def test_configure_then_read_write_through_moto(s3_server, monkeypatch):
     storage.configure(StorageConfig())  # endpoint from AWS_ENDPOINT_URL, keys from AWS_* env
     storage.write_json("s3://env-bucket/k/v.json", {"x": 1})
     assert storage.read_json("s3://env-bucket/k/v.json") == {"x": 1}
-    body = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").get_object(
-        Bucket="env-bucket", Key="k/v.json"
-    )["Body"].read()
+    body = (
+        boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+        .get_object(Bucket="env-bucket", Key="k/v.json")["Body"]
+        .read()
+    )
     assert json.loads(body) == {"x": 1}
 
 
@@ -287,7 +297,11 @@ def test_a_write_that_gives_up_names_what_it_was_writing(flaky_fs, monkeypatch):
         storage.write_bytes("flakymem://retry/c.bin", b"never")
     failure = info.value.storage_failure
     assert (failure.action, failure.uri, failure.endpoint, failure.attempts) == (
-        "writing", "flakymem://retry/c.bin", None, storage.RETRY_ATTEMPTS)
+        "writing",
+        "flakymem://retry/c.bin",
+        None,
+        storage.RETRY_ATTEMPTS,
+    )
     assert str(classify(info.value)).startswith("storage did not answer: writing flakymem://retry/c.bin failed after 6")
 
 
@@ -346,8 +360,11 @@ def test_copy_dir_copies_every_file_and_the_named_one_last(storage_root, monkeyp
         storage.write_bytes(join_uri(src, rel), data)
     order = []
     copy_file = storage.fs._copy_file
-    monkeypatch.setattr(storage.fs, "_copy_file", lambda fs, source, target: (order.append(target.rsplit("/final/", 1)[1]),
-                                                                            copy_file(fs, source, target)))
+    monkeypatch.setattr(
+        storage.fs,
+        "_copy_file",
+        lambda fs, source, target: (order.append(target.rsplit("/final/", 1)[1]), copy_file(fs, source, target)),
+    )
     assert storage.copy_dir(src, dst, last="manifest.json") == 3
     assert order[-1] == "manifest.json"
     assert storage.list_files(dst) == storage.list_files(src)

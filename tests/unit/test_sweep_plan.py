@@ -25,17 +25,26 @@ def base():
 
 def test_the_grid_expands_first_key_slowest_and_point_ids_ignore_key_order():
     grid = {"dpo.beta": [0.1, 0.5], "grpo.learning_rate": [1e-5, 3e-5]}
-    assert expand_grid(grid) == [{"dpo.beta": 0.1, "grpo.learning_rate": 1e-5}, {"dpo.beta": 0.1, "grpo.learning_rate": 3e-5},
-                                 {"dpo.beta": 0.5, "grpo.learning_rate": 1e-5}, {"dpo.beta": 0.5, "grpo.learning_rate": 3e-5}]
+    assert expand_grid(grid) == [
+        {"dpo.beta": 0.1, "grpo.learning_rate": 1e-5},
+        {"dpo.beta": 0.1, "grpo.learning_rate": 3e-5},
+        {"dpo.beta": 0.5, "grpo.learning_rate": 1e-5},
+        {"dpo.beta": 0.5, "grpo.learning_rate": 3e-5},
+    ]
     assert expand_grid({}) == [{}]
     a = point_run_id("sw", {"dpo.beta": 0.1, "grpo.learning_rate": 1e-5})
-    assert a == point_run_id("sw", {"grpo.learning_rate": 1e-5, "dpo.beta": 0.1}) and a.startswith("sw-") and len(a) == 11
+    assert (
+        a == point_run_id("sw", {"grpo.learning_rate": 1e-5, "dpo.beta": 0.1}) and a.startswith("sw-") and len(a) == 11
+    )
     assert a != point_run_id("sw", {"dpo.beta": 0.5, "grpo.learning_rate": 1e-5})
 
 
 def test_grid_options_read_values_as_yaml():
     assert parse_grid(["dpo.beta=0.1,0.5", "grpo.learning_rate=[1.0e-5, 3.0e-5]", "sft.max_steps=4"]) == {
-        "dpo.beta": [0.1, 0.5], "grpo.learning_rate": [1e-5, 3e-5], "sft.max_steps": [4]}
+        "dpo.beta": [0.1, 0.5],
+        "grpo.learning_rate": [1e-5, 3e-5],
+        "sft.max_steps": [4],
+    }
     for bad in ("dpo.beta", "=1,2", "dpo.beta="):
         with pytest.raises(ConfigError, match="expected key.path=value1,value2"):
             parse_grid([bad])
@@ -86,15 +95,21 @@ def test_the_comparison_ranks_points_and_pairs_the_best_with_the_runner_up(tmp_p
         summary = {"status": "completed", "headline": headline, "stages": {"evaluate": {"output_uri": str(final)}}}
         return {"run_id": run_id, "values": {"dpo.beta": beta}, "summary": summary, "error": None}
 
-    points = [point("a", 0.1, [1, 0, 0, 0]), point("b", 0.5, [1, 1, 1, 0]), point("c", 1.0, [1, 1, 0, 0]),
-              {"run_id": "d", "values": {"dpo.beta": 2.0}, "summary": None, "error": "StageFailed: boom"}]
+    points = [
+        point("a", 0.1, [1, 0, 0, 0]),
+        point("b", 0.5, [1, 1, 1, 0]),
+        point("c", 1.0, [1, 1, 0, 0]),
+        {"run_id": "d", "values": {"dpo.beta": 2.0}, "summary": None, "error": "StageFailed: boom"},
+    ]
     out = compare(points, "grpo/exact_match")
     assert (out["best"], out["runner_up"]) == ("b", "c")
     assert out["gain"] == pytest.approx(0.25) and out["gain_se"] == pytest.approx(0.25)  # d = [0, 0, 1, 0]
     assert [r["value"] for r in out["rows"]] == [0.25, 0.75, 0.5, None] and out["rows"][3]["status"] == "failed"
     shown = comparison_markdown("sw", out)
-    assert shown.startswith("Sweep `sw`: best `grpo/exact_match` at dpo.beta=0.5 (run `b`), +0.25 ± 0.25 (paired SE; "
-                            "within 2 SE) over run `c`.")
+    assert shown.startswith(
+        "Sweep `sw`: best `grpo/exact_match` at dpo.beta=0.5 (run `b`), +0.25 ± 0.25 (paired SE; "
+        "within 2 SE) over run `c`."
+    )
     assert "| 0.5 | `b` | completed | 0.75 **best** |" in shown and "| 2.0 | `d` | failed | - |" in shown
     assert comparison_figure(out) is not None
     assert compare(points[3:], "grpo/exact_match")["best"] is None

@@ -213,8 +213,9 @@ def test_encode_chat_never_counts_a_tool_output(tok):
     enc = encode_chat(tok, TOOL_CONVERSATION, "He has 5.", 256, 192, assistant_turns="all")
     ids, mask = enc["input_ids"], enc["loss_mask"]
     whole = render_chat(TOOL_CONVERSATION + [{"role": "assistant", "content": "He has 5."}])
-    assert whole == tok.apply_chat_template(TOOL_CONVERSATION + [{"role": "assistant", "content": "He has 5."}],
-                                            tokenize=False)
+    assert whole == tok.apply_chat_template(
+        TOOL_CONVERSATION + [{"role": "assistant", "content": "He has 5."}], tokenize=False
+    )
     assert ids == tok(whole, add_special_tokens=False)["input_ids"]
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3+2"}}\n</tool_call><|end|>\n'
     assert "".join(tok.decode([i]) for i, m in zip(ids, mask) if m) == call + "He has 5.<|end|>\n"
@@ -238,7 +239,8 @@ def test_encode_chat_all_turns_refuses_a_template_that_drops_earlier_replies(tok
     thinking) cannot count every turn: a ConfigError naming the turn and the way out."""
     dropping = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token="<|end|>")
     dropping.chat_template = CHAT_TEMPLATE.replace(
-        "message['content']", "(message['content'] if message['role'] != 'assistant' or loop.last else '')")
+        "message['content']", "(message['content'] if message['role'] != 'assistant' or loop.last else '')"
+    )
     with pytest.raises(ConfigError, match=r"assistant turn 2 \(messages\[2\]\).*data.assistant_turns to 'last'"):
         encode_chat(dropping, CONVERSATION, "7", 128, 96, assistant_turns="all")
     with pytest.raises(ValueError, match="assistant_turns must be 'last' or 'all'"):

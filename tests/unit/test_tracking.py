@@ -100,7 +100,11 @@ def test_finish_stage_run_logs_manifest_and_status(config, store, tmp_path):
     parent_id = tracking.start_pipeline_run(config, "demo-run-2", tracking_uri=uri)
     run_id = tracking.start_stage_run(config, parent_id, "sft", tracking_uri=uri)
     manifest = Manifest(
-        kind="final", stage="sft", run_id="demo-run-2", global_step=7, files=[],
+        kind="final",
+        stage="sft",
+        run_id="demo-run-2",
+        global_step=7,
+        files=[],
         metrics={"eval/loss": 1.25, "acc@1": 0.5},
     )
     model_dir = tmp_path / "final"
@@ -123,7 +127,9 @@ def test_finish_stage_run_logs_manifest_and_status(config, store, tmp_path):
 def test_metric_logger_logs_batches_with_steps(config, store, caplog):
     _, uri = store
     client = MlflowClient(uri)
-    run_id = tracking.start_stage_run(config, tracking.start_pipeline_run(config, "demo-run-3", tracking_uri=uri), "dpo", tracking_uri=uri)
+    run_id = tracking.start_stage_run(
+        config, tracking.start_pipeline_run(config, "demo-run-3", tracking_uri=uri), "dpo", tracking_uri=uri
+    )
     metric_logger = MetricLogger(uri, run_id)
     assert metric_logger.enabled
     metric_logger.log({"train/loss": 0.7, "train/lr": 1e-3}, step=1)

@@ -95,7 +95,10 @@ class Backend(Protocol):
         """Backward of ``loss`` (already divided by the global count); scaled to undo rank averaging."""
 
     def optimizer_step(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_grad_norm: float | None,
         skip_nonfinite: bool = False,
     ) -> Tensor:
         """Clip (when ``max_grad_norm`` is set), step and zero the gradients.

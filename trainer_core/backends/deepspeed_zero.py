@@ -212,12 +212,17 @@ class DeepSpeedBackend(ProcessGroupBackend):
         model.backward(loss * self.world_size, scale_wrt_gas=False)
 
     def optimizer_step(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_grad_norm: float | None,
         skip_nonfinite: bool = False,
     ) -> Tensor:
         if skip_nonfinite:
-            raise ConfigError("max_nonfinite_steps: DeepSpeed's engine steps the optimizer itself; skipping a "
-                              "non-finite step needs backend single, ddp or fsdp2")
+            raise ConfigError(
+                "max_nonfinite_steps: DeepSpeed's engine steps the optimizer itself; skipping a "
+                "non-finite step needs backend single, ddp or fsdp2"
+            )
         model.step()
         norm = model.get_global_grad_norm()
         return torch.as_tensor(float(norm) if norm is not None else float("nan"))
@@ -244,8 +249,9 @@ class DeepSpeedBackend(ProcessGroupBackend):
             # LoRA: the frozen base weights are the stage's input, not part of the checkpoint.
             frozen = partly_frozen(model)
             with frozen_aliases_excluded(model) if frozen else contextlib.nullcontext():
-                model.save_checkpoint(tmp, tag=DS_TAG, client_state={}, save_latest=False,
-                                      exclude_frozen_parameters=frozen)
+                model.save_checkpoint(
+                    tmp, tag=DS_TAG, client_state={}, save_latest=False, exclude_frozen_parameters=frozen
+                )
             for root, _, files in os.walk(tmp):
                 for name in sorted(files):
                     rel = os.path.relpath(os.path.join(root, name), tmp).replace(os.sep, "/")
@@ -264,8 +270,12 @@ class DeepSpeedBackend(ProcessGroupBackend):
             saved = saved_world_size(os.path.join(tmp, DS_TAG))
             universal = saved is not None and saved != self.world_size
             if universal:
-                log.info("checkpoint %s: ZeRO partitions of %d ranks, this run has %d: loading it as a universal "
-                         "checkpoint", uri, saved, self.world_size)
+                log.info(
+                    "checkpoint %s: ZeRO partitions of %d ranks, this run has %d: loading it as a universal checkpoint",
+                    uri,
+                    saved,
+                    self.world_size,
+                )
                 load_dir = os.path.join(tmp, "universal")
                 to_universal(os.path.join(tmp, DS_TAG), os.path.join(load_dir, DS_TAG))
             else:
@@ -275,9 +285,13 @@ class DeepSpeedBackend(ProcessGroupBackend):
             config, before = model._config, model._config.load_universal_checkpoint
             config.load_universal_checkpoint = universal
             try:
-                path, _ = model.load_checkpoint(load_dir, tag=DS_TAG, load_optimizer_states=True,
-                                                load_lr_scheduler_states=False,
-                                                load_module_strict=not partly_frozen(model))
+                path, _ = model.load_checkpoint(
+                    load_dir,
+                    tag=DS_TAG,
+                    load_optimizer_states=True,
+                    load_lr_scheduler_states=False,
+                    load_module_strict=not partly_frozen(model),
+                )
             finally:
                 config.load_universal_checkpoint = before
             if path is None:
@@ -338,8 +352,9 @@ def restore_group_hyperparameters(optimizer: torch.optim.Optimizer, groups: list
         RuntimeError: the optimizer has another number of groups than before the load.
     """
     if len(groups) != len(optimizer.param_groups):
-        raise RuntimeError(f"the optimizer had {len(groups)} param groups before loading and "
-                           f"{len(optimizer.param_groups)} after")
+        raise RuntimeError(
+            f"the optimizer had {len(groups)} param groups before loading and {len(optimizer.param_groups)} after"
+        )
     for group, saved in zip(optimizer.param_groups, groups):
         group.update(saved)
 
@@ -393,9 +408,20 @@ def to_universal(tag_dir: str, out_dir: str) -> None:
     Raises:
         RuntimeError: the conversion failed (its output is in the message).
     """
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
-           "--output_folder", out_dir, "--num_extract_workers", "1", "--num_merge_workers", "1",
-           "--inject_missing_state"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        tag_dir,
+        "--output_folder",
+        out_dir,
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+        "--inject_missing_state",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         tail = "\n".join((result.stdout + result.stderr).splitlines()[-20:])

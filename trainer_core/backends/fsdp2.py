@@ -65,7 +65,8 @@ class FSDP2Backend(ProcessGroupBackend):
         super().__init__(cfg)
         self.mp_policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if self.precision == "bf16-mixed" else MixedPrecisionPolicy()
+            if self.precision == "bf16-mixed"
+            else MixedPrecisionPolicy()
         )
         if cfg.cpu_offload and self.device.type != "cuda":
             raise ConfigError(
@@ -136,7 +137,9 @@ class FSDP2Backend(ProcessGroupBackend):
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=FsspecReader(join_uri(uri, DCP_DIR)))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
 
 
 def _checkpoint_options(model: nn.Module) -> StateDictOptions:

@@ -123,7 +123,9 @@ class CheckpointedForward:
         self.eager = block.forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cached = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None  # transformers <5.24, >=5.24
+        cached = (
+            kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+        )  # transformers <5.24, >=5.24
         if self.block.training and torch.is_grad_enabled() and not cached:
             return torch.utils.checkpoint.checkpoint(self.eager, *args, use_reentrant=False, **kwargs)
         return self.eager(*args, **kwargs)
@@ -140,7 +142,9 @@ def _forward_wrappers(block: nn.Module) -> list[Any]:
 
 def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of ``model`` whose forward is recomputed in the backward."""
-    return [b for b in transformer_blocks(model) if any(isinstance(w, CheckpointedForward) for w in _forward_wrappers(b))]
+    return [
+        b for b in transformer_blocks(model) if any(isinstance(w, CheckpointedForward) for w in _forward_wrappers(b))
+    ]
 
 
 def enable_activation_checkpointing(model: nn.Module) -> int:

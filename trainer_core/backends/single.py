@@ -142,7 +142,10 @@ class SingleDeviceBackend:
         loss.backward()
 
     def optimizer_step(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None,
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_grad_norm: float | None,
         skip_nonfinite: bool = False,
     ) -> Tensor:
         return torch_optimizer_step(model, optimizer, max_grad_norm, skip_nonfinite)
@@ -185,7 +188,12 @@ def put_full_state(out: Any, model: nn.Module, optimizer: torch.optim.Optimizer)
     """
     validate = getattr(out, "validate", False)
     weights = saved_state_dict(model)
-    out.put("model.safetensors", Sharing.REPLICATED, full_weights_bytes(weights), state_checksum(weights) if validate else None)
+    out.put(
+        "model.safetensors",
+        Sharing.REPLICATED,
+        full_weights_bytes(weights),
+        state_checksum(weights) if validate else None,
+    )
     state = optimizer.state_dict()
     out.put("optimizer.pt", Sharing.REPLICATED, torch_bytes(state), state_checksum(state) if validate else None)
 
@@ -223,8 +231,12 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, uri: str
     expected = set(saved_state_dict(model))
     if set(weights) != expected:
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        raise RuntimeError(f"checkpoint {uri}: model.safetensors does not match the model (missing {missing[:3]}"
-                           f"{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
-                           f"{'...' if len(unexpected) > 3 else ''})")
+        raise RuntimeError(
+            f"checkpoint {uri}: model.safetensors does not match the model (missing {missing[:3]}"
+            f"{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
+            f"{'...' if len(unexpected) > 3 else ''})"
+        )
     model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
-    optimizer.load_state_dict(torch.load(io.BytesIO(storage.read_bytes(join_uri(uri, "optimizer.pt"))), weights_only=True))
+    optimizer.load_state_dict(
+        torch.load(io.BytesIO(storage.read_bytes(join_uri(uri, "optimizer.pt"))), weights_only=True)
+    )

@@ -171,8 +171,10 @@ class WriteFence:
         if record is not None and record.get("owner") == self.owner and record.get("attempt") == self.attempt:
             return
         holder = "nobody" if record is None else f"{record.get('owner')} (attempt {record.get('attempt')})"
-        raise LeaseLostError(f"{self.uri} is held by {holder}, not by this attempt ({self.owner}, attempt "
-                             f"{self.attempt}): it was taken over; {what} is not written")
+        raise LeaseLostError(
+            f"{self.uri} is held by {holder}, not by this attempt ({self.owner}, attempt "
+            f"{self.attempt}): it was taken over; {what} is not written"
+        )
 
 
 def check_fence(fence: WriteFence | None, backend: Any, what: str, collective: bool = True) -> None:
@@ -228,9 +230,13 @@ class StageLease:
     """
 
     def __init__(
-        self, prefix_uri: str, owner: str | None = None, ttl_s: float = 30.0,
+        self,
+        prefix_uri: str,
+        owner: str | None = None,
+        ttl_s: float = 30.0,
         what: str = "another process is training this stage of this run",
-        attempt: str | None = None, launch_id: str | None = None,
+        attempt: str | None = None,
+        launch_id: str | None = None,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -251,7 +257,9 @@ class StageLease:
         Args:
             attempts: storage attempts; None: the storage layer's retry policy.
         """
-        read = storage.read_bytes if attempts is None else storage.read_bytes.retry_with(stop=stop_after_attempt(attempts))
+        read = (
+            storage.read_bytes if attempts is None else storage.read_bytes.retry_with(stop=stop_after_attempt(attempts))
+        )
         try:
             return json.loads(read(self.uri))
         except FileNotFoundError:
@@ -262,9 +270,15 @@ class StageLease:
 
     def _write(self) -> None:
         record = {
-            "owner": self.owner, "attempt": self.attempt, "launch_id": self.launch_id,
-            "expires_at": time.time() + self.ttl_s, "pid": os.getpid(), "host": socket.gethostname(),
-            "pidns": _pid_namespace(), "boot_id": _boot_id(), "pid_start": _process_start(os.getpid()),
+            "owner": self.owner,
+            "attempt": self.attempt,
+            "launch_id": self.launch_id,
+            "expires_at": time.time() + self.ttl_s,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "pidns": _pid_namespace(),
+            "boot_id": _boot_id(),
+            "pid_start": _process_start(os.getpid()),
         }
         storage.write_bytes(self.uri, json.dumps(record).encode())
 
@@ -290,16 +304,25 @@ class StageLease:
         if not launch_id or launch_id in own_ids:
             return
         survivors = kill_marked(launch_id, _SUPERSEDE_TIMEOUT_S)
-        log.warning("attempt %s of %s takes %s over from attempt %s: its processes (launch %s) stopped%s",
-                    self.attempt, self.owner, self.uri, current.get("attempt"), launch_id,
-                    f"; still running: {survivors}" if survivors else "")
+        log.warning(
+            "attempt %s of %s takes %s over from attempt %s: its processes (launch %s) stopped%s",
+            self.attempt,
+            self.owner,
+            self.uri,
+            current.get("attempt"),
+            launch_id,
+            f"; still running: {survivors}" if survivors else "",
+        )
 
     def _held_by_another(self, current: dict | None) -> bool:
         """Whether ``current`` is a live lease of another owner or attempt (an earlier attempt
         of this owner in this very process, which ended without releasing, is not live)."""
         if not current or self._mine(current) or not holder_alive(current):
             return False
-        this_process = current.get("pid") == os.getpid() and current.get("pid_start") in (None, _process_start(os.getpid()))
+        this_process = current.get("pid") == os.getpid() and current.get("pid_start") in (
+            None,
+            _process_start(os.getpid()),
+        )
         return not (current.get("owner") == self.owner and _same_pids(current) and this_process)
 
     def check_free(self) -> None:
@@ -352,8 +375,12 @@ class StageLease:
             try:
                 current = self._read()
                 if current is not None and not self._mine(current):
-                    log.error("lease %s was taken over by %s (attempt %s)", self.uri, current.get("owner"),
-                              current.get("attempt"))
+                    log.error(
+                        "lease %s was taken over by %s (attempt %s)",
+                        self.uri,
+                        current.get("owner"),
+                        current.get("attempt"),
+                    )
                     self.lost.set()
                     return
                 self._write()
@@ -375,8 +402,12 @@ class StageLease:
             current = self._read(attempts=1)
         except Exception as e:  # noqa: BLE001 - best effort by contract
             error = classify(e)
-            log.warning("lease %s not released (it lapses within %.0f s): %s", self.uri, self.ttl_s,
-                        error if error is not None else f"{type(e).__name__}: {e}")
+            log.warning(
+                "lease %s not released (it lapses within %.0f s): %s",
+                self.uri,
+                self.ttl_s,
+                error if error is not None else f"{type(e).__name__}: {e}",
+            )
             return
         if current is not None and self._mine(current):
             storage.remove(self.uri, recursive=False)

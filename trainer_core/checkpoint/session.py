@@ -283,8 +283,12 @@ class CheckpointSession:
         state = {"backend": self.backend, "model": model, "optimizer": optimizer, "scheduler": scheduler}
         t0 = time.perf_counter()
         if not self.deferred:
-            self._commit(uri, lambda out: put_train_state(out, **state, progress=snapshot, files=all_files), snapshot, batch)
-            log.info("checkpoint %s committed by %d rank(s) in %.3fs", uri, self.backend.world_size, time.perf_counter() - t0)
+            self._commit(
+                uri, lambda out: put_train_state(out, **state, progress=snapshot, files=all_files), snapshot, batch
+            )
+            log.info(
+                "checkpoint %s committed by %d rank(s) in %.3fs", uri, self.backend.world_size, time.perf_counter() - t0
+            )
             return
         staged = StagedWriter()
         put_train_state(staged, **state, progress=snapshot, files=all_files)
@@ -319,7 +323,9 @@ class CheckpointSession:
         out = RankWriter(uri, self.backend, validate_replicas=self.validate_replicas)
         put(out)
         self._check_fence(f"the manifest of {uri}")
-        evals = {k: float(v) for k, v in progress.history.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        evals = {
+            k: float(v) for k, v in progress.history.items() if k.startswith("eval/") and isinstance(v, (int, float))
+        }
         out.commit(
             kind="checkpoint",
             global_step=progress.global_step,

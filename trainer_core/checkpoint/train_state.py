@@ -119,7 +119,9 @@ def resume_problem(manifest: Manifest, backend: Any, config_hash: str | None) ->
         return f"written with another config ({manifest.config_hash})"
     fmt = checkpoint_format_of(manifest)
     if fmt != backend.checkpoint_format:
-        return f"format {fmt!r} (backend {manifest.backend}); backend {backend.name} reads {backend.checkpoint_format!r}"
+        return (
+            f"format {fmt!r} (backend {manifest.backend}); backend {backend.name} reads {backend.checkpoint_format!r}"
+        )
     return None
 
 
@@ -198,7 +200,9 @@ def load_checkpoint_state(
     if rng is not None:
         _set_rng_states(state["rng"], read_bytes(join_uri(uri, rng)))
     else:
-        log.warning("checkpoint %s has no RNG state for rank %d (written by %d ranks)", uri, backend.rank, manifest.world_size)
+        log.warning(
+            "checkpoint %s has no RNG state for rank %d (written by %d ranks)", uri, backend.rank, manifest.world_size
+        )
     progress = TrainProgress(**state["progress"])
     log.info("resumed from %s at global_step %d", uri, progress.global_step)
     return progress

@@ -27,8 +27,12 @@ def read_mixed_precision(data: Any) -> Any:
         old = data.pop("mixed_precision")
         mapped = {"auto": "auto", "fp32": "fp32", "bf16": "bf16-mixed"}.get(old)
         if mapped is None:
-            raise ValueError(f"backend.mixed_precision (deprecated, use backend.precision): {old!r} is not auto, fp32 or bf16")
-        warnings.warn(f"backend.mixed_precision is deprecated: read as backend.precision={mapped}", FutureWarning, stacklevel=2)
+            raise ValueError(
+                f"backend.mixed_precision (deprecated, use backend.precision): {old!r} is not auto, fp32 or bf16"
+            )
+        warnings.warn(
+            f"backend.mixed_precision is deprecated: read as backend.precision={mapped}", FutureWarning, stacklevel=2
+        )
         data["precision"] = mapped
     return data
 
@@ -71,11 +75,14 @@ class BackendConfig(ConfigBase):
         "activation memory of one block instead of all, for about one more forward of compute.",
     )
     compile: Annotated[bool, Neutral(None)] = Field(
-        False, description="torch.compile each transformer block's training forward (inductor; CPU needs a C++ compiler)."
+        False,
+        description="torch.compile each transformer block's training forward (inductor; CPU needs a C++ compiler).",
     )
     cpu_offload: bool = Field(False, description="fsdp2: keep parameters, gradients and optimizer state on CPU.")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="deepspeed: ZeRO stage.")
-    offload_optimizer: bool = Field(False, description="deepspeed: ZeRO optimizer-state offload to CPU (DeepSpeedCPUAdam).")
+    offload_optimizer: bool = Field(
+        False, description="deepspeed: ZeRO optimizer-state offload to CPU (DeepSpeedCPUAdam)."
+    )
     offload_params: bool = Field(False, description="deepspeed: ZeRO-3 parameter offload to CPU.")
     ds_config: dict[str, Any] = Field(
         default_factory=dict,

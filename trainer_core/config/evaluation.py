@@ -49,7 +49,9 @@ class QualityGate(ConfigBase):
     )
     tolerance: float = Field(0.0, ge=0, description="Slack allowed against the champion's value.")
     min_gain_se: float | None = Field(
-        None, ge=0, description="On <policy>/exact_match, <policy>/pass_at_<k>, <policy>/avg_at_<n> or a harness "
+        None,
+        ge=0,
+        description="On <policy>/exact_match, <policy>/pass_at_<k>, <policy>/avg_at_<n> or a harness "
         "metric <policy>/lm_eval/<task>/<metric>: also require the policy's paired "
         "gain over a baseline on the same held-out problems to exceed this many standard errors (evaluate's "
         "paired_gain). The baseline is the champion's policy with vs_champion (its run's per-problem verdicts), "
@@ -63,9 +65,11 @@ class QualityGate(ConfigBase):
         policy, _, metric = self.metric.partition("/")  # paired by problem: the sample table holds their values
         paired = bool(policy) and per_problem_metric(metric)
         if self.min_gain_se is not None and (not paired or self.op not in (">=", ">")):
-            raise ValueError(f"gate on {self.metric!r} (op {self.op!r}): min_gain_se needs a <policy>/exact_match, "
-                             "<policy>/pass_at_<k>, <policy>/avg_at_<n> or <policy>/lm_eval/<task>/<metric> metric "
-                             "that must rise (op >= or >)")
+            raise ValueError(
+                f"gate on {self.metric!r} (op {self.op!r}): min_gain_se needs a <policy>/exact_match, "
+                "<policy>/pass_at_<k>, <policy>/avg_at_<n> or <policy>/lm_eval/<task>/<metric> metric "
+                "that must rise (op >= or >)"
+            )
         return self
 
 
@@ -78,16 +82,19 @@ class EvaluateConfig(ConfigBase):
     micro_batch_size: int = Field(16, ge=1, description="Examples per forward in loss/accuracy evaluation.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Generation settings.")
     environment: Annotated[EnvironmentConfig | None, Neutral(None)] = Field(
-        None, description="A tool environment every policy's exact-match answers are generated with (as the RL "
-        "stage's, e.g. the calculator); None: without tools."
+        None,
+        description="A tool environment every policy's exact-match answers are generated with (as the RL "
+        "stage's, e.g. the calculator); None: without tools.",
     )
     pass_at_k: Annotated[PassAtKConfig | None, Neutral(None)] = Field(
-        None, description="Sample n answers to held-out problems per policy: <policy>/pass_at_<k>, "
-        "<policy>/avg_at_<n> and their standard errors (Chen et al. 2021's unbiased estimator); None: off."
+        None,
+        description="Sample n answers to held-out problems per policy: <policy>/pass_at_<k>, "
+        "<policy>/avg_at_<n> and their standard errors (Chen et al. 2021's unbiased estimator); None: off.",
     )
     lm_eval: Annotated[LmEvalConfig | None, Neutral(None)] = Field(
-        None, description="lm-evaluation-harness tasks for every policy: <policy>/lm_eval/<task>/<metric> and its "
-        "results JSON (the 'eval' extra installs the harness); None: off."
+        None,
+        description="lm-evaluation-harness tasks for every policy: <policy>/lm_eval/<task>/<metric> and its "
+        "results JSON (the 'eval' extra installs the harness); None: off.",
     )
     gates: list[QualityGate] = Field(
         default_factory=list,

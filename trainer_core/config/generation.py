@@ -20,18 +20,20 @@ class GenerationConfig(ConfigBase):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
     engine: Annotated[Literal["hf", "static"], Neutral("hf")] = Field(
-        "hf", description="Generation engine: 'hf' the model's own forward with a dynamic KV cache (score and "
+        "hf",
+        description="Generation engine: 'hf' the model's own forward with a dynamic KV cache (score and "
         "evaluate: transformers' generate; PPO/GRPO rollouts: trainer_core.generation.engines.HFEngine, bit-exact resume), the "
         "CPU reference and the one for sharded policies; 'static' (trainer_core.generation.engines.StaticCacheEngine) a static "
         "KV cache reserved up front, batched prefill and (on CUDA) a compiled, CUDA-graph decode step; single and "
-        "DDP backends."
+        "DDP backends.",
     )
     compile: Annotated[bool | None, Neutral(None)] = Field(
         None, description="'static' engine: compile the decode step (None: on CUDA only)."
     )
     fuse_projections: Annotated[bool, Neutral(True)] = Field(
-        True, description="'static' engine: run the q/k/v and the gate/up projections as one GEMM each while "
-        "generating (Llama, Qwen2, Qwen3 layers); their weights are held once more until the engine's release."
+        True,
+        description="'static' engine: run the q/k/v and the gate/up projections as one GEMM each while "
+        "generating (Llama, Qwen2, Qwen3 layers); their weights are held once more until the engine's release.",
     )
 
 
@@ -68,8 +70,9 @@ class EnvironmentConfig(ConfigBase):
     trainer_core.training.rl.environments)."""
 
     name: str = Field(
-        ..., description="'calculator' (GSM8K's: on '<<expr=' it appends 'result>>') or an import path "
-        "'package.module:Class' of an Environment (reset, find_call, step)."
+        ...,
+        description="'calculator' (GSM8K's: on '<<expr=' it appends 'result>>') or an import path "
+        "'package.module:Class' of an Environment (reset, find_call, step).",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of its constructor.")
     max_tool_calls: int = Field(8, ge=1, description="Tool calls per episode at most; later ones are not looked for.")
@@ -130,19 +133,22 @@ class LmEvalConfig(ConfigBase):
     policy's final model on ``tasks``, through the project's generation engines."""
 
     tasks: list[str] = Field(
-        min_length=1, description="Harness task names: its own, those of include_path's YAML files, and "
-        "posttrain_heldout (evaluate's held-out problems, scored as the harness's gsm8k task scores)."
+        min_length=1,
+        description="Harness task names: its own, those of include_path's YAML files, and "
+        "posttrain_heldout (evaluate's held-out problems, scored as the harness's gsm8k task scores).",
     )
     include_path: str | None = Field(
-        None, description="A folder of task YAML files: a local path or any fsspec URI (s3://..., copied to a local "
-        "folder first); None: none."
+        None,
+        description="A folder of task YAML files: a local path or any fsspec URI (s3://..., copied to a local "
+        "folder first); None: none.",
     )
     limit: int | None = Field(None, ge=1, description="At most this many examples per task; None: all.")
     num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples; None: each task's default.")
     apply_chat_template: bool = Field(True, description="Render prompts with the model's chat template.")
     generation: GenerationConfig = Field(
-        default_factory=GenerationConfig, description="generate_until's engine, batch size and default length "
-        "(a task's max_gen_toks and sampling settings replace them; greedy otherwise)."
+        default_factory=GenerationConfig,
+        description="generate_until's engine, batch size and default length "
+        "(a task's max_gen_toks and sampling settings replace them; greedy otherwise).",
     )
 
 
@@ -151,6 +157,8 @@ def engine_problem(field: str, engine: str, backend_name: str, sharded_forward: 
     a forward needs every rank, FSDP2 and ZeRO-3), or None: only ``hf`` runs in lockstep over a
     sharded policy. ``field`` is the config section named in the message (e.g. ``grpo.generation``)."""
     if engine != "hf" and sharded_forward:
-        return (f"{field}.engine={engine!r} needs an unsharded policy (backend single or ddp); "
-                f"with {backend_name} use engine 'hf'")
+        return (
+            f"{field}.engine={engine!r} needs an unsharded policy (backend single or ddp); "
+            f"with {backend_name} use engine 'hf'"
+        )
     return None

@@ -67,31 +67,38 @@ class PipelineConfig(ConfigBase):
     """The whole pipeline: stage list, data, model, and every stage's hyper-parameters."""
 
     name: str = Field(
-        "posttrain", description="Pipeline name: run ids are made of it (<name>-<YYYYmmdd-HHMMSS>-<6 hex>), so it "
+        "posttrain",
+        description="Pipeline name: run ids are made of it (<name>-<YYYYmmdd-HHMMSS>-<6 hex>), so it "
         f"takes 1 to {MAX_NAME_CHARS} ASCII letters, digits and ._-, starting with a letter or digit.",
     )
     seed: int = Field(
-        0, ge=0, le=MAX_SEED, description="Global seed: data split, shuffling, init, sampling. At most 2**32 - 1 "
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="Global seed: data split, shuffling, init, sampling. At most 2**32 - 1 "
         "(numpy's seed range: lm-evaluation-harness seeds numpy with it).",
     )
     stages: list[str] = Field(
         default_factory=lambda: list(DEFAULT_STAGES),
-        description="Stages to run, in pipeline order: " + ", ".join(STAGE_ORDER) + " (default: all but "
-        + ", ".join(s for s in STAGE_ORDER if s not in DEFAULT_STAGES) + ").",
+        description="Stages to run, in pipeline order: "
+        + ", ".join(STAGE_ORDER)
+        + " (default: all but "
+        + ", ".join(s for s in STAGE_ORDER if s not in DEFAULT_STAGES)
+        + ").",
     )
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Output storage.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     data: DataConfig = Field(default_factory=DataConfig, description="Input data.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer training.")
-    model: ModelConfig = Field(
-        default_factory=lambda: ModelConfig(init=ModelInit()), description="Base model."
-    )
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(init=ModelInit()), description="Base model.")
     backend: BackendConfig = Field(default_factory=BackendConfig, description="Training backend.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Stage task launching and retries.")
     lora: LoraConfig = Field(
         default_factory=LoraConfig, description="LoRA adapters for every training stage (a stage's `lora` overrides)."
     )
-    pretrain: Annotated[PretrainConfig, Neutral(None)] = Field(default_factory=PretrainConfig, description="Continued-pretraining stage.")
+    pretrain: Annotated[PretrainConfig, Neutral(None)] = Field(
+        default_factory=PretrainConfig, description="Continued-pretraining stage."
+    )
     sft: SFTConfig = Field(default_factory=SFTConfig, description="SFT stage.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Reward model stage.")
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="Scoring stage.")
@@ -174,8 +181,9 @@ class PipelineConfig(ConfigBase):
                 continue
             backend = self.backend_for(stage)
             sharded = backend.name == "fsdp2" or (backend.name == "deepspeed" and backend.zero_stage == 3)
-            problem = (rl_config_problem(stage, section, section.samples_per_prompt_of_rollout, backend.world_size)
-                       or engine_problem(f"{stage}.generation", section.generation.engine, backend.name, sharded))
+            problem = rl_config_problem(
+                stage, section, section.samples_per_prompt_of_rollout, backend.world_size
+            ) or engine_problem(f"{stage}.generation", section.generation.engine, backend.name, sharded)
             if problem:
                 raise ValueError(problem)
         return self
@@ -189,8 +197,9 @@ class PipelineConfig(ConfigBase):
         if "reward_model" in self.stages:
             problems.append(implicit_reward_problem(self.reward_model, self.lora_for("reward_model").enabled))
         if "teacher" in self.stages:  # the teacher's input model, as the registry gives it
-            problems.append(teacher_init_problem(self.teacher, self.teacher.init_from or self.model.name_or_path
-                                                 or INIT_SOURCE))
+            problems.append(
+                teacher_init_problem(self.teacher, self.teacher.init_from or self.model.name_or_path or INIT_SOURCE)
+            )
         for problem in problems:
             if problem:
                 raise ValueError(problem)
@@ -200,8 +209,10 @@ class PipelineConfig(ConfigBase):
     def _check_stage_data(self) -> PipelineConfig:
         for stage in ("kto", "pretrain"):
             if stage in self.stages and getattr(self.data, stage) is None:
-                raise ValueError(f"stage {stage!r} reads data.{stage}, which is not set: give data.{stage} a source "
-                                 f"(uri null: the synthetic task)")
+                raise ValueError(
+                    f"stage {stage!r} reads data.{stage}, which is not set: give data.{stage} a source "
+                    f"(uri null: the synthetic task)"
+                )
         return self
 
     @model_validator(mode="after")
@@ -209,22 +220,32 @@ class PipelineConfig(ConfigBase):
         for i, gate in enumerate(self.evaluate.gates):
             stage = gate.metric.split("/", 1)[0].removesuffix("_vs_sft") if "/" in gate.metric else None
             if stage != "base" and stage not in STAGE_ORDER:
-                raise ValueError(f"evaluate.gates[{i}].metric={gate.metric!r}: names no stage; a gate's metric is "
-                                 "<stage>/<metric>, <stage>_vs_sft/<metric> or base/<metric> (e.g. dpo/exact_match, "
-                                 f"dpo_vs_sft/win_rate) with a stage of {list(STAGE_ORDER)}")
+                raise ValueError(
+                    f"evaluate.gates[{i}].metric={gate.metric!r}: names no stage; a gate's metric is "
+                    "<stage>/<metric>, <stage>_vs_sft/<metric> or base/<metric> (e.g. dpo/exact_match, "
+                    f"dpo_vs_sft/win_rate) with a stage of {list(STAGE_ORDER)}"
+                )
             if gate.metric in EVALUATED_METRICS and "evaluate" in self.stages:
-                raise ValueError(f"evaluate.gates[{i}].metric={gate.metric!r}: with evaluate in the run this "
-                                 f"quantity is {EVALUATED_METRICS[gate.metric]!r} (evaluate's measure of the final "
-                                 "model on held-out data); gate on that name")
+                raise ValueError(
+                    f"evaluate.gates[{i}].metric={gate.metric!r}: with evaluate in the run this "
+                    f"quantity is {EVALUATED_METRICS[gate.metric]!r} (evaluate's measure of the final "
+                    "model on held-out data); gate on that name"
+                )
             if gate.vs_champion and not self.tracking.registered_model_name:
-                raise ValueError(f"evaluate.gates[{i}] ({gate.metric}): vs_champion needs "
-                                 "tracking.registered_model_name (the registered model whose champion it compares with)")
+                raise ValueError(
+                    f"evaluate.gates[{i}] ({gate.metric}): vs_champion needs "
+                    "tracking.registered_model_name (the registered model whose champion it compares with)"
+                )
         if self.tracking.registered_model_name and not self.tracking.log_models:
-            raise ValueError("tracking.registered_model_name needs tracking.log_models (the version is the logged model)")
+            raise ValueError(
+                "tracking.registered_model_name needs tracking.log_models (the version is the logged model)"
+            )
         chosen = self.tracking.registered_stage
         if chosen is not None and (chosen not in self.stages or not get_stage(chosen).produces_model):
-            raise ValueError(f"tracking.registered_stage={chosen!r}: must be a stage of this run that produces a "
-                             f"model ({[s for s in self.stages if get_stage(s).produces_model]})")
+            raise ValueError(
+                f"tracking.registered_stage={chosen!r}: must be a stage of this run that produces a "
+                f"model ({[s for s in self.stages if get_stage(s).produces_model]})"
+            )
         return self
 
     def lora_for(self, stage: str) -> LoraConfig:
@@ -347,8 +368,10 @@ def load_config(
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {uri} is not valid YAML: {e}") from e
         if loaded is None:  # an empty file, or comments only: most likely the wrong file or a failed write
-            raise ConfigError(f"config file {uri} is empty (no settings, at most comments); to run every default "
-                              "on purpose, write {} in it")
+            raise ConfigError(
+                f"config file {uri} is empty (no settings, at most comments); to run every default "
+                "on purpose, write {} in it"
+            )
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {uri}: top level must be a mapping")
         data = loaded
@@ -382,9 +405,13 @@ def rl_config_problem(stage: str, cfg: RLStageConfig, samples_per_prompt: int, w
     if cfg.generation.temperature <= 0:
         return f"{stage}.generation.temperature must be > 0: RL stages sample"
     if cfg.prompts_per_rollout % world_size:
-        return (f"{stage}.prompts_per_rollout={cfg.prompts_per_rollout} must be a multiple of the world size "
-                f"({world_size}): every rank samples an equal share of each rollout's prompts")
+        return (
+            f"{stage}.prompts_per_rollout={cfg.prompts_per_rollout} must be a multiple of the world size "
+            f"({world_size}): every rank samples an equal share of each rollout's prompts"
+        )
     if cfg.num_mini_batches > cfg.prompts_per_rollout * samples_per_prompt:
-        return (f"{stage}.num_mini_batches={cfg.num_mini_batches} exceeds the rollout batch's number of sequences "
-                f"({cfg.prompts_per_rollout * samples_per_prompt} = prompts_per_rollout x samples per prompt)")
+        return (
+            f"{stage}.num_mini_batches={cfg.num_mini_batches} exceeds the rollout batch's number of sequences "
+            f"({cfg.prompts_per_rollout * samples_per_prompt} = prompts_per_rollout x samples per prompt)"
+        )
     return None

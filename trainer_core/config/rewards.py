@@ -17,21 +17,24 @@ class RewardConfig(ConfigBase):
     """How an online RL stage scores a completion: learned, verifiable, a user function, or a weighted sum."""
 
     kind: Literal["reward_model", "verifier", "math_verify", "function", "weighted"] = Field(
-        "verifier", description="'reward_model': the trained RM's score; 'verifier': exact match of the final "
+        "verifier",
+        description="'reward_model': the trained RM's score; 'verifier': exact match of the final "
         "number (1/0) plus format bonus; 'math_verify': 1/0 by math-verify's equivalence of the final answer; "
         "'function': the user function at 'function'; 'weighted': the weighted sum of 'weights' (by default "
-        "reward_model_weight * RM + verifier_weight * verifier)."
+        "reward_model_weight * RM + verifier_weight * verifier).",
     )
     reward_model_from: str | None = Field(None, description="Reward model URI; None: the reward_model output.")
     reward_model_weight: float = Field(1.0, description="Weight of the RM score in 'weighted' (without 'weights').")
     verifier_weight: float = Field(1.0, description="Weight of the verifier score in 'weighted' (without 'weights').")
     function: Annotated[str | None, Neutral(None)] = Field(
-        None, description="'function' (or a 'weighted' part): import path 'package.module:function' of a reward "
-        "function (see trainer_core.training.rl.rewards.FunctionReward for its signature)."
+        None,
+        description="'function' (or a 'weighted' part): import path 'package.module:function' of a reward "
+        "function (see trainer_core.training.rl.rewards.FunctionReward for its signature).",
     )
     weights: Annotated[dict[RewardKind, float] | None, Neutral(None)] = Field(
-        None, description="'weighted': kind -> weight, e.g. {verifier: 1.0, function: 0.5}; None: "
-        "reward_model_weight and verifier_weight."
+        None,
+        description="'weighted': kind -> weight, e.g. {verifier: 1.0, function: 0.5}; None: "
+        "reward_model_weight and verifier_weight.",
     )
 
     @model_validator(mode="after")
@@ -48,8 +51,9 @@ class RewardConfig(ConfigBase):
         return self
 
     format_bonus: float = Field(
-        0.1, ge=0, description="'verifier' and 'math_verify': added when the completion has a '#### <number>' "
-        "final line."
+        0.1,
+        ge=0,
+        description="'verifier' and 'math_verify': added when the completion has a '#### <number>' final line.",
     )
 
     def kind_weights(self) -> dict[str, float]:

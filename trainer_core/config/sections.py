@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from trainer_core.config.base import ConfigBase, Neutral, override_of
 
+
 class StorageConfig(ConfigBase):
     """Where outputs go: any fsspec URI (local directory, ``s3://bucket/prefix``, ``memory://``)."""
 
@@ -90,7 +91,9 @@ class DataSource(ConfigBase):
         "{prompt, completion, label} examples; 'text': raw text (the text_field of JSONL/Parquet records, or each "
         "line of a .txt file).",
     )
-    text_field: Annotated[str, Neutral("text")] = Field("text", description="Field holding the document of a 'text' record (JSONL/Parquet).")
+    text_field: Annotated[str, Neutral("text")] = Field(
+        "text", description="Field holding the document of a 'text' record (JSONL/Parquet)."
+    )
     split: str = Field("train", description="Split name, for 'hf://' data set ids only.")
     max_rows: int | None = Field(None, ge=1, description="Read at most this many rows (None: all).")
 
@@ -102,13 +105,17 @@ class SyntheticConfig(ConfigBase):
     num_pairs: int = Field(1500, ge=10, description="Number of generated preference pairs.")
     max_operand: int = Field(20, ge=2, description="Largest operand in a generated problem.")
     annotation_fraction: Annotated[float, Neutral(1.0)] = Field(
-        1.0, ge=0, le=1, description="Share of SFT solutions written with GSM8K's calculator annotations "
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of SFT solutions written with GSM8K's calculator annotations "
         "('3+5=<<3+5=8>>8'; the others '3+5=8'): a model then calls the calculator environment on about this share "
-        "of its answers. 1.0: all."
+        "of its answers. 1.0: all.",
     )
     annotation_unit: Annotated[Literal["solution", "step"], Neutral("solution")] = Field(
-        "solution", description="What annotation_fraction draws: 'solution' (a solution is annotated on every step or on "
-        "none) or 'step' (each step on its own draw, so every answer mixes calls and plain sums)."
+        "solution",
+        description="What annotation_fraction draws: 'solution' (a solution is annotated on every step or on "
+        "none) or 'step' (each step on its own draw, so every answer mixes calls and plain sums).",
     )
 
 
@@ -138,17 +145,22 @@ class DataConfig(ConfigBase):
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig, description="Synthetic task settings.")
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Fraction of each data set held out.")
     max_eval_rows: int = Field(256, ge=1, description="Cap on rows of each held-out split.")
-    max_length_tokens: int = Field(256, ge=8, description="Max tokens of prompt + completion; longer rows are truncated.")
+    max_length_tokens: int = Field(
+        256, ge=8, description="Max tokens of prompt + completion; longer rows are truncated."
+    )
     max_prompt_length_tokens: int = Field(
         192, ge=4, description="Max prompt tokens; longer prompts keep their last tokens."
     )
     assistant_turns: Annotated[Literal["last", "all"], Neutral("last")] = Field(
-        "last", description="SFT rows of a conversation (a 'messages' record, or a prompt with assistant turns): "
+        "last",
+        description="SFT rows of a conversation (a 'messages' record, or a prompt with assistant turns): "
         "'last' counts only the final assistant reply in the loss, 'all' every assistant reply (system, user "
         "and the template's headers are never counted). Preference and KTO rows count their final reply.",
     )
     num_proc: int = Field(
-        1, ge=1, description="Processes that tokenise in prepare_data (chunks of rows, results in order: the "
+        1,
+        ge=1,
+        description="Processes that tokenise in prepare_data (chunks of rows, results in order: the "
         "output is the same for any value); 1: in the prepare_data process itself.",
     )
 
@@ -170,10 +182,13 @@ class ModelInit(ConfigBase):
     """Architecture and sizes of a model built from config (random init)."""
 
     architecture: Literal["llama", "mixtral"] = Field(
-        "llama", description="Model family (transformers config class): llama (dense) or mixtral (a sparse mixture "
+        "llama",
+        description="Model family (transformers config class): llama (dense) or mixtral (a sparse mixture "
         "of experts in every block: a top-k router over num_local_experts MLPs of intermediate_size).",
     )
-    num_local_experts: Annotated[int | None, Neutral(None)] = Field(None, ge=2, description="Experts per block (mixtral; None: 4).")
+    num_local_experts: Annotated[int | None, Neutral(None)] = Field(
+        None, ge=2, description="Experts per block (mixtral; None: 4)."
+    )
     num_experts_per_tok: Annotated[int | None, Neutral(None)] = Field(
         None, ge=1, description="Experts each token is routed to, top-k (mixtral; None: 2)."
     )
@@ -194,8 +209,10 @@ class ModelInit(ConfigBase):
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
         experts = {"num_local_experts": self.num_local_experts, "num_experts_per_tok": self.num_experts_per_tok}
         if self.architecture != "mixtral" and any(v is not None for v in experts.values()):
-            raise ValueError(f"{[k for k, v in experts.items() if v is not None]} apply to a mixture of experts: set "
-                             "architecture: mixtral")
+            raise ValueError(
+                f"{[k for k, v in experts.items() if v is not None]} apply to a mixture of experts: set "
+                "architecture: mixtral"
+            )
         if self.architecture == "mixtral" and self.experts_per_token > self.experts:
             raise ValueError(f"num_experts_per_tok={self.experts_per_token} exceeds num_local_experts={self.experts}")
         return self
@@ -220,7 +237,9 @@ class ModelConfig(ConfigBase):
     init: ModelInit | None = Field(None, description="Build a model from these sizes instead of loading one.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off unless set).")
-    attn_implementation: Annotated[Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] | None, Neutral(None)] = Field(
+    attn_implementation: Annotated[
+        Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] | None, Neutral(None)
+    ] = Field(
         None,
         description="transformers' attention kernel for every model the stages load; None: transformers' default "
         "(sdpa). With packed micro-batches on CUDA, flex_attention (document masks) or flash_attention_2 (varlen, "
@@ -249,8 +268,9 @@ class LoraConfig(ConfigBase):
 
     enabled: bool = Field(False, description="Train low-rank adapters instead of the full weights.")
     rank: int = Field(16, ge=1, description="Adapter rank r.")
-    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is (alpha / r) B A (alpha / sqrt(r) "
-                         "with use_rslora).")
+    alpha: float = Field(
+        32.0, gt=0, description="Scale numerator: the update is (alpha / r) B A (alpha / sqrt(r) with use_rslora)."
+    )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
     target_modules: list[str] | None = Field(
         None,
@@ -265,8 +285,9 @@ class LoraConfig(ConfigBase):
         "reference input (twice the weights; the same values).",
     )
     quantize: Literal["4bit"] | None = Field(
-        None, description="QLoRA: load the frozen base in 4-bit NF4 (bitsandbytes >= 0.48, CUDA or CPU; the single "
-        "backend only). The merged commit dequantizes the base: W' = dequant(W_nf4) + scaling B A."
+        None,
+        description="QLoRA: load the frozen base in 4-bit NF4 (bitsandbytes >= 0.48, CUDA or CPU; the single "
+        "backend only). The merged commit dequantizes the base: W' = dequant(W_nf4) + scaling B A.",
     )
     merge_on_commit: bool = Field(
         True,
@@ -298,7 +319,9 @@ class LaunchConfig(ConfigBase):
     retry_delay_s: float = Field(2.0, ge=0, description="Seconds between retries.")
     timeout_s: float | None = Field(None, gt=0, description="Kill a stage's trainer after this many seconds.")
     lease_ttl_s: float = Field(
-        30.0, gt=0, description="Lifetime of a stage's writer lease without renewal (renewed every third of it); "
+        30.0,
+        gt=0,
+        description="Lifetime of a stage's writer lease without renewal (renewed every third of it); "
         "a relaunch after a hard kill waits at most this long for the dead writer's lease.",
     )
     max_parallel_stages: int | None = Field(
@@ -320,20 +343,25 @@ class SweepConfig(ConfigBase):
     pipeline run per point, the stages the points have in common once."""
 
     grid: dict[str, list[Any]] = Field(
-        default_factory=dict, description="Config key -> the values swept, e.g. {dpo.beta: [0.1, 0.5]}: one point "
-        "per combination of values (the --grid options of posttrain sweep are added to it)."
+        default_factory=dict,
+        description="Config key -> the values swept, e.g. {dpo.beta: [0.1, 0.5]}: one point "
+        "per combination of values (the --grid options of posttrain sweep are added to it).",
     )
     metric: str | None = Field(
-        None, description="The evaluate metric (higher is better) that picks the best point, e.g. grpo/exact_match; "
-        "None: <registered stage>/exact_match."
+        None,
+        description="The evaluate metric (higher is better) that picks the best point, e.g. grpo/exact_match; "
+        "None: <registered stage>/exact_match.",
     )
     max_parallel_points: int | None = Field(
-        None, ge=1, description="Points that run at once. None: every point when a GPU concurrency limit is named "
-        "(its slots bound their GPU stages), else 2."
+        None,
+        ge=1,
+        description="Points that run at once. None: every point when a GPU concurrency limit is named "
+        "(its slots bound their GPU stages), else 2.",
     )
     register_others: bool = Field(
-        False, description="Also register every other point's policy, as a candidate (never the champion); False: "
-        "only the best point goes through the gates and the registry."
+        False,
+        description="Also register every other point's policy, as a candidate (never the champion); False: "
+        "only the best point goes through the gates and the registry.",
     )
 
     @field_validator("grid")

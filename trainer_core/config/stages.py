@@ -29,12 +29,15 @@ class MoEConfig(ConfigBase):
     """Mixture-of-experts training of a model with routers (Mixtral, Qwen2-MoE, OLMoE, ...)."""
 
     aux_loss_coef: float = Field(
-        0.0, ge=0, description="Weight of the routers' load-balancing loss (Switch Transformer eqs. 4-6, transformers' "
+        0.0,
+        ge=0,
+        description="Weight of the routers' load-balancing loss (Switch Transformer eqs. 4-6, transformers' "
         "load_balancing_loss_func) added to the training loss. 0: none, which is transformers' own default "
         "(output_router_logits off); Mixtral's published coefficient is 0.02.",
     )
     router_temperature: Annotated[RouterTemperatureConfig | None, Neutral(None)] = Field(
-        None, description="Router temperature schedule {start, end, steps}: the router logits of the training "
+        None,
+        description="Router temperature schedule {start, end, steps}: the router logits of the training "
         "forwards divided by a temperature moved linearly from start to end over `steps` optimizer steps; None: "
         "the routers as they are (temperature 1).",
     )
@@ -84,7 +87,8 @@ class TrainStageConfig(OptimizerStageConfig):
     the best checkpoint and early stopping, logging every N steps, the routers' losses."""
 
     moe: Annotated[MoEConfig, Neutral(MoEConfig())] = Field(
-        default_factory=MoEConfig, description="Router load-balancing loss of a mixture-of-experts model (expert usage "
+        default_factory=MoEConfig,
+        description="Router load-balancing loss of a mixture-of-experts model (expert usage "
         "is logged whenever the model has routers).",
     )
     micro_batch_size: int = Field(8, ge=1, description="Examples per forward/backward.")
@@ -175,7 +179,6 @@ class RewardModelConfig(SupervisedStageConfig):
     )
 
 
-
 def implicit_reward_problem(cfg: RewardModelConfig, lora_enabled: bool) -> str | None:
     """Why the reward model stage cannot train ``cfg`` with LoRA on (``lora_enabled``), or None:
     the implicit reward is committed as a causal LM marked in its config.json, which an adapter's
@@ -184,13 +187,18 @@ def implicit_reward_problem(cfg: RewardModelConfig, lora_enabled: bool) -> str |
         return "reward_model.parameterization='implicit' does not take LoRA (reward_model.lora / lora)"
     return None
 
+
 class DPOConfig(SupervisedStageConfig, ReferenceModelConfig):
     """Preference optimisation on chosen/rejected pairs: DPO (sigmoid loss) against a frozen
     reference, or another loss of the family (``loss_type``; see ``trainer_core.objectives.dpo``)."""
 
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
-    beta: Annotated[float, Neutral(None)] = Field(0.1, gt=0, description="DPO beta: strength of the implicit KL constraint (IPO's tau, "
-                        "SimPO's reward scale, ORPO's lambda).")
+    beta: Annotated[float, Neutral(None)] = Field(
+        0.1,
+        gt=0,
+        description="DPO beta: strength of the implicit KL constraint (IPO's tau, "
+        "SimPO's reward scale, ORPO's lambda).",
+    )
     loss_type: Annotated[Literal["sigmoid", "robust", "hinge", "ipo", "simpo", "orpo"], Neutral("sigmoid")] = Field(
         "sigmoid",
         description="sigmoid: DPO (with label_smoothing > 0: conservative DPO); robust: rDPO; hinge: SLiC; ipo: IPO "
@@ -199,12 +207,17 @@ class DPOConfig(SupervisedStageConfig, ReferenceModelConfig):
         "reference model.",
     )
     label_smoothing: Annotated[float, Neutral(0.0)] = Field(
-        0.0, ge=0, lt=0.5, description="Probability that a preference label is flipped: cDPO (sigmoid), rDPO "
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="Probability that a preference label is flipped: cDPO (sigmoid), rDPO "
         "(robust) and SimPO; 0 elsewhere.",
     )
     simpo_gamma: Annotated[float, Neutral(0.5)] = Field(0.5, ge=0, description="SimPO's target reward margin gamma.")
     rpo_alpha: Annotated[float, Neutral(0.0)] = Field(
-        0.0, ge=0, description="Weight of the chosen completions' negative log-likelihood (per token) added to "
+        0.0,
+        ge=0,
+        description="Weight of the chosen completions' negative log-likelihood (per token) added to "
         "the preference loss: RPO (Pang et al. 2024, eq. 1; TRL 1.x: loss_type ['sigmoid', 'sft'] with "
         "loss_weights [1, rpo_alpha]); keeps the chosen solutions likely where DPO alone lowers both sides. "
         "0: off (ORPO has its own NLL term).",
@@ -215,8 +228,10 @@ class DPOConfig(SupervisedStageConfig, ReferenceModelConfig):
         if self.rpo_alpha and self.loss_type == "orpo":
             raise ValueError(f"rpo_alpha={self.rpo_alpha}: loss_type 'orpo' already adds the chosen NLL")
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust", "simpo"):
-            raise ValueError(f"label_smoothing={self.label_smoothing}: loss_type {self.loss_type!r} has no label "
-                             "smoothing (sigmoid, robust and simpo have)")
+            raise ValueError(
+                f"label_smoothing={self.label_smoothing}: loss_type {self.loss_type!r} has no label "
+                "smoothing (sigmoid, robust and simpo have)"
+            )
         return self
 
 
@@ -225,21 +240,30 @@ class KTOConfig(TrainStageConfig, ReferenceModelConfig):
     against a frozen reference (Ethayarajh et al. 2024; ``trainer_core.objectives.kto``)."""
 
     learning_rate: float = Field(
-        1e-4, gt=0, description="Peak learning rate (AdamW); lower than DPO's: an unpaired loss has no pair to cancel "
+        1e-4,
+        gt=0,
+        description="Peak learning rate (AdamW); lower than DPO's: an unpaired loss has no pair to cancel "
         "the shift common to every completion.",
     )
-    beta: Annotated[float, Neutral(None)] = Field(0.1, gt=0, description="KTO beta: scale of the implied reward (as DPO's).")
+    beta: Annotated[float, Neutral(None)] = Field(
+        0.1, gt=0, description="KTO beta: scale of the implied reward (as DPO's)."
+    )
     desirable_weight: float = Field(
-        1.0, gt=0, description="lambda_D, the weight of a desirable example's loss. The paper advises "
+        1.0,
+        gt=0,
+        description="lambda_D, the weight of a desirable example's loss. The paper advises "
         "desirable_weight x #desirable / (undesirable_weight x #undesirable) in [1, 4/3].",
     )
     undesirable_weight: float = Field(1.0, gt=0, description="lambda_U, the weight of an undesirable example's loss.")
+
     @model_validator(mode="after")
     def _kl_needs_a_batch(self) -> KTOConfig:
         if self.micro_batch_size < 2:
-            raise ValueError("kto.micro_batch_size must be at least 2: the KL reference point is estimated from the "
-                             "micro-batch's mismatched pairs (with 1 it is the example's own implied reward; TRL refuses "
-                             "it too)")
+            raise ValueError(
+                "kto.micro_batch_size must be at least 2: the KL reference point is estimated from the "
+                "micro-batch's mismatched pairs (with 1 it is the example's own implied reward; TRL refuses "
+                "it too)"
+            )
         return self
 
 
@@ -254,13 +278,13 @@ SUPERVISED_LOOP_FIELDS: tuple[str, ...] = tuple(
 not read and its sections do not have."""
 
 
-
 def without_supervised_loop_fields(section: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """An RL section of a config saved before the RL sections lost the supervised loop's fields
     (a run's ``config.json`` holds every field), without them, and their names: the RL loop never
     read them, so the section configures the same run (CHANGELOG.md)."""
     dropped = [name for name in SUPERVISED_LOOP_FIELDS if name in section]
     return {k: v for k, v in section.items() if k not in dropped}, dropped
+
 
 class RLStageConfig(OptimizerStageConfig, ReferenceModelConfig):
     """Settings shared by online RL stages (PPO, GRPO, distill). ``max_steps`` counts rollout-update
@@ -273,8 +297,10 @@ class RLStageConfig(OptimizerStageConfig, ReferenceModelConfig):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay.")
     prompts_per_rollout: int = Field(8, ge=1, description="Prompts sampled per rollout-update iteration.")
     num_prompts: Annotated[int | None, Neutral(None)] = Field(
-        None, ge=1, description="RL prompt pool: this many prompts of the prepared train split, drawn with the "
-        "pipeline seed (iterations go through the pool in epochs); None: all of them."
+        None,
+        ge=1,
+        description="RL prompt pool: this many prompts of the prepared train split, drawn with the "
+        "pipeline seed (iterations go through the pool in epochs); None: all of them.",
     )
     ppo_epochs: int = Field(1, ge=1, description="Optimisation passes over each rollout batch.")
     num_mini_batches: int = Field(1, ge=1, description="Mini-batches (optimizer steps) per epoch of a rollout batch.")
@@ -286,36 +312,46 @@ class RLStageConfig(OptimizerStageConfig, ReferenceModelConfig):
     kl_horizon: int = Field(10000, ge=1, description="Horizon of the adaptive KL controller.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
     environment: Annotated[EnvironmentConfig | None, Neutral(None)] = Field(
-        None, description="A tool environment for multi-turn rollouts (its tokens masked from every loss term; "
-        "PPO's GAE steps over the policy's tokens alone); None: single-turn."
+        None,
+        description="A tool environment for multi-turn rollouts (its tokens masked from every loss term; "
+        "PPO's GAE steps over the policy's tokens alone); None: single-turn.",
     )
     generation: RolloutGenerationConfig = Field(
         default_factory=RolloutGenerationConfig, description="Rollout sampling settings."
     )
     forward_micro_batch_size: Annotated[int | None, Neutral(None)] = Field(
-        None, ge=1, description="Sequences per forward over a rollout batch (policy, reference, value head, "
-        "reward model) and per backward in a mini-batch (gradients accumulated); None: all at once."
+        None,
+        ge=1,
+        description="Sequences per forward over a rollout batch (policy, reference, value head, "
+        "reward model) and per backward in a mini-batch (gradients accumulated); None: all at once.",
     )
     padding_free: Annotated[bool, Neutral(False)] = Field(
-        False, description="Run the policy's, the reference's and the teacher's forwards over a rollout (log-probs, "
+        False,
+        description="Run the policy's, the reference's and the teacher's forwards over a rollout (log-probs, "
         "values and the update, the ptx rows too) on the real tokens only: each forward's rows end to end in one "
         "row, position ids restarting per row, instead of [rows, longest prompt + longest completion] with padding "
         "(TRL's padding_free, verl's use_remove_padding). No token attends across rows (block-diagonal on "
         "sdpa/eager, document masks with model.attn_implementation=flex_attention, varlen with flash_attention_2); "
         "on sdpa/eager the mask is as long as all the rows together, so it pays where padding is a large share. "
         "Refused at start for a model whose attention mask ignores position ids (OPT, BLOOM), and when the config "
-        "loads with backend.name=deepspeed."
+        "loads with backend.name=deepspeed.",
     )
     ptx_coef: Annotated[float, Neutral(0.0)] = Field(
-        0.0, ge=0, description="Weight of a supervised loss on the prepared sft/train demonstrations added to "
+        0.0,
+        ge=0,
+        description="Weight of a supervised loss on the prepared sft/train demonstrations added to "
         "every optimizer step (InstructGPT's PPO-ptx, eq. 2; OpenRLHF's ptx_coef): keeps what the policy "
-        "learnt outside the RL prompts; 0: off. See trainer_core.training.rl.ptx."
+        "learnt outside the RL prompts; 0: off. See trainer_core.training.rl.ptx.",
     )
-    ptx_rows_per_step: Annotated[int, Neutral(16)] = Field(16, ge=1, description="Demonstrations per rank in each optimizer step's ptx loss.")
+    ptx_rows_per_step: Annotated[int, Neutral(16)] = Field(
+        16, ge=1, description="Demonstrations per rank in each optimizer step's ptx loss."
+    )
     importance_sampling_cap: Annotated[float | None, Neutral(None)] = Field(
-        None, gt=0, description="Truncated importance sampling: weight each token's loss by "
+        None,
+        gt=0,
+        description="Truncated importance sampling: weight each token's loss by "
         "min(exp(trainer logprob - engine logprob), cap) where the engine's numerics differ from the "
-        "trainer's (e.g. 2.0 with engine 'static'); None: off."
+        "trainer's (e.g. 2.0 with engine 'static'); None: off.",
     )
 
     @property
@@ -363,31 +399,40 @@ class GRPOConfig(RLStageConfig):
         True, description="'grpo' estimator: divide group advantages by the group std (False: as 'dr_grpo')."
     )
     advantage_estimator: Annotated[Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"], Neutral("grpo")] = Field(
-        "grpo", description="'grpo' (group mean and std), 'dr_grpo' (group mean only), 'rloo' (leave-one-out "
+        "grpo",
+        description="'grpo' (group mean and std), 'dr_grpo' (group mean only), 'rloo' (leave-one-out "
         "mean), 'reinforce_pp' (REINFORCE++: token-level KL in the reward, whitened over the batch); see "
-        "trainer_core.objectives.grpo_family."
+        "trainer_core.objectives.grpo_family.",
     )
     loss_aggregation: Annotated[Literal["token_mean", "sequence_mean", "constant"], Neutral("token_mean")] = Field(
-        "token_mean", description="How per-token losses become the loss: 'token_mean' over the mini-batch's "
+        "token_mean",
+        description="How per-token losses become the loss: 'token_mean' over the mini-batch's "
         "tokens (DAPO), 'sequence_mean' each sequence's token mean then the mean over sequences (GRPO), "
-        "'constant' the sum over sequences x max_new_tokens (Dr. GRPO)."
+        "'constant' the sum over sequences x max_new_tokens (Dr. GRPO).",
     )
     clip_eps_high: Annotated[float | None, Neutral(None)] = Field(
-        None, gt=0, description="Upper clip range (DAPO's clip-higher: ratio clipped to "
-        "[1 - clip_eps, 1 + clip_eps_high]); None: clip_eps."
+        None,
+        gt=0,
+        description="Upper clip range (DAPO's clip-higher: ratio clipped to "
+        "[1 - clip_eps, 1 + clip_eps_high]); None: clip_eps.",
     )
     dynamic_sampling: Annotated[bool, Neutral(False)] = Field(
-        False, description="DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more "
-        "prompts until prompts_per_rollout groups remain or dynamic_sampling_max_rounds is reached."
+        False,
+        description="DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more "
+        "prompts until prompts_per_rollout groups remain or dynamic_sampling_max_rounds is reached.",
     )
     dynamic_sampling_max_rounds: Annotated[int, Neutral(4)] = Field(
         4, ge=1, description="Sampling rounds per rollout at most with dynamic_sampling (1: filter only)."
     )
     overlong_buffer_tokens: Annotated[int | None, Neutral(None)] = Field(
-        None, ge=1, description="DAPO's soft overlong punishment: completions longer than max_new_tokens minus "
-        "this many tokens lose up to overlong_penalty linearly; None: off."
+        None,
+        ge=1,
+        description="DAPO's soft overlong punishment: completions longer than max_new_tokens minus "
+        "this many tokens lose up to overlong_penalty linearly; None: off.",
     )
-    overlong_penalty: Annotated[float, Neutral(1.0)] = Field(1.0, ge=0, description="Largest overlong punishment (DAPO: 1).")
+    overlong_penalty: Annotated[float, Neutral(1.0)] = Field(
+        1.0, ge=0, description="Largest overlong punishment (DAPO: 1)."
+    )
 
     @model_validator(mode="after")
     def _overlong_fits(self) -> GRPOConfig:
@@ -395,5 +440,6 @@ class GRPOConfig(RLStageConfig):
         if buffer is not None and buffer > longest:
             raise ValueError(f"grpo.overlong_buffer_tokens={buffer} exceeds generation.max_new_tokens={longest}")
         return self
+
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0: no KL term, no reference).")
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="Per-token KL estimator (k3 as in DeepSeekMath).")

@@ -153,8 +153,10 @@ def collate_kto(rows: Sequence[dict], pad_id: int) -> dict[str, Tensor]:
     missing = [i for i, row in enumerate(rows) if "label" not in row]
     if missing:
         raise ValueError(f"batch row {missing[0]} has no 'label' (keys: {sorted(rows[missing[0]])})")
-    batch = {**_causal(rows, pad_id, "", max(len(r["input_ids"]) for r in rows)),
-             **_causal(rows, pad_id, "kl_", max(len(r["kl_input_ids"]) for r in rows))}
+    batch = {
+        **_causal(rows, pad_id, "", max(len(r["input_ids"]) for r in rows)),
+        **_causal(rows, pad_id, "kl_", max(len(r["kl_input_ids"]) for r in rows)),
+    }
     batch["counted_index"] = counted_index(batch["loss_mask"])
     batch["kl_counted_index"] = counted_index(batch["kl_loss_mask"])
     batch["label"] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)

@@ -23,23 +23,49 @@ from trainer_core.data.tokenizer import encode_chat, render_chat
 _IDS = pa.list_(pa.int32())
 _MASK = pa.list_(pa.int8())
 SFT_SCHEMA = pa.schema(
-    [("prompt", pa.string()), ("completion", pa.string()), ("answer", pa.string()), ("messages_json", pa.string()),
-     ("input_ids", _IDS), ("loss_mask", _MASK), ("num_tokens", pa.int32()), ("tools_json", pa.string())]
+    [
+        ("prompt", pa.string()),
+        ("completion", pa.string()),
+        ("answer", pa.string()),
+        ("messages_json", pa.string()),
+        ("input_ids", _IDS),
+        ("loss_mask", _MASK),
+        ("num_tokens", pa.int32()),
+        ("tools_json", pa.string()),
+    ]
 )
 PREFERENCE_SCHEMA = pa.schema(
-    [("messages_json", pa.string()), ("chosen", pa.string()), ("rejected", pa.string()),
-     ("chosen_input_ids", _IDS), ("chosen_loss_mask", _MASK), ("rejected_input_ids", _IDS),
-     ("rejected_loss_mask", _MASK)]
+    [
+        ("messages_json", pa.string()),
+        ("chosen", pa.string()),
+        ("rejected", pa.string()),
+        ("chosen_input_ids", _IDS),
+        ("chosen_loss_mask", _MASK),
+        ("rejected_input_ids", _IDS),
+        ("rejected_loss_mask", _MASK),
+    ]
 )
 EVAL_PROBLEMS_SCHEMA = pa.schema([("messages_json", pa.string()), ("answer", pa.string()), ("prompt_input_ids", _IDS)])
 KTO_SCHEMA = pa.schema(
-    [("messages_json", pa.string()), ("completion", pa.string()), ("label", pa.bool_()), ("input_ids", _IDS),
-     ("loss_mask", _MASK), ("kl_input_ids", _IDS), ("kl_loss_mask", _MASK)]
+    [
+        ("messages_json", pa.string()),
+        ("completion", pa.string()),
+        ("label", pa.bool_()),
+        ("input_ids", _IDS),
+        ("loss_mask", _MASK),
+        ("kl_input_ids", _IDS),
+        ("kl_loss_mask", _MASK),
+    ]
 )
 PRETRAIN_SCHEMA = pa.schema([("input_ids", _IDS), ("num_tokens", pa.int32())])
 
-SCHEMAS = {"sft": SFT_SCHEMA, "preference": PREFERENCE_SCHEMA, "kto": KTO_SCHEMA, "pretrain": PRETRAIN_SCHEMA,
-           "eval_problems": EVAL_PROBLEMS_SCHEMA}
+SCHEMAS = {
+    "sft": SFT_SCHEMA,
+    "preference": PREFERENCE_SCHEMA,
+    "kto": KTO_SCHEMA,
+    "pretrain": PRETRAIN_SCHEMA,
+    "eval_problems": EVAL_PROBLEMS_SCHEMA,
+}
 """Prepared split schema per kind."""
 
 
@@ -87,8 +113,16 @@ class ChunkCounts:
 
     def add(self, other: ChunkCounts) -> None:
         """Sum ``other`` into this one (``extra`` is not summed)."""
-        for name in ("rows", "dropped_empty", "dropped_identical", "desirable", "tokens", "sequences",
-                     "truncated_prompts", "truncated_completions"):
+        for name in (
+            "rows",
+            "dropped_empty",
+            "dropped_identical",
+            "desirable",
+            "tokens",
+            "sequences",
+            "truncated_prompts",
+            "truncated_completions",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def mean_tokens(self) -> float:
@@ -119,18 +153,33 @@ class ChunkEncoder:
         Raises:
             ConfigError, DataError: as :func:`~trainer_core.data.tokenizer.encode_chat`.
         """
-        build = {"sft": self._sft, "preference": self._preference, "kto": self._kto,
-                 "pretrain": self._pretrain_stream}[chunk.kind]
+        build = {"sft": self._sft, "preference": self._preference, "kto": self._kto, "pretrain": self._pretrain_stream}[
+            chunk.kind
+        ]
         rows, counts = build(chunk)
         counts.rows = len(rows)
         return pa.RecordBatch.from_pylist(rows, schema=SCHEMAS[chunk.kind]), counts
 
-    def _encode(self, messages: list[dict], completion: str | None, counts: ChunkCounts,
-                assistant_turns: str = "last", tools: list[dict] | None = None) -> dict[str, list[int]]:
+    def _encode(
+        self,
+        messages: list[dict],
+        completion: str | None,
+        counts: ChunkCounts,
+        assistant_turns: str = "last",
+        tools: list[dict] | None = None,
+    ) -> dict[str, list[int]]:
         """:func:`encode_chat` with the limits; a cut prompt or completion is counted in ``counts``."""
         cut: dict[str, int] = {}
-        enc = encode_chat(self.tokenizer, messages, completion, self.max_length, self.max_prompt_length, truncated=cut,
-                          assistant_turns=assistant_turns, tools=tools)
+        enc = encode_chat(
+            self.tokenizer,
+            messages,
+            completion,
+            self.max_length,
+            self.max_prompt_length,
+            truncated=cut,
+            assistant_turns=assistant_turns,
+            tools=tools,
+        )
         counts.truncated_prompts += cut.get("prompt", 0)
         counts.truncated_completions += cut.get("completion", 0)
         return enc
@@ -143,10 +192,18 @@ class ChunkEncoder:
             if not any(enc["loss_mask"]):
                 counts.dropped_empty += 1
                 continue
-            rows.append({"prompt": ex["prompt"], "completion": ex["completion"], "answer": ex["answer"],
-                         "messages_json": ex["messages_json"], "input_ids": enc["input_ids"],
-                         "loss_mask": enc["loss_mask"], "num_tokens": len(enc["input_ids"]),
-                         "tools_json": ex.get("tools_json")})
+            rows.append(
+                {
+                    "prompt": ex["prompt"],
+                    "completion": ex["completion"],
+                    "answer": ex["answer"],
+                    "messages_json": ex["messages_json"],
+                    "input_ids": enc["input_ids"],
+                    "loss_mask": enc["loss_mask"],
+                    "num_tokens": len(enc["input_ids"]),
+                    "tools_json": ex.get("tools_json"),
+                }
+            )
             counts.tokens += len(enc["input_ids"])
             counts.sequences += 1
         return rows, counts
@@ -179,9 +236,17 @@ class ChunkEncoder:
                 counts.dropped_empty += 1
                 continue
             kl = self._encode(ex["messages"], kl_ex["completion"], counts)
-            rows.append({"messages_json": ex["messages_json"], "completion": ex["completion"],
-                         "label": ex["label"], "input_ids": enc["input_ids"], "loss_mask": enc["loss_mask"],
-                         "kl_input_ids": kl["input_ids"], "kl_loss_mask": kl["loss_mask"]})
+            rows.append(
+                {
+                    "messages_json": ex["messages_json"],
+                    "completion": ex["completion"],
+                    "label": ex["label"],
+                    "input_ids": enc["input_ids"],
+                    "loss_mask": enc["loss_mask"],
+                    "kl_input_ids": kl["input_ids"],
+                    "kl_loss_mask": kl["loss_mask"],
+                }
+            )
             counts.desirable += int(ex["label"])
             counts.tokens += len(enc["input_ids"])
             counts.sequences += 1
@@ -204,8 +269,9 @@ def render_texts(chunk: Chunk) -> list[str]:
     if chunk.store_kind == "text":
         return [ex["text"] for ex in examples]
     sides = ("chosen", "rejected") if chunk.store_kind == "preference" else ("completion",)
-    return [render_chat(ex["messages"] + [{"role": "assistant", "content": ex[side]}])
-            for ex in examples for side in sides]
+    return [
+        render_chat(ex["messages"] + [{"role": "assistant", "content": ex[side]}]) for ex in examples for side in sides
+    ]
 
 
 def cut_blocks(stream: list[int], block: int) -> tuple[list[list[int]], list[int]]:

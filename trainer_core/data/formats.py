@@ -157,11 +157,14 @@ def _message(record: dict, where: str, m: Any) -> dict[str, Any]:
     if calls and content is None:
         content = ""
     if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(content, str)):
-        raise DataError(f"{_where(record)}: field '{where} must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}")
+        raise DataError(
+            f"{_where(record)}: field '{where} must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}"
+        )
     message: dict[str, Any] = {"role": m["role"], "content": content}
     if calls:
-        message["tool_calls"] = [tool_call(c, f"{_where(record)}: field '{where}['tool_calls'][{j}]")
-                                 for j, c in enumerate(calls)]
+        message["tool_calls"] = [
+            tool_call(c, f"{_where(record)}: field '{where}['tool_calls'][{j}]") for j, c in enumerate(calls)
+        ]
     if m["role"] == "tool":
         message |= {k: m[k] for k in ("name", "tool_call_id") if isinstance(m.get(k), str)}
     return message
@@ -178,13 +181,16 @@ def _conversation(record: dict, name: str = "messages") -> tuple[list[dict[str, 
         _field(record, name, list)
     messages = _prompt_messages(record, name)
     if messages[-1]["role"] != "assistant":
-        raise DataError(f"{_where(record)}: field '{name}' must end with an assistant turn, "
-                        f"got role {messages[-1]['role']!r} last")
+        raise DataError(
+            f"{_where(record)}: field '{name}' must end with an assistant turn, got role {messages[-1]['role']!r} last"
+        )
     if len(messages) < 2:
         raise DataError(f"{_where(record)}: field '{name}' has no turn before its assistant reply")
     if "tool_calls" in messages[-1]:
-        raise DataError(f"{_where(record)}: field '{name}' ends with a tool call; the last assistant turn (the "
-                        "completion) must be text")
+        raise DataError(
+            f"{_where(record)}: field '{name}' ends with a tool call; the last assistant turn (the "
+            "completion) must be text"
+        )
     return messages[:-1], messages[-1]["content"]
 
 
@@ -202,7 +208,9 @@ def _reply(record: dict, name: str) -> str:
         raise DataError(f"{_where(record)}: field '{name}' must hold one assistant message, got {len(value)} messages")
     message = _prompt_messages(record, name)[0]
     if message["role"] != "assistant":
-        raise DataError(f"{_where(record)}: field '{name}' must hold an assistant message, got role {message['role']!r}")
+        raise DataError(
+            f"{_where(record)}: field '{name}' must hold an assistant message, got role {message['role']!r}"
+        )
     return message["content"]
 
 
@@ -215,16 +223,20 @@ def _conversation_pair(record: dict) -> dict:
     """
     (prompt, chosen), (rejected_prompt, rejected) = _conversation(record, "chosen"), _conversation(record, "rejected")
     if rejected_prompt != prompt:
-        raise DataError(f"{_where(record)}: fields 'chosen'/'rejected' do not share all turns but the last "
-                        "assistant reply")
+        raise DataError(
+            f"{_where(record)}: fields 'chosen'/'rejected' do not share all turns but the last assistant reply"
+        )
     return {"messages": prompt, "chosen": chosen, "rejected": rejected}
 
 
 def messages_to_text(messages: list[dict[str, Any]]) -> str:
     """Plain-text rendering of chat messages (``Role: content`` paragraphs; a tool call as
     ``[name(arguments)]``), for display."""
+
     def text(m: dict[str, Any]) -> str:
-        calls = [f"[{c['function']['name']}({json.dumps(c['function']['arguments'])})]" for c in m.get("tool_calls", [])]
+        calls = [
+            f"[{c['function']['name']}({json.dumps(c['function']['arguments'])})]" for c in m.get("tool_calls", [])
+        ]
         return " ".join(t for t in (m["content"], *calls) if t)
 
     return "\n\n".join(f"{m['role'].capitalize()}: {text(m)}" for m in messages)
@@ -293,16 +305,28 @@ def to_sft_example(record: dict, fmt: str = "auto") -> dict:
     elif fmt == "prompt_completion":
         messages = _prompt_messages(record)
         completion = _reply(record, "completion")
-        example = {"prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
-                   "completion": completion, "messages": messages, "answer": final_answer(completion)}
+        example = {
+            "prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
+            "completion": completion,
+            "messages": messages,
+            "answer": final_answer(completion),
+        }
     elif fmt == "hh_rlhf" or (fmt == "messages" and "messages" not in record and "chosen" in record):
         pair = _hh_pair(record) if fmt == "hh_rlhf" else _conversation_pair(record)
-        example = {"prompt": messages_to_text(pair["messages"]), "completion": pair["chosen"],
-                   "messages": pair["messages"], "answer": None}
+        example = {
+            "prompt": messages_to_text(pair["messages"]),
+            "completion": pair["chosen"],
+            "messages": pair["messages"],
+            "answer": None,
+        }
     elif fmt == "messages":
         messages, completion = _conversation(record)
-        example = {"prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
-                   "completion": completion, "messages": messages, "answer": final_answer(completion)}
+        example = {
+            "prompt": messages_to_text(messages) if len(messages) > 1 else messages[0]["content"],
+            "completion": completion,
+            "messages": messages,
+            "answer": final_answer(completion),
+        }
         if tools := declared_tools(record.get("tools"), f"{_where(record)}: field 'tools'"):
             example["tools"] = tools
     else:
@@ -329,8 +353,11 @@ def to_preference_example(record: dict, fmt: str = "auto") -> dict:
     if fmt == "hh_rlhf":
         pair = _hh_pair(record)
     elif fmt == "prompt_completion":
-        pair = {"messages": _prompt_messages(record), "chosen": _reply(record, "chosen"),
-                "rejected": _reply(record, "rejected")}
+        pair = {
+            "messages": _prompt_messages(record),
+            "chosen": _reply(record, "chosen"),
+            "rejected": _reply(record, "rejected"),
+        }
     elif fmt == "messages" and "messages" not in record:
         pair = _conversation_pair(record)
     else:
@@ -353,15 +380,22 @@ def to_kto_examples(record: dict, fmt: str = "auto") -> list[dict]:
     """
     fmt = _resolve(record, fmt)
     if fmt == "kto":
-        example = {"messages": _prompt_messages(record), "completion": _reply(record, "completion"),
-                   "label": _field(record, "label", bool)}
+        example = {
+            "messages": _prompt_messages(record),
+            "completion": _reply(record, "completion"),
+            "label": _field(record, "label", bool),
+        }
         return [_with_source(example, record)]
     if fmt not in ("prompt_completion", "hh_rlhf", "messages"):
-        raise DataError(f"{_where(record)}: format {fmt!r} has no desirable/undesirable labels (kto records or "
-                        "chosen/rejected pairs)")
+        raise DataError(
+            f"{_where(record)}: format {fmt!r} has no desirable/undesirable labels (kto records or "
+            "chosen/rejected pairs)"
+        )
     pair = to_preference_example(record, fmt)
-    return [_with_source({"messages": pair["messages"], "completion": pair[side], "label": side == "chosen"}, record)
-            for side in ("chosen", "rejected")]
+    return [
+        _with_source({"messages": pair["messages"], "completion": pair[side], "label": side == "chosen"}, record)
+        for side in ("chosen", "rejected")
+    ]
 
 
 def to_text_example(record: dict, fmt: str = "auto", field: str = "text") -> dict:
@@ -385,8 +419,9 @@ def to_text_example(record: dict, fmt: str = "auto", field: str = "text") -> dic
         messages = _prompt_messages(record)
         prompt = messages[0]["content"] if len(messages) == 1 else messages_to_text(messages)
         return _with_source({"text": f"{prompt}\n{_reply(record, 'completion')}"}, record)
-    raise DataError(f"{_where(record)}: format {fmt!r} has no raw-text rendering (use text, gsm8k or "
-                    "prompt/completion records)")
+    raise DataError(
+        f"{_where(record)}: format {fmt!r} has no raw-text rendering (use text, gsm8k or prompt/completion records)"
+    )
 
 
 def to_eval_problem(record: dict, fmt: str = "auto") -> dict:
@@ -418,9 +453,11 @@ def to_eval_problem(record: dict, fmt: str = "auto") -> dict:
     if answer is None:
         raise DataError(f"{_where(record)}: field '{field}' has no final answer after '####'")
     if not is_verifiable_answer(answer):
-        raise DataError(f"{_where(record)}: field '{field}': the final answer after '####' is {answer!r}, not a "
-                        "number; exact-match evaluation compares the number a model writes with it, so it could "
-                        "never match (write the number alone, e.g. '#### 72')")
+        raise DataError(
+            f"{_where(record)}: field '{field}': the final answer after '####' is {answer!r}, not a "
+            "number; exact-match evaluation compares the number a model writes with it, so it could "
+            "never match (write the number alone, e.g. '#### 72')"
+        )
     return _with_source({"messages": messages, "answer": answer}, record)
 
 

@@ -164,8 +164,7 @@ def _local_files(data_uri: str, name: str) -> list[str]:
     entries = split_files(_manifest_files(data_uri), name)
     if not entries:
         data_set = name.split("/", 1)[0]
-        hint = (f": this prepare_data output was made without data.{data_set}"
-                if name in OPTIONAL_SPLIT_NAMES else "")
+        hint = f": this prepare_data output was made without data.{data_set}" if name in OPTIONAL_SPLIT_NAMES else ""
         uri = join_uri(data_uri, f"{name}.parquet")
         raise DataError(f"prepared split not found: {uri} (splits: {list(SPLIT_NAMES)}){hint}")
     return [local_arrow(join_uri(data_uri, entry.path), entry.sha256) for entry in entries]
@@ -228,8 +227,9 @@ class PreparedRows(Sequence):
         maps: the mappings of ``paths`` (None: nothing to release).
     """
 
-    def __init__(self, table: pa.Table, name: str = "rows", paths: list[str] | None = None,
-                 maps: list[mmap.mmap] | None = None) -> None:
+    def __init__(
+        self, table: pa.Table, name: str = "rows", paths: list[str] | None = None, maps: list[mmap.mmap] | None = None
+    ) -> None:
         self.table = table
         self.name = name
         self.paths = paths

@@ -228,7 +228,11 @@ class PackedBatchSampler:
     drop_last = False
 
     def __init__(
-        self, lengths: Sequence[int] | np.ndarray | pa.Array, max_tokens: int, seed: int, shuffle: bool = True,
+        self,
+        lengths: Sequence[int] | np.ndarray | pa.Array,
+        max_tokens: int,
+        seed: int,
+        shuffle: bool = True,
         chunk_rows: int = 4096,
     ) -> None:
         if max_tokens < 1:

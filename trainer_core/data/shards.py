@@ -30,8 +30,10 @@ def shard_path(name: str, index: int) -> str:
 def split_files(entries: list[FileEntry], name: str) -> list[FileEntry]:
     """The manifest entries of split ``name``, in row order: its shards (by index) or, in an output
     written before sharding, the single ``<name>.parquet``; [] when the split is absent."""
-    shards = sorted((e for e in entries if e.path.startswith(f"{name}/") and _SHARD_RE.fullmatch(e.path[len(name):])),
-                    key=lambda e: e.path)
+    shards = sorted(
+        (e for e in entries if e.path.startswith(f"{name}/") and _SHARD_RE.fullmatch(e.path[len(name) :])),
+        key=lambda e: e.path,
+    )
     return shards or [e for e in entries if e.path == f"{name}.parquet"]
 
 
@@ -50,8 +52,9 @@ class ShardWriter:
         shard_rows: rows per shard (None: :data:`SHARD_ROWS`).
     """
 
-    def __init__(self, artifact: ArtifactWriter, name: str, schema: pa.Schema, local_dir: str,
-                 shard_rows: int | None = None) -> None:
+    def __init__(
+        self, artifact: ArtifactWriter, name: str, schema: pa.Schema, local_dir: str, shard_rows: int | None = None
+    ) -> None:
         self.artifact = artifact
         self.name = name
         self.schema = schema

@@ -103,8 +103,9 @@ def iter_records(source: DataSource) -> Iterator[dict]:
         records = _iter_hf(uri, source.split)
     else:
         kind = _file_kind(uri)
-        records = {"jsonl": _iter_json, "parquet": _iter_parquet,
-                   "text": lambda u: _iter_text(u, source.text_field)}[kind](uri)
+        records = {"jsonl": _iter_json, "parquet": _iter_parquet, "text": lambda u: _iter_text(u, source.text_field)}[
+            kind
+        ](uri)
     count = 0
     with _named_errors(uri):
         for record in records:
@@ -193,9 +194,11 @@ def _refuse_lone_surrogates(where: str, record: dict) -> None:
         return
     what, text = found
     at = _LONE_SURROGATE.search(text)
-    raise DataError(f"{where}: {what} holds a lone UTF-16 surrogate ({ascii(at.group())[1:-1]} at character "
-                    f"{at.start()}), which is not a Unicode character and cannot be stored as UTF-8; write the "
-                    "character itself, or both halves of its surrogate pair")
+    raise DataError(
+        f"{where}: {what} holds a lone UTF-16 surrogate ({ascii(at.group())[1:-1]} at character "
+        f"{at.start()}), which is not a Unicode character and cannot be stored as UTF-8; write the "
+        "character itself, or both halves of its surrogate pair"
+    )
 
 
 def _iter_text(uri: str, field: str) -> Iterator[dict]:
@@ -276,7 +279,9 @@ class _JsonArray:
             yield line, n, *self._item(n)
             after = self._next_char()
             if after not in (",", "]"):
-                self._fail(f"expected ',' or ']' after array item {n}, got {repr(after) if after else 'the end of the file'}")
+                self._fail(
+                    f"expected ',' or ']' after array item {n}, got {repr(after) if after else 'the end of the file'}"
+                )
             self._consume(self.pos + 1)
         if not n:
             self._consume(self.pos + 1)  # the ']' of an empty array
@@ -304,7 +309,7 @@ class _JsonArray:
             chunk = self.utf8.decode(raw, final=not raw)
         except UnicodeDecodeError as e:
             self._fail(f"not UTF-8 ({e.reason})", len(self.text))
-        self.text, self.pos, self.eof = self.text[self.pos:] + chunk, 0, not raw
+        self.text, self.pos, self.eof = self.text[self.pos :] + chunk, 0, not raw
         return bool(raw)
 
     def _next_char(self) -> str:
@@ -401,8 +406,9 @@ def _hf_streams(split: str) -> bool:
     ``HF_DATASETS_OFFLINE``: streaming reads the hub, the download cache is what is there). A
     non-streaming split is downloaded into ``datasets``' cache and iterated memory-mapped, also in
     bounded memory."""
-    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
-                  for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    offline = any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
     return "[" not in split and not offline
 
 
@@ -420,9 +426,11 @@ def _iter_hf(uri: str, split: str) -> Iterator[dict]:
     except ValueError as e:  # unknown split, unsupported layout
         raise DataError(f"{uri}: cannot load split {split!r}: {e}") from e
     except ConnectionError as e:  # after huggingface_hub's own retries (5, about 30 s): not worth a stage retry
-        raise DataError(f"{uri}: the Hugging Face Hub cannot be reached ({e}); on a machine without internet, "
-                        "put the data set in the datasets cache beforehand (HF_DATASETS_OFFLINE=1) or point the "
-                        "data uri at a local or object-storage file") from e
+        raise DataError(
+            f"{uri}: the Hugging Face Hub cannot be reached ({e}); on a machine without internet, "
+            "put the data set in the datasets cache beforehand (HF_DATASETS_OFFLINE=1) or point the "
+            "data uri at a local or object-storage file"
+        ) from e
     for row, record in enumerate(ds, start=1):
         record = dict(record)
         record["_source"] = f"{uri}:{row}"

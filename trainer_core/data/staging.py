@@ -45,8 +45,15 @@ RELEASE_EVERY_BATCHES = 8
 """Record batches :meth:`ExampleStore.take` reads between two releases of its mapping's pages."""
 
 STORE_SCHEMAS: dict[str, pa.Schema] = {
-    "sft": pa.schema([("prompt", pa.string()), ("completion", pa.string()), ("answer", pa.string()),
-                      ("messages_json", pa.string()), ("tools_json", pa.string())]),
+    "sft": pa.schema(
+        [
+            ("prompt", pa.string()),
+            ("completion", pa.string()),
+            ("answer", pa.string()),
+            ("messages_json", pa.string()),
+            ("tools_json", pa.string()),
+        ]
+    ),
     "preference": pa.schema([("messages_json", pa.string()), ("chosen", pa.string()), ("rejected", pa.string())]),
     "kto": pa.schema([("messages_json", pa.string()), ("completion", pa.string()), ("label", pa.bool_())]),
     "text": pa.schema([("text", pa.string())]),
@@ -132,8 +139,14 @@ class ExampleStore:
 
 
 def stage_examples(
-    records: Iterable[dict], fmt: str, adapter: Callable[[dict, str], Any], name: str, kind: str, path: str,
-    metrics: dict[str, float], resolve_format: Callable[[dict], str] | None = None,
+    records: Iterable[dict],
+    fmt: str,
+    adapter: Callable[[dict, str], Any],
+    name: str,
+    kind: str,
+    path: str,
+    metrics: dict[str, float],
+    resolve_format: Callable[[dict], str] | None = None,
 ) -> ExampleStore:
     """Adapt every record and append its example(s) to a new store at ``path``; skip (and count)
     unparsable dialogues up to :data:`MAX_INVALID_FRACTION` of the records.
@@ -205,8 +218,9 @@ def shuffled(n: int, seed: int | str) -> np.ndarray:
     return np.frombuffer(order, dtype=np.int64)
 
 
-def split_order(n: int, seed: int, eval_fraction: float, max_eval_rows: int,
-                name: str = "data") -> tuple[np.ndarray, np.ndarray]:
+def split_order(
+    n: int, seed: int, eval_fraction: float, max_eval_rows: int, name: str = "data"
+) -> tuple[np.ndarray, np.ndarray]:
     """Indices of the train and eval splits of ``n`` examples: shuffle ``range(n)`` with
     ``random.Random(seed)``; the first ``round(n * eval_fraction)`` (at least 1, at most
     ``max_eval_rows`` and ``n - 1``) are the eval split, the rest the train split, both in that
@@ -239,13 +253,16 @@ def group_examples(store: ExampleStore, groups: np.ndarray) -> np.ndarray:
 def mask_in(store: ExampleStore, column: str, values: set[str]) -> np.ndarray:
     """``[len(store)]`` bool: True where ``column`` is one of ``values`` (read batch by batch)."""
     value_set = pa.array(sorted(values), type=pa.string())
-    parts = [pc.is_in(batch.column(0), value_set=value_set).to_numpy(zero_copy_only=False)
-             for batch in store.scan([column])]
+    parts = [
+        pc.is_in(batch.column(0), value_set=value_set).to_numpy(zero_copy_only=False) for batch in store.scan([column])
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
 
 
 def mask_containing(store: ExampleStore, column: str, needles: set[str]) -> np.ndarray:
     """``[len(store)]`` bool: True where ``column`` contains any of ``needles`` as a substring."""
-    parts = [np.fromiter((any(q in text for q in needles) for text in batch.column(0).to_pylist()), dtype=bool)
-             for batch in store.scan([column])]
+    parts = [
+        np.fromiter((any(q in text for q in needles) for text in batch.column(0).to_pylist()), dtype=bool)
+        for batch in store.scan([column])
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)

@@ -24,8 +24,14 @@ from typing import Iterator
 NAMES = (("Tom", "He"), ("Anna", "She"), ("Ben", "He"), ("Mia", "She"), ("Sam", "He"), ("Lily", "She"))
 """Problem subjects with their pronoun."""
 
-OBJECTS = (("apples", "bags"), ("books", "boxes"), ("coins", "bags"), ("pens", "boxes"), ("cards", "packs"),
-           ("eggs", "boxes"))
+OBJECTS = (
+    ("apples", "bags"),
+    ("books", "boxes"),
+    ("coins", "bags"),
+    ("pens", "boxes"),
+    ("cards", "packs"),
+    ("eggs", "boxes"),
+)
 """Counted objects with the container used by the multiplication step."""
 
 ADD_VERBS = ("buys {n} more", "finds {n} more", "gets {n} more")
@@ -65,8 +71,14 @@ def _draw_step(rng: random.Random, value: int, max_operand: int, container: str,
     return _Step("mul", f"buys {groups} {container} of {size} {obj}", groups=groups, size=size)
 
 
-def _solution_lines(name: str, obj: str, start: int, steps: list[_Step], error: tuple[int, int] | None,
-                    annotate: bool | list[bool] = True) -> list[str]:
+def _solution_lines(
+    name: str,
+    obj: str,
+    start: int,
+    steps: list[_Step],
+    error: tuple[int, int] | None,
+    annotate: bool | list[bool] = True,
+) -> list[str]:
     """Worked solution lines; ``error = (step, delta)`` makes that step's result off by ``delta``
     and carries the wrong value through the later steps. ``annotate``: each step carries GSM8K's
     calculator annotation (``3+5=<<3+5=8>>8``), else the result alone (``3+5=8``); a list says
@@ -119,8 +131,9 @@ def make_sft_records(num: int, seed: int, max_operand: int) -> list[dict]:
     return list(iter_sft_records(num, seed, max_operand))
 
 
-def iter_sft_records(num: int, seed: int, max_operand: int, annotation_fraction: float = 1.0,
-                     annotation_unit: str = "solution") -> Iterator[dict]:
+def iter_sft_records(
+    num: int, seed: int, max_operand: int, annotation_fraction: float = 1.0, annotation_unit: str = "solution"
+) -> Iterator[dict]:
     """``num`` GSM8K-format records ``{"question", "answer"}``, drawn one at a time.
 
     Args:
@@ -143,12 +156,24 @@ def iter_sft_records(num: int, seed: int, max_operand: int, annotation_fraction:
         raise ValueError(f"annotation_fraction must be in [0, 1], got {annotation_fraction}")
     if annotation_unit not in ("solution", "step"):
         raise ValueError(f"annotation_unit must be 'solution' or 'step', got {annotation_unit!r}")
-    return _sft_stream(num, random.Random(seed), max_operand, annotation_fraction, random.Random(f"annotation:{seed}"),
-                       annotation_unit == "step")
+    return _sft_stream(
+        num,
+        random.Random(seed),
+        max_operand,
+        annotation_fraction,
+        random.Random(f"annotation:{seed}"),
+        annotation_unit == "step",
+    )
 
 
-def _sft_stream(num: int, rng: random.Random, max_operand: int, annotation_fraction: float = 1.0,
-                annotation_rng: random.Random | None = None, per_step: bool = False) -> Iterator[dict]:
+def _sft_stream(
+    num: int,
+    rng: random.Random,
+    max_operand: int,
+    annotation_fraction: float = 1.0,
+    annotation_rng: random.Random | None = None,
+    per_step: bool = False,
+) -> Iterator[dict]:
     for _ in range(num):
         question, name, start, steps, obj = _draw_problem(rng, max_operand)
         if annotation_fraction >= 1.0:

@@ -71,9 +71,7 @@ _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS.values())
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
-def train_tokenizer(
-    texts: Iterable[str], vocab_size: int, min_frequency: int
-) -> transformers.PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int) -> transformers.PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer (GPT-2 style) with :data:`SPECIAL_TOKENS` and :data:`CHAT_TEMPLATE`.
 
     The 256 byte symbols are always in the vocabulary, so any text can be encoded.
@@ -132,7 +130,9 @@ def _raise_template_error(message: str) -> None:
     raise DataError(f"chat template: {message}")
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     """The ``tojson`` filter of transformers' chat templates (``json.dumps``, nothing escaped)."""
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -196,12 +196,15 @@ def load_tokenizer(local_dir_or_name: str, trust_remote_code: bool = False) -> t
             tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e):
-            raise ConfigError(f"tokenizer {local_dir_or_name!r} needs code from its repository: set "
-                              "model.trust_remote_code: true if you trust it") from e
+            raise ConfigError(
+                f"tokenizer {local_dir_or_name!r} needs code from its repository: set "
+                "model.trust_remote_code: true if you trust it"
+            ) from e
         raise ConfigError(f"cannot load tokenizer from {local_dir_or_name!r}: {e}") from e
     except OSError as e:
-        raise ConfigError(f"cannot load tokenizer from {local_dir_or_name!r} (model.name_or_path): "
-                          f"{str(e).splitlines()[0]}") from e
+        raise ConfigError(
+            f"cannot load tokenizer from {local_dir_or_name!r} (model.name_or_path): {str(e).splitlines()[0]}"
+        ) from e
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ConfigError(f"tokenizer {local_dir_or_name!r} has neither a pad nor an eos token")
@@ -279,8 +282,13 @@ def encode_chat(
     }
 
 
-def _encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, messages: list[dict[str, str]], prompt_text: str,
-                   assistant_turns: str, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+def _encode_prompt(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    prompt_text: str,
+    assistant_turns: str,
+    tools: list[dict] | None = None,
+) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of the rendered prompt: nothing counted (``"last"``) or each earlier
     assistant reply (``"all"``, :func:`_prompt_segments`).
 
@@ -301,7 +309,9 @@ def _encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, messages: li
 
 
 def _prompt_segments(
-    tokenizer: transformers.PreTrainedTokenizerBase, messages: list[dict[str, str]], prompt_text: str,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    prompt_text: str,
     tools: list[dict] | None = None,
 ) -> list[tuple[str, int]]:
     """``prompt_text`` cut into ``(text, counted)`` pieces: 1 for each assistant reply of
@@ -323,7 +333,7 @@ def _prompt_segments(
                 f"turn {i} (messages[{i}]) as rendered alone (a template that rewrites or drops earlier replies); "
                 "cannot count every assistant turn: set data.assistant_turns to 'last'"
             )
-        pieces += [(before[start:], 0), (through[len(before):], 1)]
+        pieces += [(before[start:], 0), (through[len(before) :], 1)]
         start = len(through)
     pieces.append((prompt_text[start:], 0))
     return [(text, counted) for text, counted in pieces if text]

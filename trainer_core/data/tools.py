@@ -67,7 +67,8 @@ def declared_tools(value: Any, where: str) -> list[dict] | None:
     for i, tool in enumerate(value):
         function = tool.get("function", tool) if isinstance(tool, dict) else None
         if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
-            raise DataError(f"{where}[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}, "
-                            f"got {tool!r}")
+            raise DataError(
+                f"{where}[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}, got {tool!r}"
+            )
         tools.append({"type": "function", "function": function})
     return tools or None

@@ -28,12 +28,14 @@ if TYPE_CHECKING:
     from trainer_core.generation.decode_session import DecodeSession
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: DataConfig,
-               tools: list[dict] | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], data: DataConfig, tools: list[dict] | None = None
+) -> list[int]:
     """Token ids of a chat prompt (with its declared ``tools``, JSON schemas, when given) ending
     with the assistant generation prefix."""
-    return encode_chat(tokenizer, messages, None, data.max_length_tokens, data.max_prompt_length_tokens,
-                       tools=tools)["input_ids"]
+    return encode_chat(tokenizer, messages, None, data.max_length_tokens, data.max_prompt_length_tokens, tools=tools)[
+        "input_ids"
+    ]
 
 
 def check_generation_engine(field: str, gen: GenerationConfig, backend: Backend) -> None:
@@ -53,8 +55,13 @@ def check_generation_engine(field: str, gen: GenerationConfig, backend: Backend)
 
 @torch.no_grad()
 def generate_completions(
-    model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], gen: GenerationConfig,
-    device: torch.device, seed: int, session_for: Callable[[int, int], DecodeSession] | None = None,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    gen: GenerationConfig,
+    device: torch.device,
+    seed: int,
+    session_for: Callable[[int, int], DecodeSession] | None = None,
 ) -> list[str]:
     """Generate one completion per prompt, ``gen.batch_size`` prompts at a time.
 
@@ -89,8 +96,9 @@ def generate_completions(
     if gen.engine != "hf" or session_for is not None:
         from trainer_core.generation.engines import build_engine
 
-        engine = build_engine(gen.engine, model, device=device, compile=gen.compile,
-                              fuse_projections=gen.fuse_projections)
+        engine = build_engine(
+            gen.engine, model, device=device, compile=gen.compile, fuse_projections=gen.fuse_projections
+        )
         generator = torch.Generator(device=device).manual_seed(seed)
     try:
         for start in range(0, len(prompts), gen.batch_size):
@@ -98,9 +106,15 @@ def generate_completions(
             batch = {k: v.to(device) for k, v in collate_prompts_left(rows, tokenizer.pad_token_id).items()}
             if engine is not None:
                 session = None if session_for is None else session_for(start, start + len(rows))
-                new_tokens = engine.generate(batch["input_ids"], batch["attention_mask"], gen,
-                                             eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                                             generator=generator, session=session).completion_ids
+                new_tokens = engine.generate(
+                    batch["input_ids"],
+                    batch["attention_mask"],
+                    gen,
+                    eos_id=tokenizer.eos_token_id,
+                    pad_id=tokenizer.pad_token_id,
+                    generator=generator,
+                    session=session,
+                ).completion_ids
             else:
                 new_tokens = _hf_generate(model, batch, gen, tokenizer)
             out.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
@@ -111,10 +125,15 @@ def generate_completions(
     return [text.strip() for text in out]
 
 
-def _hf_generate(model: nn.Module, batch: dict[str, torch.Tensor], gen: GenerationConfig,
-                 tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+def _hf_generate(
+    model: nn.Module, batch: dict[str, torch.Tensor], gen: GenerationConfig, tokenizer: PreTrainedTokenizerBase
+) -> torch.Tensor:
     """transformers' ``generate`` on a left-padded batch; the [N, T] new tokens."""
-    sampling = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p} if gen.temperature > 0 else {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p}
+        if gen.temperature > 0
+        else {"do_sample": False}
+    )
     sequences = model.generate(
         **batch,
         max_new_tokens=gen.max_new_tokens,

@@ -26,4 +26,3 @@ class DecodeSession(Protocol):
 
     def observation_mask(self, num_columns: int, device: torch.device) -> Tensor:
         """[N, num_columns] float, 1 = a token the session fed rather than the policy sampled."""
-

@@ -131,8 +131,15 @@ class GenerationEngine(abc.ABC):
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, *, eos_id: int, pad_id: int,
-        generator: torch.Generator, session: DecodeSession | None = None,
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        gen: GenerationConfig,
+        *,
+        eos_id: int,
+        pad_id: int,
+        generator: torch.Generator,
+        session: DecodeSession | None = None,
     ) -> Generated:
         """Sample up to ``gen.max_new_tokens`` tokens after each prompt (observation tokens of
         ``session`` included).
@@ -155,8 +162,9 @@ class GenerationEngine(abc.ABC):
         with self._serving():
             generated = self._sample(prompt_ids, prompt_mask, gen, eos_id, pad_id, generator, session)
         if session is not None:
-            generated.observation_mask = session.observation_mask(generated.completion_ids.shape[1],
-                                                                  generated.completion_mask.device)
+            generated.observation_mask = session.observation_mask(
+                generated.completion_ids.shape[1], generated.completion_mask.device
+            )
         return generated
 
     def _serving(self) -> contextlib.AbstractContextManager:
@@ -164,8 +172,16 @@ class GenerationEngine(abc.ABC):
         return contextlib.nullcontext()
 
     @abc.abstractmethod
-    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
-                generator: torch.Generator, session: DecodeSession | None = None) -> Generated:
+    def _sample(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        gen: GenerationConfig,
+        eos_id: int,
+        pad_id: int,
+        generator: torch.Generator,
+        session: DecodeSession | None = None,
+    ) -> Generated:
         """The decode loop of :meth:`generate` (same arguments): with a ``session``, its ``after_step``
         after each token is recorded, before the token is fed back."""
 
@@ -215,8 +231,16 @@ class HFEngine(GenerationEngine):
         self.model = model
         self.sync = sync
 
-    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
-                generator: torch.Generator, session: DecodeSession | None = None) -> Generated:
+    def _sample(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        gen: GenerationConfig,
+        eos_id: int,
+        pad_id: int,
+        generator: torch.Generator,
+        session: DecodeSession | None = None,
+    ) -> Generated:
         """The decode loop (T the same with or without ``sync``)."""
         attention = prompt_mask.long()
         positions = _prompt_positions(prompt_mask)
@@ -234,8 +258,11 @@ class HFEngine(GenerationEngine):
                 break
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             out = self.model(
-                input_ids=done.token[:, None], attention_mask=attention, position_ids=next_position,
-                **{cache_arg: getattr(out, cache_arg)}, use_cache=True,
+                input_ids=done.token[:, None],
+                attention_mask=attention,
+                position_ids=next_position,
+                **{cache_arg: getattr(out, cache_arg)},
+                use_cache=True,
             )
             next_position = next_position + 1
         return Generated(*done.result(step))
@@ -291,13 +318,23 @@ class StaticCacheEngine(GenerationEngine):
 
     name = "static"
 
-    def __init__(self, model: nn.Module, device: torch.device | str, compile: bool | None = None, *,
-                 check_every: int | None = None, compile_options: dict[str, Any] | None = None,
-                 cuda_graph: bool | None = None, fuse_projections: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device | str,
+        compile: bool | None = None,
+        *,
+        check_every: int | None = None,
+        compile_options: dict[str, Any] | None = None,
+        cuda_graph: bool | None = None,
+        fuse_projections: bool = True,
+    ) -> None:
         self.model = causal_lm(model)
         if is_sharded(self.model):
-            raise ValueError("the 'static' generation engine needs an unsharded policy (single device or DDP); "
-                             "with FSDP2 or ZeRO-3 use engine 'hf'")
+            raise ValueError(
+                "the 'static' generation engine needs an unsharded policy (single device or DDP); "
+                "with FSDP2 or ZeRO-3 use engine 'hf'"
+            )
         self.device = torch.device(device)
         self.compiled = self.device.type == "cuda" if compile is None else compile
         graphs = self.compiled and self.device.type == "cuda"
@@ -309,8 +346,9 @@ class StaticCacheEngine(GenerationEngine):
         if self.check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {self.check_every}")
         options = compile_options or {"fullgraph": True}
-        self._decode = (floats_as_constants(torch.compile(decode_and_sample, **options)) if self.compiled
-                        else decode_and_sample)
+        self._decode = (
+            floats_as_constants(torch.compile(decode_and_sample, **options)) if self.compiled else decode_and_sample
+        )
         self._cache: Any = None
         self._state: DecodeState | None = None
         self._noise: Tensor | None = None
@@ -334,8 +372,13 @@ class StaticCacheEngine(GenerationEngine):
             length = math.ceil(length / CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE
         key = (num_rows, self._kv_dtype())
         kept = self._cache_key
-        if self._cache is not None and kept is not None and kept[:2] == key and kept[2] >= length \
-                and kept[3] >= max_new_tokens:
+        if (
+            self._cache is not None
+            and kept is not None
+            and kept[:2] == key
+            and kept[2] >= length
+            and kept[3] >= max_new_tokens
+        ):
             self._cache.reset()
             return self._cache, self._state
         self._drop_buffers()
@@ -352,13 +395,30 @@ class StaticCacheEngine(GenerationEngine):
             self._noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         return self._noise
 
-    def _decode_step(self, state: DecodeState, cache: Any, noise: Tensor | None, gen: GenerationConfig,
-                     eos_id: int, pad_id: int, generator: torch.Generator) -> None:
+    def _decode_step(
+        self,
+        state: DecodeState,
+        cache: Any,
+        noise: Tensor | None,
+        gen: GenerationConfig,
+        eos_id: int,
+        pad_id: int,
+        generator: torch.Generator,
+    ) -> None:
         """One token: draw the noise, feed ``state.token``, sample, record (all device work)."""
         if noise is not None:
             exponential_noise(noise, generator)
-        token, logprob = self._decode(self.model, state.token[:, None], state.position, state.attention, cache,
-                                      noise, gen.temperature, gen.top_p, cache_argument())
+        token, logprob = self._decode(
+            self.model,
+            state.token[:, None],
+            state.position,
+            state.attention,
+            cache,
+            noise,
+            gen.temperature,
+            gen.top_p,
+            cache_argument(),
+        )
         state.record(token, logprob, eos_id, pad_id)
 
     def _advance(self, step: Callable[[], None], key: tuple, generator: torch.Generator | None) -> None:
@@ -393,14 +453,28 @@ class StaticCacheEngine(GenerationEngine):
             self._fused.refresh()
         return self._fused.installed()
 
-    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, gen: GenerationConfig, eos_id: int, pad_id: int,
-                generator: torch.Generator, session: DecodeSession | None = None) -> Generated:
+    def _sample(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        gen: GenerationConfig,
+        eos_id: int,
+        pad_id: int,
+        generator: torch.Generator,
+        session: DecodeSession | None = None,
+    ) -> Generated:
         num_rows, prompt_len = prompt_ids.shape
         cache, state = self._reserve(num_rows, prompt_len + gen.max_new_tokens, gen.max_new_tokens)
         positions = _prompt_positions(prompt_mask)
         state.start(prompt_mask, gen.max_new_tokens, positions[:, -1:])
-        out = self.model(input_ids=prompt_ids, attention_mask=state.attention, position_ids=positions,
-                         **{cache_argument(): cache}, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=prompt_ids,
+            attention_mask=state.attention,
+            position_ids=positions,
+            **{cache_argument(): cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
         logits = out.logits[:, -1, :]
         del out
         sampling = gen.temperature > 0
@@ -424,8 +498,10 @@ class StaticCacheEngine(GenerationEngine):
             columns += 1
         ids, mask, logprobs = state.result(columns)
         if bool(logprobs.isnan().any()):
-            raise RuntimeError("the 'static' generation engine sampled from invalid probabilities (NaN or infinite "
-                               "logits): check the policy's weights and the generation settings")
+            raise RuntimeError(
+                "the 'static' generation engine sampled from invalid probabilities (NaN or infinite "
+                "logits): check the policy's weights and the generation settings"
+            )
         return Generated(ids, mask, logprobs)
 
     def load_weights(self, model: nn.Module) -> None:
@@ -459,17 +535,29 @@ class StaticCacheEngine(GenerationEngine):
 # --- registry ------------------------------------------------------------------------------------
 
 
-def _build_hf(model: nn.Module, device: torch.device | str, compile: bool | None,
-              sync: Callable[[Tensor], Tensor] | None, fuse_projections: bool) -> GenerationEngine:
+def _build_hf(
+    model: nn.Module,
+    device: torch.device | str,
+    compile: bool | None,
+    sync: Callable[[Tensor], Tensor] | None,
+    fuse_projections: bool,
+) -> GenerationEngine:
     del device, compile, fuse_projections  # the hf engine runs the model's forward as it is
     return HFEngine(model, sync=sync)
 
 
-def _build_static(model: nn.Module, device: torch.device | str, compile: bool | None,
-                  sync: Callable[[Tensor], Tensor] | None, fuse_projections: bool) -> GenerationEngine:
+def _build_static(
+    model: nn.Module,
+    device: torch.device | str,
+    compile: bool | None,
+    sync: Callable[[Tensor], Tensor] | None,
+    fuse_projections: bool,
+) -> GenerationEngine:
     if sync is not None:
-        raise ValueError("the 'static' generation engine does not run in lockstep across ranks (a sharded "
-                         "policy: FSDP2 or ZeRO-3); use engine 'hf'")
+        raise ValueError(
+            "the 'static' generation engine does not run in lockstep across ranks (a sharded "
+            "policy: FSDP2 or ZeRO-3); use engine 'hf'"
+        )
     return StaticCacheEngine(model, device, compile, fuse_projections=fuse_projections)
 
 
@@ -477,8 +565,15 @@ ENGINES: dict[str, Callable[..., GenerationEngine]] = {"hf": _build_hf, "static"
 """Engine builders by ``generation.engine``: ``(model, device, compile, sync, fuse_projections)``."""
 
 
-def build_engine(kind: str, model: nn.Module, *, device: torch.device | str, compile: bool | None = None,
-                 sync: Callable[[Tensor], Tensor] | None = None, fuse_projections: bool = True) -> GenerationEngine:
+def build_engine(
+    kind: str,
+    model: nn.Module,
+    *,
+    device: torch.device | str,
+    compile: bool | None = None,
+    sync: Callable[[Tensor], Tensor] | None = None,
+    fuse_projections: bool = True,
+) -> GenerationEngine:
     """The generation engine ``kind`` serving ``model``.
 
     Args:

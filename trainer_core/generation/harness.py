@@ -53,8 +53,14 @@ class HarnessLM(LM):
         seed: seeds sampling requests.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig,
-                 device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        generation: GenerationConfig,
+        device: torch.device,
+        seed: int,
+    ) -> None:
         super().__init__()
         self.model, self.tokenizer, self.generation, self.seed = model, tokenizer, generation, seed
         self._device = device
@@ -66,8 +72,9 @@ class HarnessLM(LM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat template's rendering of ``chat_history`` (text, special tokens written out)."""
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -84,10 +91,12 @@ class HarnessLM(LM):
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 1.0)) > 0
-            gen = self.generation.model_copy(update={
-                "max_new_tokens": int(kwargs.get("max_gen_toks", self.generation.max_new_tokens)),
-                "temperature": float(kwargs.get("temperature", 1.0)) if sample else 0.0,
-            })
+            gen = self.generation.model_copy(
+                update={
+                    "max_new_tokens": int(kwargs.get("max_gen_toks", self.generation.max_new_tokens)),
+                    "temperature": float(kwargs.get("temperature", 1.0)) if sample else 0.0,
+                }
+            )
             prompts = [self._encode(requests[i].args[0]) for i in indices]
             texts = generate_completions(self.model, self.tokenizer, prompts, gen, self._device, self.seed)
             for i, text in zip(indices, texts):
@@ -109,7 +118,9 @@ class HarnessLM(LM):
     def _context_ids(self, context: str) -> list[int]:
         ids = self._encode(context)
         if not ids:  # an empty context: score from the BOS (else EOS) token, as the harness's HF model does
-            start = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
+            start = (
+                self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
+            )
             ids = [start]
         return ids
 
@@ -135,15 +146,23 @@ class HarnessLM(LM):
         start = self._context_ids("")[0]
         out = []
         for request in requests:
-            windows = get_rolling_token_windows(self._encode(request.args[0]), prefix_token=start,
-                                                max_seq_len=max_length, context_len=1)
+            windows = get_rolling_token_windows(
+                self._encode(request.args[0]), prefix_token=start, max_seq_len=max_length, context_len=1
+            )
             out.append(sum(self._score(*make_disjoint_window(w))[0] for w in windows))
         return out
 
 
-def run_harness(lm: HarnessLM, tasks: list[str], include_path: str | list[str] | None, limit: int | None,
-                num_fewshot: int | None, apply_chat_template: bool, seed: int,
-                log_samples: bool = False) -> dict[str, Any]:
+def run_harness(
+    lm: HarnessLM,
+    tasks: list[str],
+    include_path: str | list[str] | None,
+    limit: int | None,
+    num_fewshot: int | None,
+    apply_chat_template: bool,
+    seed: int,
+    log_samples: bool = False,
+) -> dict[str, Any]:
     """Evaluate ``lm`` on ``tasks`` with ``lm_eval.simple_evaluate``; the harness's results dict
     (as plain JSON).
 
@@ -176,12 +195,24 @@ def run_harness(lm: HarnessLM, tasks: list[str], include_path: str | list[str] |
         manager = TaskManager(include_path=include_path, include_defaults=True)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        raise ConfigError(f"evaluate.lm_eval.tasks: unknown task(s) {unknown}"
-                          + (f" (include_path {include_path})" if include_path else ""))
-    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                              num_fewshot=num_fewshot, apply_chat_template=apply_chat_template,
-                              log_samples=log_samples, bootstrap_iters=1000, random_seed=seed,
-                              numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+        raise ConfigError(
+            f"evaluate.lm_eval.tasks: unknown task(s) {unknown}"
+            + (f" (include_path {include_path})" if include_path else "")
+        )
+    results = simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        apply_chat_template=apply_chat_template,
+        log_samples=log_samples,
+        bootstrap_iters=1000,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
     return json.loads(json.dumps(results, default=str))  # plain JSON (the harness keeps numpy and dtypes)
 
 
@@ -289,6 +320,7 @@ def write_heldout_task(folder: str, problems: list[dict[str, str]], max_new_toke
     root.mkdir(parents=True, exist_ok=True)
     data = root / f"{HELDOUT_TASK}.jsonl"
     data.write_text("".join(json.dumps({"question": p["question"], "answer": p["answer"]}) + "\n" for p in problems))
-    (root / f"{HELDOUT_TASK}.yaml").write_text(_HELDOUT_YAML.format(task=HELDOUT_TASK, data=json.dumps(str(data)),
-                                                                   max_new_tokens=max_new_tokens))
+    (root / f"{HELDOUT_TASK}.yaml").write_text(
+        _HELDOUT_YAML.format(task=HELDOUT_TASK, data=json.dumps(str(data)), max_new_tokens=max_new_tokens)
+    )
     return HELDOUT_TASK

@@ -47,8 +47,7 @@ def exponential_noise(noise: Tensor, generator: torch.Generator) -> Tensor:
     return noise.exponential_(1.0, generator=generator)
 
 
-def sample_with_noise(logits: Tensor, noise: Tensor | None, temperature: float,
-                      top_p: float) -> tuple[Tensor, Tensor]:
+def sample_with_noise(logits: Tensor, noise: Tensor | None, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
     """[N] tokens sampled from [N, V] logits, with their [N] float32 log-probs (as
     :func:`~trainer_core.objectives.logprobs.token_logprobs`), given [N, V] float32 Exp(1) ``noise`` (None when greedy).
 

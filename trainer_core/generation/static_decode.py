@@ -27,8 +27,16 @@ GROUPED_DECODE_ATTENTION = "posttrain_sdpa_grouped_decode"
 (registered with transformers' ``AttentionInterface``; see :func:`sdpa_grouped_decode`)."""
 
 
-def sdpa_grouped_decode(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                        dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+def sdpa_grouped_decode(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
     """transformers' ``sdpa`` attention, with a one-token query attending to grouped KV heads
     without copying them.
 
@@ -57,11 +65,13 @@ def sdpa_grouped_decode(module: nn.Module, query: Tensor, key: Tensor, value: Te
     if q_len != 1 or groups == 1 or kwargs.get("position_bias") is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     grouped = query.reshape(batch, key.shape[1], groups, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
     return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
@@ -111,10 +121,12 @@ def _typed_static_cache_class() -> type:
             super().__init__(config=config, max_cache_len=max_cache_len)
             self.kv_dtype = dtype
 
-        def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
-                   **kwargs: Any) -> tuple[Tensor, Tensor]:
-            return super().update(key_states.to(self.kv_dtype), value_states.to(self.kv_dtype), layer_idx,
-                                  *args, **kwargs)
+        def update(
+            self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
+        ) -> tuple[Tensor, Tensor]:
+            return super().update(
+                key_states.to(self.kv_dtype), value_states.to(self.kv_dtype), layer_idx, *args, **kwargs
+            )
 
     return TypedStaticCache
 
@@ -172,17 +184,30 @@ def cache_argument() -> str:
     return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
-def decode_and_sample(model: nn.Module, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
-                       cache: Any, noise: Tensor | None, temperature: float, top_p: float,
-                       cache_arg: str = "past_key_values") -> tuple[Tensor, Tensor]:
+def decode_and_sample(
+    model: nn.Module,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    attention_mask: Tensor,
+    cache: Any,
+    noise: Tensor | None,
+    temperature: float,
+    top_p: float,
+    cache_arg: str = "past_key_values",
+) -> tuple[Tensor, Tensor]:
     """One decoding step ([N, 1] token and position, [N, L] mask) that writes its keys and values
     into the static ``cache`` and samples the next token with ``noise`` (see
     :func:`trainer_core.generation.sampling.sample_with_noise`): ([N] tokens, [N] float32 log-probs). The
     unit the ``static`` engine compiles: the forward and the sampling as one graph.
     ``cache_arg``: the forward's name for the cache (:func:`cache_argument`, given by the caller
     so that the compiled graph sees a constant)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                **{cache_arg: cache}, use_cache=True)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        **{cache_arg: cache},
+        use_cache=True,
+    )
     return sample_with_noise(out.logits[:, -1, :], noise, temperature, top_p)
 
 
@@ -314,8 +339,11 @@ def _plain_linears(*layers: Any) -> bool:
     if not all(type(layer) is nn.Linear for layer in layers):
         return False
     weights = [layer.weight for layer in layers]
-    return (len({(w.dtype, w.device) for w in weights}) == 1 and len({layer.bias is None for layer in layers}) == 1
-            and all(type(w) is nn.Parameter for w in weights))
+    return (
+        len({(w.dtype, w.device) for w in weights}) == 1
+        and len({layer.bias is None for layer in layers}) == 1
+        and all(type(w) is nn.Parameter for w in weights)
+    )
 
 
 def _fused_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
@@ -324,9 +352,15 @@ def _fused_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
     return self.down_proj(self.act_fn(gate) * up)
 
 
-def _fused_attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
-                             attention_mask: Tensor | None = None, past_key_values: Any = None, cache: Any = None,
-                             **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+def _fused_attention_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    position_embeddings: tuple[Tensor, Tensor],
+    attention_mask: Tensor | None = None,
+    past_key_values: Any = None,
+    cache: Any = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
     """transformers' attention forward (``FUSED_ATTENTION``, 5.17 and 5.24) with q, k and v as one GEMM.
 
     ``past_key_values`` (5.17) and ``cache`` (5.24) are the same argument under two names.
@@ -338,7 +372,8 @@ def _fused_attention_forward(self: nn.Module, hidden_states: Tensor, position_em
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     query, key, value = torch.nn.functional.linear(hidden_states, self._fused_weight, self._fused_bias).split(
-        self._fused_sizes, dim=-1)
+        self._fused_sizes, dim=-1
+    )
     query, key, value = query.reshape(hidden_shape), key.reshape(hidden_shape), value.reshape(hidden_shape)
     if hasattr(self, "q_norm"):  # Qwen3
         query, key = self.q_norm(query), self.k_norm(key)
@@ -353,9 +388,17 @@ def _fused_attention_forward(self: nn.Module, hidden_states: Tensor, position_em
     else:
         attention = ALL_ATTENTION_FUNCTIONS[implementation]
     extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
-    output, weights = attention(self, query, key, value, attention_mask,
-                                dropout=0.0 if not self.training else self.attention_dropout,
-                                scaling=self.scaling, **extra, **kwargs)
+    output, weights = attention(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **extra,
+        **kwargs,
+    )
     return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
@@ -392,8 +435,9 @@ class FusedProjections:
             if _plain_linears(*parts):
                 self.layers.append((module, parts))
         self.weights = [torch.cat([p.weight.detach() for p in parts]) for _, parts in self.layers]
-        self.biases = [None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
-                       for _, parts in self.layers]
+        self.biases = [
+            None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts]) for _, parts in self.layers
+        ]
 
     @torch.no_grad()
     def refresh(self) -> None:

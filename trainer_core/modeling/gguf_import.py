@@ -37,8 +37,13 @@ log = logging.getLogger(__name__)
 
 # transformers 5.24 ``load_gguf_checkpoint``: GGUF architecture names it renames before looking
 # them up in GGUF_SUPPORTED_ARCHITECTURES (llama.cpp spells them without the underscore).
-_TRANSFORMERS_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
-                       "minimax-m2": "minimax_m2", "t5encoder": "t5"}
+_TRANSFORMERS_NAMES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+    "t5encoder": "t5",
+}
 _NOT_ARCHITECTURES = {"general", "tokenizer"}  # sections of transformers' mapping, not models
 
 
@@ -53,11 +58,11 @@ def check_readable(info: GGUFInfo, source: str) -> None:
     supported = set(GGUF_SUPPORTED_ARCHITECTURES) - _NOT_ARCHITECTURES
     arch = _TRANSFORMERS_NAMES.get(info.architecture, info.architecture)
     if arch not in supported:
-        raise ConfigError(f"model source {source!r}: GGUF architecture {info.architecture or '(none)'!r} is not one "
-                          f"transformers can load (it reads {', '.join(sorted(supported))})")
+        raise ConfigError(
+            f"model source {source!r}: GGUF architecture {info.architecture or '(none)'!r} is not one "
+            f"transformers can load (it reads {', '.join(sorted(supported))})"
+        )
     check_tensor_types(info, source)
-
-
 
 
 def dequantize_to(path: str, out_dir: str) -> None:
@@ -65,8 +70,9 @@ def dequantize_to(path: str, out_dir: str) -> None:
     save both in Hugging Face format (safetensors, tokenizer files, chat template) in ``out_dir``."""
     folder, name = os.path.split(os.path.abspath(path))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
@@ -91,15 +97,30 @@ def import_gguf(source: str, root: str, run_id: str, *, lease_ttl_s: float = 60.
     with StageLease(dest + ".lease", ttl_s=lease_ttl_s, what="another run is importing this GGUF file"):
         if is_imported(dest):
             return dest
-        log.info("importing %s (%s, %s) into %s", source, info.architecture,
-                 ", ".join(f"{k} x{v}" for k, v in info.tensor_types.items()), dest)
+        log.info(
+            "importing %s (%s, %s) into %s",
+            source,
+            info.architecture,
+            ", ".join(f"{k} x{v}" for k, v in info.tensor_types.items()),
+            dest,
+        )
         with tempfile.TemporaryDirectory(prefix="posttrain-gguf-") as tmp:
             dequantize_to(path, tmp)
             writer = ArtifactWriter(dest)
             writer.write_dir(tmp)
-            writer.commit(kind="final", stage=IMPORT_STAGE, run_id=run_id,
-                          extra={"source": source, "sha256": sha256, "architecture": info.architecture,
-                                 "gguf_name": info.name, "tensor_types": info.tensor_types, "dtype": "float32"})
+            writer.commit(
+                kind="final",
+                stage=IMPORT_STAGE,
+                run_id=run_id,
+                extra={
+                    "source": source,
+                    "sha256": sha256,
+                    "architecture": info.architecture,
+                    "gguf_name": info.name,
+                    "tensor_types": info.tensor_types,
+                    "dtype": "float32",
+                },
+            )
     storage.remove(dest + ".lease")  # the released lease's (empty) directory
     return dest
 

@@ -47,15 +47,18 @@ def default_target_modules(model: nn.Module) -> list[str]:
     Raises:
         ConfigError: the model has no transformer blocks with linear layers.
     """
-    names = sorted({
-        name.rsplit(".", 1)[-1]
-        for block in transformer_blocks(model)
-        for name, module in block.named_modules()
-        if isinstance(module, nn.Linear)
-    })
+    names = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for block in transformer_blocks(model)
+            for name, module in block.named_modules()
+            if isinstance(module, nn.Linear)
+        }
+    )
     if not names:
-        raise ConfigError(f"lora: no linear layers found in the transformer blocks of {type(model).__name__}; "
-                          "set lora.target_modules")
+        raise ConfigError(
+            f"lora: no linear layers found in the transformer blocks of {type(model).__name__}; set lora.target_modules"
+        )
     return names
 
 
@@ -269,7 +272,8 @@ def adapter_files(model: nn.Module, state: dict[str, Tensor], base_model: str) -
 
     weights = {
         _PEFT_PREFIX + k.replace(f".{ADAPTER_NAME}.", "."): v.detach().to("cpu").contiguous()
-        for k, v in state.items() if is_trained(k)
+        for k, v in state.items()
+        if is_trained(k)
     }
     config = model.posttrain_lora.to_dict()
     classifier = "score" in dict(model.named_children())
@@ -323,8 +327,9 @@ def adapter_base_model(path: str) -> str:
     with open(os.path.join(path, ADAPTER_CONFIG)) as f:
         base = json.load(f).get("base_model_name_or_path")
     if not base:
-        raise ConfigError(f"{os.path.join(path, ADAPTER_CONFIG)}: no base_model_name_or_path; the adapter's base "
-                          "model is unknown")
+        raise ConfigError(
+            f"{os.path.join(path, ADAPTER_CONFIG)}: no base_model_name_or_path; the adapter's base model is unknown"
+        )
     return base
 
 
@@ -363,8 +368,22 @@ def attach_adapter(model: nn.Module, path: str, trainable: bool, seed: int = 0) 
     with open(os.path.join(path, ADAPTER_CONFIG)) as f:
         saved = json.load(f)
     fields = set(PeftLoraConfig.__dataclass_fields__)
-    config = PeftLoraConfig(**{k: v for k, v in saved.items() if k in fields and k not in (
-        "task_type", "modules_to_save", "base_model_name_or_path", "inference_mode", "peft_type", "revision")})
+    config = PeftLoraConfig(
+        **{
+            k: v
+            for k, v in saved.items()
+            if k in fields
+            and k
+            not in (
+                "task_type",
+                "modules_to_save",
+                "base_model_name_or_path",
+                "inference_mode",
+                "peft_type",
+                "revision",
+            )
+        }
+    )
     torch.manual_seed(seed)
     inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     model.posttrain_lora = config
@@ -375,8 +394,10 @@ def attach_adapter(model: nn.Module, path: str, trainable: bool, seed: int = 0) 
     missing, unexpected = sorted(adapters - set(live)), sorted(set(live) - set(own))
     wrong = sorted(n for n in set(live) & set(own) if own[n].shape != live[n].shape)
     if missing or unexpected or wrong:
-        raise ConfigError(f"{weights_path}: the adapter does not fit the model (missing {missing[:3]}, unexpected "
-                          f"{unexpected[:3]}, wrong shape {wrong[:3]})")
+        raise ConfigError(
+            f"{weights_path}: the adapter does not fit the model (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}, wrong shape {wrong[:3]})"
+        )
     with torch.no_grad():
         for name, value in live.items():
             own[name].copy_(value.to(own[name].dtype))
@@ -399,11 +420,18 @@ def check_continued(wanted, saved, path: str) -> None:
     Raises:
         ConfigError: naming each setting that differs, with both values.
     """
-    diffs = [f"{name}: stage {a!r}, adapter {b!r}" for name, a, b in (
-        ("rank", wanted.r, saved.r), ("alpha", wanted.lora_alpha, saved.lora_alpha),
-        ("use_rslora", wanted.use_rslora, saved.use_rslora),
-        ("target_modules", sorted(wanted.target_modules), sorted(saved.target_modules)),
-    ) if a != b]
+    diffs = [
+        f"{name}: stage {a!r}, adapter {b!r}"
+        for name, a, b in (
+            ("rank", wanted.r, saved.r),
+            ("alpha", wanted.lora_alpha, saved.lora_alpha),
+            ("use_rslora", wanted.use_rslora, saved.use_rslora),
+            ("target_modules", sorted(wanted.target_modules), sorted(saved.target_modules)),
+        )
+        if a != b
+    ]
     if diffs:
-        raise ConfigError(f"lora.continue_adapter: the upstream adapter {path} differs from this stage's lora "
-                          f"settings ({'; '.join(diffs)}); set them to the adapter's or start a new adapter")
+        raise ConfigError(
+            f"lora.continue_adapter: the upstream adapter {path} differs from this stage's lora "
+            f"settings ({'; '.join(diffs)}); set them to the adapter's or start a new adapter"
+        )

@@ -68,11 +68,15 @@ def local_model_path(source: str) -> str:
     if names_a_path(path):
         local = os.path.expanduser(path)
         if not os.path.isdir(local):
-            raise ConfigError(f"model source {source!r}: no such directory (a local path, an fsspec URI of an HF "
-                              "model directory, or a hub id is expected)")
+            raise ConfigError(
+                f"model source {source!r}: no such directory (a local path, an fsspec URI of an HF "
+                "model directory, or a hub id is expected)"
+            )
         if not any(os.path.exists(os.path.join(local, f)) for f in ("config.json", ADAPTER_CONFIG)):
-            raise ConfigError(f"model source {source!r} is not a Hugging Face model directory (no config.json) "
-                              f"nor a PEFT adapter ({ADAPTER_CONFIG})")
+            raise ConfigError(
+                f"model source {source!r} is not a Hugging Face model directory (no config.json) "
+                f"nor a PEFT adapter ({ADAPTER_CONFIG})"
+            )
         return local
     return path
 
@@ -95,8 +99,9 @@ def _merged_adapter(load, source: str, *args, **kwargs) -> nn.Module | None:
     adapter = adapter_source(source)
     if adapter is None:
         return None
-    return _trainable(merge_adapters(attach_adapter(load(adapter_base_model(adapter), *args, **kwargs), adapter,
-                                                    trainable=False)))
+    return _trainable(
+        merge_adapters(attach_adapter(load(adapter_base_model(adapter), *args, **kwargs), adapter, trainable=False))
+    )
 
 
 def _trainable(model: nn.Module) -> nn.Module:
@@ -127,16 +132,22 @@ def _from_pretrained(load, source: str, model: ModelConfig, **kwargs) -> nn.Modu
         return load(path, trust_remote_code=model.trust_remote_code, **kwargs)
     except ValueError as e:
         if "trust_remote_code" in str(e):
-            raise ConfigError(f"model source {source!r} needs code from its repository: set "
-                              "model.trust_remote_code: true if you trust it") from e
+            raise ConfigError(
+                f"model source {source!r} needs code from its repository: set "
+                "model.trust_remote_code: true if you trust it"
+            ) from e
         if "Unrecognized model" in str(e):
-            raise ConfigError(f"model source {source!r} is not a model transformers knows ({str(e).splitlines()[0]})") from e
+            raise ConfigError(
+                f"model source {source!r} is not a model transformers knows ({str(e).splitlines()[0]})"
+            ) from e
         raise
     except OSError as e:
         if getattr(e, "errno", None) is not None:
             raise  # an I/O error (disk, network socket), not a missing model
-        raise ConfigError(f"model source {source!r} cannot be loaded ({str(e).splitlines()[0]}); it must be a "
-                          "model directory (local or fsspec URI) or a hub id reachable from this machine") from e
+        raise ConfigError(
+            f"model source {source!r} cannot be loaded ({str(e).splitlines()[0]}); it must be a "
+            "model directory (local or fsspec URI) or a hub id reachable from this machine"
+        ) from e
 
 
 def _attn(model: ModelConfig) -> dict[str, str]:
@@ -207,7 +218,9 @@ def load_causal_lm(
     if source == INIT_SOURCE:
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(_init_config(model, tokenizer), dtype=dtype, **_attn(model))
-    return _from_pretrained(AutoModelForCausalLM.from_pretrained, source, model, dtype=dtype, **_attn(model), **quantized)
+    return _from_pretrained(
+        AutoModelForCausalLM.from_pretrained, source, model, dtype=dtype, **_attn(model), **quantized
+    )
 
 
 def load_reward_model(
@@ -240,16 +253,25 @@ def load_reward_model(
         config.pad_token_id = tokenizer.pad_token_id
     with _quiet_load_report():  # its table of the head's missing weights: said below in one line
         reward, info = _from_pretrained(
-            AutoModelForSequenceClassification.from_pretrained, source, model, config=config, dtype=dtype,
-            **_attn(model), **quantized, output_loading_info=True,
+            AutoModelForSequenceClassification.from_pretrained,
+            source,
+            model,
+            config=config,
+            dtype=dtype,
+            **_attn(model),
+            **quantized,
+            output_loading_info=True,
         )
     missing = sorted(info.get("missing_keys") or [])
     head = [k for k in missing if k.split(".", 1)[0] in ("score", "classifier")]
     if head:
         log.info("reward model from %s: score head %s initialised (seed %d); the backbone loaded", source, head, seed)
     if len(head) < len(missing):
-        log.warning("reward model from %s: weights not in the checkpoint, initialised: %s", source,
-                    [k for k in missing if k not in head])
+        log.warning(
+            "reward model from %s: weights not in the checkpoint, initialised: %s",
+            source,
+            [k for k in missing if k not in head],
+        )
     return reward
 
 
@@ -298,8 +320,10 @@ def without_absent_integrations() -> Iterator[None]:
     imported the package, and the imports (DeepSpeed with MLflow's autotuner, peft with
     bitsandbytes where installed) cost seconds in every stage process that commits a model."""
     checks = [("accelerate.utils.other", "is_deepspeed_available", "deepspeed", lambda: False)]
-    checks += [(f"mlflow.transformers{sub}", "is_peft_model", "peft", lambda model: False)  # each import of it
-               for sub in ("", ".flavor_config", ".model_io")]
+    checks += [
+        (f"mlflow.transformers{sub}", "is_peft_model", "peft", lambda model: False)  # each import of it
+        for sub in ("", ".flavor_config", ".model_io")
+    ]
     restore = []
     for module_name, attr, package, stand_in in checks:
         module = sys.modules.get(module_name)

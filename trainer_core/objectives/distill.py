@@ -50,8 +50,10 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor, beta: float,
     if temperature <= 0:
         raise ValueError(f"generalized_jsd: temperature must be > 0, got {temperature}")
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"generalized_jsd: student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ (the two models must share a vocabulary)")
+        raise ValueError(
+            f"generalized_jsd: student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} differ (the two models must share a vocabulary)"
+        )
     student = F.log_softmax(student_logits.float() / temperature, dim=-1)
     teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     if beta == 0.0:

@@ -63,8 +63,10 @@ class PairLogprobs:
         """
         if self.ref_chosen_logprobs is None or self.ref_rejected_logprobs is None:
             raise ValueError("this loss needs ref_chosen_logprobs and ref_rejected_logprobs (got None)")
-        return (self.policy_chosen_logprobs.float() - self.ref_chosen_logprobs.float(),
-                self.policy_rejected_logprobs.float() - self.ref_rejected_logprobs.float())
+        return (
+            self.policy_chosen_logprobs.float() - self.ref_chosen_logprobs.float(),
+            self.policy_rejected_logprobs.float() - self.ref_rejected_logprobs.float(),
+        )
 
     def per_token(self, chosen: Tensor, rejected: Tensor) -> tuple[Tensor, Tensor]:
         """``chosen / chosen_lengths`` and ``rejected / rejected_lengths``, float32 [B] each: sums
@@ -153,7 +155,8 @@ def robust_dpo_loss(
     chosen_logratios, rejected_logratios = pairs.logratios()
     logits = beta * (chosen_logratios - rejected_logratios)
     losses = (-F.logsigmoid(logits) * (1 - label_smoothing) + F.logsigmoid(-logits) * label_smoothing) / (
-        1 - 2 * label_smoothing)
+        1 - 2 * label_smoothing
+    )
     return losses, _metrics(beta * chosen_logratios, beta * rejected_logratios)
 
 
@@ -244,8 +247,9 @@ def simpo_loss(
     _check(beta, label_smoothing, 0.5)
     if gamma < 0:
         raise ValueError(f"gamma must be >= 0, got {gamma}")
-    chosen_rewards, rejected_rewards = pairs.per_token(beta * pairs.policy_chosen_logprobs.float(),
-                                                       beta * pairs.policy_rejected_logprobs.float())
+    chosen_rewards, rejected_rewards = pairs.per_token(
+        beta * pairs.policy_chosen_logprobs.float(), beta * pairs.policy_rejected_logprobs.float()
+    )
     losses = _smoothed_sigmoid(chosen_rewards - rejected_rewards - gamma, label_smoothing)
     return losses, _metrics(chosen_rewards, rejected_rewards)
 

@@ -104,9 +104,16 @@ def rloo_advantages(scores: Tensor, mask: Tensor, group_size: int, **_: object) 
 
 
 def reinforce_pp_advantages(
-    scores: Tensor, mask: Tensor, group_size: int, *, logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None, kl_coef: float = 0.0, kl_estimator: str = "k1",
-    all_reduce_sum: AllReduceSum | None = None, **_: object,
+    scores: Tensor,
+    mask: Tensor,
+    group_size: int,
+    *,
+    logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k1",
+    all_reduce_sum: AllReduceSum | None = None,
+    **_: object,
 ) -> Tensor:
     """REINFORCE++: return-to-go of KL-penalised token rewards, whitened over the batch.
 
@@ -141,7 +148,9 @@ def reinforce_pp_advantages(
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
-    "grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages,
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
     "reinforce_pp": reinforce_pp_advantages,
 }
 """``grpo.advantage_estimator`` -> estimator (module docstring)."""
@@ -176,7 +185,9 @@ def constant(
 
 
 LOSS_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
-    "token_mean": token_mean, "sequence_mean": sequence_mean, "constant": constant,
+    "token_mean": token_mean,
+    "sequence_mean": sequence_mean,
+    "constant": constant,
 }
 """``grpo.loss_aggregation`` -> aggregation (module docstring)."""
 

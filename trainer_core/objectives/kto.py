@@ -76,8 +76,10 @@ def kto_loss(
 
 
 PER_LABEL_METRICS: dict[str, str] = {
-    "rewards/chosen": "count/chosen", "logps/chosen": "count/chosen",
-    "rewards/rejected": "count/rejected", "logps/rejected": "count/rejected",
+    "rewards/chosen": "count/chosen",
+    "logps/chosen": "count/chosen",
+    "rewards/rejected": "count/rejected",
+    "logps/rejected": "count/rejected",
 }
 """Metric -> the count metric it is averaged over (desirable or undesirable examples only), as
 TRL reports ``rewards/chosen`` and ``rewards/rejected``."""

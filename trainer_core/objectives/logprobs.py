@@ -32,9 +32,7 @@ def compute_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
     """
     shifted_logits = logits[:, :-1, :].float()
     targets = labels[:, 1:]
-    losses = F.cross_entropy(
-        shifted_logits.reshape(-1, shifted_logits.size(-1)), targets.reshape(-1), reduction="none"
-    )
+    losses = F.cross_entropy(shifted_logits.reshape(-1, shifted_logits.size(-1)), targets.reshape(-1), reduction="none")
     return -losses.view(targets.shape)
 
 

@@ -46,8 +46,9 @@ def paired_gain(baseline: list[bool] | list[float], other: list[bool] | list[flo
     sample variance 2.75 / 3, standard error sqrt(2.75 / 3) / 2 = 0.4787.
     """
     if len(baseline) != len(other) or not baseline:
-        raise ValueError(f"paired_gain needs two equally long, non-empty verdict lists, got {len(baseline)} "
-                         f"and {len(other)}")
+        raise ValueError(
+            f"paired_gain needs two equally long, non-empty verdict lists, got {len(baseline)} and {len(other)}"
+        )
     diffs = [float(b) - float(a) for a, b in zip(baseline, other)]
     n = len(diffs)
     gain = sum(diffs) / n
@@ -71,8 +72,10 @@ def sample_column(metric: str) -> str:
         return "correct"
     if per_problem_metric(metric):
         return metric
-    raise ValueError(f"{metric!r} has no per-problem value in evaluate's sample tables "
-                     "(exact_match, pass_at_<k>, avg_at_<n> and lm_eval/<task>/<metric> do)")
+    raise ValueError(
+        f"{metric!r} has no per-problem value in evaluate's sample tables "
+        "(exact_match, pass_at_<k>, avg_at_<n> and lm_eval/<task>/<metric> do)"
+    )
 
 
 def paired_verdicts(
@@ -91,10 +94,14 @@ def paired_verdicts(
         (baseline values, other values) as floats (a verdict 1.0 or 0.0), equally long; empty when
         no problem is in both or a table lacks its column.
     """
-    baseline = {row["prompt"]: float(row[baseline_column]) for row in baseline_rows
-                if row.get(baseline_column) is not None}
-    matched = [(baseline[row["prompt"]], float(row[column])) for row in rows
-               if row.get(column) is not None and row.get("prompt") in baseline]
+    baseline = {
+        row["prompt"]: float(row[baseline_column]) for row in baseline_rows if row.get(baseline_column) is not None
+    }
+    matched = [
+        (baseline[row["prompt"]], float(row[column]))
+        for row in rows
+        if row.get(column) is not None and row.get("prompt") in baseline
+    ]
     return [b for b, _ in matched], [o for _, o in matched]
 
 
@@ -121,15 +128,18 @@ def verdict_auc(scores: list[float], verdicts: list[bool]) -> float | None:
     win 1, 1, 1, 0.5: AUC 3.5 / 4 = 0.875.
     """
     if len(scores) != len(verdicts):
-        raise ValueError(f"verdict_auc needs one verdict per score, got {len(scores)} scores and "
-                         f"{len(verdicts)} verdicts")
+        raise ValueError(
+            f"verdict_auc needs one verdict per score, got {len(scores)} scores and {len(verdicts)} verdicts"
+        )
     correct = [s for s, v in zip(scores, verdicts) if v]
     wrong = [s for s, v in zip(scores, verdicts) if not v]
     if not correct or not wrong:
         return None
     wrong.sort()
-    wins = sum(bisect.bisect_left(wrong, c) + 0.5 * (bisect.bisect_right(wrong, c) - bisect.bisect_left(wrong, c))
-               for c in correct)
+    wins = sum(
+        bisect.bisect_left(wrong, c) + 0.5 * (bisect.bisect_right(wrong, c) - bisect.bisect_left(wrong, c))
+        for c in correct
+    )
     return wins / (len(correct) * len(wrong))
 
 

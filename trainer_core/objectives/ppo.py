@@ -120,7 +120,9 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     if bool((mask[:, 1:] > mask[:, :-1]).any()):  # a gap: run on the policy's tokens moved to the front
         order = torch.sort((mask <= 0).to(torch.uint8), dim=1, stable=True).indices
         advantages, returns = gae(rewards.gather(1, order), values.gather(1, order), mask.gather(1, order), gamma, lam)
-        return torch.zeros_like(advantages).scatter(1, order, advantages), torch.zeros_like(returns).scatter(1, order, returns)
+        return torch.zeros_like(advantages).scatter(1, order, advantages), torch.zeros_like(returns).scatter(
+            1, order, returns
+        )
     rewards, values, mask = rewards.detach() * mask, values.detach() * mask, mask.to(rewards.dtype)
     num_tokens = rewards.shape[1]
     advantages = torch.zeros_like(rewards)
@@ -139,7 +141,10 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def whiten(
-    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+    x: Tensor,
+    mask: Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
     all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Normalise the masked entries of ``x`` to unit variance (and zero mean with ``shift_mean``).
@@ -177,7 +182,11 @@ def whiten(
 
 
 def clipped_policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_eps: float, clip_eps_high: float | None = None,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate, per token: ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high))``.

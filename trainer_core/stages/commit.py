@@ -144,7 +144,10 @@ class AdapterCommit:
         base_weights = None
         if not base:
             # a QLoRA base is committed dequantized: the weights its adapter was trained against
-            base, base_weights = join_uri(ctx.layout.final, BASE_DIR), base_state_dict(dequantized_state_dict(model, state))
+            base, base_weights = (
+                join_uri(ctx.layout.final, BASE_DIR),
+                base_state_dict(dequantized_state_dict(model, state)),
+            )
         trained = {k: v for k, v in state.items() if is_trained(k)}
         return cls(adapter_files(model, state, base), trained, base, base_weights)
 

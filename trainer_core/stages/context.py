@@ -114,8 +114,11 @@ class StageContext:
         text = " ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
         lines = f"[{self.spec.stage}] step {step}: {text}\n"
         if self.print_timing and timing:
-            lines += f"[{self.spec.stage}] step {step} time: " + " ".join(
-                f"{k}={v:.4g}" for k, v in sorted(timing.items())) + "\n"
+            lines += (
+                f"[{self.spec.stage}] step {step} time: "
+                + " ".join(f"{k}={v:.4g}" for k, v in sorted(timing.items()))
+                + "\n"
+            )
         # One write call: print() writes the text and the newline separately, and a log line
         # from the async checkpoint saver's thread can land between them on a shared pipe.
         sys.stdout.write(lines)
@@ -126,8 +129,9 @@ class StageContext:
         self.print_metrics(metrics, step)
         self.metrics.log(metrics, step)
 
-    def checkpoint_session(self, cfg: OptimizerStageConfig, *, extra: dict[str, Any] | None = None,
-                           asynchronous: bool | None = None) -> CheckpointSession:
+    def checkpoint_session(
+        self, cfg: OptimizerStageConfig, *, extra: dict[str, Any] | None = None, asynchronous: bool | None = None
+    ) -> CheckpointSession:
         """The stage's checkpoint session over ``<output>/checkpoints`` with a fresh metrics buffer.
 
         Args:
@@ -180,7 +184,12 @@ def train_stage(
         check_packed_rows_apart(model, f"{ctx.spec.stage}.max_tokens_per_micro_batch")
     objective = with_moe(model, objective, cfg.moe.aux_loss_coef, ctx.spec.stage, cfg.moe.router_temperature)
     loop = TrainLoop(
-        model=model, backend=ctx.backend, objective=objective, batches=train, cfg=cfg, session=ctx.checkpoint_session(cfg)
+        model=model,
+        backend=ctx.backend,
+        objective=objective,
+        batches=train,
+        cfg=cfg,
+        session=ctx.checkpoint_session(cfg),
     )
     resumed = loop.resume()
     progress = loop.run()

@@ -57,14 +57,18 @@ def check_teacher_tokenizer(ctx: StageContext) -> None:
         local = materialize(teacher) if names_a_path(teacher) else teacher
         theirs = AutoTokenizer.from_pretrained(local)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"distill.teacher_from: no tokenizer could be loaded from the teacher {teacher}: {e}") from None
+        raise ConfigError(
+            f"distill.teacher_from: no tokenizer could be loaded from the teacher {teacher}: {e}"
+        ) from None
     ours = ctx.tokenizer
     their_vocab, our_vocab = theirs.get_vocab(), ours.get_vocab()
     if their_vocab != our_vocab or theirs.all_special_tokens != ours.all_special_tokens:
         differ = sorted(set(their_vocab.items()) ^ set(our_vocab.items()))[:3]
-        raise ConfigError(f"distill.teacher_from: the teacher {teacher} and the student {student} have different "
-                          f"tokenizers ({len(their_vocab)} and {len(our_vocab)} words; e.g. {differ}); distillation "
-                          "compares their log-probs of the same token ids, so they must share one")
+        raise ConfigError(
+            f"distill.teacher_from: the teacher {teacher} and the student {student} have different "
+            f"tokenizers ({len(their_vocab)} and {len(our_vocab)} words; e.g. {differ}); distillation "
+            "compares their log-probs of the same token ids, so they must share one"
+        )
 
 
 def run(ctx: StageContext) -> Manifest:

@@ -32,14 +32,28 @@ def run(ctx: StageContext) -> Manifest:
     collate = partial(collate_with_reference, pad_id=pad_id)
     packed = cfg.max_tokens_per_micro_batch is not None
     train = pair_source(
-        splits["train"], pad_id, cfg.micro_batch_size, seed, device,
-        collate=partial(collate, packed=packed), max_tokens=cfg.max_tokens_per_micro_batch,
+        splits["train"],
+        pad_id,
+        cfg.micro_batch_size,
+        seed,
+        device,
+        collate=partial(collate, packed=packed),
+        max_tokens=cfg.max_tokens_per_micro_batch,
     )
     held_out = pair_source(splits["eval"], pad_id, cfg.micro_batch_size, seed, device, shuffle=False, collate=collate)
-    objective = DPOObjective(cfg.beta, held_out, cfg.eval_max_batches, loss_type=cfg.loss_type,
-                             label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma, rpo_alpha=cfg.rpo_alpha)
+    objective = DPOObjective(
+        cfg.beta,
+        held_out,
+        cfg.eval_max_batches,
+        loss_type=cfg.loss_type,
+        label_smoothing=cfg.label_smoothing,
+        gamma=cfg.simpo_gamma,
+        rpo_alpha=cfg.rpo_alpha,
+    )
     if objective.needs_reference:
-        model = policy_and_reference(ctx, cfg, train, held_out, splits, ("ref_chosen_logprobs", "ref_rejected_logprobs"))
+        model = policy_and_reference(
+            ctx, cfg, train, held_out, splits, ("ref_chosen_logprobs", "ref_rejected_logprobs")
+        )
     else:
         log.info("loss_type %s is reference-free: no reference model or log-probs", cfg.loss_type)
         model = ctx.backend.wrap(ctx.models.causal_lm("model"))

@@ -96,7 +96,10 @@ def _policy(ctx: StageContext, role: str) -> nn.Module:
 
 
 def exact_match(
-    ctx: StageContext, policy: nn.Module, problems: list[dict], tool_calls: list[float] | None = None,
+    ctx: StageContext,
+    policy: nn.Module,
+    problems: list[dict],
+    tool_calls: list[float] | None = None,
     gen: GenerationConfig | None = None,
 ) -> tuple[list[bool], list[str]]:
     """Greedy completions of GSM8K-style problems and the verifier's verdict on each; with
@@ -122,8 +125,15 @@ def exact_match(
             sessions.append(ToolSession.configured(env, cfg.environment, ctx.tokenizer, items[start:stop]))
             return sessions[-1]
 
-    completions = generate_completions(policy, ctx.tokenizer, prompts, gen or cfg.generation, ctx.backend.device,
-                                       ctx.config.seed, session_for=session_for)
+    completions = generate_completions(
+        policy,
+        ctx.tokenizer,
+        prompts,
+        gen or cfg.generation,
+        ctx.backend.device,
+        ctx.config.seed,
+        session_for=session_for,
+    )
     for session in sessions:
         session.close()
         if tool_calls is not None:
@@ -137,8 +147,9 @@ def _question(problem: dict) -> str:
     return user[-1] if user else ""
 
 
-def _harness_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: list[dict],
-                     files: dict[str, bytes]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+def _harness_metrics(
+    ctx: StageContext, name: str, policy: nn.Module, problems: list[dict], files: dict[str, bytes]
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """With ``evaluate.lm_eval``: the harness's metrics of ``policy`` on its tasks
     (:mod:`trainer_core.generation.harness`; ``posttrain_heldout`` is built over ``problems``),
     as ``<name>/lm_eval/<task>/<metric>``, and each example's score
@@ -152,10 +163,17 @@ def _harness_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: 
     import tempfile
 
     if importlib.util.find_spec("lm_eval") is None:
-        raise ConfigError("evaluate.lm_eval needs EleutherAI's lm-evaluation-harness: pip install 'posttrain[eval]' "
-                          "(or remove evaluate.lm_eval)")
+        raise ConfigError(
+            "evaluate.lm_eval needs EleutherAI's lm-evaluation-harness: pip install 'posttrain[eval]' "
+            "(or remove evaluate.lm_eval)"
+        )
     from trainer_core.generation.harness import (
-        HELDOUT_TASK, HarnessLM, example_scores, harness_metrics, run_harness, write_heldout_task,
+        HELDOUT_TASK,
+        HarnessLM,
+        example_scores,
+        harness_metrics,
+        run_harness,
+        write_heldout_task,
     )
 
     with tempfile.TemporaryDirectory() as folder:
@@ -165,8 +183,16 @@ def _harness_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: 
             write_heldout_task(folder, rows, cfg.generation.max_new_tokens)
             include.insert(0, folder)
         lm = HarnessLM(policy, ctx.tokenizer, cfg.generation, ctx.backend.device, ctx.config.seed)
-        results = run_harness(lm, cfg.tasks, include or None, cfg.limit, cfg.num_fewshot, cfg.apply_chat_template,
-                              ctx.config.seed, log_samples=True)
+        results = run_harness(
+            lm,
+            cfg.tasks,
+            include or None,
+            cfg.limit,
+            cfg.num_fewshot,
+            cfg.apply_chat_template,
+            ctx.config.seed,
+            log_samples=True,
+        )
     scores = example_scores(results)
     results.pop("samples", None)  # kept as scores in the harness's sample table, not in the JSON
     files[f"lm_eval_{name}.json"] = json.dumps(results, indent=1).encode()
@@ -181,8 +207,14 @@ Estimates = dict[str, "list[float] | dict[str, float]"]
 ``lm_eval/<task>/<metric>`` -> ``{example key: score}`` (:data:`HARNESS_SAMPLES_FILE`'s ``prompt``)."""
 
 
-def _policy_metrics(ctx: StageContext, name: str, policy: nn.Module, problems: list[dict],
-                    tool_calls: list[float], files: dict[str, bytes]) -> tuple[dict[str, float], Estimates]:
+def _policy_metrics(
+    ctx: StageContext,
+    name: str,
+    policy: nn.Module,
+    problems: list[dict],
+    tool_calls: list[float],
+    files: dict[str, bytes],
+) -> tuple[dict[str, float], Estimates]:
     """``<name>/tool_calls`` (with a tool: calls per problem of its greedy answers), the harness's
     metrics (:func:`_harness_metrics`) and, with ``evaluate.pass_at_k``, ``<name>/pass_at_<k>``
     and ``<name>/avg_at_<n>`` with their standard errors over problems (``..._se``): n sampled
@@ -218,8 +250,9 @@ def _paired(baseline: list[float] | dict[str, float], other: list[float] | dict[
 def _exact_match_metrics(verdicts: dict[str, list[bool]]) -> dict[str, float]:
     """``<policy>/exact_match`` of each policy's verdicts (0.0 for none), and its ``_se``."""
     out = {f"{name}/exact_match": sum(hits) / max(len(hits), 1) for name, hits in verdicts.items()}
-    return out | {f"{name}/exact_match_se": mean_and_se([float(h) for h in hits])[1]
-                  for name, hits in verdicts.items() if hits}
+    return out | {
+        f"{name}/exact_match_se": mean_and_se([float(h) for h in hits])[1] for name, hits in verdicts.items() if hits
+    }
 
 
 def _paired_gains(verdicts: dict[str, list[bool]], estimates: dict[str, Estimates]) -> dict[str, float]:
@@ -230,8 +263,9 @@ def _paired_gains(verdicts: dict[str, list[bool]], estimates: dict[str, Estimate
     over the base model) when the base model was scored."""
     out: dict[str, float] = {}
     if "base" in verdicts:  # what SFT added to the pretrained model
-        out["sft_vs_base/exact_match_gain"], out["sft_vs_base/exact_match_gain_se"] = paired_gain(verdicts["base"],
-                                                                                                  verdicts["sft"])
+        out["sft_vs_base/exact_match_gain"], out["sft_vs_base/exact_match_gain_se"] = paired_gain(
+            verdicts["base"], verdicts["sft"]
+        )
     for name in (n for n in verdicts if n not in ("sft", "base")):
         per_problem: dict[str, tuple[list, list]] = {"exact_match": (verdicts["sft"], verdicts[name])}
         for metric, values in estimates.get(name, {}).items():
@@ -247,14 +281,24 @@ def _paired_gains(verdicts: dict[str, list[bool]], estimates: dict[str, Estimate
 def _sft_metrics(ctx: StageContext, sft: nn.Module) -> dict[str, float]:
     cfg = ctx.config.evaluate
     rows = ctx.load_rows("sft/eval")
-    source = causal_source(rows, ctx.tokenizer.pad_token_id, cfg.micro_batch_size, ctx.config.seed, ctx.backend.device, shuffle=False)
+    source = causal_source(
+        rows, ctx.tokenizer.pad_token_id, cfg.micro_batch_size, ctx.config.seed, ctx.backend.device, shuffle=False
+    )
     m = SFTObjective(source, cfg.eval_max_batches).evaluate(sft)
     return {"sft/eval_loss": m["loss"], "sft/eval_perplexity": m["perplexity"]}
 
 
 def _pair_source(ctx: StageContext, rows: list[dict], collate=None):
     cfg = ctx.config.evaluate
-    return pair_source(rows, ctx.tokenizer.pad_token_id, cfg.micro_batch_size, ctx.config.seed, ctx.backend.device, shuffle=False, collate=collate)
+    return pair_source(
+        rows,
+        ctx.tokenizer.pad_token_id,
+        cfg.micro_batch_size,
+        ctx.config.seed,
+        ctx.backend.device,
+        shuffle=False,
+        collate=collate,
+    )
 
 
 def _rm_metrics(ctx: StageContext, rm: nn.Module, pairs: list[dict]) -> dict[str, float]:
@@ -287,8 +331,9 @@ def _win_rate_prompts(ctx: StageContext, pairs: list[dict]) -> tuple[list, list[
     return messages, [prompt_ids(ctx.tokenizer, m, ctx.config.data) for m in messages]
 
 
-def _win_rate_scores(ctx: StageContext, rm: nn.Module, policy: nn.Module, messages: list,
-                     prompts: list[list[int]]) -> list[float]:
+def _win_rate_scores(
+    ctx: StageContext, rm: nn.Module, policy: nn.Module, messages: list, prompts: list[list[int]]
+) -> list[float]:
     """The reward model's scores of ``policy``'s completions of :func:`_win_rate_prompts`' prompts."""
     cfg, data, device = ctx.config.evaluate, ctx.config.data, ctx.backend.device
     completions = generate_completions(policy, ctx.tokenizer, prompts, cfg.generation, device, ctx.config.seed)
@@ -306,8 +351,11 @@ def _win_rates(scores: dict[str, list[float]]) -> dict[str, float]:
 
 
 def sample_rows(
-    problems: list[dict], completions: dict[str, list[str]], verdicts: dict[str, list[bool]],
-    rewards: dict[str, list[float]], estimates: dict[str, Estimates] | None = None,
+    problems: list[dict],
+    completions: dict[str, list[str]],
+    verdicts: dict[str, list[bool]],
+    rewards: dict[str, list[float]],
+    estimates: dict[str, Estimates] | None = None,
 ) -> list[dict]:
     """The sample-generation table: per problem its question (the last user message), reference
     answer, and per policy ``<policy>`` (completion), ``<policy>_correct`` (verifier verdict),
@@ -367,8 +415,14 @@ class _Collected:
     files: dict[str, bytes] = field(default_factory=dict)
 
 
-def _collect(ctx: StageContext, roles: list[tuple[str, str]], problems: list[dict], pairs: list[dict],
-             rm: nn.Module | None, win_rate_prompts: tuple[list, list] | None) -> _Collected:
+def _collect(
+    ctx: StageContext,
+    roles: list[tuple[str, str]],
+    problems: list[dict],
+    pairs: list[dict],
+    rm: nn.Module | None,
+    win_rate_prompts: tuple[list, list] | None,
+) -> _Collected:
     """Every policy of ``roles`` (``(stage, input role)``) evaluated in turn, one in memory at a
     time (SFT's before DPO's: pipeline order); ``win_rate_prompts``: None without win rates."""
     trained = [name for name, _ in roles if name != "base"]
@@ -380,8 +434,15 @@ def _collect(ctx: StageContext, roles: list[tuple[str, str]], problems: list[dic
         sampled_metrics, out.estimates[name] = _policy_metrics(ctx, name, policy, problems, calls, out.files)
         out.metrics |= sampled_metrics
         if rm is not None:
-            out.rewards[name] = reward_scores(rm, ctx.tokenizer, messages, out.completions[name], ctx.config.data,
-                                              ctx.config.evaluate.micro_batch_size, ctx.backend.device)
+            out.rewards[name] = reward_scores(
+                rm,
+                ctx.tokenizer,
+                messages,
+                out.completions[name],
+                ctx.config.data,
+                ctx.config.evaluate.micro_batch_size,
+                ctx.backend.device,
+            )
         if name == "sft":
             out.metrics |= _sft_metrics(ctx, policy)
             if "dpo" in trained:
@@ -425,5 +486,12 @@ def run(ctx: StageContext) -> Manifest:
     if ctx.is_main:
         ctx.metrics.log_table(samples, "eval/samples.json")
     harness = harness_rows(got.estimates)
-    return commit_final(ctx, metrics, files={**got.files, SAMPLES_FILE: _jsonl(samples),
-                                             **({HARNESS_SAMPLES_FILE: _jsonl(harness)} if harness else {})})
+    return commit_final(
+        ctx,
+        metrics,
+        files={
+            **got.files,
+            SAMPLES_FILE: _jsonl(samples),
+            **({HARNESS_SAMPLES_FILE: _jsonl(harness)} if harness else {}),
+        },
+    )

@@ -29,15 +29,25 @@ def run(ctx: StageContext) -> Manifest:
     desirable = sum(splits["train"].values("label"))  # from the column: no row is built
     ratio = cfg.desirable_weight * desirable / max(cfg.undesirable_weight * (len(splits["train"]) - desirable), 1)
     if not 1.0 <= ratio <= 4 / 3:
-        log.warning("kto: desirable_weight x #desirable / (undesirable_weight x #undesirable) = %.3g, outside the "
-                    "paper's advised [1, 4/3] (%d desirable of %d train examples)", ratio, desirable,
-                    len(splits["train"]))
+        log.warning(
+            "kto: desirable_weight x #desirable / (undesirable_weight x #undesirable) = %.3g, outside the "
+            "paper's advised [1, 4/3] (%d desirable of %d train examples)",
+            ratio,
+            desirable,
+            len(splits["train"]),
+        )
     train = kto_source(splits["train"], pad_id, cfg.micro_batch_size, seed, device)
     held_out = kto_source(splits["eval"], pad_id, cfg.micro_batch_size, seed, device, shuffle=False)
     model = policy_and_reference(ctx, cfg, train, held_out, splits, ("ref_logprobs", "ref_kl_logprobs"), kind="kto")
     backend = ctx.backend
     mean_over_ranks = (lambda t: backend.all_reduce_sum(t) / backend.world_size) if backend.world_size > 1 else None
-    objective = KTOObjective(cfg.beta, held_out, cfg.eval_max_batches, desirable_weight=cfg.desirable_weight,
-                             undesirable_weight=cfg.undesirable_weight, mean_over_ranks=mean_over_ranks)
+    objective = KTOObjective(
+        cfg.beta,
+        held_out,
+        cfg.eval_max_batches,
+        desirable_weight=cfg.desirable_weight,
+        undesirable_weight=cfg.undesirable_weight,
+        mean_over_ranks=mean_over_ranks,
+    )
     metrics = train_stage(ctx, model, objective, train, cfg)
     return commit_final(ctx, metrics, model=model)

@@ -77,9 +77,13 @@ class ModelSources:
         weights (inputs ``model`` and ``reference`` are one source) and its adapter is new (a
         continued adapter, disabled, would leave the base, not the input model)."""
         inputs = self.spec.inputs
-        return (self.lora.enabled and self.lora.reference_model == "disabled_adapter"
-                and "reference" in inputs and inputs.get("model") == inputs["reference"]
-                and not self.continues_adapter)
+        return (
+            self.lora.enabled
+            and self.lora.reference_model == "disabled_adapter"
+            and "reference" in inputs
+            and inputs.get("model") == inputs["reference"]
+            and not self.continues_adapter
+        )
 
     def causal_lm(self, role: str) -> nn.Module:
         """The causal LM of input ``role`` (``load_causal_lm``; seeded by the pipeline seed).
@@ -140,7 +144,11 @@ class ModelSources:
         import torch
         from peft import prepare_model_for_kbit_training
 
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                          bnb_4bit_compute_dtype=torch.bfloat16)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
         model = load(source, self.config.model, self.tokenizer, self.config.seed, quantization_config=quantization)
         return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

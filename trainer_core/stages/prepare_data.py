@@ -137,8 +137,9 @@ def _stage(name: str, source: DataSource, config: PipelineConfig, tmp: str, metr
     """Stream data set ``name`` (the synthetic task when its uri is None) into a local store."""
     syn, seed = config.data.synthetic, config.seed
     synthetic: dict[str, Callable[[], Iterator[dict]]] = {
-        "sft": lambda: iter_sft_records(syn.num_problems, seed, syn.max_operand, syn.annotation_fraction,
-                                        syn.annotation_unit),
+        "sft": lambda: iter_sft_records(
+            syn.num_problems, seed, syn.max_operand, syn.annotation_fraction, syn.annotation_unit
+        ),
         "preference": lambda: iter_preference_records(syn.num_pairs, seed, syn.max_operand),
         "kto": lambda: iter_preference_records(syn.num_pairs, seed, syn.max_operand),
         "pretrain": lambda: iter_sft_records(syn.num_problems, seed + 1, syn.max_operand),  # problems as plain text
@@ -158,8 +159,9 @@ def _stage(name: str, source: DataSource, config: PipelineConfig, tmp: str, metr
     return stage_examples(records, fmt, adapter, name, kind, f"{tmp}/{name}.arrow", metrics, resolve)
 
 
-def split_train_eval(examples: list[dict], seed: int, eval_fraction: float, max_eval_rows: int,
-                     name: str = "data") -> tuple[list[dict], list[dict]]:
+def split_train_eval(
+    examples: list[dict], seed: int, eval_fraction: float, max_eval_rows: int, name: str = "data"
+) -> tuple[list[dict], list[dict]]:
     """Shuffle with ``random.Random(seed)``; the first ``round(n * eval_fraction)`` rows (at least
     1, at most ``max_eval_rows``) are the eval split, the rest the train split
     (:func:`~trainer_core.data.staging.split_order` on a list).
@@ -177,12 +179,18 @@ def _eval_problems(config: PipelineConfig, sft: Split, metrics: dict[str, float]
     data = config.data
     if data.eval.uri is None:
         held_out = [ex for ex in sft.store.take(sft.eval) if ex["answer"] is not None]
-        problems = [{"messages": ex["messages"], "answer": ex["answer"]} for ex in held_out
-                    if is_verifiable_answer(ex["answer"])]
+        problems = [
+            {"messages": ex["messages"], "answer": ex["answer"]}
+            for ex in held_out
+            if is_verifiable_answer(ex["answer"])
+        ]
         if len(problems) < len(held_out):
-            logger.warning("%d held-out sft rows have a final answer after '####' that is not a number (e.g. %r): "
-                           "they are not eval problems", len(held_out) - len(problems),
-                           next(ex["answer"] for ex in held_out if not is_verifiable_answer(ex["answer"])))
+            logger.warning(
+                "%d held-out sft rows have a final answer after '####' that is not a number (e.g. %r): "
+                "they are not eval problems",
+                len(held_out) - len(problems),
+                next(ex["answer"] for ex in held_out if not is_verifiable_answer(ex["answer"])),
+            )
         return problems
     fmt, problems, num_read = data.eval.format, [], 0
     for record in _read(data.eval, "eval"):
@@ -236,8 +244,9 @@ def _splits(config: PipelineConfig, tmp: str, metrics: dict[str, float]) -> tupl
         _decontaminate(sets["kto"], problems, "kto_train", metrics)
     if data.pretrain is not None:
         store = _stage("pretrain", data.pretrain, config, tmp, metrics)
-        sets["pretrain"] = Split(store, *split_order(len(store), config.seed, data.eval_fraction, data.max_eval_rows,
-                                                      "pretrain"))
+        sets["pretrain"] = Split(
+            store, *split_order(len(store), config.seed, data.eval_fraction, data.max_eval_rows, "pretrain")
+        )
         _decontaminate_documents(sets["pretrain"], problems, metrics)
     for name, split in sets.items():
         if not len(split.train):
@@ -262,15 +271,24 @@ def _empty_split_error(name: str, split: Split, source: str, metrics: dict[str, 
     num_records = len(store) if store.group_starts is None else len(store.group_starts) - 1
     invalid = int(metrics.get(f"num_{set_name}_invalid", 0))
     num_train = len(split.train) + int(metrics.get(f"num_{set_name}_train_dropped_overlap", 0))
-    read = f"{num_records + invalid} records read from {source}" + (f" ({invalid} unparsable, skipped)" if invalid else "")
-    drops = [f"{int(metrics[f'num_{key}_{suffix}'])} {why}" for suffix, why in _DROP_REASONS.items()
-             if f"num_{key}_{suffix}" in metrics]
-    return DataError(f"{name}: no rows left: {read} gave {len(store)} examples, {len(split.eval)} held out for "
-                     f"{set_name}/eval and {num_train} for {set_name}/train; dropped from {name}: "
-                     f"{', '.join(drops) or 'none'}")
+    read = f"{num_records + invalid} records read from {source}" + (
+        f" ({invalid} unparsable, skipped)" if invalid else ""
+    )
+    drops = [
+        f"{int(metrics[f'num_{key}_{suffix}'])} {why}"
+        for suffix, why in _DROP_REASONS.items()
+        if f"num_{key}_{suffix}" in metrics
+    ]
+    return DataError(
+        f"{name}: no rows left: {read} gave {len(store)} examples, {len(split.eval)} held out for "
+        f"{set_name}/eval and {num_train} for {set_name}/train; dropped from {name}: "
+        f"{', '.join(drops) or 'none'}"
+    )
 
 
-def _chunks(kind: str, store: ExampleStore, indices: np.ndarray, kl_indices: np.ndarray | None = None) -> Iterator[Chunk]:
+def _chunks(
+    kind: str, store: ExampleStore, indices: np.ndarray, kl_indices: np.ndarray | None = None
+) -> Iterator[Chunk]:
     for a in range(0, len(indices), CHUNK_ROWS):
         kl = None if kl_indices is None else kl_indices[a : a + CHUNK_ROWS]
         yield Chunk(kind, store.path, store.kind, len(store), indices[a : a + CHUNK_ROWS], kl)
@@ -282,8 +300,12 @@ def _build_tokenizer(config: PipelineConfig, sets: dict[str, Split]) -> Any:
     if config.model.init is None:
         return load_tokenizer(config.model.name_or_path, trust_remote_code=config.model.trust_remote_code)
     with ChunkMap(render_texts, config.data.num_proc) as pool:
-        chunks = (chunk for name in ("sft", "preference", "kto", "pretrain") if name in sets
-                  for chunk in _chunks(name, sets[name].store, sets[name].train))
+        chunks = (
+            chunk
+            for name in ("sft", "preference", "kto", "pretrain")
+            if name in sets
+            for chunk in _chunks(name, sets[name].store, sets[name].train)
+        )
         texts = (text for batch in pool.map(chunks) for text in batch)
         return train_tokenizer(texts, config.tokenizer.vocab_size, config.tokenizer.min_frequency)
 
@@ -296,8 +318,9 @@ def _write_rows(pool: ChunkMap, out: ShardWriter, chunks: Iterator[Chunk]) -> Ch
     return total
 
 
-def _write_examples(pool: ChunkMap, out: ShardWriter, split: Split, which: str, kind: str,
-                    metrics: dict[str, float]) -> int:
+def _write_examples(
+    pool: ChunkMap, out: ShardWriter, split: Split, which: str, kind: str, metrics: dict[str, float]
+) -> int:
     """Tokenise one split of an SFT, preference or KTO data set; returns its rows."""
     indices = getattr(split, which)
     kl = np.roll(indices, 1) if kind == "kto" else None  # example i's KL completion: example i - 1's
@@ -311,18 +334,25 @@ def _write_examples(pool: ChunkMap, out: ShardWriter, split: Split, which: str, 
     metrics[f"mean_{name}_tokens"] = counts.mean_tokens()
     metrics[f"num_{name}_truncated_prompts"] = counts.truncated_prompts
     metrics[f"num_{name}_truncated_completions"] = counts.truncated_completions
-    cut = [text for n, text in (
-        (counts.truncated_prompts, f"{counts.truncated_prompts} prompts to data.max_prompt_length_tokens "
-                                   "(their last tokens kept)"),
-        (counts.truncated_completions, f"{counts.truncated_completions} completions to data.max_length_tokens"),
-    ) if n]
+    cut = [
+        text
+        for n, text in (
+            (
+                counts.truncated_prompts,
+                f"{counts.truncated_prompts} prompts to data.max_prompt_length_tokens (their last tokens kept)",
+            ),
+            (counts.truncated_completions, f"{counts.truncated_completions} completions to data.max_length_tokens"),
+        )
+        if n
+    ]
     if cut:
         logger.warning("%s: of %d encoded sequences, cut %s", out.name, counts.sequences, " and ".join(cut))
     return out.close()
 
 
-def _write_documents(pool: ChunkMap, out: ShardWriter, split: Split, which: str, tokenizer: Any,
-                     block: int, metrics: dict[str, float]) -> int:
+def _write_documents(
+    pool: ChunkMap, out: ShardWriter, split: Split, which: str, tokenizer: Any, block: int, metrics: dict[str, float]
+) -> int:
     """Pretrain documents tokenised, each followed by EOS, joined and cut into blocks of ``block``
     tokens (the last block keeps the remainder when it has 2 tokens or more); returns the blocks."""
     indices, name = getattr(split, which), out.name.replace("/", "_")
@@ -347,13 +377,15 @@ def _write_blocks(out: ShardWriter, blocks: list[list[int]]) -> None:
     out.write(pa.RecordBatch.from_pylist(rows, schema=PRETRAIN_SCHEMA))
 
 
-def _write_problems(out: ShardWriter, tokenizer: Any, problems: list[dict], config: PipelineConfig,
-                    metrics: dict[str, float]) -> int:
+def _write_problems(
+    out: ShardWriter, tokenizer: Any, problems: list[dict], config: PipelineConfig, metrics: dict[str, float]
+) -> int:
     data, rows = config.data, []
     for p in problems:
         ids = encode_chat(tokenizer, p["messages"], None, data.max_length_tokens, data.max_prompt_length_tokens)
-        rows.append({"messages_json": messages_json(p["messages"]), "answer": p["answer"],
-                     "prompt_input_ids": ids["input_ids"]})
+        rows.append(
+            {"messages_json": messages_json(p["messages"]), "answer": p["answer"], "prompt_input_ids": ids["input_ids"]}
+        )
     metrics["mean_eval_problems_prompt_tokens"] = (
         sum(len(r["prompt_input_ids"]) for r in rows) / len(rows) if rows else 0.0
     )
@@ -363,8 +395,15 @@ def _write_problems(out: ShardWriter, tokenizer: Any, problems: list[dict], conf
     return out.close()
 
 
-def _write_splits(writer: ArtifactWriter, tokenizer: Any, sets: dict[str, Split], problems: list[dict],
-                  config: PipelineConfig, tmp: str, metrics: dict[str, float]) -> list[str]:
+def _write_splits(
+    writer: ArtifactWriter,
+    tokenizer: Any,
+    sets: dict[str, Split],
+    problems: list[dict],
+    config: PipelineConfig,
+    tmp: str,
+    metrics: dict[str, float],
+) -> list[str]:
     """Tokenise and write every split, in order; returns their names.
 
     Raises:
@@ -385,7 +424,9 @@ def _write_splits(writer: ArtifactWriter, tokenizer: Any, sets: dict[str, Split]
                 name = f"{set_name}/{which}"
                 out = ShardWriter(writer, name, SCHEMAS[set_name], tmp)
                 if set_name == "pretrain":
-                    rows = _write_documents(pool, out, sets[set_name], which, tokenizer, data.max_length_tokens, metrics)
+                    rows = _write_documents(
+                        pool, out, sets[set_name], which, tokenizer, data.max_length_tokens, metrics
+                    )
                 else:
                     rows = _write_examples(pool, out, sets[set_name], which, set_name, metrics)
                 if not rows:
@@ -421,8 +462,9 @@ def _discarded_on_failure(writer: ArtifactWriter) -> Iterator[None]:
         raise
 
 
-def _commit(ctx: StageContext, writer: ArtifactWriter, tokenizer: Any, splits: list[str],
-            metrics: dict[str, float]) -> Manifest:
+def _commit(
+    ctx: StageContext, writer: ArtifactWriter, tokenizer: Any, splits: list[str], metrics: dict[str, float]
+) -> Manifest:
     """Write the manifest of ``writer``'s directory (after the fence check) and return it."""
     config = ctx.config
     extra = {
@@ -435,8 +477,14 @@ def _commit(ctx: StageContext, writer: ArtifactWriter, tokenizer: Any, splits: l
         "max_prompt_length_tokens": config.data.max_prompt_length_tokens,
     }
     ctx.check_fence(f"the manifest of {writer.uri}")
-    return writer.commit(kind="final", stage=STAGE, run_id=ctx.spec.run_id, config_hash=ctx.fingerprint,
-                         metrics={k: float(v) for k, v in metrics.items()}, extra=extra)
+    return writer.commit(
+        kind="final",
+        stage=STAGE,
+        run_id=ctx.spec.run_id,
+        config_hash=ctx.fingerprint,
+        metrics={k: float(v) for k, v in metrics.items()},
+        extra=extra,
+    )
 
 
 def run(ctx: StageContext) -> Manifest:

@@ -31,8 +31,13 @@ SPLITS = ("train", "eval")
 
 
 def load_or_compute_reference(
-    ctx: StageContext, needed: dict[str, list[int]], splits: dict[str, list[dict]], batch_size: int, *,
-    kind: str = "pairs", policy: nn.Module | None = None,
+    ctx: StageContext,
+    needed: dict[str, list[int]],
+    splits: dict[str, list[dict]],
+    batch_size: int,
+    *,
+    kind: str = "pairs",
+    policy: nn.Module | None = None,
 ) -> dict[str, dict[int, list[float]]]:
     """Reference log-probs (split -> row index -> two values) of the rows each split will use.
 
@@ -65,8 +70,9 @@ def load_or_compute_reference(
     with disabled:
         for s, indices in needed.items():
             with ctx.backend.autocast():  # the policy's compute precision: an unchanged policy's margin is 0
-                computed = reference_logprobs(reference, [splits[s][i] for i in indices], pad_id, batch_size, device,
-                                              kind=kind)
+                computed = reference_logprobs(
+                    reference, [splits[s][i] for i in indices], pad_id, batch_size, device, kind=kind
+                )
             values[s] = dict(zip(indices, computed))
             log.info("reference log-probs: %d of %d %s rows (the ones this run reads)", len(indices), len(splits[s]), s)
     if policy is not None:
@@ -101,13 +107,17 @@ def _commit_reference(ctx: StageContext, uri: str, values: dict[str, dict[int, l
     for s, v in values.items():
         writer.write_bytes(f"{s}.json", json.dumps({str(i): lp for i, lp in v.items()}).encode())
     writer.commit(
-        kind="final", stage=ctx.spec.stage, run_id=ctx.spec.run_id, config_hash=ctx.fingerprint,
+        kind="final",
+        stage=ctx.spec.stage,
+        run_id=ctx.spec.run_id,
+        config_hash=ctx.fingerprint,
         extra={"role": "reference_logprobs", "reference": ctx.input("reference")},
     )
 
 
-def attach_reference(splits: dict[str, list[dict]], values: dict[str, dict[int, list[float]]],
-                     keys: tuple[str, str]) -> None:
+def attach_reference(
+    splits: dict[str, list[dict]], values: dict[str, dict[int, list[float]]], keys: tuple[str, str]
+) -> None:
     """Store each row's two reference log-probs in the row under ``keys`` (in place)."""
     for s, rows in splits.items():
         for i, pair in values[s].items():
@@ -115,8 +125,14 @@ def attach_reference(splits: dict[str, list[dict]], values: dict[str, dict[int, 
 
 
 def policy_and_reference(
-    ctx: StageContext, cfg: TrainStageConfig, train: BatchSource, held_out: BatchSource,
-    splits: dict[str, list[dict]], keys: tuple[str, str], *, kind: str = "pairs",
+    ctx: StageContext,
+    cfg: TrainStageConfig,
+    train: BatchSource,
+    held_out: BatchSource,
+    splits: dict[str, list[dict]],
+    keys: tuple[str, str],
+    *,
+    kind: str = "pairs",
 ) -> nn.Module:
     """The wrapped policy, after the reference log-probs of the rows the run will read are in
     ``splits`` under ``keys`` (:func:`load_or_compute_reference`, :func:`attach_reference`).

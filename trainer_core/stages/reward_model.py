@@ -29,7 +29,11 @@ def run(ctx: StageContext) -> Manifest:
     cfg, seed = ctx.config.reward_model, ctx.config.seed
     pad_id, device = ctx.tokenizer.pad_token_id, ctx.backend.device
     train = pair_source(
-        ctx.load_rows("preference/train"), pad_id, cfg.micro_batch_size, seed, device,
+        ctx.load_rows("preference/train"),
+        pad_id,
+        cfg.micro_batch_size,
+        seed,
+        device,
         max_tokens=cfg.max_tokens_per_micro_batch,
     )
     held_out = pair_source(ctx.load_rows("preference/eval"), pad_id, cfg.micro_batch_size, seed, device, shuffle=False)

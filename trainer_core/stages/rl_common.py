@@ -56,8 +56,10 @@ def load_prompts(ctx: StageContext, cfg: RLStageConfig, split: PreparedRows | No
     rows = [split[i] for i in usable]  # only the prompts used become Python objects
     data = ctx.config.data
     tools = [json.loads(r["tools_json"]) if r.get("tools_json") else None for r in rows]
-    return [PromptItem(messages_of(r), prompt_ids(ctx.tokenizer, messages_of(r), data, t), r["answer"], row=int(i))
-            for i, r, t in zip(usable, rows, tools, strict=True)]
+    return [
+        PromptItem(messages_of(r), prompt_ids(ctx.tokenizer, messages_of(r), data, t), r["answer"], row=int(i))
+        for i, r, t in zip(usable, rows, tools, strict=True)
+    ]
 
 
 def _reward_fn(ctx: StageContext, cfg: RLStageConfig) -> RewardFunction:
@@ -118,15 +120,30 @@ def run_rl_stage(
             if packed is not None:
                 check_packed_rows_apart(packed, f"{ctx.spec.stage}.padding_free (the {name})")
     trainer = RLTrainer(
-        backend=backend, tokenizer=ctx.tokenizer, cfg=cfg, algo=algo, model=model, reference=reference,
-        reward_fn=reward_fn, prompts=prompts, seed=seed,
+        backend=backend,
+        tokenizer=ctx.tokenizer,
+        cfg=cfg,
+        algo=algo,
+        model=model,
+        reference=reference,
+        reward_fn=reward_fn,
+        prompts=prompts,
+        seed=seed,
         session=ctx.checkpoint_session(cfg, extra={"rl_checkpoint": RL_CHECKPOINT_LAYOUT}),
-        reference_is_disabled_adapter=disabled_adapter, demonstrations=split,
+        reference_is_disabled_adapter=disabled_adapter,
+        demonstrations=split,
         environment=_environment(ctx.spec.stage, cfg),
     )
     resumed = trainer.resume()
-    log.info("%s: %d prompts, %s x %d rank(s) on %s, resumed=%s", ctx.spec.stage, len(prompts), backend.name,
-             backend.world_size, backend.device, resumed)
+    log.info(
+        "%s: %d prompts, %s x %d rank(s) on %s, resumed=%s",
+        ctx.spec.stage,
+        len(prompts),
+        backend.name,
+        backend.world_size,
+        backend.device,
+        resumed,
+    )
     progress = trainer.run()
     metrics = summarize(progress)
     metrics["resumed"] = float(resumed)

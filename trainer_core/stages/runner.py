@@ -74,8 +74,15 @@ def run_spec(spec: StageSpec, backend: Backend | None = None) -> Manifest:
                     backend.barrier()  # the lease is taken before any rank reads or writes the stage's files
                 tokenizer = load_tokenizer_from(spec.inputs["data"]) if "data" in spec.inputs else None
                 rl = isinstance(spec.config.section(spec.stage), RLStageConfig)  # an iteration's time split
-                ctx = StageContext(spec=spec, backend=backend, tokenizer=tokenizer, metrics=metrics, print_timing=rl,
-                                   attempt=attempt, fence=WriteFence(spec.output_uri, owner, attempt))
+                ctx = StageContext(
+                    spec=spec,
+                    backend=backend,
+                    tokenizer=tokenizer,
+                    metrics=metrics,
+                    print_timing=rl,
+                    attempt=attempt,
+                    fence=WriteFence(spec.output_uri, owner, attempt),
+                )
                 manifest = module.run(ctx)
             if main and spec.mlflow_run_id:  # committed and tracked: the final model as an MLflow model
                 # of the stage run; imported here, so an untracked stage never imports mlflow (~1 s)

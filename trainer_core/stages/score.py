@@ -84,9 +84,7 @@ def run(ctx: StageContext) -> Manifest:
         if item["answer"] is not None:
             item["correct"] = answers_match(extract_generated_answer(completion), item["answer"])
     if "reward_model" in ctx.spec.inputs:
-        rm = ctx.backend.prepare_frozen(
-            ctx.models.reward_model()
-        )
+        rm = ctx.backend.prepare_frozen(ctx.models.reward_model())
         messages = [i["messages"] for i in items]
         rewards = reward_scores(rm, ctx.tokenizer, messages, completions, data, cfg.generation.batch_size, device)
         for item, reward in zip(items, rewards):

@@ -19,11 +19,16 @@ def train_causal_lm(ctx: StageContext, cfg: SupervisedStageConfig, data_set: str
     ``<data_set>/eval``) and commit it as an HF model directory. Shared by SFT and pretrain."""
     seed, pad_id, device = ctx.config.seed, ctx.tokenizer.pad_token_id, ctx.backend.device
     train = causal_source(
-        ctx.load_rows(f"{data_set}/train"), pad_id, cfg.micro_batch_size, seed, device,
+        ctx.load_rows(f"{data_set}/train"),
+        pad_id,
+        cfg.micro_batch_size,
+        seed,
+        device,
         max_tokens=cfg.max_tokens_per_micro_batch,
     )
-    held_out = causal_source(ctx.load_rows(f"{data_set}/eval"), pad_id, cfg.micro_batch_size, seed, device,
-                             shuffle=False)
+    held_out = causal_source(
+        ctx.load_rows(f"{data_set}/eval"), pad_id, cfg.micro_batch_size, seed, device, shuffle=False
+    )
     model = ctx.backend.wrap(ctx.models.causal_lm("model"))
     torch.manual_seed(seed)
     metrics = train_stage(ctx, model, SFTObjective(held_out, cfg.eval_max_batches), train, cfg)

@@ -40,6 +40,7 @@ CHUNK_BYTES = 8 * 1024 * 1024
 CACHE_DIRNAME = "posttrain-cache"
 """Directory under ``tempfile.gettempdir()`` where :func:`materialize` keeps remote copies."""
 
+
 @contextmanager
 def _writing(uri: str) -> Iterator[None]:
     """Name ``uri`` when a write runs out of space (the OS's ``ENOSPC`` names no file)."""
@@ -269,8 +270,9 @@ def download_file(uri: str) -> str:
             raise FileNotFoundError(f"download_file: no file {uri}")
         return path
     name = os.path.basename(path.rstrip("/")) or "file"
-    local = os.path.join(tempfile.gettempdir(), CACHE_DIRNAME,
-                         f"{hashlib.sha256(uri.encode('utf-8')).hexdigest()}-{name}")
+    local = os.path.join(
+        tempfile.gettempdir(), CACHE_DIRNAME, f"{hashlib.sha256(uri.encode('utf-8')).hexdigest()}-{name}"
+    )
     size = fs.info(path).get("size")
     if not (os.path.isfile(local) and size is not None and os.path.getsize(local) == int(size)):
         _download_file(fs, path, local)

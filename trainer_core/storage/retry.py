@@ -98,9 +98,16 @@ _AWS_S3 = "https://s3.amazonaws.com"
 """The endpoint named when nothing else says which one botocore used."""
 
 _ACTIONS = {
-    "write_bytes": "writing", "upload_file_hashed": "writing", "_copy_file": "copying to", "read_bytes": "reading",
-    "sha256_uri": "reading", "_download_file": "downloading", "exists": "checking", "list_dirs": "listing",
-    "list_files": "listing", "_remove": "removing",
+    "write_bytes": "writing",
+    "upload_file_hashed": "writing",
+    "_copy_file": "copying to",
+    "read_bytes": "reading",
+    "sha256_uri": "reading",
+    "_download_file": "downloading",
+    "exists": "checking",
+    "list_dirs": "listing",
+    "list_files": "listing",
+    "_remove": "removing",
 }
 """What each retried operation does to the URI it names (for the message of an outage)."""
 
@@ -135,8 +142,13 @@ def _failure(state: RetryCallState, exc: BaseException) -> StorageFailure:
     else:
         uri = fs.unstrip_protocol(uri)
     endpoint = _s3_endpoint(fs, exc) if fs is not None else None
-    return StorageFailure(_ACTIONS.get(name, name.strip("_") or "using"), str(uri), endpoint,
-                          state.attempt_number, state.seconds_since_start or 0.0)
+    return StorageFailure(
+        _ACTIONS.get(name, name.strip("_") or "using"),
+        str(uri),
+        endpoint,
+        state.attempt_number,
+        state.seconds_since_start or 0.0,
+    )
 
 
 def _give_up(state: RetryCallState) -> Any:
@@ -162,8 +174,6 @@ def retrying(func: _F) -> _F:
     )(func)
 
 
-
-
 class _AbandonedRequestFilter(logging.Filter):
     """asyncio's report of a task whose network error nobody retrieved, made one line.
 
@@ -177,7 +187,9 @@ class _AbandonedRequestFilter(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None and is_transient(exc):
             first = record.getMessage().split("\n", 1)[0]
-            record.msg = f"{first} (an abandoned storage request; its operation is retried): {type(exc).__name__}: {exc}"
+            record.msg = (
+                f"{first} (an abandoned storage request; its operation is retried): {type(exc).__name__}: {exc}"
+            )
             record.args, record.exc_info, record.exc_text = None, None, None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True

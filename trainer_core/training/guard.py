@@ -38,8 +38,13 @@ HINT = (
 
 
 def step_is_finite(
-    progress: TrainProgress, *, stage: str, global_step: int, max_nonfinite_steps: int,
-    loss: float | Tensor, grad_norm: float | Tensor,
+    progress: TrainProgress,
+    *,
+    stage: str,
+    global_step: int,
+    max_nonfinite_steps: int,
+    loss: float | Tensor,
+    grad_norm: float | Tensor,
 ) -> bool:
     """Check one optimizer step: its loss and its gradient norm (both reduced over ranks), given as
     host floats (a tensor is read here, which waits for the device).
@@ -77,8 +82,14 @@ def step_is_finite(
             f"{progress.nonfinite_steps + (not skipped)}, allowed: {max_nonfinite_steps}); nothing of this step is "
             f"checkpointed or committed. " + HINT.format(stage=stage)
         )
-    log.warning("stage %s: non-finite %s at global_step %d: step skipped (%d of at most %d)", stage, shown,
-                global_step, progress.nonfinite_steps, max_nonfinite_steps)
+    log.warning(
+        "stage %s: non-finite %s at global_step %d: step skipped (%d of at most %d)",
+        stage,
+        shown,
+        global_step,
+        progress.nonfinite_steps,
+        max_nonfinite_steps,
+    )
     return False
 
 
@@ -131,6 +142,4 @@ def check_finite_tensors(
 
 def nonfinite_weights(state_dict: dict[str, Tensor]) -> list[str]:
     """Names of the floating-point tensors of ``state_dict`` holding NaN or infinity."""
-    return sorted(
-        name for name, t in state_dict.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())
-    )
+    return sorted(name for name, t in state_dict.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))

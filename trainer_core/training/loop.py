@@ -292,8 +292,9 @@ class TrainLoop:
         if progress.global_step == 0 and "eval/loss" not in progress.history:
             self._evaluate()
         backend = self.backend
-        stream = self.batches.host_stream(DataPosition(progress.epoch, progress.batch_index), backend.rank,
-                                          backend.world_size)
+        stream = self.batches.host_stream(
+            DataPosition(progress.epoch, progress.batch_index), backend.rank, backend.world_size
+        )
         while progress.global_step < cfg.max_steps:
             logs = self._logs_at(progress.global_step + 1)
             self._unread.append(self._optimizer_step(stream, phase_timer(backend.device, enabled=logs)))
@@ -368,8 +369,12 @@ class TrainLoop:
         metrics = {"train/loss": loss_sum / total, "train/grad_norm": grad_norm, "train/lr": lr}
         metrics.update({f"train/{k}": v for k, v in objective.finalize_metrics(metric_sums).items()})
         per = objective.metric_denominators
-        metrics.update({f"train/{k}": v / (metric_sums[per[k]].clamp(min=1.0) if k in per else total)
-                        for k, v in metric_sums.items()})
+        metrics.update(
+            {
+                f"train/{k}": v / (metric_sums[per[k]].clamp(min=1.0) if k in per else total)
+                for k, v in metric_sums.items()
+            }
+        )
         return StepRecord(progress.global_step, metrics, num_tokens, timer)
 
     def _sum_over_ranks(
@@ -400,14 +405,20 @@ class TrainLoop:
             return None
         values = [v for r in records for v in (*r.metrics.values(), r.num_tokens)]
         floats = iter(read_scalars(values, self.backend.device))
-        read = [StepRecord(r.global_step, {k: next(floats) for k in r.metrics}, int(next(floats)), r.timer)
-                for r in records]
+        read = [
+            StepRecord(r.global_step, {k: next(floats) for k in r.metrics}, int(next(floats)), r.timer) for r in records
+        ]
         cfg, progress = self.cfg, self.progress
         for r in read:
             progress.consumed_tokens += r.num_tokens
-            step_is_finite(progress, stage=self.session.stage, global_step=r.global_step,
-                           max_nonfinite_steps=cfg.max_nonfinite_steps, loss=r.metrics["train/loss"],
-                           grad_norm=r.metrics["train/grad_norm"])
+            step_is_finite(
+                progress,
+                stage=self.session.stage,
+                global_step=r.global_step,
+                max_nonfinite_steps=cfg.max_nonfinite_steps,
+                loss=r.metrics["train/loss"],
+                grad_norm=r.metrics["train/grad_norm"],
+            )
         return read[-1]
 
     def _log(self) -> None:
@@ -457,8 +468,12 @@ class TrainLoop:
         with torch.no_grad(), self.backend.autocast():
             metrics = {f"eval/{k}": float(v) for k, v in self.objective.evaluate(model).items()}
         model.train(was_training)
-        check_finite_metrics(metrics, stage=self.session.stage, global_step=self.progress.global_step,
-                             what="held-out evaluation after that step")
+        check_finite_metrics(
+            metrics,
+            stage=self.session.stage,
+            global_step=self.progress.global_step,
+            what="held-out evaluation after that step",
+        )
         self._emit(metrics)
         loss = metrics["eval/loss"]
         progress = self.progress

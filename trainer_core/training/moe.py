@@ -131,8 +131,10 @@ class RouterTemperature:
         for router in routers:
             weight, bias = getattr(router, "weight", None), getattr(router, "bias", None)
             if not isinstance(weight, Tensor) or weight.dim() != 2 or bias is not None:
-                raise ConfigError(f"moe.router_temperature: the router {type(router).__name__} is not a bias-free "
-                                  "linear map of its input; its logits cannot be tempered here")
+                raise ConfigError(
+                    f"moe.router_temperature: the router {type(router).__name__} is not a bias-free "
+                    "linear map of its input; its logits cannot be tempered here"
+                )
         self._value = 1.0
         # One scale per (device, dtype) the routers' inputs come in, updated in place: no host-to-device
         # copy per router forward, and a compiled block sees a tensor, not a new constant.
@@ -193,9 +195,15 @@ class MoEObjective(Objective):
         temperature: the router temperature schedule and its hooks, or None (temperature 1).
     """
 
-    def __init__(self, inner: Objective, recorder: RouterRecorder, num_experts: int, top_k: int,
-                 aux_loss_coef: float,
-                 temperature: tuple[RouterTemperatureConfig, RouterTemperature] | None = None) -> None:
+    def __init__(
+        self,
+        inner: Objective,
+        recorder: RouterRecorder,
+        num_experts: int,
+        top_k: int,
+        aux_loss_coef: float,
+        temperature: tuple[RouterTemperatureConfig, RouterTemperature] | None = None,
+    ) -> None:
         self.inner = inner
         self.recorder = recorder
         self.num_experts, self.top_k, self.aux_loss_coef = num_experts, top_k, aux_loss_coef
@@ -242,16 +250,21 @@ class MoEObjective(Objective):
             raise RuntimeError(f"captured {len(logits)} router outputs, not a multiple of the {self.num_layers} blocks")
         starts = range(0, len(logits), self.num_layers)
         masks = [_token_mask(batch, logits[i].shape[0]) for i in starts]
-        aux = torch.stack([
-            load_balancing_loss_func(tuple(logits[i : i + self.num_layers]), self.num_experts, self.top_k, mask)
-            for i, mask in zip(starts, masks)
-        ]).mean()
+        aux = torch.stack(
+            [
+                load_balancing_loss_func(tuple(logits[i : i + self.num_layers]), self.num_experts, self.top_k, mask)
+                for i, mask in zip(starts, masks)
+            ]
+        ).mean()
         counts = torch.zeros(self.num_layers, self.num_experts, device=aux.device)
         for i, mask in zip(starts, masks):
             for layer in range(self.num_layers):
                 experts = chosen[i + layer]  # [tokens, k]
-                weight = torch.ones(experts.shape, device=aux.device) if mask is None else (
-                    mask.to(aux.device, torch.float32)[:, None].expand(experts.shape))
+                weight = (
+                    torch.ones(experts.shape, device=aux.device)
+                    if mask is None
+                    else (mask.to(aux.device, torch.float32)[:, None].expand(experts.shape))
+                )
                 counts[layer].scatter_add_(0, experts.reshape(-1).to(aux.device), weight.reshape(-1))
         sums = dict(out.metric_sums)
         sums["moe/aux_loss"], sums["moe/micro_batches"] = aux.detach(), torch.ones((), device=aux.device)
@@ -265,7 +278,9 @@ class MoEObjective(Objective):
         ranks); removes the sums it reads from ``metric_sums``."""
         if "moe/aux_loss" not in metric_sums:
             return {}
-        out: dict[str, Tensor] = {"moe/aux_loss": metric_sums.pop("moe/aux_loss") / metric_sums.pop("moe/micro_batches")}
+        out: dict[str, Tensor] = {
+            "moe/aux_loss": metric_sums.pop("moe/aux_loss") / metric_sums.pop("moe/micro_batches")
+        }
         if self.temperature is not None:
             out["moe/router_temperature"] = torch.tensor(self.temperature[1].temperature)
         entropies = []
@@ -283,8 +298,13 @@ class MoEObjective(Objective):
         return out
 
 
-def with_moe(model: nn.Module, objective: Objective, aux_loss_coef: float, section: str,
-             temperature: RouterTemperatureConfig | None = None) -> Objective:
+def with_moe(
+    model: nn.Module,
+    objective: Objective,
+    aux_loss_coef: float,
+    section: str,
+    temperature: RouterTemperatureConfig | None = None,
+) -> Objective:
     """``objective`` wrapped in a :class:`MoEObjective` when ``model`` (plain or wrapped by a
     backend) has routers; ``objective`` itself for a dense model.
 
@@ -303,8 +323,9 @@ def with_moe(model: nn.Module, objective: Objective, aux_loss_coef: float, secti
     spec = _router_spec(model)
     if spec is None:
         if aux_loss_coef:
-            raise ConfigError(f"{section}.moe.aux_loss_coef={aux_loss_coef}: the model has no mixture-of-experts "
-                              "routers")
+            raise ConfigError(
+                f"{section}.moe.aux_loss_coef={aux_loss_coef}: the model has no mixture-of-experts routers"
+            )
         if temperature is not None:
             raise ConfigError(f"{section}.moe.router_temperature: the model has no mixture-of-experts routers")
         return objective
@@ -314,19 +335,22 @@ def with_moe(model: nn.Module, objective: Objective, aux_loss_coef: float, secti
     if len(routing) != 1 or None in routing:
         if aux_loss_coef or temperature is not None:
             what = f"aux_loss_coef={aux_loss_coef}" if aux_loss_coef else "router_temperature"
-            raise ConfigError(f"{section}.moe.{what}: the routers of {router_class.__name__} "
-                              "do not say their experts and top-k (num_experts, top_k): no load-balancing loss or "
-                              "router temperature here")
-        log.warning("%s: no expert statistics (the routers of %s do not say their experts and top-k)", section,
-                    router_class.__name__)
+            raise ConfigError(
+                f"{section}.moe.{what}: the routers of {router_class.__name__} "
+                "do not say their experts and top-k (num_experts, top_k): no load-balancing loss or "
+                "router temperature here"
+            )
+        log.warning(
+            "%s: no expert statistics (the routers of %s do not say their experts and top-k)",
+            section,
+            router_class.__name__,
+        )
         return objective
-    (num_experts, top_k), = routing
+    ((num_experts, top_k),) = routing
     tempered = None
     if temperature is not None:
         try:
             tempered = (temperature, RouterTemperature(routers))
         except ConfigError as e:
             raise ConfigError(f"{section}.{e}") from e
-    return MoEObjective(objective, RouterRecorder(routers, index, top_k), num_experts, top_k, aux_loss_coef,
-                        tempered)
-
+    return MoEObjective(objective, RouterRecorder(routers, index, top_k), num_experts, top_k, aux_loss_coef, tempered)

@@ -12,8 +12,9 @@ from trainer_core.config import OptimizerStageConfig
 __all__ = ["build_scheduler", "cosine_with_min_lr_lambda"]
 
 
-def cosine_with_min_lr_lambda(current_step: int, *, num_warmup_steps: int, num_training_steps: int,
-                              min_lr_rate: float) -> float:
+def cosine_with_min_lr_lambda(
+    current_step: int, *, num_warmup_steps: int, num_training_steps: int, min_lr_rate: float
+) -> float:
     """The learning-rate multiplier at ``current_step``: linear warmup from 0 over
     ``num_warmup_steps``, then a half cosine from 1 down to ``min_lr_rate`` at
     ``num_training_steps``.
@@ -34,6 +35,10 @@ def cosine_with_min_lr_lambda(current_step: int, *, num_warmup_steps: int, num_t
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerStageConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` x peak
     (:func:`cosine_with_min_lr_lambda`, as transformers' scheduler of that name)."""
-    lr_lambda = partial(cosine_with_min_lr_lambda, num_warmup_steps=min(cfg.warmup_steps, cfg.max_steps),
-                        num_training_steps=cfg.max_steps, min_lr_rate=cfg.min_lr_ratio)
+    lr_lambda = partial(
+        cosine_with_min_lr_lambda,
+        num_warmup_steps=min(cfg.warmup_steps, cfg.max_steps),
+        num_training_steps=cfg.max_steps,
+        min_lr_rate=cfg.min_lr_ratio,
+    )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)

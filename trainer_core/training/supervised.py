@@ -107,8 +107,13 @@ class SFTObjective(Objective):
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         loss_sum = masked_nll_sum(
-            model, batch["input_ids"], batch.get("attention_mask"), batch["loss_mask"],
-            chunk_size=self.chunk_size, position_ids=batch.get("position_ids"), counted_index=batch.get("counted_index"),
+            model,
+            batch["input_ids"],
+            batch.get("attention_mask"),
+            batch["loss_mask"],
+            chunk_size=self.chunk_size,
+            position_ids=batch.get("position_ids"),
+            counted_index=batch.get("counted_index"),
         )
         return StepOutput(loss_sum=loss_sum)
 
@@ -145,7 +150,13 @@ def causal_source(
 
 
 def pair_source(
-    rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True, collate=None,
+    rows: list[dict],
+    pad_id: int,
+    micro_batch_size: int,
+    seed: int,
+    device,
+    shuffle=True,
+    collate=None,
     max_tokens: int | None = None,
 ):
     """Batch source over prepared preference rows: bucketed by the longer of each pair, or (``max_tokens``
@@ -245,8 +256,16 @@ class DPOObjective(_OfflinePreferenceObjective):
     """
 
     def __init__(
-        self, beta: float, eval_source: BatchSource, eval_max_batches: int, chunk_size: int = CHUNK_SIZE_TOKENS,
-        *, loss_type: str = "sigmoid", label_smoothing: float = 0.0, gamma: float = 0.5, rpo_alpha: float = 0.0,
+        self,
+        beta: float,
+        eval_source: BatchSource,
+        eval_max_batches: int,
+        chunk_size: int = CHUNK_SIZE_TOKENS,
+        *,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        gamma: float = 0.5,
+        rpo_alpha: float = 0.0,
     ) -> None:
         super().__init__(beta, eval_source, eval_max_batches, chunk_size)
         self.loss_type, self.label_smoothing, self.gamma, self.rpo_alpha = loss_type, label_smoothing, gamma, rpo_alpha
@@ -265,11 +284,18 @@ class DPOObjective(_OfflinePreferenceObjective):
 
     def step(self, model: nn.Module, batch: dict[str, Tensor]) -> StepOutput:
         chosen, rejected = pair_logprobs(model, batch, self.chunk_size)
-        reference = (batch["ref_chosen_logprobs"], batch["ref_rejected_logprobs"]) if self.needs_reference else (None, None)
-        lengths = (batch["chosen_lengths"], batch["rejected_lengths"]) if self.loss_type in LENGTH_NORMALISED else (None, None)
+        reference = (
+            (batch["ref_chosen_logprobs"], batch["ref_rejected_logprobs"]) if self.needs_reference else (None, None)
+        )
+        lengths = (
+            (batch["chosen_lengths"], batch["rejected_lengths"])
+            if self.loss_type in LENGTH_NORMALISED
+            else (None, None)
+        )
         pairs = PairLogprobs(chosen, rejected, *reference, *lengths)
         losses, m = preference_loss(
-            self.loss_type, pairs, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma)
+            self.loss_type, pairs, beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma
+        )
         sums = {k: v.sum() for k, v in m.items()}
         if self.rpo_alpha:
             nll = -chosen / batch["chosen_lengths"].float()
@@ -303,8 +329,14 @@ class KTOObjective(_OfflinePreferenceObjective):
     metric_denominators = PER_LABEL_METRICS
 
     def __init__(
-        self, beta: float, eval_source: BatchSource, eval_max_batches: int, chunk_size: int = CHUNK_SIZE_TOKENS,
-        *, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+        self,
+        beta: float,
+        eval_source: BatchSource,
+        eval_max_batches: int,
+        chunk_size: int = CHUNK_SIZE_TOKENS,
+        *,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
         mean_over_ranks: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         super().__init__(beta, eval_source, eval_max_batches, chunk_size)
@@ -326,8 +358,15 @@ class KTOObjective(_OfflinePreferenceObjective):
         if self.mean_over_ranks is not None:
             kl = self.mean_over_ranks(kl)
         losses, m = kto_loss(
-            logps, batch["ref_logprobs"], kl_logps, batch["ref_kl_logprobs"], batch["label"], self.beta,
-            self.desirable_weight, self.undesirable_weight, kl=kl,
+            logps,
+            batch["ref_logprobs"],
+            kl_logps,
+            batch["ref_kl_logprobs"],
+            batch["label"],
+            self.beta,
+            self.desirable_weight,
+            self.undesirable_weight,
+            kl=kl,
         )
         return StepOutput(loss_sum=losses.sum(), metric_sums={k: v.sum() for k, v in m.items()})
 
@@ -335,8 +374,9 @@ class KTOObjective(_OfflinePreferenceObjective):
 def kto_source(rows: list[dict], pad_id: int, micro_batch_size: int, seed: int, device, shuffle=True) -> BatchSource:
     """Batch source over prepared KTO rows, bucketed by the longer of completion and KL sequence."""
     lengths = np.maximum(row_lengths(rows, "input_ids"), row_lengths(rows, "kl_input_ids"))
-    return batch_source(rows, lengths, partial(collate_kto, pad_id=pad_id), micro_batch_size, seed, device,
-                        shuffle=shuffle)
+    return batch_source(
+        rows, lengths, partial(collate_kto, pad_id=pad_id), micro_batch_size, seed, device, shuffle=shuffle
+    )
 
 
 def rows_used(source: BatchSource, num_micro_batches: int) -> list[int]:

@@ -27,7 +27,9 @@ from torch import Tensor, nn
 
 from trainer_core.modeling.forwards.heads import forward_replaced, head_parts, unwrap_causal_lm
 from trainer_core.modeling.forwards.kernels import (
-    CHUNK_SIZE_TOKENS, chunked_generalized_jsd, chunked_linear_logprobs_entropy,
+    CHUNK_SIZE_TOKENS,
+    chunked_generalized_jsd,
+    chunked_linear_logprobs_entropy,
 )
 from trainer_core.modeling.forwards.padding_free import padding_free_index, padding_free_outputs
 from trainer_core.objectives.logprobs import completion_logprobs_entropies
@@ -77,13 +79,22 @@ class Completions:
         first = int(prompt_cols[0]) if len(prompt_cols) else self.prompt_ids.shape[1] - 1
         width = int(completion_cols[-1]) + 1 if len(completion_cols) else 1
         cut = lambda x: None if x is None else x[:, :width]  # noqa: E731
-        return Completions(self.prompt_ids[:, first:], self.prompt_mask[:, first:], self.completion_ids[:, :width],
-                           self.completion_mask[:, :width], observation_mask=cut(self.observation_mask))
+        return Completions(
+            self.prompt_ids[:, first:],
+            self.prompt_mask[:, first:],
+            self.completion_ids[:, :width],
+            self.completion_mask[:, :width],
+            observation_mask=cut(self.observation_mask),
+        )
 
 
 def completion_inputs(
-    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-    observation_mask: Tensor | None = None, padding_free: bool = False,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    observation_mask: Tensor | None = None,
+    padding_free: bool = False,
 ) -> dict[str, Tensor]:
     """Model inputs of ``[prompt | completion]``: ``input_ids`` [N, P + T] long, ``attention_mask``
     [N, P + T] long (1 = real token: the prompt's, the policy's (``completion_mask``) and an
@@ -155,8 +166,14 @@ def _scatter_rows(values: Tensor, counted: Tensor) -> Tensor:
     return out.masked_scatter(counted, values)
 
 
-def _completion_states(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                       start: int, pack_index: Tensor | None = None) -> Tensor:
+def _completion_states(
+    decoder: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    start: int,
+    pack_index: Tensor | None = None,
+) -> Tensor:
     """[N, T, H] the decoder's final hidden states (0 at padding with ``pack_index``); position t
     predicts completion token t."""
     run = lambda **kw: (decoder(**kw).last_hidden_state,)  # noqa: E731
@@ -164,9 +181,18 @@ def _completion_states(decoder: nn.Module, input_ids: Tensor, attention_mask: Te
 
 
 def _completion_head_forward(
-    decoder: nn.Module, head: nn.Linear, value_head: nn.Module | None, temperature: float, chunk_size: int,
-    input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, completion_mask: Tensor, start: int,
-    teacher: TeacherTarget | None = None, pack_index: Tensor | None = None,
+    decoder: nn.Module,
+    head: nn.Linear,
+    value_head: nn.Module | None,
+    temperature: float,
+    chunk_size: int,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    completion_mask: Tensor,
+    start: int,
+    teacher: TeacherTarget | None = None,
+    pack_index: Tensor | None = None,
 ) -> PolicyForward:
     """A causal LM's forward for one call, scoring completion tokens only: the decoder on
     ``[prompt | completion]``, then the LM head on the real completion positions a chunk at a
@@ -202,9 +228,20 @@ def _completion_head_forward(
         values = value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # [N, T]
     divergences = None
     if teacher is not None:
-        divergences = _scatter_rows(chunked_generalized_jsd(
-            selected, head.weight, head.bias, teacher.hidden, teacher.weight, teacher.bias, teacher.beta,
-            teacher.temperature if teacher.temperature > 0 else 1.0, chunk_size), counted)
+        divergences = _scatter_rows(
+            chunked_generalized_jsd(
+                selected,
+                head.weight,
+                head.bias,
+                teacher.hidden,
+                teacher.weight,
+                teacher.bias,
+                teacher.beta,
+                teacher.temperature if teacher.temperature > 0 else 1.0,
+                chunk_size,
+            ),
+            counted,
+        )
     return _scatter_rows(logprobs, counted), _scatter_rows(entropies, counted), values, divergences
 
 
@@ -252,23 +289,44 @@ def completion_forward(
     """
     inner = unwrap_causal_lm(model)
     width, batch = batch.completion_ids.shape[1], batch.trimmed()
-    inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-                               batch.observation_mask, padding_free)
+    inputs = completion_inputs(
+        batch.prompt_ids,
+        batch.prompt_mask,
+        batch.completion_ids,
+        batch.completion_mask,
+        batch.observation_mask,
+        padding_free,
+    )
     start = completion_start(batch.prompt_ids)
     if isinstance(inner, PolicyAndValue):
-        out = model(**inputs, completion_mask=batch.completion_mask, start=start, temperature=temperature,
-                    with_values=with_values, chunk_size=chunk_size, full_logits=full_logits, teacher=teacher)
+        out = model(
+            **inputs,
+            completion_mask=batch.completion_mask,
+            start=start,
+            temperature=temperature,
+            with_values=with_values,
+            chunk_size=chunk_size,
+            full_logits=full_logits,
+            teacher=teacher,
+        )
     elif with_values or teacher is not None:
         raise ValueError(f"{type(inner).__name__}: values and a teacher's divergences come from a PolicyAndValue only")
     else:
-        out = _causal_lm_forward(model, inner, inputs, batch.completion_mask, start, temperature, chunk_size,
-                                 full_logits)
+        out = _causal_lm_forward(
+            model, inner, inputs, batch.completion_mask, start, temperature, chunk_size, full_logits
+        )
     return _widened(PolicyForward(*out), width)
 
 
 def _causal_lm_forward(
-    model: nn.Module, inner: nn.Module, inputs: dict[str, Tensor], completion_mask: Tensor, start: int,
-    temperature: float, chunk_size: int, full_logits: bool,
+    model: nn.Module,
+    inner: nn.Module,
+    inputs: dict[str, Tensor],
+    completion_mask: Tensor,
+    start: int,
+    temperature: float,
+    chunk_size: int,
+    full_logits: bool,
 ) -> tuple[Tensor | None, ...]:
     """:func:`completion_forward`'s scores under a causal LM ``model`` (``inner``: it unwrapped):
     (logprobs, entropies, values None[, divergences None]), each [N, T'], from the chunked head
@@ -282,8 +340,16 @@ def _causal_lm_forward(
         return model(**inputs, completion_mask=completion_mask, start=start)
 
 
-def _counted_hidden(decoder: nn.Module, head: nn.Linear, input_ids: Tensor, attention_mask: Tensor,
-                    position_ids: Tensor, completion_mask: Tensor, start: int, pack_index: Tensor | None = None) -> Tensor:
+def _counted_hidden(
+    decoder: nn.Module,
+    head: nn.Linear,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    completion_mask: Tensor,
+    start: int,
+    pack_index: Tensor | None = None,
+) -> Tensor:
     """[M, H] the decoder's final hidden states at the positions predicting the counted completion tokens."""
     return _completion_states(decoder, input_ids, attention_mask, position_ids, start, pack_index)[completion_mask > 0]
 
@@ -305,11 +371,19 @@ def completion_hidden(model: nn.Module, batch: Completions, padding_free: bool =
     inner = unwrap_causal_lm(model)
     parts = head_parts(inner)
     if parts is None:
-        raise ValueError(f"{type(inner).__name__}: its logits are not a plain linear head of the last hidden state "
-                         "(soft-capping, logit scaling), which the generalised JSD from hidden states needs")
+        raise ValueError(
+            f"{type(inner).__name__}: its logits are not a plain linear head of the last hidden state "
+            "(soft-capping, logit scaling), which the generalised JSD from hidden states needs"
+        )
     batch = batch.trimmed()
-    inputs = completion_inputs(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-                               batch.observation_mask, padding_free)
+    inputs = completion_inputs(
+        batch.prompt_ids,
+        batch.prompt_mask,
+        batch.completion_ids,
+        batch.completion_mask,
+        batch.observation_mask,
+        padding_free,
+    )
     with forward_replaced(inner, partial(_counted_hidden, *parts)):
         return model(**inputs, completion_mask=batch.completion_mask, start=completion_start(batch.prompt_ids))
 
@@ -336,9 +410,16 @@ class PolicyAndValue(nn.Module):
         self._no_split_modules = getattr(policy, "_no_split_modules", None)
 
     def forward(
-        self, *, completion_mask: Tensor | None = None, start: int = 0, temperature: float = 1.0,
-        with_values: bool = False, chunk_size: int = CHUNK_SIZE_TOKENS, full_logits: bool = False,
-        teacher: TeacherTarget | None = None, **kwargs: Any,
+        self,
+        *,
+        completion_mask: Tensor | None = None,
+        start: int = 0,
+        temperature: float = 1.0,
+        with_values: bool = False,
+        chunk_size: int = CHUNK_SIZE_TOKENS,
+        full_logits: bool = False,
+        teacher: TeacherTarget | None = None,
+        **kwargs: Any,
     ) -> Any:
         """The policy's output on ``kwargs``; with ``completion_mask``, the tuple (logprobs,
         entropies, values) of :class:`PolicyForward` (:func:`completion_forward` builds it).
@@ -368,8 +449,16 @@ class PolicyAndValue(nn.Module):
         value_head = self.value_head if with_values else None
         parts = None if full_logits else head_parts(self.policy)
         if parts is not None:
-            return _completion_head_forward(*parts, value_head, temperature, chunk_size, **kwargs,
-                                            completion_mask=completion_mask, start=start, teacher=teacher)
+            return _completion_head_forward(
+                *parts,
+                value_head,
+                temperature,
+                chunk_size,
+                **kwargs,
+                completion_mask=completion_mask,
+                start=start,
+                teacher=teacher,
+            )
         if teacher is not None:
             raise ValueError("the generalised JSD to a teacher needs a plain linear LM head and full_logits False")
 
@@ -378,8 +467,9 @@ class PolicyAndValue(nn.Module):
             return (out.logits,) if value_head is None else (out.logits, out.hidden_states[-1])
 
         outs = padding_free_outputs(run, **kwargs)
-        logprobs, entropies = completion_logprobs_entropies(outs[0], kwargs["input_ids"], completion_mask, start,
-                                                            temperature)
+        logprobs, entropies = completion_logprobs_entropies(
+            outs[0], kwargs["input_ids"], completion_mask, start, temperature
+        )
         values = None
         if value_head is not None:
             values = value_head(outs[1][:, start:-1, :]).squeeze(-1).to(torch.float32, copy=True)
@@ -397,4 +487,3 @@ def value_head_for(policy: nn.Module) -> nn.Linear:
     nn.init.zeros_(head.weight)
     nn.init.zeros_(head.bias)
     return head
-

@@ -86,7 +86,12 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def _chunks(
-        ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int,
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        chunk_size: int,
         entropies: Tensor | None,
     ) -> Tensor:
         """The forward's loop; also fills ``entropies`` [N] float32 (of each row's distribution) when given."""
@@ -206,8 +211,9 @@ class _ChunkedLinearNLLSum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int,
-                with_grad: bool) -> Tensor:
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int, with_grad: bool
+    ) -> Tensor:
         compute_dtype = _compute_dtype(weight)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if with_grad else None
@@ -245,7 +251,9 @@ class _ChunkedLinearNLLSum(torch.autograd.Function):
             grad_hidden.mul_(scale.to(grad_hidden.dtype)) if needs_hidden else None,
             grad_weight.mul_(scale.to(grad_weight.dtype)) if needs_weight else None,
             grad_bias.mul_(scale.to(grad_bias.dtype)) if needs_bias and grad_bias is not None else None,
-            None, None, None,
+            None,
+            None,
+            None,
         )
 
 
@@ -315,8 +323,16 @@ def nll_sum_kernel(device: torch.device) -> str:
     return "liger" if device.type == "cuda" and liger_available() else "torch"
 
 
-def _chunk_jsd(student_hidden: Tensor, student_weight: Tensor, student_bias: Tensor | None, teacher_hidden: Tensor,
-               teacher_weight: Tensor, teacher_bias: Tensor | None, beta: float, temperature: float) -> Tensor:
+def _chunk_jsd(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    student_bias: Tensor | None,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    teacher_bias: Tensor | None,
+    beta: float,
+    temperature: float,
+) -> Tensor:
     """[C] divergences of one chunk: both heads applied, then
     :func:`~trainer_core.objectives.distill.generalized_jsd`."""
     student_logits = F.linear(student_hidden.to(student_weight.dtype), student_weight, student_bias)
@@ -358,19 +374,31 @@ def chunked_generalized_jsd(
             (and :func:`~trainer_core.objectives.distill.generalized_jsd`'s errors).
     """
     if student_hidden.shape[0] != teacher_hidden.shape[0]:
-        raise ValueError(f"chunked_generalized_jsd: {student_hidden.shape[0]} student positions against "
-                         f"{teacher_hidden.shape[0]} teacher positions")
+        raise ValueError(
+            f"chunked_generalized_jsd: {student_hidden.shape[0]} student positions against "
+            f"{teacher_hidden.shape[0]} teacher positions"
+        )
     if student_weight.shape[0] != teacher_weight.shape[0]:
-        raise ValueError(f"chunked_generalized_jsd: the student's vocabulary has {student_weight.shape[0]} words, "
-                         f"the teacher's {teacher_weight.shape[0]} (they must share a tokenizer)")
+        raise ValueError(
+            f"chunked_generalized_jsd: the student's vocabulary has {student_weight.shape[0]} words, "
+            f"the teacher's {teacher_weight.shape[0]} (they must share a tokenizer)"
+        )
     if chunk_size < 1:
         raise ValueError(f"chunked_generalized_jsd: chunk_size must be >= 1, got {chunk_size}")
     teacher_hidden = teacher_hidden.detach()
     chunks = []
     for start in range(0, student_hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        args = (student_hidden[rows], student_weight, student_bias, teacher_hidden[rows], teacher_weight.detach(),
-                None if teacher_bias is None else teacher_bias.detach(), beta, temperature)
+        args = (
+            student_hidden[rows],
+            student_weight,
+            student_bias,
+            teacher_hidden[rows],
+            teacher_weight.detach(),
+            None if teacher_bias is None else teacher_bias.detach(),
+            beta,
+            temperature,
+        )
         needs_grad = torch.is_grad_enabled() and (student_hidden.requires_grad or student_weight.requires_grad)
         chunks.append(checkpoint(_chunk_jsd, *args, use_reentrant=False) if needs_grad else _chunk_jsd(*args))
     if not chunks:

@@ -56,18 +56,28 @@ def check_packed_rows_apart(model: nn.Module, setting: str) -> None:
     model.eval()
     try:
         with torch.no_grad():
-            states = [model(input_ids=torch.cat([first, second])[None].to(params.device), position_ids=positions,
-                            use_cache=False, output_hidden_states=True).hidden_states[-1][0, 5:].float()
-                      for first in firsts]
+            states = [
+                model(
+                    input_ids=torch.cat([first, second])[None].to(params.device),
+                    position_ids=positions,
+                    use_cache=False,
+                    output_hidden_states=True,
+                )
+                .hidden_states[-1][0, 5:]
+                .float()
+                for first in firsts
+            ]
     finally:
         model.train(training)
         _reshard(model)
     drift, scale = float((states[0] - states[1]).abs().max()), float(states[0].abs().max())
     if drift > 1e-3 * max(scale, 1.0):
         name = type(inner).__name__
-        raise ConfigError(f"{setting}: {name} lets packed rows attend to each other (a row's hidden states moved by "
-                          f"{drift:.3g} when the row packed before it changed): its attention mask is not built from "
-                          "position_ids in this transformers version; turn packing off for this model")
+        raise ConfigError(
+            f"{setting}: {name} lets packed rows attend to each other (a row's hidden states moved by "
+            f"{drift:.3g} when the row packed before it changed): its attention mask is not built from "
+            "position_ids in this transformers version; turn packing off for this model"
+        )
 
 
 def padding_free_index(attention_mask: Tensor) -> Tensor:
@@ -84,7 +94,10 @@ def padding_free_index(attention_mask: Tensor) -> Tensor:
 
 
 def padding_free_outputs(
-    run: Callable[..., tuple[Tensor, ...]], input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+    run: Callable[..., tuple[Tensor, ...]],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
     pack_index: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """``run``'s per-token outputs over a padded batch, computed on its real tokens only when
@@ -115,8 +128,12 @@ def padding_free_outputs(
     if pack_index is None:
         return run(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     rows, length = input_ids.shape
-    packed = run(input_ids=input_ids.reshape(-1)[pack_index][None], attention_mask=None,
-                 position_ids=position_ids.reshape(-1)[pack_index][None], use_cache=False)
+    packed = run(
+        input_ids=input_ids.reshape(-1)[pack_index][None],
+        attention_mask=None,
+        position_ids=position_ids.reshape(-1)[pack_index][None],
+        use_cache=False,
+    )
     padded = []
     for out in packed:  # [1, S, ...]
         whole = out.new_zeros((rows * length, *out.shape[2:]))

@@ -25,7 +25,9 @@ def concat_pairs(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     Returns:
         (input_ids, attention_mask, loss_mask), each [2B, T]; rows [:B] are chosen.
     """
-    return tuple(torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "attention_mask", "loss_mask"))
+    return tuple(
+        torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "attention_mask", "loss_mask")
+    )
 
 
 def pair_logprobs(
@@ -42,7 +44,12 @@ def pair_logprobs(
     if is_packed(batch):
         loss_mask = batch["loss_mask"]
         token_logprobs = masked_token_logprobs(
-            model, batch["input_ids"], None, loss_mask, chunk_size=chunk_size, position_ids=batch["position_ids"],
+            model,
+            batch["input_ids"],
+            None,
+            loss_mask,
+            chunk_size=chunk_size,
+            position_ids=batch["position_ids"],
             counted_index=batch.get("counted_index"),
         )  # [1, S - 1], 0 where not counted (each sequence's first token included)
         logprobs = torch.zeros(2 * pairs, dtype=token_logprobs.dtype, device=token_logprobs.device)
@@ -81,11 +88,15 @@ def kto_inputs(batch: dict[str, Tensor], prefix: str = "") -> tuple[Tensor, Tens
     return (*(batch[f"{prefix}{k}"] for k in keys), batch.get(f"{prefix}counted_index"))
 
 
-def kto_logprobs(model: nn.Module, batch: dict[str, Tensor], chunk_size: int = CHUNK_SIZE_TOKENS) -> tuple[Tensor, Tensor]:
+def kto_logprobs(
+    model: nn.Module, batch: dict[str, Tensor], chunk_size: int = CHUNK_SIZE_TOKENS
+) -> tuple[Tensor, Tensor]:
     """Summed log-probs of a :func:`~trainer_core.data.batching.collate_kto` batch's completions
     and of its KL sequences' completions, each [B] float32 (two forwards)."""
-    return (padded_sequence_logprobs(model, *kto_inputs(batch, ""), chunk_size),
-            padded_sequence_logprobs(model, *kto_inputs(batch, "kl_"), chunk_size))
+    return (
+        padded_sequence_logprobs(model, *kto_inputs(batch, ""), chunk_size),
+        padded_sequence_logprobs(model, *kto_inputs(batch, "kl_"), chunk_size),
+    )
 
 
 def _pair_length(row: dict) -> int:
@@ -98,8 +109,14 @@ def _kto_length(row: dict) -> int:
 
 @torch.no_grad()
 def reference_logprobs(
-    model: nn.Module, rows: list[dict], pad_id: int, batch_size: int, device, chunk_size: int = CHUNK_SIZE_TOKENS,
-    *, kind: str = "pairs",
+    model: nn.Module,
+    rows: list[dict],
+    pad_id: int,
+    batch_size: int,
+    device,
+    chunk_size: int = CHUNK_SIZE_TOKENS,
+    *,
+    kind: str = "pairs",
 ) -> list[list[float]]:
     """Summed completion log-probs under ``model`` for each row, in row order: [chosen, rejected]
     of preference pairs (``kind="pairs"``, :func:`pair_logprobs`) or [completion, KL completion]

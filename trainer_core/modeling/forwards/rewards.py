@@ -81,7 +81,9 @@ def _packed_scores_forward(
     return score(hidden[0, last_token_index])  # [R, 1]
 
 
-def packed_sequence_scores(model: nn.Module, input_ids: Tensor, position_ids: Tensor, last_token_index: Tensor) -> Tensor:
+def packed_sequence_scores(
+    model: nn.Module, input_ids: Tensor, position_ids: Tensor, last_token_index: Tensor
+) -> Tensor:
     """Scalar scores of the R sequences of a packed batch from a ``*ForSequenceClassification`` model.
 
     Equal (up to float rounding) to the pooled ``logits`` of the same sequences padded into a
@@ -106,7 +108,9 @@ def packed_sequence_scores(model: nn.Module, input_ids: Tensor, position_ids: Te
     inner = unwrap_causal_lm(model)
     score = getattr(inner, "score", None)
     if not isinstance(inner, PreTrainedModel) or not isinstance(score, nn.Module):
-        raise ValueError(f"{type(inner).__name__} is not a sequence classifier with a `score` head: cannot score packed rows")
+        raise ValueError(
+            f"{type(inner).__name__} is not a sequence classifier with a `score` head: cannot score packed rows"
+        )
     base = getattr(inner, inner.base_model_prefix)
     with forward_replaced(inner, partial(_packed_scores_forward, base, score)):
         scores = model(input_ids=input_ids, position_ids=position_ids, last_token_index=last_token_index)

@@ -21,14 +21,24 @@ from torch import Tensor, nn
 
 from trainer_core.modeling.forwards.heads import forward_replaced, head_parts, unwrap_causal_lm
 from trainer_core.modeling.forwards.kernels import (
-    CHUNK_SIZE_TOKENS, NLL_SUM_KERNELS, HeadFn, chunked_linear_logprobs, nll_sum_kernel,
+    CHUNK_SIZE_TOKENS,
+    NLL_SUM_KERNELS,
+    HeadFn,
+    chunked_linear_logprobs,
+    nll_sum_kernel,
 )
 from trainer_core.objectives.logprobs import compute_logprobs, sequence_logprobs, shift_mask
 
 
 def _counted_head_forward(
-    decoder: nn.Module, head: nn.Linear, head_fn: HeadFn, chunk_size: int,
-    input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, position_ids: Tensor | None = None,
+    decoder: nn.Module,
+    head: nn.Linear,
+    head_fn: HeadFn,
+    chunk_size: int,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    loss_mask: Tensor,
+    position_ids: Tensor | None = None,
     counted_index: Tensor | None = None,
 ) -> Tensor:
     """The causal LM's forward for one call: the decoder on the whole batch, ``head_fn`` on counted positions.
@@ -64,8 +74,14 @@ def _counted_head_forward(
 
 
 def _through_wrapper(
-    model: nn.Module, head_fn: HeadFn, chunk_size: int, input_ids: Tensor, attention_mask: Tensor | None,
-    loss_mask: Tensor, position_ids: Tensor | None, counted_index: Tensor | None,
+    model: nn.Module,
+    head_fn: HeadFn,
+    chunk_size: int,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    loss_mask: Tensor,
+    position_ids: Tensor | None,
+    counted_index: Tensor | None,
 ) -> Tensor | None:
     """``head_fn`` on the counted positions, computed by one call of ``model`` (wrapped or not).
 
@@ -79,24 +95,38 @@ def _through_wrapper(
     forward = partial(_counted_head_forward, *parts, head_fn, chunk_size)
     with forward_replaced(inner, forward):
         return model(
-            input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, position_ids=position_ids,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            loss_mask=loss_mask,
+            position_ids=position_ids,
             counted_index=counted_index,
         )
 
 
 def _full_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, position_ids: Tensor | None,
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    loss_mask: Tensor,
+    position_ids: Tensor | None,
     counted_index: Tensor | None = None,
 ) -> Tensor:
     # No KV cache: transformers keeps a packed batch's rows apart (by ``position_ids``) only without one.
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits  # [B, T, V]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits  # [B, T, V]
     return compute_logprobs(logits, input_ids) * shift_mask(loss_mask)
 
 
 def masked_token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, *,
-    chunk_size: int = CHUNK_SIZE_TOKENS, position_ids: Tensor | None = None, counted_index: Tensor | None = None,
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    loss_mask: Tensor,
+    *,
+    chunk_size: int = CHUNK_SIZE_TOKENS,
+    position_ids: Tensor | None = None,
+    counted_index: Tensor | None = None,
 ) -> Tensor:
     """Next-token log-probs at counted positions, zero elsewhere.
 
@@ -140,8 +170,14 @@ def masked_token_logprobs(
 
 
 def masked_nll_sum(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, loss_mask: Tensor, *,
-    chunk_size: int = CHUNK_SIZE_TOKENS, position_ids: Tensor | None = None, counted_index: Tensor | None = None,
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    loss_mask: Tensor,
+    *,
+    chunk_size: int = CHUNK_SIZE_TOKENS,
+    position_ids: Tensor | None = None,
+    counted_index: Tensor | None = None,
 ) -> Tensor:
     """Summed next-token NLL of the counted tokens: SFT's ``loss_sum``.
 
@@ -170,7 +206,11 @@ def masked_nll_sum(
 
 
 def padded_sequence_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, counted_index: Tensor | None,
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    loss_mask: Tensor,
+    counted_index: Tensor | None,
     chunk_size: int = CHUNK_SIZE_TOKENS,
 ) -> Tensor:
     """Summed log-probs [B] float32 of the counted tokens of each padded [B, T] row, the LM head

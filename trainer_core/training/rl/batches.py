@@ -83,10 +83,17 @@ class SampledRound:
         index = torch.tensor(rows, dtype=torch.long, device=self.scores.device)
         g = self.generated
         return SampledRound(
-            [self.items[i] for i in rows], self.prompt_ids[index], self.prompt_mask[index],
-            Generated(g.completion_ids[index], g.completion_mask[index], g.logprobs[index],
-                      None if g.observation_mask is None else g.observation_mask[index]),
-            [self.texts[i] for i in rows], self.scores[index],
+            [self.items[i] for i in rows],
+            self.prompt_ids[index],
+            self.prompt_mask[index],
+            Generated(
+                g.completion_ids[index],
+                g.completion_mask[index],
+                g.logprobs[index],
+                None if g.observation_mask is None else g.observation_mask[index],
+            ),
+            [self.texts[i] for i in rows],
+            self.scores[index],
         )
 
 
@@ -109,8 +116,12 @@ def masked_out(sample: SampledRound) -> SampledRound:
     still go through the forwards, so that ranks run the same ones, but count nothing (as
     :func:`~trainer_core.training.rl.rollout.masked_row`): no loss, no gradient, no token or sequence count."""
     g = sample.generated
-    hidden = Generated(g.completion_ids, torch.zeros_like(g.completion_mask), torch.zeros_like(g.logprobs),
-                       None if g.observation_mask is None else torch.zeros_like(g.observation_mask))
+    hidden = Generated(
+        g.completion_ids,
+        torch.zeros_like(g.completion_mask),
+        torch.zeros_like(g.logprobs),
+        None if g.observation_mask is None else torch.zeros_like(g.observation_mask),
+    )
     return SampledRound(sample.items, sample.prompt_ids, sample.prompt_mask, hidden, sample.texts, sample.scores)
 
 
@@ -139,7 +150,8 @@ def concat_rounds(parts: list[SampledRound], pad_id: int) -> SampledRound:
             cat([_pad_to(p.generated.completion_ids, width_t, pad_id, left=False) for p in parts]),
             cat([_pad_to(p.generated.completion_mask, width_t, 0.0, left=False) for p in parts]),
             cat([_pad_to(p.generated.logprobs, width_t, 0.0, left=False) for p in parts]),
-            None if parts[0].generated.observation_mask is None
+            None
+            if parts[0].generated.observation_mask is None
             else cat([_pad_to(p.generated.observation_mask, width_t, 0.0, left=False) for p in parts]),
         ),
         [t for p in parts for t in p.texts],
@@ -251,15 +263,27 @@ def logprob_diff_metrics(batch: RolloutBatch, backend: Backend) -> dict[str, flo
     return {"rollout/logprob_diff_mean": float(sums[0] / sums[1].clamp(min=1.0)), "rollout/logprob_diff_max": largest}
 
 
-SAMPLED_ONLY_KEYS = ("objective/scores", "reward_mean", "reward_std", "objective/rlhf_reward", "objective/kl",
-                     "objective/entropy", "objective/non_score_reward")
+SAMPLED_ONLY_KEYS = (
+    "objective/scores",
+    "reward_mean",
+    "reward_std",
+    "objective/rlhf_reward",
+    "objective/kl",
+    "objective/entropy",
+    "objective/non_score_reward",
+)
 """The metrics :func:`rollout_metrics` leaves out of an iteration nothing was sampled in: the
 rewards (nothing was scored) and the per-sample KL and entropy estimates, which estimate the
 policy's KL and entropy only over its own samples."""
 
 
 def rollout_metrics(
-    batch: RolloutBatch, first: SampledRound, backend: Backend, eos_id: int, kl_coef: float, kl_estimator: str,
+    batch: RolloutBatch,
+    first: SampledRound,
+    backend: Backend,
+    eos_id: int,
+    kl_coef: float,
+    kl_estimator: str,
 ) -> dict[str, float]:
     """TRL's ``objective/*`` metrics plus reward (and each part of a weighted reward,
     ``reward/<name>``, unweighted), length (the policy's tokens), verifier accuracy and, with an
@@ -313,4 +337,3 @@ def rollout_metrics(
     if not batch.sampled:
         m = {k: v for k, v in m.items() if k not in SAMPLED_ONLY_KEYS}
     return m
-

@@ -40,12 +40,13 @@ def check_dataset_rows(stage: str, lmbda: float, rows: Sequence[dict] | None) ->
             ``sft/train`` rows; a library caller passes them as ``RLTrainer(demonstrations=...)``).
     """
     if lmbda < 1 and not rows:
-        raise ConfigError(f"{stage}.lmbda={lmbda} trains on the dataset's completions and got no sft/train rows "
-                          "(library: RLTrainer(demonstrations=...)); set lmbda to 1 or pass them")
+        raise ConfigError(
+            f"{stage}.lmbda={lmbda} trains on the dataset's completions and got no sft/train rows "
+            "(library: RLTrainer(demonstrations=...)); set lmbda to 1 or pass them"
+        )
 
 
-def dataset_round(items: Sequence[PromptItem], rows: Sequence[dict], pad_id: int,
-                  device: torch.device) -> SampledRound:
+def dataset_round(items: Sequence[PromptItem], rows: Sequence[dict], pad_id: int, device: torch.device) -> SampledRound:
     """This rank's prompts ``items`` with their dataset completions, shaped as a sampling round.
 
     Each item's row ``rows[item.row]`` is cut at its first loss token; the completion's loss tokens
@@ -70,5 +71,11 @@ def dataset_round(items: Sequence[PromptItem], rows: Sequence[dict], pad_id: int
     observed = None if batch.observation_mask is None else batch.observation_mask.float()
     real = counted if observed is None else counted + observed
     generated = Generated(batch.completion_ids, real, torch.zeros_like(counted), observed)
-    return SampledRound(list(items), batch.prompt_ids, batch.prompt_mask.float(), generated, [""] * len(items),
-                        torch.zeros(len(items), device=device))
+    return SampledRound(
+        list(items),
+        batch.prompt_ids,
+        batch.prompt_mask.float(),
+        generated,
+        [""] * len(items),
+        torch.zeros(len(items), device=device),
+    )

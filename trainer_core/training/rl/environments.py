@@ -99,8 +99,13 @@ MAX_MAGNITUDE = 1e15
 MAX_EXPONENT = 64
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
@@ -242,12 +247,15 @@ class FunctionToolsEnvironment:
         call = {"type": "function", "function": {"name": "f", "arguments": {}}}
         turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
         before = tokenizer.apply_chat_template(turns, tokenize=False)
-        after = tokenizer.apply_chat_template(turns + [{"role": "tool", "name": "f", "content": _RESULT}],
-                                              add_generation_prompt=True, tokenize=False)
+        after = tokenizer.apply_chat_template(
+            turns + [{"role": "tool", "name": "f", "content": _RESULT}], add_generation_prompt=True, tokenize=False
+        )
         end = before.rfind(TOOL_CALL_CLOSE) + len(TOOL_CALL_CLOSE)
         if end < len(TOOL_CALL_CLOSE) or not after.startswith(before[:end]) or _RESULT not in after[end:]:
-            raise ConfigError("environment 'functions': the tokenizer's chat template does not write a tool call as "
-                              f"{TOOL_CALL_OPEN}...{TOOL_CALL_CLOSE} followed by the tool's message")
+            raise ConfigError(
+                "environment 'functions': the tokenizer's chat template does not write a tool call as "
+                f"{TOOL_CALL_OPEN}...{TOOL_CALL_CLOSE} followed by the tool's message"
+            )
         self.response = after[end:]
 
     def reset(self, prompt: PromptItem) -> None:
@@ -279,12 +287,15 @@ class FunctionToolsEnvironment:
 
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
-    "calculator": CalculatorEnvironment, "functions": FunctionToolsEnvironment,
+    "calculator": CalculatorEnvironment,
+    "functions": FunctionToolsEnvironment,
 }
 """Built-in environments by name."""
 
 
-def load_environment(name: str, kwargs: dict[str, Any] | None = None, *, where: str = "environment.name") -> Environment:
+def load_environment(
+    name: str, kwargs: dict[str, Any] | None = None, *, where: str = "environment.name"
+) -> Environment:
     """The environment ``name`` (:data:`ENVIRONMENTS`, or ``package.module:Class``), built with
     ``kwargs``.
 
@@ -344,8 +355,17 @@ class ToolSession:
             names the environment and the row's prompt.
     """
 
-    def __init__(self, env: Environment, tokenizer: PreTrainedTokenizerBase, prompts: list[PromptItem], *,
-                 max_tool_calls: int, max_observation_tokens: int, tool_timeout_s: float, eos_id: int) -> None:
+    def __init__(
+        self,
+        env: Environment,
+        tokenizer: PreTrainedTokenizerBase,
+        prompts: list[PromptItem],
+        *,
+        max_tool_calls: int,
+        max_observation_tokens: int,
+        tool_timeout_s: float,
+        eos_id: int,
+    ) -> None:
         self.env, self.tokenizer, self.prompts = env, tokenizer, prompts
         self.max_tool_calls, self.max_observation_tokens = max_tool_calls, max_observation_tokens
         self.tool_timeout_s, self.eos_id = tool_timeout_s, eos_id
@@ -357,13 +377,20 @@ class ToolSession:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     @classmethod
-    def configured(cls, env: Environment, limits: Any, tokenizer: PreTrainedTokenizerBase,
-                   prompts: list[PromptItem]) -> ToolSession:
+    def configured(
+        cls, env: Environment, limits: Any, tokenizer: PreTrainedTokenizerBase, prompts: list[PromptItem]
+    ) -> ToolSession:
         """A session of ``prompts`` with ``limits`` (an ``EnvironmentConfig``) and the
         tokenizer's EOS."""
-        return cls(env, tokenizer, prompts, max_tool_calls=limits.max_tool_calls,
-                   max_observation_tokens=limits.max_observation_tokens, tool_timeout_s=limits.tool_timeout_s,
-                   eos_id=tokenizer.eos_token_id)
+        return cls(
+            env,
+            tokenizer,
+            prompts,
+            max_tool_calls=limits.max_tool_calls,
+            max_observation_tokens=limits.max_observation_tokens,
+            tool_timeout_s=limits.tool_timeout_s,
+            eos_id=tokenizer.eos_token_id,
+        )
 
     @property
     def env_name(self) -> str:
@@ -391,8 +418,9 @@ class ToolSession:
         except Exception as exc:  # noqa: BLE001 - any tool failure is observed, never fatal
             return self._error(row, exc)
         if not isinstance(step, EnvStep) or not isinstance(step.observation, str) or not isinstance(step.done, bool):
-            raise self._violation(row, f"step({call!r}) returned {step!r}, not an EnvStep(observation: str, "
-                                       "reward: float, done: bool)")
+            raise self._violation(
+                row, f"step({call!r}) returned {step!r}, not an EnvStep(observation: str, reward: float, done: bool)"
+            )
         if not isinstance(step.reward, (int, float)) or not math.isfinite(step.reward):
             raise self._violation(row, f"step({call!r}) returned reward {step.reward!r}, not a finite number")
         return step

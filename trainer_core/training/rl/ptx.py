@@ -54,8 +54,10 @@ def split_demonstration(row: dict) -> tuple[list[int], list[int], list[int]]:
     ids, mask = list(row["input_ids"]), list(row["loss_mask"])
     start = next((i for i, m in enumerate(mask) if m and i > 0), None)
     if start is None:
-        raise ConfigError("ptx_coef: an sft/train row has no loss token after its first token (input_ids "
-                          f"{ids[:8]}...); the ptx loss needs demonstrations with a completion")
+        raise ConfigError(
+            "ptx_coef: an sft/train row has no loss token after its first token (input_ids "
+            f"{ids[:8]}...); the ptx loss needs demonstrations with a completion"
+        )
     return ids[:start], ids[start:], [int(bool(m)) for m in mask[start:]]
 
 
@@ -74,13 +76,18 @@ def collate_demonstrations(rows: Sequence[dict], pad_id: int, device: torch.devi
     length = max(len(c) for c in completion_ids)
     counted = pad_sequences(completion_mask, length, 0)
     observed = pad_sequences([[1] * len(c) for c in completion_ids], length, 0) - counted
-    return PtxBatch(prompts["input_ids"].to(device), prompts["attention_mask"].to(device),
-                    pad_sequences(completion_ids, length, pad_id).to(device), counted.to(device),
-                    observation_mask=observed.to(device) if bool(observed.any()) else None)
+    return PtxBatch(
+        prompts["input_ids"].to(device),
+        prompts["attention_mask"].to(device),
+        pad_sequences(completion_ids, length, pad_id).to(device),
+        counted.to(device),
+        observation_mask=observed.to(device) if bool(observed.any()) else None,
+    )
 
 
-def ptx_row_indices(num_rows: int, rows_per_step: int, seed: int, global_step: int, step_index: int,
-                    rank: int) -> list[int]:
+def ptx_row_indices(
+    num_rows: int, rows_per_step: int, seed: int, global_step: int, step_index: int, rank: int
+) -> list[int]:
     """The demonstration rows of one rank for one optimizer step: ``rows_per_step`` distinct rows
     (all of them when there are fewer), drawn from a generator seeded with the arguments alone.
 
@@ -120,21 +127,32 @@ def check_demonstrations(stage: str, ptx_coef: float, demonstrations: Sequence[d
     """
     if ptx_coef > 0 and not demonstrations:
         got = "none" if demonstrations is None else "an empty split"
-        raise ConfigError(f"{stage}.ptx_coef={ptx_coef} needs demonstrations (the prepared sft/train rows) and got "
-                          f"{got}: prepare SFT data with rows (library: RLTrainer(demonstrations=...)), or set "
-                          "ptx_coef to 0")
+        raise ConfigError(
+            f"{stage}.ptx_coef={ptx_coef} needs demonstrations (the prepared sft/train rows) and got "
+            f"{got}: prepare SFT data with rows (library: RLTrainer(demonstrations=...)), or set "
+            "ptx_coef to 0"
+        )
 
 
-def ptx_batch(rows: Sequence[dict], rows_per_step: int, seed: int, global_step: int, step_index: int, rank: int,
-              pad_token_id: int, device: torch.device) -> PtxBatch:
+def ptx_batch(
+    rows: Sequence[dict],
+    rows_per_step: int,
+    seed: int,
+    global_step: int,
+    step_index: int,
+    rank: int,
+    pad_token_id: int,
+    device: torch.device,
+) -> PtxBatch:
     """This rank's demonstrations for the optimizer step ``step_index`` of the iteration after
     ``global_step`` (:func:`ptx_row_indices`), collated on ``device``."""
     picked = ptx_row_indices(len(rows), rows_per_step, seed, global_step, step_index, rank)
     return collate_demonstrations([rows[i] for i in picked], pad_token_id, device)
 
 
-def ptx_backward(model: nn.Module, backend: Backend, batch: PtxBatch, ptx_coef: float,
-                 padding_free: bool = False) -> Tensor:
+def ptx_backward(
+    model: nn.Module, backend: Backend, batch: PtxBatch, ptx_coef: float, padding_free: bool = False
+) -> Tensor:
     """Forward and backward of ``ptx_coef`` x the ptx loss of ``batch`` (:func:`ptx_batch`) as the
     optimizer step's last micro-batch (its backward synchronises gradients). Collective under every
     backend: each rank runs one forward of the same number of rows.

@@ -116,8 +116,9 @@ def _as_floats(values: Any, n: int, who: str) -> Tensor:
             raise RewardFunctionError(f"{who} returned a tensor of shape {list(values.shape)}; expected [{n}]")
         return values.detach().to("cpu", torch.float32)
     if not isinstance(values, (list, tuple)):
-        raise RewardFunctionError(f"{who} returned {type(values).__name__}; expected a list of {n} floats or a "
-                                  f"[{n}] tensor")
+        raise RewardFunctionError(
+            f"{who} returned {type(values).__name__}; expected a list of {n} floats or a [{n}] tensor"
+        )
     if len(values) != n:
         raise RewardFunctionError(f"{who} returned {len(values)} values for {n} completions; expected {n}")
     floats = []
@@ -125,8 +126,9 @@ def _as_floats(values: Any, n: int, who: str) -> Tensor:
         if (isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex()) or isinstance(v, np.generic):
             v = v.item()  # a one-element tensor, a numpy scalar (np.bool_, np.float32, ...)
         if not isinstance(v, numbers.Real):
-            raise RewardFunctionError(f"{who} returned {type(v).__name__} {_shown(str(v))} at index {i}; "
-                                      f"expected {n} floats")
+            raise RewardFunctionError(
+                f"{who} returned {type(v).__name__} {_shown(str(v))} at index {i}; expected {n} floats"
+            )
         floats.append(float(v))
     return torch.tensor(floats, dtype=torch.float32)
 
@@ -148,8 +150,10 @@ def as_rewards(values: Any, who: str, prompts: list[PromptItem], completions: li
     bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
     if bad:
         i = bad[0]
-        raise RewardFunctionError(f"{who} returned {rewards[i].item()} for {_sample(prompts, completions, i)}; "
-                                  f"rewards must be finite ({len(bad)} of {len(completions)} were not)")
+        raise RewardFunctionError(
+            f"{who} returned {rewards[i].item()} for {_sample(prompts, completions, i)}; "
+            f"rewards must be finite ({len(bad)} of {len(completions)} were not)"
+        )
     return rewards
 
 
@@ -249,8 +253,9 @@ class MathVerifyReward:
         try:
             import math_verify  # noqa: F401
         except ImportError as exc:
-            raise ConfigError("reward.kind='math_verify' needs the math-verify package "
-                              "(pip install 'math-verify>=0.9')") from exc
+            raise ConfigError(
+                "reward.kind='math_verify' needs the math-verify package (pip install 'math-verify>=0.9')"
+            ) from exc
         self.format_bonus, self.timeout_s = format_bonus, timeout_s
 
     def _timeout_s(self) -> int | None:
@@ -293,14 +298,22 @@ class RewardModelReward:
 
     name = "reward_model"
 
-    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, data: DataConfig, batch_size: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        data: DataConfig,
+        batch_size: int,
+        device: torch.device,
+    ) -> None:
         self.model, self.tokenizer, self.data = model, tokenizer, data
         self.batch_size, self.device = batch_size, device
 
     def __call__(self, prompts: list[PromptItem], completions: list[str]) -> Tensor:
         messages = [p.messages for p in prompts]
-        scores = reward_scores(self.model, self.tokenizer, messages, completions, self.data, self.batch_size, self.device)
+        scores = reward_scores(
+            self.model, self.tokenizer, messages, completions, self.data, self.batch_size, self.device
+        )
         return as_rewards(scores, "reward reward_model", prompts, completions)
 
 
@@ -338,8 +351,10 @@ def _import_function(path: str) -> Callable:
     try:
         inspect.signature(obj).bind(["p"], ["c"], answers=[None], messages=[[]])
     except TypeError as exc:
-        raise ConfigError(f"{where}: {attr!r} must accept (prompts, completions, *, answers, messages) or "
-                          f"(prompts, completions, **kwargs): {exc}") from exc
+        raise ConfigError(
+            f"{where}: {attr!r} must accept (prompts, completions, *, answers, messages) or "
+            f"(prompts, completions, **kwargs): {exc}"
+        ) from exc
     except ValueError:
         pass  # no signature to check (a builtin): the call will tell
     return obj
@@ -388,21 +403,26 @@ class FunctionReward:
 
     def _call(self, prompts: list[PromptItem], completions: list[str]) -> Any:
         result = self.fn(
-            [prompt_text(p) for p in prompts], list(completions),
-            answers=[p.answer for p in prompts], messages=[[dict(m) for m in p.messages] for p in prompts],
+            [prompt_text(p) for p in prompts],
+            list(completions),
+            answers=[p.answer for p in prompts],
+            messages=[[dict(m) for m in p.messages] for p in prompts],
         )
         return _resolve(result)
 
-    def _first_failure(self, prompts: list[PromptItem], completions: list[str],
-                       batch_exc: Exception) -> tuple[str, Exception]:
+    def _first_failure(
+        self, prompts: list[PromptItem], completions: list[str], batch_exc: Exception
+    ) -> tuple[str, Exception]:
         """The message and exception of the first sample that fails alone (else of the batch)."""
         for i in range(len(completions)):
             try:
                 self._call(prompts[i : i + 1], completions[i : i + 1])
             except Exception as exc:  # noqa: BLE001 - the user's function: any failure is reported
                 return f"{type(exc).__name__}: {_shown(str(exc))} on {_sample(prompts, completions, i)}", exc
-        return (f"{type(batch_exc).__name__}: {_shown(str(batch_exc))} on a batch of {len(completions)} "
-                "completions, but on none of them alone"), batch_exc
+        return (
+            f"{type(batch_exc).__name__}: {_shown(str(batch_exc))} on a batch of {len(completions)} "
+            "completions, but on none of them alone"
+        ), batch_exc
 
     def __call__(self, prompts: list[PromptItem], completions: list[str]) -> Tensor:
         try:
@@ -436,8 +456,10 @@ class WeightedReward:
     def scored_parts(self, prompts: list[PromptItem], completions: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """(the weighted sum [N] float32, each part's unweighted [N] score by its name's first word,
         e.g. ``reward_model``, ``verifier``), so that the RL stages log each (``reward/<name>``)."""
-        scores = [as_rewards(fn(prompts, completions), f"reward {_reward_name(fn)}", prompts, completions)
-                  for _, fn in self.parts]
+        scores = [
+            as_rewards(fn(prompts, completions), f"reward {_reward_name(fn)}", prompts, completions)
+            for _, fn in self.parts
+        ]
         total = sum((weight * score for (weight, _), score in zip(self.parts, scores)), torch.zeros(len(completions)))
         return total, {_reward_name(fn).split(" ")[0]: score for (_, fn), score in zip(self.parts, scores)}
 

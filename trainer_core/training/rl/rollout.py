@@ -69,8 +69,17 @@ def masked_row(batch: RolloutBatch) -> RolloutBatch:
     mask). A rank with no row in a mini-batch forwards it, so that it still takes part in the
     step's collectives (gradient all-reduce, sharded forwards) with zero loss and gradient."""
     row = batch.select(torch.zeros(1, dtype=torch.long, device=batch.completion_mask.device))
-    zeroed = ("completion_mask", "observation_mask", "logprobs", "ref_logprobs", "values", "advantages", "returns",
-              "engine_logprobs", "is_weights")
+    zeroed = (
+        "completion_mask",
+        "observation_mask",
+        "logprobs",
+        "ref_logprobs",
+        "values",
+        "advantages",
+        "returns",
+        "engine_logprobs",
+        "is_weights",
+    )
     for name in zeroed:
         value = getattr(row, name)
         if value is not None:

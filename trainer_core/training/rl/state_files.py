@@ -24,8 +24,12 @@ the backend's format, ``sampler_rng.pt`` a list per rank. Checkpoints without it
 policy and ``value_head.safetensors`` apart) are not resumed from."""
 
 
-def rl_state_files(backend: Backend, kl_ctl: AdaptiveKLController | FixedKLController, generator: torch.Generator,
-                   validate_replicas: bool) -> dict[str, bytes]:
+def rl_state_files(
+    backend: Backend,
+    kl_ctl: AdaptiveKLController | FixedKLController,
+    generator: torch.Generator,
+    validate_replicas: bool,
+) -> dict[str, bytes]:
     """Collective: the RL state beyond the supervised checkpoint, as GLOBAL files.
 
     ``rl_state.json`` (the KL controller, replicated: with ``validate_replicas`` its checksums are
@@ -47,8 +51,9 @@ def rl_state_files(backend: Backend, kl_ctl: AdaptiveKLController | FixedKLContr
     }
 
 
-def load_rl_state_files(uri: str, backend: Backend, kl_ctl: AdaptiveKLController | FixedKLController,
-                        generator: torch.Generator) -> None:
+def load_rl_state_files(
+    uri: str, backend: Backend, kl_ctl: AdaptiveKLController | FixedKLController, generator: torch.Generator
+) -> None:
     """Restore the KL controller and this rank's sampling generator from the checkpoint at ``uri``
     (:func:`rl_state_files`); a rank the checkpoint has no generator for (written by fewer ranks)
     keeps its own, with a warning."""
@@ -58,8 +63,12 @@ def load_rl_state_files(uri: str, backend: Backend, kl_ctl: AdaptiveKLController
     if backend.rank < len(sampler_states):
         generator.set_state(sampler_states[backend.rank])
     else:
-        log.warning("checkpoint %s has no sampler state for rank %d (written by %d ranks)", uri, backend.rank,
-                    len(sampler_states))
+        log.warning(
+            "checkpoint %s has no sampler state for rank %d (written by %d ranks)",
+            uri,
+            backend.rank,
+            len(sampler_states),
+        )
 
 
 def layout_problem(manifest: Manifest) -> str | None:

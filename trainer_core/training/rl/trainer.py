@@ -70,9 +70,21 @@ from trainer_core.training.guard import check_finite_metrics, check_finite_tenso
 from trainer_core.training.loop import build_optimizer, build_scheduler, peak_memory_bytes
 from trainer_core.training.rl.algorithms.base import Algorithm, UpdateForwards
 from trainer_core.training.rl.batches import (  # noqa: F401 (also the loop's public names)
-    MiniBatchCounts, SampledRound, check_rl_config, concat_rounds, engine_config, groups_with_signal,
-    logprob_diff_metrics, masked_out, masked_sum, next_prompts, prompt_order, rollout_metrics,
-    micro_batch_rows, sampler_seed, score_round,
+    MiniBatchCounts,
+    SampledRound,
+    check_rl_config,
+    concat_rounds,
+    engine_config,
+    groups_with_signal,
+    logprob_diff_metrics,
+    masked_out,
+    masked_sum,
+    next_prompts,
+    prompt_order,
+    rollout_metrics,
+    micro_batch_rows,
+    sampler_seed,
+    score_round,
 )
 from trainer_core.training.rl.dataset_completions import check_dataset_rows, dataset_round, on_policy_iteration
 from trainer_core.training.rl.environments import Environment, ToolSession
@@ -80,7 +92,10 @@ from trainer_core.training.rl.ptx import check_demonstrations, ptx_backward, ptx
 from trainer_core.training.rl.rewards import PromptItem, RewardFunction
 from trainer_core.training.rl.rollout import RolloutBatch, masked_row
 from trainer_core.training.rl.state_files import (  # noqa: F401 (RL_CHECKPOINT_LAYOUT: also the loop's)
-    RL_CHECKPOINT_LAYOUT, layout_problem, load_rl_state_files, rl_state_files,
+    RL_CHECKPOINT_LAYOUT,
+    layout_problem,
+    load_rl_state_files,
+    rl_state_files,
 )
 from trainer_core.training.timing import PhaseTimer, phase_timer
 
@@ -89,6 +104,7 @@ log = logging.getLogger(__name__)
 
 FIRST_KEYS = ("reward_mean", "verifier_accuracy", "objective/scores", "objective/rlhf_reward")
 """Metrics whose first value is also kept (``first/<name>``) for the stage summary."""
+
 
 @dataclass
 class RLTrainer:
@@ -139,11 +155,18 @@ class RLTrainer:
         engine_cfg = engine_config(cfg, self.algo.samples_per_prompt, backend.world_size)
         self.model, self.optimizer = backend.setup_optimizer(self.model, build_optimizer(self.model, cfg), engine_cfg)
         self.module: PolicyAndValue = backend.unwrap(self.model)  # gradient-free forwards
-        self.forwards = UpdateForwards(self.model, self.reference, cfg.generation.temperature,
-                                       with_values=self.module.value_head is not None, padding_free=cfg.padding_free)
+        self.forwards = UpdateForwards(
+            self.model,
+            self.reference,
+            cfg.generation.temperature,
+            with_values=self.module.value_head is not None,
+            padding_free=cfg.padding_free,
+        )
         self.scheduler = build_scheduler(self.optimizer, cfg)
         kl = cfg.kl_coef
-        self.kl_ctl = AdaptiveKLController(kl, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(kl)
+        self.kl_ctl = (
+            AdaptiveKLController(kl, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(kl)
+        )
         self.generator = torch.Generator(device=backend.device).manual_seed(sampler_seed(self.seed, backend.rank))
         self.metrics = self.session.metrics
         self.engine = self._build_engine()
@@ -159,8 +182,14 @@ class RLTrainer:
         check_generation_engine(f"{self.session.stage}.generation", gen, backend)
         model = self.module if gen.engine == "hf" else self.policy
         sync = backend.all_reduce_sum if backend.sharded_forward else None
-        return build_engine(gen.engine, model, device=backend.device, compile=gen.compile, sync=sync,
-                            fuse_projections=gen.fuse_projections)
+        return build_engine(
+            gen.engine,
+            model,
+            device=backend.device,
+            compile=gen.compile,
+            sync=sync,
+            fuse_projections=gen.fuse_projections,
+        )
 
     @property
     def policy(self) -> nn.Module:
@@ -185,11 +214,21 @@ class RLTrainer:
             return dataset_round(items, self.demonstrations, tok.pad_token_id, device)
         padded = collate_prompts_left([{"input_ids": p.input_ids} for p in items], tok.pad_token_id)
         p_ids, p_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device).float()
-        session = None if self.environment is None else ToolSession.configured(
-            self.environment, self.cfg.environment, tok, items)
+        session = (
+            None
+            if self.environment is None
+            else ToolSession.configured(self.environment, self.cfg.environment, tok, items)
+        )
         with timer.phase("generation"), backend.autocast():
-            generated = self.engine.generate(p_ids, p_mask, cfg.generation, eos_id=tok.eos_token_id,
-                                             pad_id=tok.pad_token_id, generator=self.generator, session=session)
+            generated = self.engine.generate(
+                p_ids,
+                p_mask,
+                cfg.generation,
+                eos_id=tok.eos_token_id,
+                pad_id=tok.pad_token_id,
+                generator=self.generator,
+                session=session,
+            )
         c_ids, c_mask = generated.completion_ids, generated.completion_mask
         decoded = tok.batch_decode(c_ids.masked_fill(c_mask == 0, tok.pad_token_id), skip_special_tokens=True)
         texts = [t.strip() for t in decoded]  # observations included: the answer may quote a tool
@@ -232,7 +271,9 @@ class RLTrainer:
                 break
             current = self._sample_round(timer)
         kept += [masked_out(rows) for rows in dropped[: share - len(kept)]]
-        counts = backend.all_reduce_sum(torch.tensor([float(kept_groups), float(sampled_groups)], device=backend.device))
+        counts = backend.all_reduce_sum(
+            torch.tensor([float(kept_groups), float(sampled_groups)], device=backend.device)
+        )
         stats = {"rollout/sampling_rounds": float(rounds), "rollout/groups_kept_frac": float(counts[0] / counts[1])}
         return concat_rounds(kept, self.tokenizer.pad_token_id), first, stats
 
@@ -240,8 +281,9 @@ class RLTrainer:
         """``fn(model, completions)`` (:func:`completion_forward`-like) over ``sample``'s rows,
         ``forward_micro_batch_size`` at a time, rows of like length together (:func:`micro_batch_rows`)."""
         g = sample.generated
-        whole = Completions(sample.prompt_ids, sample.prompt_mask, g.completion_ids, g.policy_mask,
-                            observation_mask=g.observation_mask)
+        whole = Completions(
+            sample.prompt_ids, sample.prompt_mask, g.completion_ids, g.policy_mask, observation_mask=g.observation_mask
+        )
         groups = micro_batch_rows(whole.row_lengths(), self.cfg.forward_micro_batch_size)
         outs = [fn(model, whole.select(rows)) for rows in groups]
         order = torch.cat(groups)
@@ -252,7 +294,9 @@ class RLTrainer:
             rows = torch.cat(parts, dim=0)
             return torch.empty_like(rows).index_copy_(0, order, rows)
 
-        return PolicyForward(*(in_row_order([getattr(o, k) for o in outs]) for k in ("logprobs", "entropies", "values")))
+        return PolicyForward(
+            *(in_row_order([getattr(o, k) for o in outs]) for k in ("logprobs", "entropies", "values"))
+        )
 
     @torch.no_grad()
     def rollout(self, timer: PhaseTimer | None = None) -> tuple[RolloutBatch, SampledRound, dict[str, float]]:
@@ -286,11 +330,18 @@ class RLTrainer:
                 with timer.phase("reference"), adapter_disabled(self.module):
                     ref = self._forward_rows(ref_fn, self.module, sample).logprobs
         batch = RolloutBatch(
-            prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask,
-            observation_mask=g.observation_mask, logprobs=out.logprobs,
-            scores=sample.scores, prompt_index=torch.arange(len(sample.items), device=backend.device) // self.algo.samples_per_prompt,
-            ref_logprobs=ref, values=out.values * c_mask if out.values is not None else None,
-            engine_logprobs=g.logprobs if on_policy else None, sampled=on_policy,
+            prompt_ids=p_ids,
+            prompt_mask=p_mask,
+            completion_ids=c_ids,
+            completion_mask=c_mask,
+            observation_mask=g.observation_mask,
+            logprobs=out.logprobs,
+            scores=sample.scores,
+            prompt_index=torch.arange(len(sample.items), device=backend.device) // self.algo.samples_per_prompt,
+            ref_logprobs=ref,
+            values=out.values * c_mask if out.values is not None else None,
+            engine_logprobs=g.logprobs if on_policy else None,
+            sampled=on_policy,
         )
         if cfg.importance_sampling_cap is not None:
             # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
@@ -302,8 +353,12 @@ class RLTrainer:
         if self.algo.lmbda < 1:
             stats["rollout/on_policy"] = float(on_policy)
         self.algo.prepare(batch, self.kl_ctl.value, backend.all_reduce_sum)
-        check_finite_tensors({"rewards": batch.scores, "advantages": batch.advantages}, stage=self.session.stage,
-                             global_step=self.progress.global_step + 1, all_reduce_sum=backend.all_reduce_sum)
+        check_finite_tensors(
+            {"rewards": batch.scores, "advantages": batch.advantages},
+            stage=self.session.stage,
+            global_step=self.progress.global_step + 1,
+            all_reduce_sum=backend.all_reduce_sum,
+        )
         return batch, first, stats
 
     # ----- update ------------------------------------------------------------------
@@ -312,8 +367,13 @@ class RLTrainer:
         """:func:`~trainer_core.modeling.forwards.completion.completion_forward` of ``batch`` under ``self.model``
         (training, through the backend's wrapper) or ``self.module`` (no gradients)."""
         temperature = self.cfg.generation.temperature
-        return completion_forward(model, batch, temperature=temperature, with_values=self.value_head is not None,
-                                  padding_free=self.cfg.padding_free)
+        return completion_forward(
+            model,
+            batch,
+            temperature=temperature,
+            with_values=self.value_head is not None,
+            padding_free=self.cfg.padding_free,
+        )
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """``ppo_epochs`` x ``num_mini_batches`` optimizer steps on the rollout batch; mean metrics.
@@ -377,8 +437,16 @@ class RLTrainer:
             for k, v in sums.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + v.float()
         if ptx:  # x num_tokens: the metrics below are sums over ranks / num_tokens
-            demos = ptx_batch(self.demonstrations, cfg.ptx_rows_per_step, self.seed, self.progress.global_step,
-                              step_index, backend.rank, self.tokenizer.pad_token_id, backend.device)
+            demos = ptx_batch(
+                self.demonstrations,
+                cfg.ptx_rows_per_step,
+                self.seed,
+                self.progress.global_step,
+                step_index,
+                backend.rank,
+                self.tokenizer.pad_token_id,
+                backend.device,
+            )
             ptx_loss = ptx_backward(self.model, backend, demos, cfg.ptx_coef, cfg.padding_free)
             metric_sums["train/ptx_loss"] = counts.num_tokens * ptx_loss
         grad_norm = backend.optimizer_step(
@@ -388,8 +456,14 @@ class RLTrainer:
         summed = backend.all_reduce_sum(torch.stack([loss_sum] + [metric_sums[k] for k in keys]))
         metrics = {k: summed[1 + j] / counts.num_tokens for j, k in enumerate(keys)}
         metrics["train/loss"], metrics["train/grad_norm"] = summed[0], grad_norm
-        step_is_finite(self.progress, stage=self.session.stage, global_step=self.progress.global_step + 1,
-                       max_nonfinite_steps=cfg.max_nonfinite_steps, loss=summed[0], grad_norm=grad_norm)
+        step_is_finite(
+            self.progress,
+            stage=self.session.stage,
+            global_step=self.progress.global_step + 1,
+            max_nonfinite_steps=cfg.max_nonfinite_steps,
+            loss=summed[0],
+            grad_norm=grad_norm,
+        )
         return metrics
 
     # ----- loop --------------------------------------------------------------------
@@ -403,8 +477,9 @@ class RLTrainer:
         backend = self.backend
         timer = phase_timer(backend.device)
         batch, first, stats = self.rollout(timer)
-        metrics = rollout_metrics(batch, first, backend, self.tokenizer.eos_token_id, self.kl_ctl.value,
-                                  self.cfg.kl_estimator)
+        metrics = rollout_metrics(
+            batch, first, backend, self.tokenizer.eos_token_id, self.kl_ctl.value, self.cfg.kl_estimator
+        )
         metrics.update(stats)
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         with timer.phase("update"):
@@ -412,14 +487,19 @@ class RLTrainer:
             self.scheduler.step()
         num_sequences = self.cfg.prompts_per_rollout * self.algo.samples_per_prompt
         if batch.sampled:  # the KL controller follows the policy's KL on its own samples
-            check_finite_metrics({k: metrics[k] for k in ("objective/kl", "objective/entropy")},
-                                 stage=self.session.stage, global_step=self.progress.global_step + 1,
-                                 what="the rollout's log-probs")
+            check_finite_metrics(
+                {k: metrics[k] for k in ("objective/kl", "objective/entropy")},
+                stage=self.session.stage,
+                global_step=self.progress.global_step + 1,
+                what="the rollout's log-probs",
+            )
             self.kl_ctl.update(metrics["objective/kl"], num_sequences)
         progress = self.progress
         progress.global_step += 1
         progress.consumed_samples += num_sequences
-        tokens = backend.all_reduce_sum(torch.stack([batch.completion_mask.sum(), first.generated.completion_mask.sum()]))
+        tokens = backend.all_reduce_sum(
+            torch.stack([batch.completion_mask.sum(), first.generated.completion_mask.sum()])
+        )
         progress.consumed_tokens += int(tokens[0])
         seconds = timer.seconds()
         metrics.update({f"time/{name}_s": value for name, value in seconds.items()})

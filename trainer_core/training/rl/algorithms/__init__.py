@@ -9,6 +9,11 @@ from trainer_core.training.rl.algorithms.grpo import GRPOAlgorithm
 from trainer_core.training.rl.algorithms.ppo import PPOAlgorithm
 
 __all__ = [
-    "DISTILL_ALGORITHMS", "Algorithm", "GRPOAlgorithm", "GeneralizedJSDDistill", "PPOAlgorithm", "ReverseKLDistill",
+    "DISTILL_ALGORITHMS",
+    "Algorithm",
+    "GRPOAlgorithm",
+    "GeneralizedJSDDistill",
+    "PPOAlgorithm",
+    "ReverseKLDistill",
     "UpdateForwards",
 ]

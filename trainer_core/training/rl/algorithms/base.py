@@ -46,8 +46,14 @@ class UpdateForwards:
         """:func:`~trainer_core.modeling.forwards.completion.completion_forward` of ``part`` through :attr:`model`
         (with gradients): log-probs and entropies [N, T], values [N, T] with a value head, and with
         ``teacher`` the per-token divergences to it."""
-        return completion_forward(self.model, part, temperature=self.temperature, with_values=self.with_values,
-                                  teacher=teacher, padding_free=self.padding_free)
+        return completion_forward(
+            self.model,
+            part,
+            temperature=self.temperature,
+            with_values=self.with_values,
+            teacher=teacher,
+            padding_free=self.padding_free,
+        )
 
 
 class Algorithm(abc.ABC):

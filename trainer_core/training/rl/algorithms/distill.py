@@ -64,12 +64,20 @@ class ReverseKLDistill(Algorithm):
         """This rank's share of the mini-batch's token-mean clipped policy loss (each token's loss
         weighted by ``batch.is_weights`` when set), and the token sums of the metrics."""
         mask, cfg = batch.completion_mask, self.cfg
-        losses, m = grpo_loss(out.logprobs, batch.logprobs, batch.advantages, None, clip_eps=cfg.clip_eps,
-                              kl_coef=0.0, is_weights=batch.is_weights)
+        losses, m = grpo_loss(
+            out.logprobs,
+            batch.logprobs,
+            batch.advantages,
+            None,
+            clip_eps=cfg.clip_eps,
+            kl_coef=0.0,
+            is_weights=batch.is_weights,
+        )
         loss = token_mean(losses, mask, num_tokens=counts.num_tokens)
         metric_sums = {
             "loss/policy_avg": masked_sum(losses.detach(), mask),
-            **sampled_reverse_kl(batch), **policy_metric_sums(m, out.entropies, mask),
+            **sampled_reverse_kl(batch),
+            **policy_metric_sums(m, out.entropies, mask),
         }
         return loss, metric_sums
 
@@ -97,8 +105,12 @@ class GeneralizedJSDDistill(ReverseKLDistill):
         if self._teacher_head is None:
             self._teacher_head = frozen_head(teacher)
         beta = GKD_BETA if self.cfg.beta is None else self.cfg.beta
-        target = TeacherTarget(completion_hidden(teacher, part, forwards.padding_free), *self._teacher_head,
-                               beta=beta, temperature=forwards.temperature)
+        target = TeacherTarget(
+            completion_hidden(teacher, part, forwards.padding_free),
+            *self._teacher_head,
+            beta=beta,
+            temperature=forwards.temperature,
+        )
         return forwards.policy(part, teacher=target)
 
     def loss(
@@ -108,11 +120,16 @@ class GeneralizedJSDDistill(ReverseKLDistill):
         mask = batch.completion_mask
         loss = token_mean(out.divergences, mask, num_tokens=counts.num_tokens)
         jsd = masked_sum(out.divergences.detach(), mask)
-        return loss, {"loss/policy_avg": jsd, "distill/jsd_avg": jsd,
-                      "policy/entropy_avg": masked_sum(out.entropies, mask), **sampled_reverse_kl(batch)}
+        return loss, {
+            "loss/policy_avg": jsd,
+            "distill/jsd_avg": jsd,
+            "policy/entropy_avg": masked_sum(out.entropies, mask),
+            **sampled_reverse_kl(batch),
+        }
 
 
 DISTILL_ALGORITHMS: dict[str, type[ReverseKLDistill]] = {
-    "token_reverse_kl": ReverseKLDistill, "generalized_jsd": GeneralizedJSDDistill,
+    "token_reverse_kl": ReverseKLDistill,
+    "generalized_jsd": GeneralizedJSDDistill,
 }
 """``distill.loss`` -> its algorithm."""

@@ -61,8 +61,14 @@ class GRPOAlgorithm(Algorithm):
                 mask.sum(1), cfg.generation.max_new_tokens, cfg.overlong_buffer_tokens, cfg.overlong_penalty
             )
         batch.advantages = ADVANTAGE_ESTIMATORS[self.estimator](
-            scores, mask, cfg.group_size, logprobs=batch.logprobs, ref_logprobs=batch.ref_logprobs, kl_coef=kl_coef,
-            kl_estimator=cfg.kl_estimator, all_reduce_sum=all_reduce_sum,
+            scores,
+            mask,
+            cfg.group_size,
+            logprobs=batch.logprobs,
+            ref_logprobs=batch.ref_logprobs,
+            kl_coef=kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            all_reduce_sum=all_reduce_sum,
         )
 
     def loss(
@@ -73,15 +79,27 @@ class GRPOAlgorithm(Algorithm):
         weighted by ``batch.is_weights`` when set, and the token sums of the metrics."""
         mask, cfg = batch.completion_mask, self.cfg
         losses, m = grpo_loss(
-            out.logprobs, batch.logprobs, batch.advantages, batch.ref_logprobs, clip_eps=cfg.clip_eps,
-            kl_coef=kl_coef if self.kl_in_loss else 0.0, kl_estimator=cfg.kl_estimator,
-            clip_eps_high=cfg.clip_eps_high, is_weights=batch.is_weights,
+            out.logprobs,
+            batch.logprobs,
+            batch.advantages,
+            batch.ref_logprobs,
+            clip_eps=cfg.clip_eps,
+            kl_coef=kl_coef if self.kl_in_loss else 0.0,
+            kl_estimator=cfg.kl_estimator,
+            clip_eps_high=cfg.clip_eps_high,
+            is_weights=batch.is_weights,
         )
         loss = LOSS_AGGREGATIONS[cfg.loss_aggregation](
-            losses, mask, num_tokens=counts.num_tokens, num_sequences=counts.num_sequences,
+            losses,
+            mask,
+            num_tokens=counts.num_tokens,
+            num_sequences=counts.num_sequences,
             max_new_tokens=cfg.generation.max_new_tokens,
         )
-        metric_sums = {"loss/policy_avg": masked_sum(losses.detach(), mask), **policy_metric_sums(m, out.entropies, mask)}
+        metric_sums = {
+            "loss/policy_avg": masked_sum(losses.detach(), mask),
+            **policy_metric_sums(m, out.entropies, mask),
+        }
         if "kl" in m:
             metric_sums["policy/kl_avg"] = masked_sum(m["kl"], mask)
         return loss, metric_sums

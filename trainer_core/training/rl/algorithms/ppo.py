@@ -11,8 +11,14 @@ from torch import Tensor
 
 from trainer_core.config import PPOConfig
 from trainer_core.modeling.forwards.completion import PolicyForward
-from trainer_core.objectives.ppo import KL_ESTIMATORS, clipped_policy_loss, clipped_value_loss, gae, \
-    penalized_rewards, whiten
+from trainer_core.objectives.ppo import (
+    KL_ESTIMATORS,
+    clipped_policy_loss,
+    clipped_value_loss,
+    gae,
+    penalized_rewards,
+    whiten,
+)
 from trainer_core.training.rl.algorithms.base import AllReduceSum, Algorithm
 from trainer_core.training.rl.batches import MiniBatchCounts, masked_sum, policy_metric_sums
 from trainer_core.training.rl.rollout import RolloutBatch
@@ -46,8 +52,9 @@ class PPOAlgorithm(Algorithm):
         (the mini-batch's count over every rank), and the token sums of the metrics. The KL is in
         the rewards, not here."""
         mask, cfg = batch.completion_mask, self.cfg
-        pg_losses, pg = clipped_policy_loss(out.logprobs, batch.logprobs, batch.advantages, cfg.clip_eps,
-                                            is_weights=batch.is_weights)
+        pg_losses, pg = clipped_policy_loss(
+            out.logprobs, batch.logprobs, batch.advantages, cfg.clip_eps, is_weights=batch.is_weights
+        )
         vf_losses, vf = clipped_value_loss(out.values, batch.values, batch.returns, cfg.value_clip_eps)
         pg_sum, vf_sum = masked_sum(pg_losses, mask), masked_sum(vf_losses, mask)
         metric_sums = {
