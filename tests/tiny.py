@@ -126,14 +126,30 @@ def tiny_llama(tokenizer, **attn: str):
 
     torch.manual_seed(0)
     config = LlamaConfig(
+        **LLAMA_2X32,
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=128,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn).eval()
+
+
+LLAMA_2X32: dict[str, int] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+"""The unit tests' random Llama: 2 layers, 32 wide, 4 heads over 2 KV heads (``LlamaConfig``
+arguments; each test adds its vocabulary, positions and special ids)."""
+
+LLAMA_1X16: dict[str, int] = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+"""The smallest random Llama of the tests: 1 layer, 16 wide, 2 heads over 1 KV head."""

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when torchrun runs this file
 
+from tests.tiny import LLAMA_2X32  # noqa: E402
 from trainer_core.modeling.forwards.heads import unwrap_causal_lm  # noqa: E402
 from trainer_core.modeling.forwards.pairs import concat_pairs, reference_logprobs  # noqa: E402
 from trainer_core.objectives.dpo import PairLogprobs, dpo_loss  # noqa: E402
@@ -55,11 +56,7 @@ def tiny_llama(seed: int) -> nn.Module:
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **LLAMA_2X32,
         vocab_size=VOCAB,
         max_position_embeddings=64,
     )

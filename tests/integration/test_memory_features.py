@@ -41,6 +41,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from tests.tiny import LLAMA_2X32
 from trainer_core.backends import build_backend, memory
 from trainer_core.config import BackendConfig, TrainStageConfig
 from trainer_core.generation.static_decode import cache_argument
@@ -64,11 +65,7 @@ def tiny_llama(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **LLAMA_2X32,
         max_position_embeddings=64,
         tie_word_embeddings=True,
     )

@@ -18,6 +18,7 @@ from mlflow.entities import LoggedModelStatus, Metric
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
 from tasks.report import mlflow_models, tracking
+from tests.tiny import LLAMA_1X16
 from trainer_core import mlflow_model, storage
 from trainer_core.checkpoint.manifest import Manifest
 from trainer_core.config import load_config
@@ -54,11 +55,7 @@ def _load(monkeypatch, uri: str, model_uri: str):
 def _tiny_llama(tokenizer, **extra) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        **LLAMA_1X16,
         max_position_embeddings=64,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

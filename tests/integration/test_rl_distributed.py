@@ -28,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tasks.launch.process import launch_stage_process, trainer_command
+from tests.tiny import LLAMA_1X16
 from trainer_core import storage
 from trainer_core.backends.single import SingleDeviceBackend
 from trainer_core.checkpoint.manifest import read_manifest
@@ -336,11 +337,7 @@ def tiny_policy(seed: int = 0):
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=12,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        **LLAMA_1X16,
         max_position_embeddings=64,
         pad_token_id=0,
         eos_token_id=1,

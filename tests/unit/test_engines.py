@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.tiny import LLAMA_2X32
 from trainer_core.config import GenerationConfig, RolloutGenerationConfig
 from trainer_core.generation.engines import (
     ENGINES,
@@ -50,11 +51,7 @@ def _tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.M
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **LLAMA_2X32,
         max_position_embeddings=256,
         pad_token_id=PAD,
         eos_token_id=EOS,

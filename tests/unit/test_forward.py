@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.tiny import LLAMA_2X32
 from trainer_core.modeling.forwards.kernels import chunked_linear_logprobs, nll_sum_kernel
 from trainer_core.modeling.forwards.token import masked_nll_sum, masked_token_logprobs
 from trainer_core.objectives.logprobs import compute_logprobs, shift_mask
@@ -24,11 +25,7 @@ VOCAB = 97
 def _model(vocab: int = VOCAB):
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **LLAMA_2X32,
         vocab_size=vocab,
     )
     return AutoModelForCausalLM.from_config(config)

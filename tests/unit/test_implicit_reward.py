@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.tiny import LLAMA_2X32
 from trainer_core.config import ModelConfig
 from trainer_core.data.batching import collate_pairs, collate_pairs_packed
 from trainer_core.mlflow_model import _directory_task
@@ -50,11 +51,7 @@ def _implicit_lm() -> torch.nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **LLAMA_2X32,
         max_position_embeddings=128,
         pad_token_id=PAD,
     )

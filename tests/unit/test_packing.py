@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
+from tests.tiny import LLAMA_2X32
 from trainer_core.config import SFTConfig, load_config
 from trainer_core.data.batching import (
     DataPosition,
@@ -75,11 +76,7 @@ def _pairs(num: int) -> list[dict]:
 def _config(**extra) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **LLAMA_2X32,
         max_position_embeddings=128,
         tie_word_embeddings=True,
         pad_token_id=PAD,

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.tiny import LLAMA_2X32
 from trainer_core.errors import ConfigError
 from trainer_core.modeling.forwards.completion import PolicyAndValue, completion_forward
 from trainer_core.training.rl.ptx import (
@@ -88,11 +89,7 @@ def test_ptx_loss_equals_the_causal_lm_loss_on_the_same_tokens():
     model = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=40,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            **LLAMA_2X32,
             max_position_embeddings=64,
         )
     )

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, LlamaConfig
 
+from tests.tiny import LLAMA_1X16
 from trainer_core.config import DataConfig, RewardConfig
 from trainer_core.data.tokenizer import render_chat, train_tokenizer
 from trainer_core.errors import EXIT_BAD_INPUT, ConfigError
@@ -86,11 +87,7 @@ def tiny_rm():
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        **LLAMA_1X16,
         max_position_embeddings=128,
         pad_token_id=tok.pad_token_id,
         num_labels=1,

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.tiny import LLAMA_1X16
 from trainer_core.config import GenerationConfig
 from trainer_core.generation.engines import HFEngine
 from trainer_core.modeling.forwards.completion import Completions, PolicyAndValue, completion_forward, value_head_for
@@ -20,11 +21,7 @@ def policy():
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        **LLAMA_1X16,
         max_position_embeddings=64,
         pad_token_id=PAD,
         eos_token_id=EOS,
