@@ -25,7 +25,7 @@ from .helpers import (
     SAVE_EVERY,
     StageRun,
     TinyPipeline,
-    after_checkpoint,
+    after_checkpoint_line,
     assert_same_weights,
     final_weights,
     run_stage,
@@ -141,13 +141,14 @@ def test_rl_with_a_users_tool_calls_it_and_logs_the_episodes(rl_baselines, name)
 
 @pytest.mark.parametrize("name", ["ppo", "grpo", "grpo-tools"])
 def test_sigkill_mid_run_then_resume_matches_uninterrupted(tiny_pipeline, rl_baselines, name):
-    """Killed once step-4 is committed and later steps ran; the relaunch resumes from step 4 and
-    prints the same metrics for steps 5-8 and writes the same final weights as the baseline (with
-    a deterministic tool too: multi-turn rollouts resume bit-identically)."""
+    """Killed at the line that says its step-4 checkpoint is committed (the stage stops itself
+    there, so it cannot run on to its end before the kill, as it could on a fast machine); the
+    relaunch resumes from step 4 and prints the same metrics for steps 5-8 and writes the same
+    final weights as the baseline (with a deterministic tool too: multi-turn rollouts resume
+    bit-identically)."""
     stage = name.split("-")[0]
     path, output = rl_spec_path(tiny_pipeline, stage, f"{name}-killed", config=_config(tiny_pipeline, name))
-    committed = after_checkpoint(output, SAVE_EVERY)
-    killed = run_stage(path, kill_when=lambda lines: committed(lines) and any(f"[{stage}] step 6:" in x for x in lines))
+    killed = run_stage(path, kill_when=after_checkpoint_line(SAVE_EVERY))
     assert killed.killed
     resumed = run_stage(path)
     assert resumed.returncode == 0, resumed.tail()
@@ -415,12 +416,13 @@ def test_the_teacher_stage_trains_a_wider_model_that_distill_reads(tiny_pipeline
 
 
 def test_a_killed_distillation_resumes_bit_identically(tiny_pipeline, distill_teacher, distill_jsd):
-    """The generalised JSD with dataset completions (``lmbda`` 0.5) killed after its step-4
-    checkpoint: the resumed run logs the uninterrupted one's lines, its on-policy and dataset
-    iterations alike, and ends with its weights."""
+    """The generalised JSD with dataset completions (``lmbda`` 0.5) killed at the line that says
+    its step-4 checkpoint is committed: the resumed run logs the uninterrupted one's lines, its
+    on-policy and dataset iterations alike, and ends with its weights. (Killed at the step-6 line
+    instead, the 2-second stage could commit its final output before the kill landed: the fresh
+    clone's CI of fbaf3ac resumed nothing.)"""
     path, output = distill_spec_path(tiny_pipeline, "distill-killed", distill_teacher, **JSD_SETTINGS)
-    committed = after_checkpoint(output, SAVE_EVERY)
-    killed = run_stage(path, kill_when=lambda lines: committed(lines) and any("[distill] step 6:" in x for x in lines))
+    killed = run_stage(path, kill_when=after_checkpoint_line(SAVE_EVERY))
     assert killed.killed
     resumed = run_stage(path)
     assert resumed.returncode == 0, resumed.tail()

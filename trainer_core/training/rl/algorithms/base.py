@@ -62,8 +62,9 @@ class Algorithm(abc.ABC):
     no dynamic sampling, every iteration on the policy's own samples).
 
     Attributes:
-        samples_per_prompt: completions sampled per prompt (GRPO's group size G); a group's rows
-            are contiguous and stay on one rank.
+        samples_per_prompt: completions sampled per prompt (GRPO's group size G), as the stage's
+            config states it (``RLStageConfig.samples_per_prompt_of_rollout``, which the load-time
+            checks read too); a group's rows are contiguous and stay on one rank.
         uses_values: the policy has a value head (PPO's critic): rollouts record ``values``.
         dynamic_sampling: keep only groups whose scores are not all equal (DAPO;
             :func:`~trainer_core.training.rl.batches.groups_with_signal`), sampling more rounds.

@@ -44,7 +44,7 @@ class ReverseKLDistill(Algorithm):
 
     def __init__(self, cfg: DistillConfig) -> None:
         self.cfg = cfg
-        self.samples_per_prompt = cfg.samples_per_prompt
+        self.samples_per_prompt = cfg.samples_per_prompt_of_rollout
         self.lmbda = cfg.lmbda
 
     def prepare(self, batch: RolloutBatch, kl_coef: float, all_reduce_sum: AllReduceSum) -> None:

@@ -44,7 +44,7 @@ class GRPOAlgorithm(Algorithm):
 
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
-        self.samples_per_prompt = cfg.group_size
+        self.samples_per_prompt = cfg.samples_per_prompt_of_rollout
         self.dynamic_sampling = cfg.dynamic_sampling
         self.max_sampling_rounds = cfg.dynamic_sampling_max_rounds
         self.estimator = grpo_estimator(cfg)
