@@ -22,7 +22,16 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from tests.parity.trl_oracle import EOS_ID, PAD_ID, SEED, copy_of, tiny_model_config, word_tokenizer
+from tests.parity.trl_oracle import (
+    CPU_FP32_RUN,
+    EOS_ID,
+    PAD_ID,
+    SEED,
+    check_close,
+    copy_of,
+    tiny_model_config,
+    word_tokenizer,
+)
 from trainer_core.backends import build_backend
 from trainer_core.checkpoint.session import CheckpointSession
 from trainer_core.config import BackendConfig, GRPOConfig
@@ -31,6 +40,7 @@ from trainer_core.modeling.forwards.completion import PolicyAndValue
 from trainer_core.modeling.models import load_causal_lm
 from trainer_core.training.rl.algorithms import GRPOAlgorithm
 from trainer_core.training.rl.rewards import PromptItem
+from trainer_core.training.rl.rollout import RolloutBatch
 from trainer_core.training.rl.trainer import RLTrainer
 
 RTOL = 1e-5
@@ -234,6 +244,82 @@ def project_trainer(cfg: GRPOConfig, weights: Weights) -> tuple[RLTrainer, Repla
     return trainer, engine
 
 
+def project_side(
+    trainer: RLTrainer, engine: ReplayEngine, batch: RolloutBatch, metrics: dict[str, Tensor], kl: bool
+) -> Side:
+    """The project's :class:`Side` of ``batch`` (a rollout of :func:`project_trainer`'s ``trainer``,
+    whose ``engine`` replayed it) and of ``metrics``, what ``RLTrainer.train_step`` on it returned;
+    the ``kl`` mean only with the KL term (``kl``). The advantages are the first token's of each row
+    (the caller checks that each completion's are one value)."""
+    side = Side(
+        engine.rows,
+        batch.completion_mask,
+        batch.advantages[:, 0],
+        batch.logprobs,
+        batch.ref_logprobs,
+        float(metrics["train/loss"]),
+        trainer.optimizer.grads,
+        {"clip_ratio": float(metrics["policy/clipfrac_avg"]), "entropy": float(metrics["policy/entropy_avg"])},
+    )
+    if kl:
+        side.metrics["kl"] = float(metrics["policy/kl_avg"])
+    return side
+
+
+# -- TRL's side -------------------------------------------------------------------------------
+
+
+def trl_model(weights: Weights) -> nn.Module:
+    """The policy TRL's trainers start from: a copy of the initial model whose config names
+    ``weights.directory`` (TRL builds its reference from there)."""
+    model = copy_of(weights.initial)
+    model.config._name_or_path = str(weights.directory)
+    return model
+
+
+def trl_reward(rows: list[tuple[int, int]]):
+    """TRL's reward function of ``rows``: their :data:`REWARDS`, after checking that the completion
+    ids it is given are theirs."""
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        assert completion_ids == [COMPLETIONS[p][j] for p, j in rows]
+        return [REWARDS[p][j] for p, j in rows]
+
+    return reward
+
+
+def trl_rollout_settings(rows: list[tuple[int, int]], workdir: Path) -> dict:
+    """The arguments of TRL's GRPO and RLOO configs both tests share: the rows one generation of
+    groups of :data:`GROUP_SIZE` and one optimizer step, the fixed batch's sampling settings, the
+    symmetric clip :data:`CLIP_EPS` (``epsilon``), fp32 on the CPU; each test adds its estimator's."""
+    return dict(
+        output_dir=str(workdir / "trl"),
+        per_device_train_batch_size=len(rows),
+        steps_per_generation=1,
+        num_generations=GROUP_SIZE,
+        max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE,
+        epsilon=CLIP_EPS,
+        max_steps=1,
+        **CPU_FP32_RUN,
+    )
+
+
+def trl_logged(trainer) -> dict[str, float]:
+    """The per-token means TRL's last ``compute_loss`` logged: ``clip_ratio``
+    (``clip_ratio/region_mean``), ``entropy`` and, with ``beta``, ``kl``."""
+    logged = trainer._metrics["train"]
+    metrics = {"clip_ratio": logged["clip_ratio/region_mean"][-1], "entropy": logged["entropy"][-1]}
+    if trainer.beta:
+        metrics["kl"] = logged["kl"][-1]
+    return metrics
+
+
+def trl_grads(trainer) -> dict[str, Tensor]:
+    """A copy of every gradient of TRL's model, by parameter name (those without one left out)."""
+    return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
 # -- the comparison ---------------------------------------------------------------------------
 
 
@@ -264,3 +350,19 @@ class Gathered:
         self.theirs += theirs
         self.floors += [floor] * len(ours)
         self.labels += [label] * len(ours)
+
+    def check(self, objective: str, quantity: str, tolerance: str, steps: str = FIXED) -> None:
+        """One table row: ``check_close`` of the gathered elements to :data:`RTOL` relative plus each
+        one's floor (``tolerance`` names it); nothing when none were gathered."""
+        if self.ours:
+            check_close(
+                objective,
+                quantity,
+                self.ours,
+                self.theirs,
+                steps=steps,
+                rtol=RTOL,
+                atol=self.floors,
+                tolerance=tolerance,
+                labels=self.labels,
+            )

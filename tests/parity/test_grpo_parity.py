@@ -99,7 +99,6 @@ from tests.parity.grpo_case import (  # noqa: E402
     LOGP_SPACING,
     MAX_NEW_TOKENS,
     PROMPTS,
-    REWARDS,
     RTOL,
     SCALED,
     TEMPERATURE,
@@ -109,16 +108,20 @@ from tests.parity.grpo_case import (  # noqa: E402
     flat,
     load,
     one_thread,  # noqa: F401  (the module's autouse fixture: one compute thread)
+    project_side,
     project_trainer,
     prompt_text,
+    trl_grads,
+    trl_logged,
+    trl_model,
+    trl_reward,
+    trl_rollout_settings,
     weights,  # noqa: F401  (the module-scoped fixture of the initial, old and current weights)
 )
 from tests.parity.trl_oracle import (  # noqa: E402
-    SEED,
     check_close,
     check_departure,
     check_departure_vectors,
-    copy_of,
     word_tokenizer,
 )
 from trainer_core.config import GRPOConfig  # noqa: E402
@@ -189,19 +192,7 @@ def run_project(case: Case, weights: Weights, **overrides) -> tuple[Side, Rollou
     metrics = trainer.train_step(batch)
     advantages = batch.advantages  # [N, T]: each completion's advantage on each of its tokens
     assert torch.equal(advantages, advantages[:, :1] * batch.completion_mask)
-    side = Side(
-        engine.rows,
-        batch.completion_mask,
-        advantages[:, 0],
-        batch.logprobs,
-        batch.ref_logprobs,
-        float(metrics["train/loss"]),
-        trainer.optimizer.grads,
-        {"clip_ratio": float(metrics["policy/clipfrac_avg"]), "entropy": float(metrics["policy/entropy_avg"])},
-    )
-    if case.beta:
-        side.metrics["kl"] = float(metrics["policy/kl_avg"])
-    return side, batch, trainer
+    return project_side(trainer, engine, batch, metrics, kl=bool(case.beta)), batch, trainer
 
 
 def trl_trainer(case: Case, weights: Weights, rows: list[tuple[int, int]], workdir: Path, **overrides):
@@ -211,8 +202,6 @@ def trl_trainer(case: Case, weights: Weights, rows: list[tuple[int, int]], workd
     generation and one optimizer step (``overrides`` may cut it into micro-batches),
     ``num_iterations=2`` (``_generate_and_score_completions`` then scores the old policy), fp32 on
     the CPU, the KL term not multiplied by the ratio (the departure pinned below)."""
-    model = copy_of(weights.initial)
-    model.config._name_or_path = str(weights.directory)
 
     def rollout_func(prompts, trainer):
         assert prompts == [prompt_text(p) for p, _ in rows], prompts
@@ -222,36 +211,18 @@ def trl_trainer(case: Case, weights: Weights, rows: list[tuple[int, int]], workd
             "logprobs": [[0.0] * len(COMPLETIONS[p][j]) for p, j in rows],
         }
 
-    def reward(prompts, completions, completion_ids, **kwargs):
-        assert completion_ids == [COMPLETIONS[p][j] for p, j in rows]
-        return [REWARDS[p][j] for p, j in rows]
-
     settings = dict(
-        output_dir=str(workdir / "trl"),
-        per_device_train_batch_size=len(rows),
-        steps_per_generation=1,
-        num_generations=GROUP_SIZE,
+        **trl_rollout_settings(rows, workdir),
         num_iterations=2,
-        max_completion_length=MAX_NEW_TOKENS,
-        temperature=TEMPERATURE,
         beta=case.beta,
         loss_type=case.loss_type,
         scale_rewards="group" if case.scale_rewards else "none",
-        epsilon=CLIP_EPS,
         epsilon_high=case.clip_high,
         use_bias_correction_kl=False,
-        max_steps=1,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        activation_checkpointing=False,
-        report_to="none",
-        disable_tqdm=True,
-        seed=SEED,
     )
     trainer = trl.GRPOTrainer(
-        model=model,
-        reward_funcs=reward,
+        model=trl_model(weights),
+        reward_funcs=trl_reward(rows),
         args=trl.GRPOConfig(**{**settings, **overrides}),
         train_dataset=datasets.Dataset.from_list([{"prompt": prompt_text(p)} for p in range(len(PROMPTS))]),
         processing_class=word_tokenizer(),
@@ -279,15 +250,7 @@ def trl_loss(trainer, inputs: dict, accumulation: int = 1) -> tuple[Tensor, dict
     trainer.current_gradient_accumulation_steps = accumulation
     loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
-    logged = trainer._metrics["train"]
-    metrics = {"clip_ratio": logged["clip_ratio/region_mean"][-1], "entropy": logged["entropy"][-1]}
-    if trainer.beta:
-        metrics["kl"] = logged["kl"][-1]
-    return loss.detach(), metrics
-
-
-def trl_grads(trainer) -> dict[str, Tensor]:
-    return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), trl_logged(trainer)
 
 
 def run_trl(case: Case, weights: Weights, rows: list[tuple[int, int]], workdir: Path, **overrides) -> Side:
@@ -347,19 +310,7 @@ def gather(rows: dict[str, Gathered], case: Case, ours: Side, theirs: Side) -> N
 
 def check_rows(objective: str, rows: dict[str, Gathered], steps: str = FIXED) -> None:
     for quantity, tolerance in QUANTITIES.items():
-        r = rows[quantity]
-        if r.ours:
-            check_close(
-                objective,
-                quantity,
-                r.ours,
-                r.theirs,
-                steps=steps,
-                rtol=RTOL,
-                atol=r.floors,
-                tolerance=tolerance,
-                labels=r.labels,
-            )
+        rows[quantity].check(objective, quantity, tolerance, steps)
 
 
 def check_gradients(objective: str, ours: dict[str, Tensor], theirs: dict[str, Tensor]) -> None:

@@ -93,7 +93,6 @@ from tests.parity.grpo_case import (  # noqa: E402
     LOGP_SPACING,
     MAX_NEW_TOKENS,
     PROMPTS,
-    REWARDS,
     RTOL,
     SCALED,
     TEMPERATURE,
@@ -104,16 +103,20 @@ from tests.parity.grpo_case import (  # noqa: E402
     flat,
     load,
     one_thread,  # noqa: F401  (the module's autouse fixture: one compute thread)
+    project_side,
     project_trainer,
     prompt_text,
+    trl_grads,
+    trl_logged,
+    trl_model,
+    trl_reward,
+    trl_rollout_settings,
     weights,  # noqa: F401  (the module-scoped fixture of the initial, old and current weights)
 )
 from tests.parity.trl_oracle import (  # noqa: E402
-    SEED,
     check_close,
     check_departure,
     check_departure_vectors,
-    copy_of,
     word_tokenizer,
 )
 from trainer_core.config import GRPOConfig  # noqa: E402
@@ -174,19 +177,7 @@ def run_project(
     assert torch.equal(batch.advantages, batch.advantages[:, :1] * batch.completion_mask)
     load(trainer.module.policy, updated)
     metrics = trainer.train_step(batch)
-    side = Side(
-        engine.rows,
-        batch.completion_mask,
-        batch.advantages[:, 0],
-        batch.logprobs,
-        batch.ref_logprobs,
-        float(metrics["train/loss"]),
-        trainer.optimizer.grads,
-        {"clip_ratio": float(metrics["policy/clipfrac_avg"]), "entropy": float(metrics["policy/entropy_avg"])},
-    )
-    if cfg.kl_coef:
-        side.metrics["kl"] = float(metrics["policy/kl_avg"])
-    return side, batch, trainer
+    return project_side(trainer, engine, batch, metrics, kl=bool(cfg.kl_coef)), batch, trainer
 
 
 # -- TRL's side -------------------------------------------------------------------------------
@@ -211,36 +202,15 @@ def rloo_trainer(weights: Weights, rows: list[tuple[int, int]], workdir: Path, b
     TRL builds its reference from when ``beta`` > 0), the 12 rows one generation and one step, fp32
     on the CPU; its ``_generate_single_turn`` returns the completions of ``rows`` (after checking
     that the prompts tokenised to theirs) and its reward function their rewards."""
-    model = copy_of(weights.initial)
-    model.config._name_or_path = str(weights.directory)
-
-    def reward(prompts, completions, completion_ids, **kwargs):
-        assert completion_ids == [COMPLETIONS[p][j] for p, j in rows]
-        return [REWARDS[p][j] for p, j in rows]
-
     args = trl.RLOOConfig(
-        output_dir=str(workdir / "trl"),
-        per_device_train_batch_size=len(rows),
-        steps_per_generation=1,
-        num_generations=GROUP_SIZE,
+        **trl_rollout_settings(rows, workdir),
         num_iterations=1,
-        max_completion_length=MAX_NEW_TOKENS,
-        temperature=TEMPERATURE,
         beta=beta,
         normalize_advantages=normalize_advantages,
-        epsilon=CLIP_EPS,
-        max_steps=1,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        activation_checkpointing=False,
-        report_to="none",
-        disable_tqdm=True,
-        seed=SEED,
     )
     trainer = trl.RLOOTrainer(
-        model=model,
-        reward_funcs=reward,
+        model=trl_model(weights),
+        reward_funcs=trl_reward(rows),
         args=args,
         processing_class=word_tokenizer(),
         train_dataset=datasets.Dataset.from_list([{"prompt": prompt_text(p)} for p in range(len(PROMPTS))]),
@@ -275,18 +245,13 @@ def run_trl(
     trainer.model.zero_grad(set_to_none=True)
     loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
-    logged = trainer._metrics["train"]
-    metrics = {"entropy": logged["entropy"][-1], "clip_ratio": logged["clip_ratio/region_mean"][-1]}
-    if beta:
-        metrics["kl"] = logged["kl"][-1]
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return TRLSide(
         inputs["completion_mask"].float(),
         inputs["advantages"],
         inputs["old_logps"],
         float(loss.detach()),
-        grads,
-        metrics,
+        trl_grads(trainer),
+        trl_logged(trainer),
     )
 
 
@@ -295,6 +260,27 @@ def run_trl(
 
 def scaled(grads: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
     return {n: g * factor for n, g in grads.items()}
+
+
+def check_gradient_departs(name: str, ours: Side, theirs: TRLSide) -> None:
+    """Departure pinned: the project's ``constant`` gradient x ``max_new_tokens`` (the form that
+    matches TRL's on-policy without KL) differs from TRL's by more than 1e-3 relative (L2)."""
+    check_departure_vectors(
+        name,
+        f"gradient, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure, L2)",
+        flat(ours.grads) * MAX_NEW_TOKENS,
+        flat(theirs.grads),
+        steps=FIXED,
+    )
+
+
+def check_advantages_and_gradient_depart(name: str, ours: Side, theirs: TRLSide) -> None:
+    """Departure pinned: the project's advantages, then its gradient (:func:`check_gradient_departs`),
+    differ from TRL's by more than 1e-3 relative (L2)."""
+    check_departure_vectors(
+        name, "advantages, the project's vs TRL's (departure, L2)", ours.advantages, theirs.advantages, steps=FIXED
+    )
+    check_gradient_departs(name, ours, theirs)
 
 
 GRADIENT, NORM, LOGPS = "gradient (every element)", "gradient norm", "old log-probs (summed per completion)"
@@ -333,18 +319,7 @@ def tolerance_of(quantity: str) -> str:
 def check_rows(objective: str, rows: dict[str, Gathered]) -> None:
     """One table row per non-empty entry of ``rows`` (elements gathered with their own floors)."""
     for quantity, r in rows.items():
-        if r.ours:
-            check_close(
-                objective,
-                quantity,
-                r.ours,
-                r.theirs,
-                steps=FIXED,
-                rtol=RTOL,
-                atol=r.floors,
-                tolerance=tolerance_of(quantity),
-                labels=r.labels,
-            )
+        r.check(objective, quantity, tolerance_of(quantity))
 
 
 def check_scalar(objective: str, quantity: str, ours: float, theirs: float, scale: float) -> None:
@@ -484,13 +459,7 @@ def test_ratio_is_per_token_not_per_completion(weights, tmp_path):
         theirs.loss,
         steps=FIXED,
     )
-    check_departure_vectors(
-        name,
-        f"gradient, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure, L2)",
-        flat(ours.grads) * MAX_NEW_TOKENS,
-        flat(theirs.grads),
-        steps=FIXED,
-    )
+    check_gradient_departs(name, ours, theirs)
     on_policy, _, _ = run_project(rloo_config("constant"), weights, weights.old, weights.old)
     lengths = on_policy.mask.sum(1)
     assert abs(on_policy.loss * MAX_NEW_TOKENS + float((on_policy.advantages * lengths).mean())) < RTOL * scale
@@ -547,16 +516,7 @@ def test_kl_is_a_reward_penalty_in_trl_a_loss_term_here(weights, tmp_path):
         theirs.advantages,
     )
     check_gradients(f"{fed_name} (constant x {MAX_NEW_TOKENS})", scaled(fed.grads, MAX_NEW_TOKENS), theirs.grads)
-    check_departure_vectors(
-        name, "advantages, the project's vs TRL's (departure, L2)", ours.advantages, theirs.advantages, steps=FIXED
-    )
-    check_departure_vectors(
-        name,
-        f"gradient, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure, L2)",
-        flat(ours.grads) * MAX_NEW_TOKENS,
-        flat(theirs.grads),
-        steps=FIXED,
-    )
+    check_advantages_and_gradient_depart(name, ours, theirs)
 
 
 def test_normalize_advantages_has_no_project_equivalent(weights, tmp_path):
@@ -587,16 +547,7 @@ def test_normalize_advantages_has_no_project_equivalent(weights, tmp_path):
         scaled(ours.grads, MAX_NEW_TOKENS / std),
         theirs.grads,
     )
-    check_departure_vectors(
-        name, "advantages, the project's vs TRL's (departure, L2)", ours.advantages, theirs.advantages, steps=FIXED
-    )
-    check_departure_vectors(
-        name,
-        f"gradient, the project's constant x {MAX_NEW_TOKENS} vs TRL's (departure, L2)",
-        flat(ours.grads) * MAX_NEW_TOKENS,
-        flat(theirs.grads),
-        steps=FIXED,
-    )
+    check_advantages_and_gradient_depart(name, ours, theirs)
 
 
 def test_token_and_sequence_means_are_not_trls_sequence_sum(weights, tmp_path):

@@ -69,6 +69,18 @@ STEPS = 20
 """Optimizer steps compared, one micro-batch each."""
 MICRO_BATCH = 4
 CPU = torch.device("cpu")
+CPU_FP32_RUN = dict(
+    use_cpu=True,
+    bf16=False,
+    fp16=False,
+    activation_checkpointing=False,
+    report_to="none",
+    disable_tqdm=True,
+    seed=SEED,
+)
+"""The arguments of every TRL config here (a ``transformers.TrainingArguments``) that make its run a
+plain seeded fp32 one on the CPU: TRL's ``bf16=True`` and ``gradient_checkpointing=True`` (named
+``activation_checkpointing`` in current transformers) off, no reporting, no progress bar."""
 
 RTOL = 1e-4
 """Relative tolerance of every compared quantity (see the module docstring)."""
@@ -329,15 +341,9 @@ def trl_settings(cfg: TrainStageConfig, workdir: Path, *, eval_batch_size: int =
         logging_steps=1,
         eval_strategy="no",
         save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        activation_checkpointing=False,
         train_sampling_strategy="sequential",
         dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=SEED,
+        **CPU_FP32_RUN,
     )
 
 
