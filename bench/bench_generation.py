@@ -6,7 +6,7 @@ checkout and the wheels of ``/work/shared/device/README.md``). CPU smoke run:
 ``<--results-dir>/generation.json``.
 
 Workload: a seeded Qwen2 of Qwen2.5-0.5B's sizes built from config (random weights; the sizes of
-``bench_gpu.QWEN2_0_5B``, vocabulary 151,936 so the LM head has its real size), bf16 weights on
+``qwen2_sizes.QWEN2_0_5B``, vocabulary 151,936 so the LM head has its real size), bf16 weights on
 CUDA, fp32 on CPU, ``sdpa`` attention. 128 prompts of random tokens, lengths drawn uniformly from
 64..128 and left-padded, then 256 new tokens each, sampled at temperature 1, top-p 1 (no top-k).
 Every row generates the full 256 tokens: the engines get an EOS id no token has (-1), HF
@@ -44,37 +44,12 @@ from typing import Any
 
 import torch
 
+from bench.qwen2_sizes import QWEN2_0_5B, TINY_QWEN2
 from trainer_core.config import RolloutGenerationConfig
 from trainer_core.generation.engines import build_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / ".bench"
-
-QWEN2_0_5B: dict[str, Any] = {
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151_936,
-    "max_position_embeddings": 32_768,
-    "rope_theta": 1e6,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-}
-"""Qwen2.5-0.5B's architecture (as ``bench_gpu.QWEN2_0_5B``; not imported: that module pulls the
-whole stage machinery in)."""
-
-TINY_QWEN2: dict[str, Any] = {
-    **QWEN2_0_5B,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "vocab_size": 4096,
-    "max_position_embeddings": 2048,
-}
-"""``--tiny``: the same family at smoke-test size (CPU), as ``bench_gpu.TINY_QWEN2``."""
 
 PAD_ID, EOS_ID = 0, 1
 NEVER_SAMPLED = -1

@@ -56,6 +56,7 @@ from common import (
     summarize_steps,
     write_result,
 )
+from qwen2_sizes import QWEN2_0_5B, TINY_QWEN2
 from torch import nn
 
 from trainer_core.config import PipelineConfig, load_config
@@ -63,31 +64,6 @@ from trainer_core.data.prepared import load_tokenizer_from
 from trainer_core.modeling.models import count_parameters
 from trainer_core.stages import reference as reference_stage
 from trainer_core.training.supervised import DPOObjective, SFTObjective
-
-QWEN2_0_5B: dict[str, Any] = {
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "vocab_size": 151_936,
-    "max_position_embeddings": 32_768,
-    "rope_theta": 1e6,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-}
-"""Qwen2.5-0.5B's architecture (its ``config.json``), random init: 494M parameters."""
-
-TINY_QWEN2: dict[str, Any] = {
-    **QWEN2_0_5B,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "vocab_size": 4096,
-    "max_position_embeddings": 2048,
-}
-"""``--tiny``: the same family at smoke-test size (CPU)."""
 
 PEAK_TFLOPS = 989.0
 """H100 / H200 SXM dense bf16 peak, TFLOP/s (NVIDIA's data sheets; 1979 is with 2:4 sparsity)."""
