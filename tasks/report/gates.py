@@ -112,6 +112,12 @@ class ChampionSamples:
     rows: list[dict]
 
 
+def _without_gain(name: str, against: str, passed: bool, note: str = "") -> GateResult:
+    """A ``min_gain_se`` verdict with no gain to compare (no value, no bound), ``passed`` as given,
+    ``note`` saying why (empty: the run did not produce the gain)."""
+    return GateResult(name, ">", None, None, against, passed, note=note)
+
+
 def _gain_result(
     gate: QualityGate,
     metrics: dict[str, float],
@@ -125,35 +131,26 @@ def _gain_result(
         version = champion.version
         name, against = f"{policy}_vs_champion/{metric}_gain", f"{k:g} SE (champion v{version})"
         if champion_samples is None:
-            return GateResult(
-                name,
-                ">",
-                None,
-                None,
-                against,
-                True,
-                note=f"not compared (champion v{version} was registered without its sample table)",
+            return _without_gain(
+                name, against, True, f"not compared (champion v{version} was registered without its sample table)"
             )
         column = sample_column(metric)
         baseline, other = paired_verdicts(
             champion_samples.rows, f"{champion_samples.stage}_{column}", samples or [], f"{policy}_{column}"
         )
         if not baseline:
-            return GateResult(
+            return _without_gain(
                 name,
-                ">",
-                None,
-                None,
                 against,
                 False,
-                note=f"missing (no held-out problem with a value in both this run and champion v{version})",
+                f"missing (no held-out problem with a value in both this run and champion v{version})",
             )
         gain, se = paired_gain(baseline, other)
     else:
         name, against = f"{policy}_vs_sft/{metric}_gain", f"{k:g} SE"
         gain, se = metrics.get(name), metrics.get(f"{name}_se")
         if gain is None or se is None or not math.isfinite(gain) or not math.isfinite(se):
-            return GateResult(name, ">", None, None, against, False)
+            return _without_gain(name, against, False)
     bound = k * se
     return GateResult(name, ">", gain, bound, against, gain > bound)
 

@@ -59,6 +59,19 @@ class Completions:
         """[N, T] 1 = a real completion token: the policy's (``completion_mask``) or an environment's."""
         return self.completion_mask if self.observation_mask is None else self.completion_mask + self.observation_mask
 
+    def model_inputs(self, padding_free: bool = False) -> dict[str, Tensor]:
+        """:func:`completion_inputs` of these rows: the model inputs of ``[prompt | completion]``
+        (``input_ids``, ``attention_mask``, ``position_ids`` [N, P + T] and, with ``padding_free``,
+        ``pack_index``)."""
+        return completion_inputs(
+            self.prompt_ids,
+            self.prompt_mask,
+            self.completion_ids,
+            self.completion_mask,
+            self.observation_mask,
+            padding_free,
+        )
+
     def row_lengths(self) -> Tensor:
         """[N] real tokens of each row, prompt and completion (an environment's tokens included)."""
         return self.prompt_mask.sum(1) + self.real_completion_mask().sum(1)
@@ -289,14 +302,7 @@ def completion_forward(
     """
     inner = unwrap_causal_lm(model)
     width, batch = batch.completion_ids.shape[1], batch.trimmed()
-    inputs = completion_inputs(
-        batch.prompt_ids,
-        batch.prompt_mask,
-        batch.completion_ids,
-        batch.completion_mask,
-        batch.observation_mask,
-        padding_free,
-    )
+    inputs = batch.model_inputs(padding_free)
     start = completion_start(batch.prompt_ids)
     if isinstance(inner, PolicyAndValue):
         out = model(
@@ -376,14 +382,7 @@ def completion_hidden(model: nn.Module, batch: Completions, padding_free: bool =
             "(soft-capping, logit scaling), which the generalised JSD from hidden states needs"
         )
     batch = batch.trimmed()
-    inputs = completion_inputs(
-        batch.prompt_ids,
-        batch.prompt_mask,
-        batch.completion_ids,
-        batch.completion_mask,
-        batch.observation_mask,
-        padding_free,
-    )
+    inputs = batch.model_inputs(padding_free)
     with forward_replaced(inner, partial(_counted_hidden, *parts)):
         return model(**inputs, completion_mask=batch.completion_mask, start=completion_start(batch.prompt_ids))
 
