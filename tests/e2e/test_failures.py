@@ -57,6 +57,24 @@ def posttrain(api_url: str | None, *args: str, timeout_s: float = 300) -> subpro
     )
 
 
+def sft_run_args(root: Path, run_id: str, *sets: str) -> list[str]:
+    """``posttrain``'s arguments for the tiny demo's ``prepare_data`` and ``sft`` as run ``run_id``
+    under the storage root ``root``, with ``sets`` (``key=value`` items) as more ``--set`` overrides."""
+    overrides = [item for kv in sets for item in ("--set", kv)]
+    return [
+        "run",
+        str(DEMO_CONFIG),
+        "--run-id",
+        run_id,
+        *SMALL,
+        "--set",
+        f"storage.root={root}",
+        "--set",
+        "stages=prepare_data,sft",
+        *overrides,
+    ]
+
+
 def launch_marked(pid: int) -> bool:
     """Whether ``pid`` carries ``POSTTRAIN_LAUNCH_ID`` in its environment (False once it is gone)."""
     try:
@@ -94,22 +112,7 @@ def sft_run(root: Path, run_id: str) -> Iterator[subprocess.Popen]:
     """A demo run of prepare_data and a long SFT, with its own temporary Prefect API server, in
     its own process group (as in a terminal); yields the CLI's process once the SFT trainer
     holds its stage's lease. The group is SIGKILLed afterwards if the CLI still runs."""
-    args = [
-        sys.executable,
-        "-m",
-        "posttrain",
-        "run",
-        str(DEMO_CONFIG),
-        "--run-id",
-        run_id,
-        *SMALL,
-        "--set",
-        f"storage.root={root}",
-        "--set",
-        "stages=prepare_data,sft",
-        "--set",
-        "sft.max_steps=5000",
-    ]
+    args = [sys.executable, "-m", "posttrain", *sft_run_args(root, run_id, "sft.max_steps=5000")]
     cli = subprocess.Popen(
         args,
         cwd=REPO,
@@ -161,20 +164,7 @@ def test_sigterm_to_the_group_stops_everything_and_a_second_run_of_the_id_is_ref
         config_before = (root / "runs" / run_id / "config.json").read_text()
 
         t0 = time.monotonic()
-        second = posttrain(
-            None,
-            "run",
-            str(DEMO_CONFIG),
-            "--run-id",
-            run_id,
-            *SMALL,
-            "--set",
-            f"storage.root={root}",
-            "--set",
-            "stages=prepare_data,sft",
-            "--set",
-            "sft.learning_rate=0.5",
-        )
+        second = posttrain(None, *sft_run_args(root, run_id, "sft.learning_rate=0.5"))
         print(f"second run refused after {time.monotonic() - t0:.1f}s")
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"{root / 'runs' / run_id / 'lease.json'} is held by" in second.stderr
@@ -231,23 +221,9 @@ def test_a_diverging_stage_commits_nothing_and_exits_2(prefect_api, tmp_path):
     root = tmp_path / "out"
     result = posttrain(
         prefect_api,
-        "run",
-        str(DEMO_CONFIG),
-        "--run-id",
-        "nan",
-        *SMALL,
-        "--set",
-        f"storage.root={root}",
-        "--set",
-        "stages=prepare_data,sft",
-        "--set",
-        "sft.learning_rate=1e6",
-        "--set",
-        "sft.warmup_steps=0",
-        "--set",
-        "sft.save_every=1",
-        "--set",
-        "sft.max_steps=10",
+        *sft_run_args(
+            root, "nan", "sft.learning_rate=1e6", "sft.warmup_steps=0", "sft.save_every=1", "sft.max_steps=10"
+        ),
     )
     assert result.returncode == 2, result.stderr[-3000:]
     message = result.stderr.split("error: pipeline failed:", 1)[1]

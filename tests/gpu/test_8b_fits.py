@@ -49,9 +49,9 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.gpu.qwen2_setup import run_prepare_data, synthetic_task
 from trainer_core.config import PipelineConfig, load_config
 from trainer_core.spec import StageSpec, build_spec
-from trainer_core.storage import StageLayout
 
 pytestmark = pytest.mark.gpu
 
@@ -106,33 +106,6 @@ def host_memory_available_bytes() -> int:
 
 
 # --- the stage's inputs (test process) -----------------------------------------------------------
-
-
-def data_config(root: Path) -> PipelineConfig:
-    """The synthetic task at a few hundred rows, tokenizer trained by ``prepare_data`` (``model.init``)."""
-    return load_config(
-        None,
-        overrides={
-            "seed": 0,
-            "storage.root": str(root / "storage"),
-            "backend.device": "cpu",
-            "tokenizer.vocab_size": 2048,
-            "data.synthetic.num_problems": 400,
-            "data.synthetic.num_pairs": 20,
-            "data.max_eval_rows": 16,
-            "data.max_length_tokens": 256,
-            "data.max_prompt_length_tokens": 128,
-        },
-    )
-
-
-def prepare_data(config: PipelineConfig) -> str:
-    """Run ``prepare_data`` in this process; returns its committed final directory."""
-    from trainer_core.stages.runner import run_spec
-
-    spec = build_spec(config, "prepare_data", "gpu-8b", {})
-    run_spec(spec)
-    return StageLayout(spec.output_uri).final
 
 
 def save_random_model(sizes: dict[str, Any], tokenizer: Any, model_dir: Path, device: torch.device) -> int:
@@ -254,8 +227,8 @@ def llama3_8b(tmp_path_factory):
         pytest.skip(f"needs 24 GiB of free disk under {root} for the 16 GB model, has {free / 2**30:.1f}")
     from trainer_core.data.prepared import load_tokenizer_from
 
-    base = data_config(root)
-    data_uri = prepare_data(base)
+    base = synthetic_task(root, num_pairs=20, max_length_tokens=256)
+    data_uri = run_prepare_data(base, "gpu-8b")
     model_dir = root / "model"
     try:
         count = save_random_model(LLAMA3_8B, load_tokenizer_from(data_uri), model_dir, torch.device("cuda"))

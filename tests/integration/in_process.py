@@ -11,6 +11,7 @@ from functools import partial
 import torch
 
 from tests.integration.helpers import TinyPipeline
+from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, collate_causal, collate_pairs
 from trainer_core.data.prepared import load_split, load_tokenizer_from
 from trainer_core.modeling.forwards.pairs import reference_logprobs
@@ -43,6 +44,28 @@ class SplitSampler:
 
     def batches(self, epoch: int) -> list[list[int]]:
         return [b[i : i + self.size] for b in self.inner.batches(epoch) for i in range(0, len(b), self.size)]
+
+
+def accumulation_run(
+    lengths: list[int], examples_per_step: int, grad_accum_steps: int, steps: int
+) -> tuple[BucketedBatchSampler | SplitSampler, TrainStageConfig]:
+    """The sampler and stage config of ``steps`` optimizer steps of ``examples_per_step`` examples
+    each (on one rank), cut into ``grad_accum_steps`` micro-batches (:class:`SplitSampler`), so that
+    every cut makes the same steps: ``lengths`` the rows', lr 3e-3 after 2 warmup steps, no
+    evaluation, no checkpoint within the run, saves synchronous."""
+    inner = BucketedBatchSampler(lengths, examples_per_step, seed=0, drop_last=True)
+    sampler = inner if grad_accum_steps == 1 else SplitSampler(inner, grad_accum_steps)
+    cfg = TrainStageConfig(
+        max_steps=steps,
+        micro_batch_size=examples_per_step // grad_accum_steps,
+        grad_accum_steps=grad_accum_steps,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        eval_every=1000,
+        save_every=1000,
+        async_save=False,
+    )
+    return sampler, cfg
 
 
 def stage_parts(stage: str, pipeline: TinyPipeline):

@@ -28,15 +28,14 @@ from trainer_core import storage
 from trainer_core.backends import build_backend
 from trainer_core.checkpoint.manifest import MANIFEST_NAME, read_manifest, verify
 from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
-from trainer_core.config import BackendConfig, TrainStageConfig
-from trainer_core.data.batching import BucketedBatchSampler
+from trainer_core.config import BackendConfig
 from trainer_core.errors import EXIT_RESOURCE
 from trainer_core.spec import build_spec
 from trainer_core.storage import StageLayout, join_uri
 from trainer_core.training.loop import BatchSource, TrainLoop
 
 from .helpers import MAX_STEPS, TinyPipeline, checkpoint_uri, child_env, committed_steps, final_weights, write_spec
-from .in_process import SplitSampler, stage_parts
+from .in_process import accumulation_run, stage_parts
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -115,18 +114,7 @@ def _train(parts, workdir: str, grad_accum_steps: int):
         ({global_step: logged metrics}, final weights).
     """
     make, objective, rows, lengths, collate = parts
-    inner = BucketedBatchSampler(lengths, EXAMPLES_PER_STEP, seed=0, drop_last=True)
-    sampler = inner if grad_accum_steps == 1 else SplitSampler(inner, grad_accum_steps)
-    cfg = TrainStageConfig(
-        max_steps=6,
-        micro_batch_size=EXAMPLES_PER_STEP // grad_accum_steps,
-        grad_accum_steps=grad_accum_steps,
-        learning_rate=3e-3,
-        warmup_steps=2,
-        eval_every=1000,
-        save_every=1000,
-        async_save=False,
-    )
+    sampler, cfg = accumulation_run(lengths, EXAMPLES_PER_STEP, grad_accum_steps, 6)
     logged: dict[int, dict[str, float]] = {}
     backend = build_backend(BackendConfig(device="cpu"))
     loop = TrainLoop(

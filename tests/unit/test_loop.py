@@ -9,12 +9,13 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from tests.unit.toy_session import toy_session
 from trainer_core.backends.single import SingleDeviceBackend
 from trainer_core import storage
 from trainer_core.checkpoint.manifest import find_latest, read_manifest
 from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler
-from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
+from trainer_core.checkpoint.session import MetricsBuffer
 from trainer_core.storage import join_uri
 from trainer_core.training.loop import BatchSource, Objective, StepOutput, TrainLoop
 
@@ -79,15 +80,8 @@ def _loop(root: str, objective=None, **cfg) -> TrainLoop:
     settings.update(cfg)
     stage_cfg = TrainStageConfig(**settings)
     backend = SingleDeviceBackend("cpu")
-    session = CheckpointSession(
-        join_uri(root, "checkpoints"),
-        backend,
-        fingerprint="h",
-        metrics=RecordingBuffer(),
-        stage="toy",
-        run_id="r",
-        keep_last=stage_cfg.keep_last_checkpoints,
-        asynchronous=stage_cfg.async_save,
+    session = toy_session(
+        root, backend, RecordingBuffer(), keep_last=stage_cfg.keep_last_checkpoints, asynchronous=stage_cfg.async_save
     )
     return TrainLoop(
         model=nn.Linear(4, 1),

@@ -21,11 +21,11 @@ import pytest
 import torch
 from torch import nn
 
+from tests.unit.toy_session import toy_session
 from trainer_core.backends.single import SingleDeviceBackend
-from trainer_core.checkpoint.session import CheckpointSession, MetricsBuffer
+from trainer_core.checkpoint.session import MetricsBuffer
 from trainer_core.config import TrainStageConfig
 from trainer_core.data.batching import BucketedBatchSampler, DataPosition, iterate_batches
-from trainer_core.storage import join_uri
 from trainer_core.training.loop import BatchSource, Objective, StepOutput, TrainLoop, build_scheduler, read_scalars
 from trainer_core.training.timing import HostPhaseTimer, NullPhaseTimer, phase_timer
 
@@ -176,16 +176,7 @@ def _loop(root: str, objective: Regression, **cfg) -> TrainLoop:
     settings.update(cfg)
     stage_cfg = TrainStageConfig(**settings)
     backend = SingleDeviceBackend("cpu")
-    session = CheckpointSession(
-        join_uri(root, "checkpoints"),
-        backend,
-        fingerprint="h",
-        metrics=RecordingBuffer(),
-        stage="toy",
-        run_id="r",
-        keep_last=2,
-        asynchronous=False,
-    )
+    session = toy_session(root, backend, RecordingBuffer(), keep_last=2, asynchronous=False)
     sampler = BucketedBatchSampler([1] * len(rows), micro_batch_size=4, seed=0)
     source = CopyingSource(rows=rows, sampler=sampler, collate=_collate, device=torch.device("cpu"))
     return TrainLoop(
