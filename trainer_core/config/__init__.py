@@ -37,6 +37,7 @@ from trainer_core.config.generation import (
     EnvironmentConfig,
     GenerationConfig,
     RolloutGenerationConfig,
+    VLLMConfig,
     SampledGenerationConfig,
 )
 from trainer_core.config.rewards import RewardConfig
@@ -87,6 +88,7 @@ __all__ = [
     "RewardConfig",
     "RewardModelConfig",
     "RolloutGenerationConfig",
+    "VLLMConfig",
     "SFTConfig",
     "SupervisedStageConfig",
     "SampledGenerationConfig",

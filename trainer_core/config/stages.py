@@ -371,6 +371,15 @@ class RLStageConfig(OptimizerStageConfig, ReferenceModelConfig):
             )
         return data
 
+    @model_validator(mode="after")
+    def _engine_serves_the_rollout(self) -> RLStageConfig:
+        if self.environment is not None and self.generation.engine == "vllm":
+            raise ValueError(
+                "generation.engine='vllm' with an environment: the vllm engine samples single-turn rollouts "
+                "(a tool session's observations are fed by the 'hf' and 'static' engines); use one of those"
+            )
+        return self
+
 
 class PPOConfig(RLStageConfig):
     """PPO with a value head, GAE, and a per-token KL penalty against the reference."""

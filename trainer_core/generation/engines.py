@@ -193,6 +193,11 @@ class GenerationEngine(abc.ABC):
     def release(self) -> None:
         """Free what the engine holds between calls (KV cache) before the update."""
 
+    def close(self) -> None:
+        """Free everything when the stage is done with the engine (a server process too); by default
+        :meth:`release`."""
+        self.release()
+
 
 def _all_finished(finished: Tensor, sync: Callable[[Tensor], Tensor] | None) -> bool:
     """Whether every row (of every rank, with ``sync``) has ended; ``finished`` [N] bool."""

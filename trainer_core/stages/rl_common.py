@@ -134,6 +134,15 @@ def run_rl_stage(
         demonstrations=split,
         environment=_environment(ctx.spec.stage, cfg),
     )
+    try:
+        return trainer, _resume_and_train(ctx, trainer, prompts)
+    finally:
+        trainer.engine.close()
+
+
+def _resume_and_train(ctx: StageContext, trainer: RLTrainer, prompts: list[PromptItem]) -> dict[str, float]:
+    """Resume ``trainer`` from its last checkpoint if there is one, train; the final metrics."""
+    backend = ctx.backend
     resumed = trainer.resume()
     log.info(
         "%s: %d prompts, %s x %d rank(s) on %s, resumed=%s",
@@ -147,4 +156,4 @@ def run_rl_stage(
     progress = trainer.run()
     metrics = summarize(progress)
     metrics["resumed"] = float(resumed)
-    return trainer, metrics
+    return metrics

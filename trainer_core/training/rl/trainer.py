@@ -63,6 +63,7 @@ from trainer_core.config import RLStageConfig
 from trainer_core.data.batching import collate_prompts_left
 from trainer_core.generation.completions import check_generation_engine
 from trainer_core.generation.engines import GenerationEngine, build_engine
+from trainer_core.generation.vllm import VLLMEngine, check_engine_logprobs
 from trainer_core.modeling.forwards.completion import Completions, PolicyAndValue, PolicyForward, completion_forward
 from trainer_core.modeling.lora import adapter_disabled
 from trainer_core.objectives.ppo import AdaptiveKLController, FixedKLController
@@ -180,6 +181,9 @@ class RLTrainer:
         """
         gen, backend = self.cfg.generation, self.backend
         check_generation_engine(f"{self.session.stage}.generation", gen, backend)
+        if gen.engine == "vllm":
+            field = f"{self.session.stage}.generation.vllm"
+            return VLLMEngine.launch(gen.vllm, field, backend, self.policy, self.tokenizer, self.seed)
         model = self.module if gen.engine == "hf" else self.policy
         sync = backend.all_reduce_sum if backend.sharded_forward else None
         return build_engine(
@@ -311,7 +315,8 @@ class RLTrainer:
         timer = timer or phase_timer(backend.device)
         self.on_policy = on_policy = on_policy_iteration(self.algo.lmbda, self.seed, self.progress.global_step)
         if on_policy:
-            self.engine.load_weights(self.module)
+            with timer.phase("weight_sync"):
+                self.engine.load_weights(self.module)
         sample, first, stats = self._sample(timer)
         self.engine.release()
         g, temperature = sample.generated, cfg.generation.temperature
@@ -343,13 +348,7 @@ class RLTrainer:
             engine_logprobs=g.logprobs if on_policy else None,
             sampled=on_policy,
         )
-        if cfg.importance_sampling_cap is not None:
-            # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
-            # brings you off-policy RL training"; verl's ``tis_imp_ratio_cap``): the engine sampled
-            # from pi_engine, the loss assumes pi_old; weight by min(pi_old / pi_engine, cap).
-            ratio = torch.exp(batch.logprobs - g.logprobs).clamp(max=cfg.importance_sampling_cap)
-            batch.is_weights = ratio * c_mask
-        stats.update(logprob_diff_metrics(batch, backend) if on_policy else {})
+        stats.update(self._against_the_engine(batch, g.logprobs, on_policy))
         if self.algo.lmbda < 1:
             stats["rollout/on_policy"] = float(on_policy)
         self.algo.prepare(batch, self.kl_ctl.value, backend.all_reduce_sum)
@@ -360,6 +359,26 @@ class RLTrainer:
             all_reduce_sum=backend.all_reduce_sum,
         )
         return batch, first, stats
+
+    def _against_the_engine(self, batch: RolloutBatch, engine_logprobs: Tensor, sampled: bool) -> dict[str, float]:
+        """The trainer's log-probs of the batch against the engine's: the truncated importance
+        weights when ``importance_sampling_cap`` is set; when the engine ``sampled`` the batch, the
+        difference's metrics and (``vllm``) the guard of
+        :func:`~trainer_core.generation.vllm.check_engine_logprobs`."""
+        cfg = self.cfg
+        if cfg.importance_sampling_cap is not None:
+            # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+            # brings you off-policy RL training"; verl's ``tis_imp_ratio_cap``): the engine sampled
+            # from pi_engine, the loss assumes pi_old; weight by min(pi_old / pi_engine, cap).
+            ratio = torch.exp(batch.logprobs - engine_logprobs).clamp(max=cfg.importance_sampling_cap)
+            batch.is_weights = ratio * batch.completion_mask
+        if not sampled:
+            return {}
+        stats = logprob_diff_metrics(batch, self.backend)
+        if isinstance(self.engine, VLLMEngine):
+            bound = cfg.generation.vllm.max_logprob_diff
+            check_engine_logprobs(stats, bound, self.session.stage, self.progress.global_step)
+        return stats
 
     # ----- update ------------------------------------------------------------------
 
