@@ -40,6 +40,34 @@ def test_unknown_key_is_named():
         load_config(overrides={"sft.learning_rat": 0.1})
 
 
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"grpo.generation.engine": "vllm", "grpo.generation.vllm.gpu_util": 0.5}, r"grpo\.generation\.vllm\.gpu_util"),
+        ({"grpo.generation.vllm.kv_cache_gib": 0}, r"grpo\.generation\.vllm\.kv_cache_gib"),
+        ({"score.generation.engine": "vllm"}, r"score\.generation\.engine: Input should be 'hf' or 'static'"),
+        (
+            {"grpo.generation.engine": "vllm", "grpo.environment.name": "calculator"},
+            r"generation\.engine='vllm' with an environment",
+        ),
+    ],
+    ids=["unknown-option", "bad-value", "score-engine", "tools"],
+)
+def test_the_vllm_engines_bad_settings_are_refused_at_load_naming_the_field(overrides, named):
+    """An unknown or bad option of the vllm section, the engine where only the RL rollouts have it
+    (score, evaluate), and a tool environment (the vllm engine samples single-turn rollouts)."""
+    with pytest.raises(ConfigError, match=named):
+        load_config(overrides=overrides)
+
+
+def test_the_vllm_engine_serves_a_sharded_policy():
+    """Unlike 'static', 'vllm' takes FSDP2 (its server gets the gathered weights)."""
+    config = load_config(
+        overrides={"grpo.generation.engine": "vllm", "backend.name": "fsdp2", "backend.nproc_per_node": 2}
+    )
+    assert config.grpo.generation.engine == "vllm"
+
+
 @pytest.mark.parametrize("stage", ["ppo", "grpo", "distill"])
 def test_an_rl_section_refuses_the_supervised_loops_fields_naming_them(stage):
     """The RL sections do not have the supervised loop's fields (the RL loop reads none of them):

@@ -48,8 +48,9 @@ advances by up to ``CHECK_EVERY_STEPS - 1`` more draws than the ``hf`` engine's 
 a given engine, seed and device). Under the trainer's ``autocast`` with fp32 weights the step
 casts the weights to bf16 at every token; the bench runs bf16 weights.
 
-Engines that could come behind the same interface (a colocated vLLM) are designed in
-``docs/reference/generation-designs.md``; none is built.
+A third engine, ``vllm``, samples in a vLLM server process (:mod:`trainer_core.generation.vllm`);
+a colocated vLLM, inside the trainer's process, is designed in
+``docs/reference/generation-designs.md`` and not built.
 """
 
 from __future__ import annotations
