@@ -746,29 +746,40 @@ def run_stage_ranks(spec_path: str, nproc: int, **kwargs) -> RanksRun:
     return run_ranks(["-m", "trainer_core.run", spec_path], nproc, **kwargs)
 
 
-def wider_teacher(pipeline: TinyPipeline, path: str) -> str:
-    """A causal LM twice as wide as the tiny student with two layers (random weights, seed 7) and
-    the pipeline's tokenizer, saved at ``path`` once (an HF directory, as another run's SFT output
-    would be): the distillation tests' teacher. Returns ``path``."""
+def random_llama(pipeline: TinyPipeline, path: str, seed: int, **sizes: int) -> str:
+    """A random Llama of ``sizes`` (``LlamaConfig`` arguments: widths, layers, heads) with the
+    pipeline's tokenizer, saved at ``path`` once (an HF directory, as another run's SFT output
+    would be), weights drawn from ``seed``. Returns ``path``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from trainer_core.data.prepared import load_tokenizer_from
 
     if not os.path.exists(os.path.join(path, "config.json")):
         tokenizer = load_tokenizer_from(pipeline.data_uri)
-        torch.manual_seed(7)
-        width = 2 * pipeline.config.model.init.hidden_size
+        torch.manual_seed(seed)
         config = LlamaConfig(
             vocab_size=len(tokenizer),
-            hidden_size=width,
-            intermediate_size=2 * width,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             max_position_embeddings=256,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            **sizes,
         )
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
         tokenizer.save_pretrained(path)
     return path
+
+
+def wider_teacher(pipeline: TinyPipeline, path: str) -> str:
+    """A causal LM twice as wide as the tiny student with two layers (random weights, seed 7) and
+    the pipeline's tokenizer (:func:`random_llama`): the distillation tests' teacher. Returns ``path``."""
+    width = 2 * pipeline.config.model.init.hidden_size
+    return random_llama(
+        pipeline,
+        path,
+        7,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )

@@ -24,13 +24,20 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
-
 from trainer_core.config import VLLMConfig
 from trainer_core.errors import ConfigError
 from trainer_core.generation.vllm import VLLMServer, vllm_python
 
-from .helpers import SAVE_EVERY, TinyPipeline, after_checkpoint_line, free_port, run_stage, start_process
+from .helpers import (
+    SAVE_EVERY,
+    TinyPipeline,
+    after_checkpoint_line,
+    free_port,
+    random_llama,
+    run_stage,
+    run_stage_ranks,
+    start_process,
+)
 from .rl_runs import RL_STEPS, rl_config, rl_spec_path
 
 
@@ -53,28 +60,11 @@ SERVER = VLLMConfig(kv_cache_gib=1, max_model_len=128, startup_timeout_s=300)
 
 @pytest.fixture(scope="module")
 def policy_dir(tiny_pipeline: TinyPipeline, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A random 2-layer Llama, one 32-wide head, with the pipeline's tokenizer (an HF directory)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from trainer_core.data.prepared import load_tokenizer_from
-
+    """A random 2-layer Llama, one 32-wide head, its output head tied to its embedding (as the demo's
+    and SmolLM2's are), with the pipeline's tokenizer (an HF directory)."""
     path = str(tmp_path_factory.mktemp("vllm-policy"))
-    tokenizer = load_tokenizer_from(tiny_pipeline.data_uri)
-    torch.manual_seed(3)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "tie_word_embeddings": True}
+    return random_llama(tiny_pipeline, path, 3, num_attention_heads=1, num_key_value_heads=1, **sizes)
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +78,13 @@ def vllm_server(policy_dir: str, tmp_path_factory: pytest.TempPathFactory) -> It
     server.stop()
 
 
-def _grpo_spec(pipeline: TinyPipeline, policy_dir: str, name: str, **vllm: object) -> tuple[str, str]:
+def _grpo_spec(
+    pipeline: TinyPipeline, policy_dir: str, name: str, overrides: dict | None = None, **vllm: object
+) -> tuple[str, str]:
+    """The spec of a tiny GRPO run named ``name`` on the vllm engine (``vllm``: its settings), from
+    ``policy_dir``, with ``overrides`` (``key.path`` -> value); (spec path, output URI)."""
     extra = {"grpo.generation.engine": "vllm", **{f"grpo.generation.vllm.{k}": v for k, v in vllm.items()}}
+    extra.update(overrides or {})
     extra.setdefault("grpo.generation.vllm.max_model_len", SERVER.max_model_len)
     extra.setdefault("grpo.generation.vllm.kv_cache_gib", SERVER.kv_cache_gib)
     return rl_spec_path(pipeline, "grpo", name, rl_config(pipeline, "grpo", **extra), model=policy_dir)
@@ -166,6 +161,18 @@ def test_grpo_trains_through_a_vllm_server(tiny_pipeline, policy_dir, vllm_serve
     assert len(syncs) == RL_STEPS and min(syncs) > 0, run.tail()
 
 
+def test_fsdp2_ranks_sync_their_gathered_weights_into_one_server(tiny_pipeline, policy_dir, vllm_server):
+    """Two FSDP2 ranks under torchrun: each samples its share from the one server, whose weights are
+    the policy's shards gathered at every sync (the log-prob difference stays at fp32 noise)."""
+    backend = {"backend.name": "fsdp2", "backend.nproc_per_node": 2, "backend.device": "cpu"}
+    spec, _ = _grpo_spec(tiny_pipeline, policy_dir, "vllm-fsdp2", backend, url=vllm_server.url)
+    run = run_stage_ranks(spec, 2)
+    assert run.returncode == 0, run.tail(60)
+    steps = run.step_metrics()
+    assert sorted(steps) == list(range(1, RL_STEPS + 1)), run.tail()
+    assert max(float(m["rollout/logprob_diff_mean"]) for m in steps.values()) < 1e-4
+
+
 def test_a_skipped_weight_sync_fails_the_stage_with_the_guards_error(tiny_pipeline, policy_dir, vllm_server):
     """After the first reload the proxy swallows the others: the server samples from the initial
     weights while the policy moves, and the guard stops the stage (exit 2, bad state) at the first
@@ -173,14 +180,14 @@ def test_a_skipped_weight_sync_fails_the_stage_with_the_guards_error(tiny_pipeli
     proxy = _SwallowReloads(vllm_server.url)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
-        spec, _ = _grpo_spec(tiny_pipeline, policy_dir, "vllm-stale", url=proxy.url, max_logprob_diff=1e-3)
+        spec, _ = _grpo_spec(tiny_pipeline, policy_dir, "vllm-stale", url=proxy.url)
         run = run_stage(spec)
     finally:
         proxy.shutdown()
     assert run.returncode == 2, run.tail()
     failed = re.search(
         r"grpo: the vllm engine's log-probs of its sampled tokens differ from the trainer's by (\S+) per token on "
-        r"average .* after the weight sync of global step (\d+), beyond grpo.generation.vllm.max_logprob_diff=0.001",
+        r"average .* after the weight sync of global step (\d+), beyond grpo.generation.vllm.max_logprob_diff \(0.001\)",
         run.output,
     )
     assert failed, run.tail()

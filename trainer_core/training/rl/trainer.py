@@ -376,8 +376,7 @@ class RLTrainer:
             return {}
         stats = logprob_diff_metrics(batch, self.backend)
         if isinstance(self.engine, VLLMEngine):
-            bound = cfg.generation.vllm.max_logprob_diff
-            check_engine_logprobs(stats, bound, self.session.stage, self.progress.global_step)
+            check_engine_logprobs(stats, self.engine.max_logprob_diff, self.session.stage, self.progress.global_step)
         return stats
 
     # ----- update ------------------------------------------------------------------
