@@ -6,9 +6,8 @@ server (``vllm.entrypoints.openai.api_server``) in a process of its own, in the 
 vLLM is installed in (vLLM pins fastapi, transformers and setuptools against the project's: ``make
 vllm`` builds ``.venv-vllm``; ``bench/vllm_cpu_probe.md``). The stage starts it on 127.0.0.1 in its
 own session (rank 0), waits for ``/health``, copies its output into the stage log (``[vllm]``
-lines) and stops it when the stage ends; it also dies with the stage process (``PR_SET_PDEATHSIG``)
-and carries the stage's launch id (``trainer_core.processes``), so a killed stage leaves nothing
-running. Or ``generation.vllm.url`` names a server already running (started with
+lines) and stops it when the stage ends, on an error too; it carries the stage's launch id
+(``trainer_core.processes``), so the launcher's sweep stops it when a killed stage could not. Or ``generation.vllm.url`` names a server already running (started with
 ``VLLM_SERVER_DEV_MODE=1``, on a machine that reads ``weights_dir``).
 
 Sampling (:meth:`VLLMEngine._sample`): one ``/v1/completions`` request per row, the prompt as token
@@ -48,7 +47,6 @@ bit-identical to an uninterrupted run's (the ``hf`` engine's are).
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import logging
 import os
@@ -95,8 +93,6 @@ SERVED_MODEL_NAME = "policy"
 SEED_BOUND = 2**31 - 1
 """Request seeds are drawn in ``[0, SEED_BOUND)`` (vLLM takes a signed 32-bit seed)."""
 
-_PR_SET_PDEATHSIG = 1
-
 
 def vllm_python(cfg: VLLMConfig, field: str) -> str:
     """The interpreter of the vLLM environment: ``cfg.python``, ``$POSTTRAIN_VLLM_PYTHON``, or the
@@ -112,12 +108,6 @@ def vllm_python(cfg: VLLMConfig, field: str) -> str:
             f"{field}.python or ${VLLM_PYTHON_ENV} to the Python of an environment with vllm installed"
         )
     return python
-
-
-def _die_with_parent() -> None:
-    """In the server's child process: SIGTERM when the stage process that started it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -174,7 +164,6 @@ class VLLMServer:
             text=True,
             bufsize=1,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         print(f"[vllm] server pid {process.pid} starting on 127.0.0.1:{port} for {model_dir}", flush=True)
         server = cls(f"http://127.0.0.1:{port}", process, field)
