@@ -9,7 +9,8 @@ Run (the vLLM environment from ``make vllm``, or ``POSTTRAIN_VLLM_PYTHON``)::
 Writes ``<--results-dir>/vllm_<model name>.json``.
 
 Workload: ``--num-prompts`` (32) GSM8K questions (``../shared/data/gsm8k/train.jsonl``, the first
-ones) rendered with the model's chat template (as the RL stages render a prompt), then
+ones) rendered with the model's chat template (as the RL stages render a prompt; with
+``--prompt-tokens N``, each cut to its last N tokens, for a model with few positions), then
 ``--new-tokens`` (128) sampled after each at temperature 1, top-p 1. Every row generates exactly
 that many tokens: each engine gets an EOS id no token has (-1; vLLM then runs with
 ``ignore_eos``), so every side computes the same number of tokens.
@@ -66,14 +67,17 @@ def load_model(source: str, cache_dir: Path) -> tuple[torch.nn.Module, Any]:
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def make_prompts(tokenizer: Any, num_prompts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, P] left-padded GSM8K prompt ids and their mask."""
+def make_prompts(tokenizer: Any, num_prompts: int, prompt_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, P] left-padded GSM8K prompt ids and their mask; each prompt cut to its last
+    ``prompt_tokens`` tokens when given (a model with few positions)."""
     from trainer_core.data.batching import collate_prompts_left
 
     with open(GSM8K) as f:
         questions = [json.loads(line)["question"] for _, line in zip(range(num_prompts), f)]
     data = DataConfig(max_length_tokens=1024, max_prompt_length_tokens=512)
     rows = [{"input_ids": prompt_ids(tokenizer, [{"role": "user", "content": q}], data)} for q in questions]
+    if prompt_tokens is not None:
+        rows = [{"input_ids": r["input_ids"][-prompt_tokens:]} for r in rows]
     padded = collate_prompts_left(rows, tokenizer.pad_token_id)
     return padded["input_ids"], padded["attention_mask"].float()
 
@@ -105,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     RESULTS_DIR.mkdir(exist_ok=True)
     model, tokenizer = load_model(args.model, RESULTS_DIR)
-    ids, mask = make_prompts(tokenizer, args.num_prompts)
+    ids, mask = make_prompts(tokenizer, args.num_prompts, args.prompt_tokens)
     results: dict[str, Any] = {}
     for side in args.sides:
         if side == "vllm":
@@ -142,6 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=None, help="cut each prompt to its last N tokens")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the hf and static sides")
